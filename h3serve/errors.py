@@ -1,0 +1,31 @@
+"""Domain errors shared by the CLI, the pipeline and (later) the services' error table."""
+
+from __future__ import annotations
+
+
+class H3Error(Exception):
+    """Base of every error h3serve reports to a user: one line, no traceback."""
+
+
+class RequestError(H3Error, ValueError):
+    """A request field is out of range. Names the field, the value and what is allowed."""
+
+    def __init__(self, field: str, value: object, allowed: str):
+        self.field, self.value, self.allowed = field, value, allowed
+        super().__init__(f"{field}={value!r} is invalid: {allowed}")
+
+
+class CheckpointError(H3Error):
+    """A checkpoint folder or adapter file is incomplete, corrupt or does not match the model."""
+
+
+class AdapterError(CheckpointError):
+    """A FastH3 adapter is refused (checksum, format, VSA-only tensors, wrong target)."""
+
+
+class ProfileError(H3Error):
+    """A request or option is not allowed under the chosen profile (e.g. FastH3 is T2VA only)."""
+
+
+class MediaError(H3Error):
+    """An MP4 failed a media check (codec, sample rate, frame count, silence, ...)."""

@@ -1,0 +1,162 @@
+"""`h3serve` command line: generate | checkpoint | render | operator.
+
+Every user-facing failure is one line on stderr and a non-zero exit; set H3SERVE_DEBUG=1 for tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from h3serve.errors import H3Error
+
+EXIT_USER_ERROR = 2
+EXIT_INTERNAL = 3
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate one MP4 in this process (embedded pipeline)")
+    p.add_argument("--checkpoint", required=True, help="diffusers-format H3 folder")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--seconds", default="5", help="requested duration, 4-15 s (raised to the next 17n+5 frames)")
+    p.add_argument("--size", default=None, help="WxH, sides multiples of 32 (default: 16:9 canvas 1344x768)")
+    p.add_argument("--seed", default="0")
+    p.add_argument("--task", default="t2va", help="t2va | fl2va | ref2va")
+    p.add_argument("--profile", default="base", help="base | fasth3")
+    p.add_argument("--steps", default=None, help="sigma grid points incl. the terminal 0 (base default 50)")
+    p.add_argument("--dtype", default="fp32", help="fp32 | bf16")
+    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when present)")
+    p.add_argument("--adapter", default=None, help="FastH3 adapter (fastvideo-lora-v2 safetensors)")
+    p.add_argument("--adapter-sha256", default=None, help="expected sha256 of --adapter (required with it)")
+    p.add_argument("--first-image", default=None, help="fl2va: first keyframe image")
+    p.add_argument("--last-image", default=None, help="fl2va: last keyframe image")
+    p.add_argument("--reference", action="append", default=[], metavar="KIND:PATH",
+                   help="ref2va reference, repeatable: image:PATH or audio:PATH (wav)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    p.add_argument("-o", "--output", required=True, help="MP4 path to write")
+    p.set_defaults(func=_cmd_generate)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from h3serve.request import validate_request
+
+    t0 = time.perf_counter()
+    request = validate_request(
+        prompt=args.prompt, seconds=args.seconds, size=args.size, seed=args.seed, task=args.task,
+        profile=args.profile, steps=args.steps, dtype=args.dtype, first_image=args.first_image,
+        last_image=args.last_image, references=args.reference,
+    )
+    if args.profile == "fasth3" and not (args.adapter and args.adapter_sha256):
+        raise H3Error("profile=fasth3 needs --adapter FILE and --adapter-sha256 HEX (the fused FastH3 adapter)")
+    if args.adapter and args.profile != "fasth3":
+        raise H3Error("--adapter is only used with --profile fasth3 (per-request LoRA is not supported)")
+
+    from h3serve.pipeline import Pipeline
+
+    pipe = Pipeline.load(
+        args.checkpoint, profile=args.profile, adapter=args.adapter, adapter_sha256=args.adapter_sha256,
+        dtype=args.dtype, device=args.device, tasks=(request.task,),
+    )
+    result = pipe.generate(request, args.output, progress=not args.no_progress)
+    timings = dict(result.timings)
+    timings["load_s"] = pipe.load_seconds
+    timings["wall_s"] = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps({"output": str(result.path), "frames": result.num_frames, "size": result.size,
+                          "timings": timings}))
+    else:
+        print(f"wrote {result.path} ({result.num_frames} frames, {result.size}, {result.bytes} bytes)")
+        print("  " + "  ".join(f"{k}={v:.3f}" for k, v in timings.items()))
+    return 0
+
+
+def _add_checkpoint(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("checkpoint", help="make or inspect checkpoints and adapters")
+    csub = p.add_subparsers(dest="checkpoint_cmd", required=True)
+
+    init = csub.add_parser("init", help="write a random checkpoint in the diffusers layout")
+    init.add_argument("--preset", default="tiny", choices=["tiny"])
+    init.add_argument("--seed", type=int, default=0)
+    init.add_argument("dir")
+    init.set_defaults(func=_cmd_checkpoint_init)
+
+    adapter = csub.add_parser("init-adapter", help="write a synthetic FastH3 adapter for a checkpoint")
+    adapter.add_argument("--checkpoint", required=True)
+    adapter.add_argument("--rank", type=int, default=4)
+    adapter.add_argument("--seed", type=int, default=0)
+    adapter.add_argument("-o", "--output", required=True)
+    adapter.set_defaults(func=_cmd_checkpoint_init_adapter)
+
+    info = csub.add_parser("info", help="describe a checkpoint folder")
+    info.add_argument("dir")
+    info.set_defaults(func=_cmd_checkpoint_info)
+
+
+def _cmd_checkpoint_init(args: argparse.Namespace) -> int:
+    from h3serve.tiny import init_tiny_checkpoint
+
+    t0 = time.perf_counter()
+    init_tiny_checkpoint(args.dir, seed=args.seed)
+    print(f"wrote tiny checkpoint {args.dir} in {time.perf_counter() - t0:.1f}s")
+    return 0
+
+
+def _cmd_checkpoint_init_adapter(args: argparse.Namespace) -> int:
+    from h3serve.adapter import init_adapter
+
+    digest = init_adapter(args.checkpoint, args.output, rank=args.rank, seed=args.seed)
+    print(f"wrote {args.output}\nsha256 {digest}")
+    return 0
+
+
+def _cmd_checkpoint_info(args: argparse.Namespace) -> int:
+    from h3serve.checkpoint import describe
+
+    print(json.dumps(describe(args.dir), indent=2, default=str))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="h3serve", description="Serve MiniMax H3 and FastH3.")
+    parser.add_argument("--log-level", default=os.environ.get("H3SERVE_LOG", "WARNING"))
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    _add_generate(sub)
+    _add_checkpoint(sub)
+    try:
+        from h3serve.operator.cli import add_subcommands
+    except ImportError:  # operator extras not installed: the model commands still work
+        pass
+    else:
+        add_subcommands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    import logging
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        return int(args.func(args) or 0)
+    except H3Error as exc:
+        print(f"h3serve: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("h3serve: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - last line of defence: one line, no traceback
+        if os.environ.get("H3SERVE_DEBUG"):
+            raise
+        print(f"h3serve: internal error: {type(exc).__name__}: {exc} (H3SERVE_DEBUG=1 shows the traceback)",
+              file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+if __name__ == "__main__":
+    sys.exit(main())

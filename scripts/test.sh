@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The test suite: installs what it needs (venv, ffprobe), then runs pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+if ! command -v ffprobe >/dev/null 2>&1; then
+  # The media tests check every MP4 with an independent decoder, Debian's ffprobe.
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq ffmpeg >/dev/null) \
+    || { echo "test.sh: could not install ffmpeg (ffprobe) with apt-get" >&2; exit 1; }
+fi
+export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+exec .venv/bin/python -m pytest "$@"

@@ -37,11 +37,16 @@ TINY_AUDIO_VAE = dict(
     latents_mean=[0.01 * i for i in range(32)], latents_std=[1.0 + 0.02 * i for i in range(32)],
 )
 
-# Qwen3-VL text + vision configs (transformers field names). >= 51 text layers: the DiT reads hidden_states[50].
+# Qwen3-VL text + vision configs, in transformers 5.x field names (`Qwen3VLTextConfig` / `Qwen3VLVisionConfig`).
+# transformers 5 keeps the rotary settings in one `rope_parameters` dict (rope_type, rope_theta, mrope_section,
+# mrope_interleaved); the 4.x spelling `rope_theta=` + `rope_scaling=` is only accepted as a legacy alias.
+# `vocab_size` and the vision token ids come from the tokenizer the checkpoint is built with.
+# >= 51 text layers: the DiT reads hidden_states[50], and diffusers refuses a conditioner with 50 or fewer layers.
 TINY_TEXT_ENCODER_TEXT = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=51, num_attention_heads=2, num_key_value_heads=1,
-    head_dim=32, rope_theta=5_000_000.0, rope_scaling={"rope_type": "default", "mrope_section": [6, 5, 5],
-                                                       "mrope_interleaved": True},
+    head_dim=32,
+    rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [6, 5, 5],
+                     "mrope_interleaved": True},
     rms_norm_eps=1e-6, max_position_embeddings=8192, hidden_act="silu",
 )
 TINY_TEXT_ENCODER_VISION = dict(

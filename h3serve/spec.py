@@ -1,0 +1,572 @@
+"""The typed `H3Deployment` spec: one definition for the operator, the CLI and the services.
+
+A spec is parsed from the custom resource's `.spec` (camelCase keys, as users write them) into frozen
+dataclasses with snake_case attributes, and validated in one place (`validate`). Every message names the
+field, the value and what to change.
+
+The field table below is also the source of the CRD's OpenAPI schema (`h3serve.operator.crd`): each field's
+JSON name, documentation, default and bounds live in its `dataclasses.field(metadata=...)`. The cross-field
+rules are mirrored as CEL rules in the CRD; `CEL_RULES` lists them next to the Python checks so that the two
+cannot drift apart silently (tests compare their messages against a real API server).
+
+No kopf, grpc, av or torch imports here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from h3serve.errors import H3Error
+
+# ---- model facts the parallel layout must respect ------------------------------------------------------------
+
+ENCODER_HEADS = 64  # Qwen3-VL text model: query heads
+ENCODER_KV_HEADS = 8  # ... and key/value heads (GQA)
+DIT_HEADS = 56  # H3 DiT: 56 heads x 128
+ENCODER_TP_CHOICES = tuple(d for d in range(1, ENCODER_HEADS + 1) if ENCODER_HEADS % d == 0 and ENCODER_KV_HEADS % d == 0)
+DIT_SP_CHOICES = tuple(d for d in range(1, DIT_HEADS + 1) if DIT_HEADS % d == 0)
+
+GROUP = "h3serve.io"
+VERSION = "v1alpha1"
+KIND = "H3Deployment"
+PLURAL = "h3deployments"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+PROFILES = ("base", "fasth3")
+PLACEMENTS = ("colocated", "disaggregated")
+TRANSPORTS = ("grpc", "nixl")
+STAGES = ("encoder", "dit", "vae", "muxer")  # the model stages, in request order
+GPU_STAGES = ("encoder", "dit", "vae")
+
+# Ports every h3serve pod uses (the service config carries them to the processes).
+GRPC_PORT = 50051
+HTTP_PORT = 8000
+METRICS_PORT = 9090
+DIST_PORT = 29500  # torch.distributed rendezvous (MASTER_PORT)
+# gRPC health service names the probes ask for (grpc.health.v1); the servers report them.
+HEALTH_STARTUP = "h3serve.startup"  # SERVING once weights are loaded and one warm-up pass has run
+HEALTH_READY = "h3serve.ready"  # SERVING while accepting work (not draining, queue not full)
+HEALTH_LIVE = "h3serve.live"  # SERVING while the serving loop makes progress
+
+NAME_MAX = 40  # leaves room for "-encoder-12" suffixes and StatefulSet pod / revision-hash labels (<= 63)
+_NAME_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+_QUANTITY_RE = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+|[KMGTPE]i?|[mkMGTPE]|[numk])?$")
+_SIZE_RE = re.compile(r"^[0-9]+(Ki|Mi|Gi|Ti)?$")
+
+
+class SpecError(H3Error, ValueError):
+    """An H3Deployment spec is invalid. `issues` lists every problem as (field, message)."""
+
+    def __init__(self, issues: list[tuple[str, str]]):
+        self.issues = list(issues)
+        super().__init__("; ".join(f"{f}: {m}" for f, m in self.issues))
+
+
+def f(name: str, doc: str, default: Any = dataclasses.MISSING, *, factory: Any = None, **schema: Any) -> Any:
+    """A spec field: its camelCase JSON name, its documentation and extra OpenAPI keywords (bounds, enum, ...)."""
+    md = {"json": name, "doc": doc, "schema": schema}
+    if factory is not None:
+        return field(default_factory=factory, metadata=md)
+    return field(default=default, metadata=md)
+
+
+# Shared OpenAPI fragments for Kubernetes core types we pass through untouched.
+QUANTITY_SCHEMA = {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True}
+RESOURCES_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "requests": {"type": "object", "additionalProperties": QUANTITY_SCHEMA},
+        "limits": {"type": "object", "additionalProperties": QUANTITY_SCHEMA},
+    },
+}
+TOLERATION_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "key": {"type": "string"},
+        "operator": {"type": "string", "enum": ["Exists", "Equal"]},
+        "value": {"type": "string"},
+        "effect": {"type": "string", "enum": ["NoSchedule", "PreferNoSchedule", "NoExecute"]},
+        "tolerationSeconds": {"type": "integer", "format": "int64"},
+    },
+}
+
+
+# ---- the spec ----------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    path: str = f("path", "Path of the FastH3 adapter file (fastvideo-lora-v2 safetensors), inside model.mountPath.",
+                  minLength=1, maxLength=1024)
+    sha256: Optional[str] = f("sha256", "Lower-case hex sha256 of the adapter file; the service refuses a file "
+                              "that does not match.", None, pattern="^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    path: str = f("path", "Diffusers-format MiniMax-H3 folder, inside model.mountPath when model.volume is set.",
+                  minLength=1, maxLength=1024)
+    volume: Optional[dict] = f("volume", "A Kubernetes volume source that holds the weights, e.g. "
+                               "{persistentVolumeClaim: {claimName: h3-weights}}; mounted read-only at "
+                               "model.mountPath. Omit when the weights are in the image.", None)
+    mount_path: str = f("mountPath", "Where model.volume is mounted in every pod.", "/models",
+                        pattern="^/.*", maxLength=512)
+    adapter: Optional[AdapterSpec] = f("adapter", "The FastH3 4-step adapter; required by profile fasth3.", None)
+    offload: bool = f("offload", "Keep weights in host memory and stream them to the GPU per block (less GPU "
+                      "memory, slower). Refused by profile fasth3.", False)
+    allow_request_lora: bool = f("allowRequestLora", "Let requests name their own LoRA. Refused by profile "
+                                 "fasth3 (its adapter is fused at load).", False)
+
+
+@dataclass(frozen=True)
+class EncoderSpec:
+    tensor_parallel: int = f("tensorParallel", "Tensor-parallel degree of the Qwen3-VL encoder (GPUs per "
+                             "encoder replica); must divide 64 query heads and 8 KV heads.", 1,
+                             minimum=1, maximum=ENCODER_HEADS)
+    replicas: Optional[int] = f("replicas", "Encoder replicas (disaggregated placement only; default 1).",
+                                None, minimum=0, maximum=1024)
+    resources: Optional[dict] = f("resources", "CPU/memory requests and limits of an encoder pod; the GPU "
+                                  "count is set from tensorParallel.", None, **RESOURCES_SCHEMA)
+    node_selector: Optional[dict] = f("nodeSelector", "Replaces spec.nodeSelector for this stage.", None)
+    tolerations: Optional[list] = f("tolerations", "Replaces spec.tolerations for this stage.", None)
+
+    @property
+    def gpus(self) -> int:
+        return self.tensor_parallel
+
+
+@dataclass(frozen=True)
+class DitSpec:
+    ulysses: int = f("ulysses", "Ulysses (head-split) sequence-parallel degree of the DiT.", 1,
+                     minimum=1, maximum=DIT_HEADS)
+    ring: int = f("ring", "Ring-attention sequence-parallel degree of the DiT.", 1, minimum=1, maximum=DIT_HEADS)
+    gpus: Optional[int] = f("gpus", "GPUs per DiT replica; optional, and when set it must equal ulysses x ring.",
+                            None, minimum=1, maximum=DIT_HEADS)
+    replicas: Optional[int] = f("replicas", "DiT replicas (disaggregated placement only; default 1).", None,
+                                minimum=0, maximum=1024)
+    resources: Optional[dict] = f("resources", "CPU/memory requests and limits of a DiT pod (colocated: of the "
+                                  "engine pod that runs every stage); the GPU count is set from ulysses x ring.", None, **RESOURCES_SCHEMA)
+    node_selector: Optional[dict] = f("nodeSelector", "Replaces spec.nodeSelector for this stage.", None)
+    tolerations: Optional[list] = f("tolerations", "Replaces spec.tolerations for this stage.", None)
+
+    @property
+    def sp(self) -> int:
+        """The sequence-parallel group size: one GPU (and one rank) per member."""
+        return self.ulysses * self.ring
+
+
+@dataclass(frozen=True)
+class VaeSpec:
+    patch_parallel: int = f("patchParallel", "Patch-parallel degree of the VAE decode (tiles over ranks): 1 or "
+                            "the whole DiT group (dit.ulysses x dit.ring).", 1, minimum=1, maximum=DIT_HEADS)
+    replicas: Optional[int] = f("replicas", "VAE replicas (disaggregated placement only; default 1).", None,
+                                minimum=0, maximum=1024)
+    resources: Optional[dict] = f("resources", "CPU/memory requests and limits of a VAE pod; the GPU count is "
+                                  "set from patchParallel.", None, **RESOURCES_SCHEMA)
+    node_selector: Optional[dict] = f("nodeSelector", "Replaces spec.nodeSelector for this stage.", None)
+    tolerations: Optional[list] = f("tolerations", "Replaces spec.tolerations for this stage.", None)
+
+    @property
+    def gpus(self) -> int:
+        return self.patch_parallel
+
+
+@dataclass(frozen=True)
+class MuxerSpec:
+    replicas: Optional[int] = f("replicas", "Muxer replicas (disaggregated placement only; default 1).", None,
+                                minimum=0, maximum=1024)
+    workers: int = f("workers", "H.264/AAC encode worker processes per muxer (colocated: per replica pod).", 4,
+                     minimum=1, maximum=256)
+    resources: Optional[dict] = f("resources", "CPU/memory requests and limits of a muxer pod (CPU only).", None,
+                                  **RESOURCES_SCHEMA)
+    node_selector: Optional[dict] = f("nodeSelector", "Replaces spec.nodeSelector for this stage.", None)
+    tolerations: Optional[list] = f("tolerations", "Replaces spec.tolerations for this stage.", None)
+
+
+@dataclass(frozen=True)
+class GatewaySpec:
+    replicas: int = f("replicas", "Gateway replicas (the gRPC + HTTP front door, CPU only).", 2,
+                      minimum=0, maximum=1024)
+    queue_size: int = f("queueSize", "Requests a gateway admits before it answers RESOURCE_EXHAUSTED.", 16,
+                        minimum=1, maximum=100000)
+    service_type: str = f("serviceType", "Type of the gateway Service.", "ClusterIP",
+                          enum=["ClusterIP", "NodePort", "LoadBalancer"])
+    resources: Optional[dict] = f("resources", "CPU/memory requests and limits of a gateway pod.", None,
+                                  **RESOURCES_SCHEMA)
+    node_selector: Optional[dict] = f("nodeSelector", "Replaces spec.nodeSelector for the gateway.", None)
+    tolerations: Optional[list] = f("tolerations", "Replaces spec.tolerations for the gateway.", None)
+
+
+@dataclass(frozen=True)
+class H3DeploymentSpec:
+    model: ModelSpec = f("model", "Where the weights are and how they are loaded.")
+    image: str = f("image", "The h3serve image every pod runs.", minLength=1, maxLength=1024)
+    profile: str = f("profile", "base: H3, 49 steps, every workflow; fasth3: the 4-step student (T2VA only, needs "
+                     "model.adapter).", "base", enum=list(PROFILES))
+    placement: str = f("placement", "colocated: every stage of a replica in one pod on the same GPUs; "
+                       "disaggregated: one workload per stage.", "colocated", enum=list(PLACEMENTS))
+    transport: str = f("transport", "How tensors move between stages: grpc (always works) or nixl (UCX: RDMA, "
+                       "shared memory or TCP).", "grpc", enum=list(TRANSPORTS))
+    replicas: Optional[int] = f("replicas", "Replicas of the whole serving graph (colocated placement only; "
+                                "default 1). The /scale subresource sets this.", None, minimum=0, maximum=1024)
+    gpus_per_node: int = f("gpusPerNode", "GPUs of one node. A stage (or colocated replica) that needs more is a "
+                           "gang of pods, one per node.", 8, minimum=1, maximum=64)
+    gpu_resource_name: str = f("gpuResourceName", "Extended resource that counts GPUs.", "nvidia.com/gpu",
+                               minLength=1, maxLength=253)
+    encoder: EncoderSpec = f("encoder", "The text/image encoder stage.", factory=EncoderSpec)
+    dit: DitSpec = f("dit", "The diffusion transformer stage.", factory=DitSpec)
+    vae: VaeSpec = f("vae", "The video + audio decoder stage.", factory=VaeSpec)
+    muxer: MuxerSpec = f("muxer", "The MP4 muxer stage (CPU).", factory=MuxerSpec)
+    gateway: GatewaySpec = f("gateway", "The front door.", factory=GatewaySpec)
+    image_pull_policy: str = f("imagePullPolicy", "Pull policy of every container.", "IfNotPresent",
+                               enum=["Always", "IfNotPresent", "Never"])
+    image_pull_secrets: Optional[list] = f("imagePullSecrets", "Names of Secrets to pull the image with.", None)
+    node_selector: Optional[dict] = f("nodeSelector", "Node labels every pod requires (a stage may replace it).",
+                                      None)
+    tolerations: Optional[list] = f("tolerations", "Tolerations of every pod (a stage may replace them).", None)
+    priority_class_name: Optional[str] = f("priorityClassName", "PriorityClass of every pod.", None, maxLength=253)
+    shm_size: str = f("shmSize", "Size of the in-memory /dev/shm of GPU pods (NCCL and NIXL buffers).", "16Gi",
+                      pattern=r"^[0-9]+(Ki|Mi|Gi|Ti)?$")
+    drain_seconds: int = f("drainSeconds", "How long a pod that is asked to stop keeps serving the requests it "
+                           "admitted; the pod's termination grace period is this plus 30 s.", 900,
+                           minimum=0, maximum=86400)
+
+    # -- derived sizes ---------------------------------------------------------------------------------------
+    def stage_gpus(self, stage: str) -> int:
+        """GPUs (= ranks) of one replica of a stage; for colocated placement, the GPUs of one replica pod group."""
+        if self.placement == "colocated":
+            return 0 if stage == "muxer" else self.dit.sp
+        return {"encoder": self.encoder.gpus, "dit": self.dit.sp, "vae": self.vae.gpus, "muxer": 0}[stage]
+
+    def stage_replicas(self, stage: str) -> int:
+        if stage == "gateway":
+            return self.gateway.replicas
+        if self.placement == "colocated":
+            return 1 if self.replicas is None else self.replicas
+        r = getattr(self, stage).replicas
+        return 1 if r is None else r
+
+    def pods_per_replica(self, gpus: int) -> int:
+        """1 when a replica's GPUs fit one node, else the gang size (one pod per node)."""
+        return max(1, math.ceil(gpus / self.gpus_per_node))
+
+    # -- (de)serialisation --------------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, d: dict) -> "H3DeploymentSpec":
+        """Parse a custom resource's `.spec` (camelCase). Raises SpecError for unknown fields or wrong types."""
+        issues: list[tuple[str, str]] = []
+        obj = _parse(cls, d, "spec", issues)
+        if issues:
+            raise SpecError(issues)
+        return obj
+
+    def to_dict(self) -> dict:
+        """camelCase dict with defaults filled in and unset optionals left out (round-trips through from_dict)."""
+        return _dump(self)
+
+
+# ---- the service config the operator renders into each deployment's ConfigMap -----------------------------------
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """What every h3serve process of one H3Deployment reads from /etc/h3serve/h3serve.yaml."""
+
+    name: str
+    namespace: str
+    spec: H3DeploymentSpec
+    endpoints: dict  # stage -> "host:port" of the stage's gRPC Service (its leader pods)
+
+    def to_dict(self) -> dict:
+        return {
+            "apiVersion": API_VERSION, "kind": "ServiceConfig", "name": self.name, "namespace": self.namespace,
+            "ports": {"grpc": GRPC_PORT, "http": HTTP_PORT, "metrics": METRICS_PORT, "dist": DIST_PORT},
+            "health": {"startup": HEALTH_STARTUP, "ready": HEALTH_READY, "live": HEALTH_LIVE},
+            "endpoints": dict(self.endpoints), "spec": self.spec.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ServiceConfig":
+        return cls(name=d["name"], namespace=d["namespace"], spec=H3DeploymentSpec.from_dict(d["spec"]),
+                   endpoints=dict(d.get("endpoints", {})))
+
+
+# ---- validation --------------------------------------------------------------------------------------------------
+
+def _join(xs) -> str:
+    xs = [str(x) for x in xs]
+    return ", ".join(xs[:-1]) + " or " + xs[-1]
+
+
+# The cross-field rules, as (CRD location, field path for messages, CEL rule, CEL message expression).
+# `location` is the dotted path below `spec` whose schema carries the rule ("" = spec itself); `field_path` is the
+# CEL fieldPath (relative to that location). The Python checks in `validate` emit exactly the same messages.
+CEL_RULES: list[dict] = [
+    dict(location="encoder", field_path=".tensorParallel",
+         rule=f"{ENCODER_HEADS} % self.tensorParallel == 0 && {ENCODER_KV_HEADS} % self.tensorParallel == 0",
+         message_expression=(f"'encoder.tensorParallel=' + string(self.tensorParallel) + ' must divide the encoder\\'s "
+                             f"{ENCODER_HEADS} query heads and {ENCODER_KV_HEADS} KV heads: use "
+                             f"{_join(ENCODER_TP_CHOICES)}'")),
+    dict(location="dit", field_path=".ulysses",
+         rule=f"{DIT_HEADS} % (self.ulysses * self.ring) == 0",
+         message_expression=(f"'dit.ulysses x dit.ring = ' + string(self.ulysses * self.ring) + ' must divide the "
+                             f"DiT\\'s {DIT_HEADS} attention heads: make the product one of "
+                             f"{_join(DIT_SP_CHOICES)}'")),
+    dict(location="dit", field_path=".gpus",
+         rule="!has(self.gpus) || self.gpus == self.ulysses * self.ring",
+         message_expression=("'dit.gpus=' + string(self.gpus) + ' must equal dit.ulysses x dit.ring = ' + "
+                             "string(self.ulysses * self.ring) + ' (one GPU per sequence-parallel rank): change "
+                             "the degrees or drop dit.gpus'")),
+    dict(location="", field_path=".vae.patchParallel",
+         rule="self.vae.patchParallel == 1 || self.vae.patchParallel == self.dit.ulysses * self.dit.ring",
+         message_expression=("'vae.patchParallel=' + string(self.vae.patchParallel) + ' must be 1 or the whole DiT "
+                             "group (dit.ulysses x dit.ring = ' + string(self.dit.ulysses * self.dit.ring) + ')'")),
+    dict(location="", field_path=".model.adapter",
+         rule="self.profile != 'fasth3' || (has(self.model.adapter) && has(self.model.adapter.sha256))",
+         message_expression=("'profile fasth3 needs model.adapter with path and sha256 (the FastH3 4-step adapter "
+                             "file and its checksum)'")),
+    dict(location="", field_path=".model.offload",
+         rule="self.profile != 'fasth3' || !self.model.offload",
+         message_expression=("'profile fasth3 refuses model.offload: set model.offload to false (FastH3 keeps the "
+                             "fused weights on the GPU)'")),
+    dict(location="", field_path=".model.allowRequestLora",
+         rule="self.profile != 'fasth3' || !self.model.allowRequestLora",
+         message_expression=("'profile fasth3 refuses per-request LoRA: set model.allowRequestLora to false (the "
+                             "adapter is fused at load)'")),
+    dict(location="", field_path=".replicas",
+         rule="self.placement == 'colocated' || !has(self.replicas)",
+         message_expression=("'spec.replicas only applies to colocated placement: set encoder.replicas, "
+                             "dit.replicas, vae.replicas and muxer.replicas instead'")),
+    dict(location="", field_path=".placement",
+         rule=("self.placement == 'disaggregated' || (!has(self.encoder.replicas) && !has(self.dit.replicas) && "
+               "!has(self.vae.replicas) && !has(self.muxer.replicas))"),
+         message_expression=("'per-stage replicas only apply to disaggregated placement: with placement colocated "
+                             "set spec.replicas and remove encoder/dit/vae/muxer.replicas'")),
+    dict(location="", field_path=".encoder.tensorParallel",
+         rule=("self.placement == 'disaggregated' || "
+               "(self.dit.ulysses * self.dit.ring) % self.encoder.tensorParallel == 0"),
+         message_expression=("'encoder.tensorParallel=' + string(self.encoder.tensorParallel) + ' must divide the ' "
+                             "+ string(self.dit.ulysses * self.dit.ring) + ' GPUs of a colocated replica (dit.ulysses "
+                             "x dit.ring)'")),
+    dict(location="", field_path=".dit",
+         rule=("self.dit.ulysses * self.dit.ring <= self.gpusPerNode || "
+               "(self.dit.ulysses * self.dit.ring) % self.gpusPerNode == 0"),
+         message_expression=("'dit needs ' + string(self.dit.ulysses * self.dit.ring) + ' GPUs, more than "
+                             "gpusPerNode=' + string(self.gpusPerNode) + ': a stage larger than a node must span "
+                             "whole nodes (a multiple of gpusPerNode)'")),
+    dict(location="", field_path=".encoder",
+         rule=("self.placement == 'colocated' || self.encoder.tensorParallel <= self.gpusPerNode || "
+               "self.encoder.tensorParallel % self.gpusPerNode == 0"),
+         message_expression=("'encoder needs ' + string(self.encoder.tensorParallel) + ' GPUs, more than "
+                             "gpusPerNode=' + string(self.gpusPerNode) + ': a stage larger than a node must span "
+                             "whole nodes (a multiple of gpusPerNode)'")),
+    dict(location="", field_path=".model.path",
+         rule="!has(self.model.volume) || self.model.path.startsWith(self.model.mountPath + '/')",
+         message_expression=("'model.path ' + self.model.path + ' must be inside model.mountPath ' + "
+                             "self.model.mountPath + ', where model.volume is mounted'")),
+    dict(location="", field_path=".model.adapter.path",
+         rule=("!has(self.model.volume) || !has(self.model.adapter) || "
+               "self.model.adapter.path.startsWith(self.model.mountPath + '/')"),
+         message_expression=("'model.adapter.path ' + self.model.adapter.path + ' must be inside model.mountPath ' + "
+                             "self.model.mountPath + ', where model.volume is mounted'")),
+]
+
+
+def _cel_message(i: int, spec: H3DeploymentSpec) -> str:
+    """The message of CEL_RULES[i] rendered in Python (kept identical to the CEL messageExpression)."""
+    e, d, v, m = spec.encoder, spec.dit, spec.vae, spec.model
+    return [
+        lambda: (f"encoder.tensorParallel={e.tensor_parallel} must divide the encoder's {ENCODER_HEADS} query heads "
+                 f"and {ENCODER_KV_HEADS} KV heads: use {_join(ENCODER_TP_CHOICES)}"),
+        lambda: (f"dit.ulysses x dit.ring = {d.sp} must divide the DiT's {DIT_HEADS} attention heads: make the "
+                 f"product one of {_join(DIT_SP_CHOICES)}"),
+        lambda: (f"dit.gpus={d.gpus} must equal dit.ulysses x dit.ring = {d.sp} (one GPU per sequence-parallel "
+                 f"rank): change the degrees or drop dit.gpus"),
+        lambda: f"vae.patchParallel={v.patch_parallel} must be 1 or the whole DiT group (dit.ulysses x dit.ring = {d.sp})",
+        lambda: ("profile fasth3 needs model.adapter with path and sha256 (the FastH3 4-step adapter file and its "
+                 "checksum)"),
+        lambda: ("profile fasth3 refuses model.offload: set model.offload to false (FastH3 keeps the fused weights "
+                 "on the GPU)"),
+        lambda: ("profile fasth3 refuses per-request LoRA: set model.allowRequestLora to false (the adapter is fused "
+                 "at load)"),
+        lambda: ("spec.replicas only applies to colocated placement: set encoder.replicas, dit.replicas, "
+                 "vae.replicas and muxer.replicas instead"),
+        lambda: ("per-stage replicas only apply to disaggregated placement: with placement colocated set "
+                 "spec.replicas and remove encoder/dit/vae/muxer.replicas"),
+        lambda: (f"encoder.tensorParallel={e.tensor_parallel} must divide the {d.sp} GPUs of a colocated replica "
+                 f"(dit.ulysses x dit.ring)"),
+        lambda: (f"dit needs {d.sp} GPUs, more than gpusPerNode={spec.gpus_per_node}: a stage larger than a node "
+                 f"must span whole nodes (a multiple of gpusPerNode)"),
+        lambda: (f"encoder needs {e.tensor_parallel} GPUs, more than gpusPerNode={spec.gpus_per_node}: a stage "
+                 f"larger than a node must span whole nodes (a multiple of gpusPerNode)"),
+        lambda: f"model.path {m.path} must be inside model.mountPath {m.mount_path}, where model.volume is mounted",
+        lambda: (f"model.adapter.path {m.adapter.path if m.adapter else ''} must be inside model.mountPath "
+                 f"{m.mount_path}, where model.volume is mounted"),
+    ][i]()
+
+
+def _cel_checks(s: H3DeploymentSpec) -> list[bool]:
+    """Python twins of CEL_RULES[i].rule (True = rule holds)."""
+    e, d, v, m = s.encoder, s.dit, s.vae, s.model
+    under = lambda p: p.startswith(m.mount_path + "/")  # noqa: E731
+    return [
+        ENCODER_HEADS % e.tensor_parallel == 0 and ENCODER_KV_HEADS % e.tensor_parallel == 0,
+        DIT_HEADS % d.sp == 0,
+        d.gpus is None or d.gpus == d.sp,
+        v.patch_parallel in (1, d.sp),
+        s.profile != "fasth3" or (m.adapter is not None and m.adapter.sha256 is not None),
+        s.profile != "fasth3" or not m.offload,
+        s.profile != "fasth3" or not m.allow_request_lora,
+        s.placement == "colocated" or s.replicas is None,
+        s.placement == "disaggregated" or all(getattr(s, st).replicas is None for st in STAGES),
+        s.placement == "disaggregated" or d.sp % e.tensor_parallel == 0,
+        d.sp <= s.gpus_per_node or d.sp % s.gpus_per_node == 0,
+        s.placement == "colocated" or e.tensor_parallel <= s.gpus_per_node or e.tensor_parallel % s.gpus_per_node == 0,
+        m.volume is None or under(m.path),
+        m.volume is None or m.adapter is None or under(m.adapter.path),
+    ]
+
+
+def _rule_field(i: int) -> str:
+    r = CEL_RULES[i]
+    return ("spec." + ".".join(x for x in (r["location"], r["field_path"].lstrip(".")) if x)).rstrip(".")
+
+
+def validate(spec: H3DeploymentSpec, name: str | None = None) -> list[tuple[str, str]]:
+    """Every problem with a spec as (field, message); [] when valid.
+
+    The first group of rules is also enforced by the CRD (CEL) so the API server rejects them at `kubectl apply`;
+    the rest only the operator checks, and reports as SpecValid=False.
+    """
+    issues = [(_rule_field(i), _cel_message(i, spec)) for i, ok in enumerate(_cel_checks(spec)) if not ok]
+    if name is not None and (len(name) > NAME_MAX or not _NAME_RE.match(name)):
+        issues.append(("metadata.name", f"name {name!r} must be at most {NAME_MAX} characters of a-z, 0-9 and '-', "
+                                        f"start with a letter and end with a letter or digit"))
+    issues += _operator_only_checks(spec)
+    return issues
+
+
+def _operator_only_checks(s: H3DeploymentSpec) -> list[tuple[str, str]]:
+    issues = []
+    if s.model.volume is not None and len(s.model.volume) != 1:
+        issues.append(("spec.model.volume", f"model.volume must name exactly one volume source (e.g. "
+                                            f"persistentVolumeClaim), found {sorted(s.model.volume) or 'none'}"))
+    for st in (*STAGES, "gateway"):
+        res = getattr(s, st).resources or {}
+        for kind in ("requests", "limits"):
+            if s.gpu_resource_name in (res.get(kind) or {}):
+                issues.append((f"spec.{st}.resources.{kind}", f"remove {s.gpu_resource_name} from {st}.resources."
+                               f"{kind}: the operator sets the GPU count from the stage's parallel sizes"))
+            for k, q in (res.get(kind) or {}).items():
+                if not _QUANTITY_RE.match(str(q)):
+                    issues.append((f"spec.{st}.resources.{kind}.{k}", f"{q!r} is not a Kubernetes quantity "
+                                                                      f"(e.g. 4, 500m, 64Gi)"))
+    if s.model.adapter is not None and s.model.adapter.sha256 is not None and not _SHA256_RE.match(s.model.adapter.sha256):
+        issues.append(("spec.model.adapter.sha256", "model.adapter.sha256 must be 64 lower-case hex digits"))
+    if not _SIZE_RE.match(s.shm_size):
+        issues.append(("spec.shmSize", f"shmSize {s.shm_size!r} must be a size such as 16Gi"))
+    return issues
+
+
+def parse_and_validate(d: dict, name: str | None = None) -> H3DeploymentSpec:
+    """from_dict + validate; raises SpecError listing every problem."""
+    spec = H3DeploymentSpec.from_dict(d)
+    issues = validate(spec, name)
+    if issues:
+        raise SpecError(issues)
+    return spec
+
+
+# ---- generic dataclass <-> camelCase dict -----------------------------------------------------------------------
+
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _unwrap_optional(tp):
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def _parse(cls, d: Any, where: str, issues: list) -> Any:
+    if not isinstance(d, dict):
+        issues.append((where, f"{where} must be a mapping, got {type(d).__name__}"))
+        return None
+    hints = _hints(cls)
+    by_json = {fl.metadata["json"]: fl for fl in dataclasses.fields(cls)}
+    for k in d:
+        if k not in by_json:
+            close = [j for j in by_json if j.lower() == str(k).lower() or j.lower().startswith(str(k).lower()[:4])]
+            hint = f" (did you mean {close[0]}?)" if close else f"; known fields: {', '.join(sorted(by_json))}"
+            issues.append((f"{where}.{k}", f"unknown field {where}.{k}{hint}"))
+    kwargs = {}
+    for j, fl in by_json.items():
+        here = f"{where}.{j}"
+        if j not in d or d[j] is None:
+            if fl.default is dataclasses.MISSING and fl.default_factory is dataclasses.MISSING:
+                issues.append((here, f"{here} is required"))
+            continue
+        tp, _ = _unwrap_optional(hints[fl.name])
+        v = d[j]
+        if dataclasses.is_dataclass(tp):
+            v = _parse(tp, v, here, issues)
+        elif tp is bool:
+            if not isinstance(v, bool):
+                issues.append((here, f"{here} must be true or false, got {v!r}"))
+        elif tp is int:
+            if isinstance(v, bool) or not isinstance(v, int):
+                issues.append((here, f"{here} must be an integer, got {v!r}"))
+            else:
+                lo, hi = fl.metadata["schema"].get("minimum"), fl.metadata["schema"].get("maximum")
+                if (lo is not None and v < lo) or (hi is not None and v > hi):
+                    issues.append((here, f"{here}={v} must be between {lo} and {hi}"))
+        elif tp is str:
+            if not isinstance(v, str):
+                issues.append((here, f"{here} must be a string, got {v!r}"))
+            else:
+                enum = fl.metadata["schema"].get("enum")
+                if enum and v not in enum:
+                    issues.append((here, f"{here}={v!r} must be one of {', '.join(enum)}"))
+                pat = fl.metadata["schema"].get("pattern")
+                if pat and not re.match(pat, v):
+                    issues.append((here, f"{here}={v!r} must match {pat}"))
+                ml = fl.metadata["schema"].get("minLength")
+                if ml and len(v) < ml:
+                    issues.append((here, f"{here} must not be empty"))
+        elif tp is dict or typing.get_origin(tp) is dict:
+            if not isinstance(v, dict):
+                issues.append((here, f"{here} must be a mapping"))
+        elif tp is list or typing.get_origin(tp) is list:
+            if not isinstance(v, list):
+                issues.append((here, f"{here} must be a list"))
+        kwargs[fl.name] = v
+    if any(i[0].startswith(where) for i in issues):
+        try:
+            return cls(**kwargs)
+        except TypeError:
+            return None
+    return cls(**kwargs)
+
+
+def _dump(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        out = {}
+        for fl in dataclasses.fields(obj):
+            v = getattr(obj, fl.name)
+            if v is None:
+                continue
+            out[fl.metadata["json"]] = _dump(v)
+        return out
+    if isinstance(obj, dict):
+        return {k: _dump(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_dump(v) for v in obj]
+    return obj

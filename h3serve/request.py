@@ -1,0 +1,560 @@
+"""One generation request, shared by the CLI, the embedded pipeline and the services.
+
+`validate_request(**raw)` turns loosely typed input (CLI flags, JSON, gRPC fields) into a frozen
+`GenerationRequest`, or raises `RequestError` naming the field, the value and what is allowed. It runs before
+any model work, so a request that would fail later (bad canvas, wrong frame count, missing keyframe) is refused
+up front with a message that says what to change.
+
+Geometry (H3_REFERENCE §3.1, §5):
+  * 24 fps; the video VAE encodes 17n+5 pixel frames into 5n+2 latent frames, so the requested duration is
+    raised to the next 17n+5 frames: 5 / 10 / 15 s -> 124 / 243 / 362 frames, 4 s -> 107.
+  * Audio latents: A = round(F / 24 * 40) (the audio VAE hops 800 samples at 32 kHz, 40 latents/s).
+  * Canvas sides are multiples of 32 (VAE 16x times the DiT patch 2); latent sides are H/16, W/16.
+
+No torch, grpc or av imports here: every part of the system may import this module.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping, NamedTuple, Sequence
+
+from h3serve.errors import RequestError
+
+# ---------------------------------------------------------------------------------------------------------------
+# Constants (the released model's geometry)
+
+FPS = 24
+FRAMES_PER_CLIP = 17            # video VAE clip length
+LATENTS_PER_CLIP = 5            # latent frames a clip keeps; 17n+5 frames -> 5n+2 latents
+AUDIO_LATENTS_PER_SECOND = 40   # 32 kHz / hop 800
+AUDIO_HOP = 800
+SAMPLE_RATE = 32000
+VAE_SPATIAL = 16
+CANVAS_MULTIPLE = 32            # VAE 16x times the DiT patch 2
+CANVAS_SHORT_EDGE = 768
+CANVAS_MAX_PIXELS = 768 * 1344  # 1,032,192
+MIN_SIDE, MAX_SIDE = 256, 2048
+MIN_ASPECT, MAX_ASPECT = 1 / 4, 4.0
+MIN_SECONDS, MAX_SECONDS = 4.0, 15.0
+MAX_PROMPT_CHARS = 20_000
+MAX_SEED = 2**63 - 1
+
+TASKS = ("t2va", "fl2va", "ref2va")
+PROFILES = ("base", "fasth3")
+DTYPES = ("fp32", "bf16")
+DEFAULT_SECONDS = 5.0
+DEFAULT_DTYPE = "bf16"
+DEFAULT_STEPS = {"base": 50, "fasth3": 5}   # grid points incl. the terminal 0: N points -> N-1 forwards
+BASE_STEPS_RANGE = (2, 1000)
+FASTH3_STEPS = 5                           # 4 forwards over 5 sigma positions; fixed by the distillation
+
+MAX_REFERENCES = 12
+MAX_REFERENCES_PER_KIND = {"image": 9, "video": 3, "audio": 3}
+REFERENCE_KINDS = ("image", "video", "audio")
+_EXTENSION_KIND = {
+    **{e: "image" for e in (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")},
+    **{e: "video" for e in (".mp4", ".mov", ".mkv", ".webm", ".avi", ".m4v")},
+    **{e: "audio" for e in (".wav", ".flac", ".mp3", ".m4a", ".ogg", ".opus", ".aac")},
+}
+_DTYPE_ALIASES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
+
+RAW_FIELDS = ("prompt", "task", "profile", "seconds", "num_frames", "width", "height", "size", "aspect", "seed",
+              "steps", "fps", "first_image", "last_image", "references", "dtype")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Frame / latent / canvas arithmetic
+
+def frames_for_seconds(seconds: float, fps: int = FPS) -> int:
+    """Pixel frames for a requested duration: the next 17n+5 >= round(seconds * fps). 5 s -> 124, 15 s -> 362."""
+    target = round(seconds * fps)
+    n = max(0, -(-(target - LATENTS_PER_CLIP) // FRAMES_PER_CLIP))   # ceil((target - 5) / 17)
+    return FRAMES_PER_CLIP * n + LATENTS_PER_CLIP
+
+
+def num_frames_to_latents(num_frames: int) -> int:
+    """Latent frames of the video VAE for F = 17n+5 pixel frames: 5n+2 (124 -> 37, 243 -> 72, 362 -> 107)."""
+    if isinstance(num_frames, bool) or not isinstance(num_frames, int) or num_frames < LATENTS_PER_CLIP \
+            or num_frames % FRAMES_PER_CLIP != LATENTS_PER_CLIP:
+        raise RequestError("num_frames", num_frames, "must be of the form 17n+5 (e.g. 124, 243, 362)")
+    return (num_frames - LATENTS_PER_CLIP) // FRAMES_PER_CLIP * LATENTS_PER_CLIP + 2
+
+
+def audio_latents_for_frames(num_frames: int, fps: int = FPS) -> int:
+    """Audio latents covering F video frames: A = round(F / fps * 40) (124 -> 207, 243 -> 405, 362 -> 603)."""
+    return int(round(num_frames / fps * AUDIO_LATENTS_PER_SECOND))
+
+
+class Canvas(NamedTuple):
+    width: int
+    height: int
+
+
+def _parse_aspect(aspect: Any, field_name: str) -> float:
+    allowed = "an aspect ratio W/H as a number, 'W:H' or (W, H), between 1:4 and 4:1"
+    try:
+        if isinstance(aspect, str):
+            text = aspect.strip().lower()
+            for sep in (":", "x", "/"):
+                if sep in text:
+                    a, b = text.split(sep, 1)
+                    ratio = float(a) / float(b)
+                    break
+            else:
+                ratio = float(text)
+        elif isinstance(aspect, (tuple, list)) and len(aspect) == 2:
+            ratio = float(aspect[0]) / float(aspect[1])
+        elif isinstance(aspect, (int, float)) and not isinstance(aspect, bool):
+            ratio = float(aspect)
+        else:
+            raise TypeError
+    except (TypeError, ValueError, ZeroDivisionError, OverflowError):
+        raise RequestError(field_name, _brief(aspect), allowed) from None
+    if not math.isfinite(ratio) or not MIN_ASPECT <= ratio <= MAX_ASPECT:
+        raise RequestError(field_name, _brief(aspect), allowed)
+    return ratio
+
+
+def canvas_for_aspect(aspect: Any, *, field_name: str = "aspect") -> Canvas:
+    """The generation canvas for a display aspect ratio, as the reference's resolve_canvas_size computes it.
+
+    Short edge 768; if the area then exceeds 1,032,192 it is scaled down to that area; each side is rounded to the
+    nearest multiple of 32 (so the rounded area can end up slightly above the cap: 9:5 -> 1376x768).
+    16:9 -> 1344x768, 1:1 -> 768x768, 9:16 -> 768x1344, 4:1 -> 2016x512.
+    `aspect` is W/H as a number, a 'W:H' string or a (W, H) pair (e.g. an image's size).
+    """
+    ratio = _parse_aspect(aspect, field_name)
+    if ratio >= 1.0:
+        width, height = CANVAS_SHORT_EDGE * ratio, float(CANVAS_SHORT_EDGE)
+    else:
+        width, height = float(CANVAS_SHORT_EDGE), CANVAS_SHORT_EDGE / ratio
+    area = width * height
+    if area > CANVAS_MAX_PIXELS:
+        scale = (CANVAS_MAX_PIXELS / area) ** 0.5
+        width, height = width * scale, height * scale
+    m = CANVAS_MULTIPLE
+    return Canvas(max(m, round(width / m) * m), max(m, round(height / m) * m))
+
+
+DEFAULT_CANVAS = canvas_for_aspect((16, 9))   # 1344x768
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The request
+
+@dataclass(frozen=True)
+class ReferenceSpec:
+    """One ref2va reference, in the order the model reads it.
+
+    kind: image | video | audio. fps: the frame rate a video carries (None: read it from the file).
+    sample_rate: the rate of an audio file or a video's soundtrack (None: read it from the file).
+    """
+    kind: str
+    path: str
+    fps: float | None = None
+    sample_rate: int | None = None
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated generation request. Build it with `validate_request`; the derived fields are computed here.
+
+    steps counts grid points including the terminal 0 (N points -> N-1 transformer forwards).
+    num_frames = 17n+5 >= round(seconds*24); latent_frames = 5n+2; audio_latents = round(F/24*40);
+    latent_height/width = H/16, W/16; t_media = num_frames/24 seconds of output media.
+    """
+    prompt: str
+    task: str = "t2va"
+    profile: str = "base"
+    seconds: float = DEFAULT_SECONDS
+    width: int = DEFAULT_CANVAS.width
+    height: int = DEFAULT_CANVAS.height
+    seed: int = 0
+    steps: int = DEFAULT_STEPS["base"]
+    fps: int = FPS
+    first_image: str | None = None
+    last_image: str | None = None
+    references: tuple[ReferenceSpec, ...] = ()
+    dtype: str = DEFAULT_DTYPE
+    # derived
+    num_frames: int = field(init=False)
+    latent_frames: int = field(init=False)
+    audio_latents: int = field(init=False)
+    latent_height: int = field(init=False)
+    latent_width: int = field(init=False)
+    t_media: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        num_frames = frames_for_seconds(self.seconds, self.fps)
+        derived = dict(
+            num_frames=num_frames,
+            latent_frames=num_frames_to_latents(num_frames),
+            audio_latents=audio_latents_for_frames(num_frames, self.fps),
+            latent_height=self.height // VAE_SPATIAL,
+            latent_width=self.width // VAE_SPATIAL,
+            t_media=num_frames / self.fps,
+        )
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "references", tuple(self.references))
+
+    @property
+    def num_forwards(self) -> int:
+        """Transformer forwards of the denoising loop: steps - 1 (base 50 -> 49, fasth3 5 -> 4)."""
+        return self.steps - 1
+
+    @property
+    def audio_samples(self) -> int:
+        """PCM samples per channel the audio VAE decodes: A * 800 (at 32 kHz)."""
+        return self.audio_latents * AUDIO_HOP
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict of every field (derived ones included); references as dicts."""
+        out = asdict(self)
+        out["references"] = [asdict(r) for r in self.references]
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Validation
+
+def _brief(value: Any, limit: int = 60) -> Any:
+    """The value as shown in an error: long strings and containers are shortened so the message stays one line."""
+    if isinstance(value, str):
+        return value if len(value) <= limit else f"{value[:limit]}... ({len(value)} chars)"
+    if isinstance(value, (int, float, bool)) or value is None:
+        return value
+    text = repr(value)
+    return value if len(text) <= limit and "\n" not in text else f"{text[:limit]}... ({type(value).__name__})"
+
+
+def _as_int(name: str, value: Any, allowed: str) -> int:
+    """An int from an int, an integral float or a decimal string; anything else is a RequestError."""
+    if isinstance(value, bool):
+        raise RequestError(name, value, allowed)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        text = value.strip()
+        if text and (text.isdigit() or (text[0] in "+-" and text[1:].isdigit())) and len(text) <= 40:
+            return int(text)
+    raise RequestError(name, _brief(value), allowed)
+
+
+def _as_float(name: str, value: Any, allowed: str) -> float:
+    if isinstance(value, bool):
+        raise RequestError(name, value, allowed)
+    try:
+        if isinstance(value, (int, float)):
+            out = float(value)
+        elif isinstance(value, str) and len(value) <= 40:
+            text = value.strip().lower()
+            out = float(text[:-1] if text.endswith("s") else text)
+        else:
+            raise TypeError
+    except (TypeError, ValueError, OverflowError):
+        raise RequestError(name, _brief(value), allowed) from None
+    if not math.isfinite(out):
+        raise RequestError(name, value, allowed)
+    return out
+
+
+def _choice(name: str, value: Any, choices: Sequence[str], aliases: Mapping[str, str] | None = None) -> str:
+    allowed = "one of " + " | ".join(choices)
+    if not isinstance(value, str):
+        raise RequestError(name, _brief(value), allowed)
+    key = value.strip().lower()
+    key = (aliases or {}).get(key, key)
+    if key not in choices:
+        raise RequestError(name, _brief(value), allowed)
+    return key
+
+
+def _path(name: str, value: Any, what: str) -> str:
+    """An existing regular file, as a str path."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value or "\x00" in value:
+        raise RequestError(name, _brief(value), f"a path to an existing {what} file")
+    if not os.path.isfile(value):
+        raise RequestError(name, _brief(value), f"no such file: a path to an existing {what} file")
+    return value
+
+
+def _check_prompt(prompt: Any) -> str:
+    if not isinstance(prompt, str):
+        raise RequestError("prompt", _brief(prompt), "a single string (one prompt per request)")
+    if not prompt.strip():
+        raise RequestError("prompt", prompt, "a non-empty string")
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise RequestError("prompt", _brief(prompt), f"at most {MAX_PROMPT_CHARS:,} characters")
+    if "\x00" in prompt:
+        raise RequestError("prompt", _brief(prompt), "text without NUL characters")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError("prompt", _brief(prompt), "valid Unicode text (no lone surrogates)") from None
+    return prompt
+
+
+def _parse_size(size: Any) -> tuple[int, int]:
+    allowed = "'WxH', e.g. '1344x768' (sides multiples of 32 within [256, 2048])"
+    if isinstance(size, (tuple, list)) and len(size) == 2:
+        return _as_int("size", size[0], allowed), _as_int("size", size[1], allowed)
+    if not isinstance(size, str):
+        raise RequestError("size", _brief(size), allowed)
+    text = size.strip().lower().replace("\u00d7", "x").replace("*", "x")
+    parts = text.split("x")
+    if len(parts) != 2:
+        raise RequestError("size", _brief(size), allowed)
+    return _as_int("size", parts[0], allowed), _as_int("size", parts[1], allowed)
+
+
+def _check_canvas(width: int, height: int, source: str | None = None) -> None:
+    """Sides multiples of 32 within [256, 2048], aspect 1:4..4:1, area <= the canvas max (1,032,192 = 1344x768)."""
+    for name, side in (("width", width), ("height", height)):
+        if side % CANVAS_MULTIPLE or not MIN_SIDE <= side <= MAX_SIDE:
+            raise RequestError(source or name, side if source is None else f"{width}x{height}",
+                               f"{name} must be a multiple of {CANVAS_MULTIPLE} within [{MIN_SIDE}, {MAX_SIDE}]")
+    ratio = width / height
+    if not MIN_ASPECT <= ratio <= MAX_ASPECT:
+        raise RequestError(source or "size", f"{width}x{height}", "aspect ratio W:H between 1:4 and 4:1")
+    if width * height > CANVAS_MAX_PIXELS:
+        raise RequestError(source or "size", f"{width}x{height}",
+                           f"area W*H at most {CANVAS_MAX_PIXELS:,} pixels, the canvas max (1344x768); "
+                           f"got {width * height:,}")
+
+
+def _other_side(given: int, exact: float) -> int:
+    """The side that follows from the given one and the aspect: the nearest multiple of 32, or the one below when
+    the nearest would push the area over the canvas max (height 768 at 16:9 -> 1344, not 1376)."""
+    m = CANVAS_MULTIPLE
+    side = max(m, round(exact / m) * m)
+    if given * side > CANVAS_MAX_PIXELS and side - m >= m and given * (side - m) <= CANVAS_MAX_PIXELS:
+        side -= m
+    return side
+
+
+def _image_size(name: str, path: str) -> tuple[int, int]:
+    try:
+        from PIL import Image  # header only: Image.open does not decode the pixels
+        with Image.open(path) as image:
+            width, height = image.size
+    except Exception:  # noqa: BLE001 - any decoder failure means "not an image we can read"
+        raise RequestError(name, _brief(path), "a readable image file (PNG, JPEG, WebP, ...)") from None
+    if width <= 0 or height <= 0:
+        raise RequestError(name, _brief(path), "an image with a non-empty size")
+    return width, height
+
+
+def _reference(index: int, item: Any) -> ReferenceSpec:
+    name = "references"
+    where = f"references[{index}]"
+    if isinstance(item, ReferenceSpec):
+        kind, path, fps, sample_rate = item.kind, item.path, item.fps, item.sample_rate
+    elif isinstance(item, Mapping):
+        unknown = set(item) - {"kind", "path", "fps", "sample_rate"}
+        if unknown:
+            raise RequestError(name, _brief(dict(item)),
+                               f"{where}: unknown keys {sorted(map(str, unknown))}; allowed kind, path, fps, sample_rate")
+        kind, path = item.get("kind"), item.get("path")
+        fps, sample_rate = item.get("fps"), item.get("sample_rate")
+    elif isinstance(item, (str, os.PathLike)):
+        text = os.fspath(item)
+        kind = None
+        if isinstance(text, str):
+            head, sep, tail = text.partition(":")
+            if sep and head.lower() in REFERENCE_KINDS:
+                kind, text = head.lower(), tail
+        path, fps, sample_rate = text, None, None
+    else:
+        raise RequestError(name, _brief(item), f"{where}: a path, 'kind:path' or {{kind, path, fps, sample_rate}}")
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    if not isinstance(path, str) or not path or "\x00" in path:
+        raise RequestError(name, _brief(item), f"{where}: a path to an existing media file")
+    if kind is None:
+        kind = _EXTENSION_KIND.get(os.path.splitext(path)[1].lower())
+        if kind is None:
+            raise RequestError(name, _brief(path),
+                               f"{where}: kind must be given (image | video | audio); the extension does not say")
+    if not isinstance(kind, str) or kind.lower() not in REFERENCE_KINDS:
+        raise RequestError(name, _brief(kind), f"{where}: kind must be one of image | video | audio")
+    kind = kind.lower()
+    if not os.path.isfile(path):
+        raise RequestError(name, _brief(path), f"{where}: no such file; a path to an existing {kind} file")
+    if fps is not None:
+        if kind != "video":
+            raise RequestError(name, _brief(item), f"{where}: fps is only for video references")
+        fps = _as_float(name, fps, f"{where}: fps a number in (0, 240]")
+        if not 0 < fps <= 240:
+            raise RequestError(name, fps, f"{where}: fps a number in (0, 240]")
+    if sample_rate is not None:
+        if kind == "image":
+            raise RequestError(name, _brief(item), f"{where}: sample_rate is only for audio or video references")
+        sample_rate = _as_int(name, sample_rate, f"{where}: sample_rate an integer in [8000, 192000]")
+        if not 8000 <= sample_rate <= 192000:
+            raise RequestError(name, sample_rate, f"{where}: sample_rate an integer in [8000, 192000]")
+    return ReferenceSpec(kind=kind, path=path, fps=fps, sample_rate=sample_rate)
+
+
+def _check_references(references: Any) -> tuple[ReferenceSpec, ...]:
+    allowed = f"a list of 1..{MAX_REFERENCES} references (at most 9 images, 3 videos, 3 audio; not audio only)"
+    if isinstance(references, (str, bytes, os.PathLike, Mapping, ReferenceSpec)) \
+            or not isinstance(references, (list, tuple)):
+        raise RequestError("references", _brief(references), allowed)
+    if not 1 <= len(references) <= MAX_REFERENCES:
+        raise RequestError("references", f"{len(references)} references", allowed)
+    specs = tuple(_reference(i, item) for i, item in enumerate(references))
+    for kind, cap in MAX_REFERENCES_PER_KIND.items():
+        count = sum(spec.kind == kind for spec in specs)
+        if count > cap:
+            raise RequestError("references", f"{count} {kind} references", allowed)
+    if all(spec.kind == "audio" for spec in specs):
+        raise RequestError("references", f"{len(specs)} audio references",
+                           "audio references need at least one image or video reference beside them")
+    return specs
+
+
+def validate_request(**raw: Any) -> GenerationRequest:
+    """Validate raw request fields and return a `GenerationRequest`; raise `RequestError` on the first bad field.
+
+    Accepted fields (None means "not given"):
+      prompt (str, required), task (t2va | fl2va | ref2va; inferred from references / images when absent),
+      profile (base | fasth3), seconds (4..15, requested; or num_frames: requested frames at 24 fps),
+      width / height (ints) or size ('WxH') or aspect ('16:9', W/H, (W, H)), seed (0..2**63-1; drawn at random
+      when absent), steps (grid points incl. terminal 0; base 2..1000, default 50; fasth3 only 5),
+      fps (24 only), first_image / last_image (fl2va), references (ref2va), dtype (fp32 | bf16).
+
+    Canvas: explicit sizes must be multiples of 32 within [256, 2048], aspect 1:4..4:1, area <= 1,032,192 (the
+    canvas max). With neither side given, the canvas is canvas_for_aspect(aspect), where aspect is the `aspect`
+    field, else the first keyframe's (fl2va), else 16:9. With one side given, the other follows that aspect,
+    rounded to the nearest multiple of 32 (down if the nearest would exceed the area cap), and the pair is checked
+    like an explicit size.
+    """
+    unknown = sorted(str(k) for k in raw if k not in RAW_FIELDS)
+    if unknown:
+        raise RequestError(unknown[0], _brief(raw[unknown[0]]), "unknown field; allowed: " + ", ".join(RAW_FIELDS))
+    get = lambda key: raw.get(key)  # noqa: E731
+
+    prompt = _check_prompt(get("prompt"))
+
+    profile = "base" if get("profile") is None else _choice("profile", get("profile"), PROFILES)
+
+    # task: explicit, else inferred like the reference's workflow triggers
+    has_images = get("first_image") is not None or get("last_image") is not None
+    if get("task") is not None:
+        task = _choice("task", get("task"), TASKS)
+    else:
+        task = "ref2va" if get("references") is not None else "fl2va" if has_images else "t2va"
+    if profile == "fasth3" and task != "t2va":
+        raise RequestError("task", task, "profile fasth3 serves t2va only; use profile base for fl2va / ref2va")
+
+    # duration
+    seconds_allowed = f"requested duration between {MIN_SECONDS:g} and {MAX_SECONDS:g} seconds"
+    if get("seconds") is not None and get("num_frames") is not None:
+        raise RequestError("num_frames", get("num_frames"), "give seconds or num_frames, not both")
+    if get("num_frames") is not None:
+        lo, hi = round(MIN_SECONDS * FPS), round(MAX_SECONDS * FPS)
+        frames = _as_int("num_frames", get("num_frames"), f"an integer number of frames in [{lo}, {hi}] at 24 fps")
+        if not lo <= frames <= hi:
+            raise RequestError("num_frames", frames, f"frames in [{lo}, {hi}] at 24 fps ({seconds_allowed})")
+        seconds = frames / FPS
+    else:
+        seconds = DEFAULT_SECONDS if get("seconds") is None else _as_float("seconds", get("seconds"), seconds_allowed)
+        if not MIN_SECONDS <= seconds <= MAX_SECONDS:
+            raise RequestError("seconds", get("seconds"), seconds_allowed)
+
+    fps = FPS if get("fps") is None else _as_int("fps", get("fps"), "24 (the model's only frame rate)")
+    if fps != FPS:
+        raise RequestError("fps", get("fps"), "24 (the model's only frame rate)")
+
+    # seed
+    if get("seed") is None:
+        seed = secrets.randbelow(MAX_SEED + 1)
+    else:
+        seed = _as_int("seed", get("seed"), "an integer in [0, 2**63-1]")
+        if not 0 <= seed <= MAX_SEED:
+            raise RequestError("seed", seed, "an integer in [0, 2**63-1]")
+
+    # steps
+    if profile == "fasth3":
+        if get("steps") is not None:
+            steps = _as_int("steps", get("steps"), "profile fasth3 runs a fixed 5-point grid (4 forwards): 5 or unset")
+            if steps != FASTH3_STEPS:
+                raise RequestError("steps", get("steps"),
+                                   "profile fasth3 runs a fixed 5-point grid (4 forwards): 5 or unset")
+        steps = FASTH3_STEPS
+    else:
+        lo, hi = BASE_STEPS_RANGE
+        allowed = f"grid points incl. the terminal 0 (N points -> N-1 forwards), an integer in [{lo}, {hi}]"
+        steps = DEFAULT_STEPS["base"] if get("steps") is None else _as_int("steps", get("steps"), allowed)
+        if not lo <= steps <= hi:
+            raise RequestError("steps", steps, allowed)
+
+    dtype = DEFAULT_DTYPE if get("dtype") is None else _choice("dtype", get("dtype"), DTYPES, _DTYPE_ALIASES)
+
+    # conditioning inputs
+    first_image = last_image = None
+    references: tuple[ReferenceSpec, ...] = ()
+    if task == "fl2va":
+        if not has_images:
+            raise RequestError("first_image", None, "task fl2va needs first_image and/or last_image")
+        if get("first_image") is not None:
+            first_image = _path("first_image", get("first_image"), "image")
+        if get("last_image") is not None:
+            last_image = _path("last_image", get("last_image"), "image")
+    else:
+        for name in ("first_image", "last_image"):
+            if get(name) is not None:
+                raise RequestError(name, _brief(get(name)), f"keyframes are for task fl2va only (task is {task})")
+    if task == "ref2va":
+        if get("references") is None:
+            raise RequestError("references", None, "task ref2va needs 1..12 references")
+        references = _check_references(get("references"))
+    elif get("references") is not None:
+        raise RequestError("references", _brief(get("references")), f"references are for task ref2va only (task is {task})")
+
+    # canvas
+    width, height = get("width"), get("height")
+    if get("size") is not None:
+        if width is not None or height is not None:
+            raise RequestError("size", _brief(get("size")), "give size or width/height, not both")
+        width, height = _parse_size(get("size"))
+        source = "size"
+    else:
+        source = None
+        side_allowed = f"an integer multiple of {CANVAS_MULTIPLE} within [{MIN_SIDE}, {MAX_SIDE}]"
+        width = None if width is None else _as_int("width", width, side_allowed)
+        height = None if height is None else _as_int("height", height, side_allowed)
+    if width is None or height is None:
+        if get("aspect") is not None:
+            aspect, aspect_field = get("aspect"), "aspect"
+        elif first_image or last_image:
+            aspect_field = "first_image" if first_image else "last_image"
+            aspect = _image_size(aspect_field, first_image or last_image)
+        else:
+            aspect, aspect_field = (16, 9), "aspect"
+        ratio = _parse_aspect(aspect, aspect_field)
+        if width is None and height is None:
+            width, height = canvas_for_aspect(aspect, field_name=aspect_field)
+            source = "derived"
+        elif width is None:
+            width, source = _other_side(height, height * ratio), "height"
+        else:
+            height, source = _other_side(width, width / ratio), "width"
+    elif get("aspect") is not None:
+        raise RequestError("aspect", _brief(get("aspect")), "give aspect or both width and height, not both")
+    if source != "derived":
+        # A derived canvas follows the reference rule exactly; its rounding may exceed the area cap by a few percent.
+        _check_canvas(width, height, source)
+
+    return GenerationRequest(prompt=prompt, task=task, profile=profile, seconds=seconds, width=width, height=height,
+                             seed=seed, steps=steps, fps=fps, first_image=first_image, last_image=last_image,
+                             references=references, dtype=dtype)

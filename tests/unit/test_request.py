@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from h3serve.errors import ProfileError, RequestError
@@ -267,10 +267,43 @@ _values = st.one_of(
 )
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(raw=st.dictionaries(st.sampled_from(RAW_FIELDS + ("bogus",)), _values, max_size=8),
-       keep_prompt=st.booleans())
-def test_any_dict_is_a_request_or_a_request_error(raw, keep_prompt, media_files):
+_sides = st.sampled_from([256, 512, 768, 1024, 1344, 1376, 2048, 250, 4096])
+_plausible = {
+    "prompt": st.sampled_from(["a quiet harbour at dawn", "x" * 300, "", "\x00"]),
+    "task": st.sampled_from(["t2va", "fl2va", "ref2va", "T2VA"]),
+    "profile": st.sampled_from(["base", "fasth3"]),
+    "seconds": st.floats(3.5, 15.5),
+    "num_frames": st.integers(90, 370),
+    "width": _sides,
+    "height": _sides,
+    "size": st.builds(lambda w, h: f"{w}x{h}", _sides, _sides),
+    "aspect": st.sampled_from(["16:9", "9:16", "1:1", "5:1", (4, 3), 2.0]),
+    "seed": st.integers(-1, 2**64),
+    "steps": st.integers(0, 1100),
+    "fps": st.sampled_from([24, 25, "24"]),
+    "first_image": st.sampled_from(["IMAGE", "nope.png"]),
+    "last_image": st.sampled_from(["IMAGE", "nope.png"]),
+    "references": st.lists(st.sampled_from(["IMAGE", "VIDEO", "AUDIO"]), max_size=13),
+    "dtype": st.sampled_from(["bf16", "fp32", "fp16"]),
+    "bogus": st.just(1),
+}
+
+
+@st.composite
+def _raw(draw):
+    """A few fields, each either a plausible value (mostly) or an arbitrary one."""
+    keys = draw(st.lists(st.sampled_from(sorted(set(_plausible) - {"bogus"})), max_size=6, unique=True))
+    raw = {key: draw(st.one_of(_plausible[key], _plausible[key], _plausible[key], _values)) for key in keys}
+    if draw(st.integers(0, 9)) == 0:
+        raw["bogus"] = draw(_values)
+    if "prompt" not in raw and draw(st.integers(0, 9)) > 0:
+        raw["prompt"] = "a quiet harbour at dawn"
+    return raw
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(raw=_raw())
+def test_any_dict_is_a_request_or_a_request_error(raw, media_files):
     tokens = {"IMAGE": media_files["wide"], "VIDEO": media_files["video"], "AUDIO": media_files["audio"]}
 
     def resolve(value):
@@ -283,13 +316,13 @@ def test_any_dict_is_a_request_or_a_request_error(raw, keep_prompt, media_files)
         return value
 
     raw = {k: resolve(v) for k, v in raw.items()}
-    if keep_prompt:
-        raw["prompt"] = "a quiet harbour at dawn"
     try:
         request = validate_request(**raw)
     except (RequestError, ProfileError) as err:
         assert "\n" not in str(err)
+        event(f"refused: {getattr(err, 'field', 'profile')}")
         return
+    event(f"valid: {request.task}")
     assert isinstance(request, GenerationRequest)
     assert request.num_frames % 17 == 5 and 107 <= request.num_frames <= 362
     assert request.latent_frames == num_frames_to_latents(request.num_frames)

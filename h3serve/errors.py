@@ -29,3 +29,7 @@ class ProfileError(H3Error):
 
 class MediaError(H3Error):
     """An MP4 failed a media check (codec, sample rate, frame count, silence, ...)."""
+
+
+class Cancelled(H3Error):
+    """The caller cancelled a request (or its deadline passed) before it finished; no partial result is returned."""

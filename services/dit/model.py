@@ -1,0 +1,519 @@
+"""The MiniMax H3 DiT: one stack of AdaLN transformer blocks over one packed text+video+audio sequence.
+
+Weight-compatible with diffusers' `MiniMaxH3Transformer3DModel` (same state_dict keys, shapes and order), written for
+inference speed (H3_REFERENCE §2):
+
+* AdaLN modulation is applied per segment of the packed sequence with one broadcast row of the (3*n_t, 6*D) table,
+  not a per-row gather of it; a gather is the fallback for layouts whose segments are not timestep-uniform.
+* RoPE cos/sin are built once per forward (fp32 angles from float64 positions cast to fp32, then cast to the
+  activation dtype) and shared by every block; only the first 6*rope_freq_dim channels of a head rotate.
+* The output heads run only on their own rows, and norm_out only on those rows.
+* Attention is `F.scaled_dot_product_attention` on (B, H, N, Dh) behind `H3Attention.attend`, which a sequence-parallel
+  plan (Ulysses / Ring) may replace from outside; `BlockContext.shard` re-bases the per-row context onto a shard.
+
+The released checkpoint is bf16 except FP32_MODULES (and the recomputed rope.inv_freq); `H3DiT.cast` reproduces that.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from os import PathLike
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .layout import AUDIO_KINDS, NUM_TAGS, VIDEO_KINDS, PackedLayout
+
+# Top-level modules that stay float32 in the mixed-precision checkpoint (the rope buffer is fp32 too, but recomputed).
+FP32_MODULES = ("proj_in", "audio_proj_in", "time_embedder", "proj_out", "audio_proj_out")
+
+# More segments than this and the per-segment loop would cost more launches than a gather costs bandwidth.
+MAX_MODULATION_RUNS = 64
+
+
+@dataclass
+class H3DiTConfig:
+    """Field names and defaults are diffusers' (= the released model)."""
+
+    num_attention_heads: int = 56
+    attention_head_dim: int = 128
+    hidden_size: int = 5376
+    num_layers: int = 50
+    num_refiner_layers: int = 2
+    ffn_dim: int = 14336
+    in_channels: int = 24
+    audio_in_channels: int = 32
+    patch_size: tuple[int, int, int] = (1, 2, 2)
+    text_dim: int = 5120
+    freq_dim: int = 256
+    time_embed_hidden_dim: int = 5376
+    time_embed_dim: int = 2688
+    rope_freq_dim: int = 16
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    qk_norm_eps: float = 1e-5
+    final_norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        self.patch_size = tuple(int(p) for p in self.patch_size)
+        if self.rotary_dim > self.attention_head_dim:
+            raise ValueError(
+                f"rope rotates 6*rope_freq_dim = {self.rotary_dim} channels per head, more than "
+                f"attention_head_dim = {self.attention_head_dim}"
+            )
+        if self.freq_dim % 2:
+            raise ValueError(f"freq_dim must be even ([cos | sin] halves), got {self.freq_dim}")
+
+    @property
+    def patch_dim(self) -> int:  # 96 = 24 channels * (1*2*2)
+        return self.in_channels * math.prod(self.patch_size)
+
+    @property
+    def inner_dim(self) -> int:  # heads * head_dim (7168 > hidden 5376 in the release)
+        return self.num_attention_heads * self.attention_head_dim
+
+    @property
+    def rotary_dim(self) -> int:  # rotated channels per head: [t | h | w] angles, twice (rotate-half)
+        return 2 * 3 * self.rope_freq_dim
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "H3DiTConfig":
+        """Build from a diffusers config dict; `_class_name`, `_diffusers_version` and other `_` keys are ignored."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(k for k in data if not k.startswith("_") and k not in known)
+        if unknown:
+            raise ValueError(f"unknown H3 transformer config keys {unknown}; known keys are {sorted(known)}")
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    @classmethod
+    def from_json(cls, path: str | PathLike) -> "H3DiTConfig":
+        with open(path, encoding="utf-8") as f:
+            return cls.from_dict(json.load(f))
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["patch_size"] = list(self.patch_size)
+        return d
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Per-forward context shared by the blocks
+
+
+@dataclass
+class BlockContext:
+    """What every block reads besides the hidden states, built once per forward.
+
+    `runs` are (start, stop, adaln_row) over the rows this context covers, adaln_row = t_idx*3 + tag; when None the
+    blocks gather per row with `adaln_rows` (S,) instead.
+    """
+
+    temb_act: torch.Tensor  # (n_t, E) silu(temb), fp32: every AdaLN projection reads it
+    cos: torch.Tensor  # (S, 3*F) activation dtype
+    sin: torch.Tensor  # (S, 3*F)
+    runs: list[tuple[int, int, int]] | None
+    adaln_rows: torch.Tensor | None  # (S,) int64 on device, gather fallback only
+
+    def shard(self, start: int, stop: int) -> "BlockContext":
+        """The context of rows [start, stop) (e.g. a sequence-parallel rank's shard), runs re-based to 0."""
+        runs = None
+        if self.runs is not None:
+            runs = [(max(a, start) - start, min(b, stop) - start, r) for a, b, r in self.runs if a < stop and b > start]
+        rows = self.adaln_rows[start:stop] if self.adaln_rows is not None else None
+        return replace(self, cos=self.cos[start:stop], sin=self.sin[start:stop], runs=runs, adaln_rows=rows)
+
+
+def _modulate_(h: torch.Tensor, shift: torch.Tensor, scale1: torch.Tensor, ctx: BlockContext) -> torch.Tensor:
+    """h <- h * scale1[row] + shift[row], in place; h (B, S, D), shift / scale1 (R, D) with scale1 = 1 + scale."""
+    if ctx.runs is not None:
+        for a, b, r in ctx.runs:
+            seg = h[:, a:b]  # (B, n, D) view
+            torch.addcmul(shift[r], seg, scale1[r], out=seg)
+        return h
+    rows = ctx.adaln_rows
+    return torch.addcmul(shift.index_select(0, rows), h, scale1.index_select(0, rows), out=h)
+
+
+def _add_gated_(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, ctx: BlockContext) -> torch.Tensor:
+    """Residual update x <- x + gate[row] * y, in place; x, y (B, S, D), gate (R, D)."""
+    if ctx.runs is not None:
+        for a, b, r in ctx.runs:
+            x[:, a:b].addcmul_(y[:, a:b], gate[r])
+        return x
+    return x.addcmul_(y, gate.index_select(0, ctx.adaln_rows))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Building blocks
+
+
+def timestep_sinusoid(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
+    """(n_t,) clean times in [0, 1], unscaled -> (n_t, dim) [cos | sin] with omega_k = max_period^(-k/(dim/2))."""
+    half = dim // 2
+    exponent = -math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half
+    angles = t[:, None].float() * torch.exp(exponent)[None, :]  # (n_t, half)
+    return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
+
+
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on the first 2*cos.shape[-1] channels of each head, in place; the rest pass through.
+
+    x (B, N, H, Dh); cos / sin (N, R/2), the angle table's first half (its second half repeats it).
+    """
+    half = cos.shape[-1]
+    x1 = x[..., :half]  # (B, N, H, R/2)
+    x2 = x[..., half : 2 * half]
+    c = cos[:, None, :]  # (N, 1, R/2) broadcast over heads
+    s = sin[:, None, :]
+    # Separate products (not addcmul) keep the rounding identical to the reference's x*cos + rotate_half(x)*sin.
+    lo = x1 * c - x2 * s
+    hi = x2 * c + x1 * s
+    x1.copy_(lo)
+    x2.copy_(hi)
+    return x
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Full bidirectional attention, no mask, scale 1/sqrt(Dh): (B, H, N, Dh) x3 -> (B, H, N, Dh)."""
+    return F.scaled_dot_product_attention(q, k, v)
+
+
+class H3RotaryEmbedding(nn.Module):
+    """3-axis RoPE angles from (t, h, w) positions; one inv_freq (fp32, recomputed, not in the state_dict)."""
+
+    def __init__(self, rope_freq_dim: int, rope_theta: float):
+        super().__init__()
+        self.rope_freq_dim, self.rope_theta = rope_freq_dim, rope_theta
+        self.register_buffer("inv_freq", self._inv_freq(None), persistent=False)
+
+    def _inv_freq(self, device) -> torch.Tensor:
+        f = self.rope_freq_dim
+        return 1.0 / (self.rope_theta ** (torch.arange(0, 2 * f, 2, dtype=torch.float32, device=device) / (2 * f)))
+
+    def reset_buffers(self) -> None:
+        """Recompute inv_freq in fp32 (after `to_empty`, or a meta construction, or a dtype cast)."""
+        device = None if self.inv_freq.is_meta else self.inv_freq.device
+        self.inv_freq = self._inv_freq(device)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(S, 3) positions -> cos, sin (S, 3*F) in `dtype`; angles in fp32 whatever the model dtype."""
+        inv_freq = self.inv_freq
+        if inv_freq.is_meta or inv_freq.dtype != torch.float32:
+            inv_freq = self._inv_freq(position_ids.device)  # a meta-built model loads no buffers
+        angles = position_ids.to(torch.float32)[:, :, None] * inv_freq.to(position_ids.device)  # (S, 3, F)
+        angles = angles.reshape(angles.shape[0], -1)  # (S, 3F): [t | h | w]
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+class H3TimeEmbedder(nn.Module):
+    """Linear -> SiLU -> Linear on the sinusoid; one embedding per distinct timestep (fp32 in the checkpoint)."""
+
+    def __init__(self, freq_dim: int, hidden_dim: int, out_dim: int):
+        super().__init__()
+        self.linear_1 = nn.Linear(freq_dim, hidden_dim)
+        self.linear_2 = nn.Linear(hidden_dim, out_dim)
+
+    def forward(self, sinusoid: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(F.silu(self.linear_1(sinusoid)))
+
+
+class H3Attention(nn.Module):
+    """Self-attention with per-head QK RMSNorm and optional partial RoPE; no biases."""
+
+    def __init__(self, hidden_size: int, heads: int, head_dim: int, qk_norm_eps: float):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        inner = heads * head_dim
+        self.to_q = nn.Linear(hidden_size, inner, bias=False)
+        self.to_k = nn.Linear(hidden_size, inner, bias=False)
+        self.to_v = nn.Linear(hidden_size, inner, bias=False)
+        self.norm_q = nn.RMSNorm(head_dim, eps=qk_norm_eps)
+        self.norm_k = nn.RMSNorm(head_dim, eps=qk_norm_eps)
+        self.to_out = nn.ModuleList([nn.Linear(inner, hidden_size, bias=False)])
+        # The one place attention happens: replace per instance (e.g. a Ulysses all-to-all around SDPA).
+        self.attention_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = sdpa_attention
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """(B, H, N, Dh) q, k, v -> (B, H, N, Dh)."""
+        return self.attention_fn(q, k, v)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        b, n, _ = x.shape  # (B, N, D)
+        q = self.norm_q(self.to_q(x).view(b, n, self.heads, self.head_dim))  # (B, N, H, Dh)
+        k = self.norm_k(self.to_k(x).view(b, n, self.heads, self.head_dim))
+        v = self.to_v(x).view(b, n, self.heads, self.head_dim)
+        if rope is not None:
+            apply_rope_(q, *rope)
+            apply_rope_(k, *rope)
+        o = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (B, H, N, Dh)
+        o = o.transpose(1, 2).reshape(b, n, self.heads * self.head_dim).to(q.dtype)  # (B, N, H*Dh)
+        return self.to_out[0](o)
+
+
+class _SwiGLUIn(nn.Module):
+    """Holds the fused [value; gate] projection under the checkpoint name `ff.net.0.proj`."""
+
+    def __init__(self, dim: int, inner: int):
+        super().__init__()
+        self.proj = nn.Linear(dim, 2 * inner, bias=False)
+
+
+class H3FeedForward(nn.Module):
+    """SwiGLU: value * silu(gate), [value; gate] halves of net.0.proj, then net.2. net.1 is a weightless slot."""
+
+    def __init__(self, dim: int, inner: int):
+        super().__init__()
+        self.net = nn.ModuleList([_SwiGLUIn(dim, inner), nn.Identity(), nn.Linear(inner, dim, bias=False)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        value, gate = self.net[0].proj(x).chunk(2, dim=-1)  # (B, N, F) each
+        return self.net[2](F.silu(gate).mul_(value))
+
+
+class H3RefinerBlock(nn.Module):
+    """Plain pre-norm block over the text only: no modulation, no RoPE."""
+
+    def __init__(self, c: H3DiTConfig):
+        super().__init__()
+        self.norm1 = nn.RMSNorm(c.hidden_size, eps=c.norm_eps)
+        self.attn = H3Attention(c.hidden_size, c.num_attention_heads, c.attention_head_dim, c.qk_norm_eps)
+        self.norm2 = nn.RMSNorm(c.hidden_size, eps=c.norm_eps)
+        self.ff = H3FeedForward(c.hidden_size, c.ffn_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.ff(self.norm2(x))
+
+
+class H3TokenRefiner(nn.Module):
+    def __init__(self, c: H3DiTConfig):
+        super().__init__()
+        self.refiner_blocks = nn.ModuleList([H3RefinerBlock(c) for _ in range(c.num_refiner_layers)])
+        self.final_norm = nn.RMSNorm(c.hidden_size, eps=c.final_norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.refiner_blocks:
+            x = block(x)
+        return self.final_norm(x)
+
+
+class H3AdaLNModulation(nn.Module):
+    """silu(temb) (n_t, E) -> table (n_t*3, 6, D): row t_idx*3 + tag; params shift/scale/gate msa, shift/scale/gate mlp."""
+
+    def __init__(self, time_embed_dim: int, hidden_size: int):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.linear = nn.Linear(time_embed_dim, NUM_TAGS * 6 * hidden_size)
+
+    def forward(self, temb_act: torch.Tensor) -> torch.Tensor:
+        # SiLU was applied at temb's fp32 precision; only its result is cast down to the projection's dtype.
+        return self.linear(temb_act.to(self.linear.weight.dtype)).view(-1, 6, self.hidden_size)
+
+
+class H3Block(nn.Module):
+    """x += gate_msa * Attn(norm1(x)*(1+scale_msa)+shift_msa); x += gate_mlp * FF(norm2(x)*(1+scale_mlp)+shift_mlp)."""
+
+    def __init__(self, c: H3DiTConfig):
+        super().__init__()
+        self.norm1 = nn.RMSNorm(c.hidden_size, eps=c.norm_eps)
+        self.attn = H3Attention(c.hidden_size, c.num_attention_heads, c.attention_head_dim, c.qk_norm_eps)
+        self.norm2 = nn.RMSNorm(c.hidden_size, eps=c.norm_eps)
+        self.ff = H3FeedForward(c.hidden_size, c.ffn_dim)
+        self.adaln_proj = H3AdaLNModulation(c.time_embed_dim, c.hidden_size)
+
+    def forward(self, x: torch.Tensor, ctx: BlockContext) -> torch.Tensor:
+        """x (B, S, D) is updated in place and returned."""
+        table = self.adaln_proj(ctx.temb_act)  # (R, 6, D), R = 3*n_t
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = table.unbind(1)  # (R, D) each
+        h = _modulate_(self.norm1(x), shift_msa, 1.0 + scale_msa, ctx)
+        _add_gated_(x, self.attn(h, (ctx.cos, ctx.sin)), gate_msa, ctx)
+        h = _modulate_(self.norm2(x), shift_mlp, 1.0 + scale_mlp, ctx)
+        _add_gated_(x, self.ff(h), gate_mlp, ctx)
+        return x
+
+
+class H3OutputNorm(nn.Module):
+    """RMSNorm then (shift, scale) chosen per timestep only (no modality index)."""
+
+    def __init__(self, hidden_size: int, time_embed_dim: int, eps: float):
+        super().__init__()
+        self.norm = nn.RMSNorm(hidden_size, eps=eps)
+        self.linear = nn.Linear(time_embed_dim, 2 * hidden_size)
+
+    def table(self, temb_act: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(n_t, E) -> shift, 1 + scale, each (n_t, D)."""
+        shift, scale = self.linear(temb_act.to(self.linear.weight.dtype)).chunk(2, dim=-1)
+        return shift, 1.0 + scale
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The model
+
+
+@dataclass
+class _RowPlan:
+    """Host-side description of one forward's rows (pure Python ints)."""
+
+    runs: list[tuple[int, int, int]] | None  # (start, stop, adaln_row) over the sequence
+    video: list[tuple[int, int, int]] | None  # (start, stop, t_idx) of the video rows, in video_indices order
+    audio: list[tuple[int, int, int]] | None
+
+
+class H3DiT(nn.Module):
+    FP32_MODULES = FP32_MODULES
+
+    def __init__(self, config: H3DiTConfig):
+        super().__init__()
+        c = self.config = config
+        # Creation order = diffusers' state_dict order, so a streamed checkpoint reads front to back.
+        self.proj_in = nn.Linear(c.patch_dim, c.hidden_size)
+        self.audio_proj_in = nn.Linear(c.audio_in_channels, c.hidden_size)
+        self.context_embedder = nn.Linear(c.text_dim, c.hidden_size)
+        self.time_embedder = H3TimeEmbedder(c.freq_dim, c.time_embed_hidden_dim, c.time_embed_dim)
+        self.rope = H3RotaryEmbedding(c.rope_freq_dim, c.rope_theta)
+        self.token_refiner = H3TokenRefiner(c)
+        self.transformer_blocks = nn.ModuleList([H3Block(c) for _ in range(c.num_layers)])
+        self.norm_out = H3OutputNorm(c.hidden_size, c.time_embed_dim, c.final_norm_eps)
+        self.proj_out = nn.Linear(c.hidden_size, c.patch_dim)
+        self.audio_proj_out = nn.Linear(c.hidden_size, c.audio_in_channels)
+
+    # -- precision ------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def is_fp32_param(name: str) -> bool:
+        """Whether a state_dict key belongs to a module the checkpoint keeps in fp32."""
+        return name.split(".", 1)[0] in FP32_MODULES
+
+    def cast(self, dtype: torch.dtype) -> "H3DiT":
+        """Cast to `dtype` (e.g. bf16) keeping FP32_MODULES and rope.inv_freq in fp32, like the released checkpoint."""
+        for name, child in self.named_children():
+            child.to(torch.float32 if name in FP32_MODULES or name == "rope" else dtype)
+        self.rope.reset_buffers()
+        return self
+
+    def init_buffers(self) -> "H3DiT":
+        """Recompute the non-persistent buffers (rope.inv_freq); call after `to_empty()`."""
+        self.rope.reset_buffers()
+        return self
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The block stack's dtype (the residual stream follows the text projection's)."""
+        return self.context_embedder.weight.dtype
+
+    # -- forward --------------------------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        video_rows: torch.Tensor,
+        audio_rows: torch.Tensor,
+        text_states: torch.Tensor,
+        timesteps: torch.Tensor,
+        timestep_indices: torch.Tensor,
+        layout: PackedLayout,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Velocities of every video and audio row.
+
+        video_rows (B, Nv, 96), audio_rows (B, Na, 32), text_states (B, L, text_dim); timesteps (n_t,) distinct clean
+        times in [0, 1]; timestep_indices (S,) into them (CPU is best: the segment plan is built on the host);
+        layout on the model's device. Returns (B, Nv, 96) and (B, Na, 32) in the heads' dtype (fp32 when cast).
+        """
+        x, ctx, plan = self.embed(video_rows, audio_rows, text_states, timesteps, timestep_indices, layout)
+        x = self.run_blocks(x, ctx)
+        return self.heads(x, ctx, plan, timestep_indices, layout)
+
+    def plan_rows(self, timestep_indices: torch.Tensor, layout: PackedLayout) -> _RowPlan:
+        """Per-segment plan; None parts mean "gather per row" (segments not uniform in timestep, or too many)."""
+        ti = timestep_indices.to("cpu", torch.long)  # one host sync per forward if the caller passed a device tensor
+        if ti.shape[0] != layout.seq_len:
+            raise ValueError(f"timestep_indices has {ti.shape[0]} rows, the layout {layout.seq_len}")
+        seg_t = []
+        for seg in layout.segments:
+            t = int(ti[seg.start])
+            if seg.stop - seg.start > 1 and not bool((ti[seg.start : seg.stop] == t).all()):
+                return _RowPlan(None, None, None)
+            seg_t.append(t)
+        runs: list[tuple[int, int, int]] = []
+        for seg, t in zip(layout.segments, seg_t):
+            row = t * NUM_TAGS + seg.tag
+            if runs and runs[-1][1] == seg.start and runs[-1][2] == row:
+                runs[-1] = (runs[-1][0], seg.stop, row)  # merge neighbours with the same modulation row
+            else:
+                runs.append((seg.start, seg.stop, row))
+        video = [(s.start, s.stop, t) for s, t in zip(layout.segments, seg_t) if s.kind in VIDEO_KINDS]
+        audio = [(s.start, s.stop, t) for s, t in zip(layout.segments, seg_t) if s.kind in AUDIO_KINDS]
+        return _RowPlan(runs if len(runs) <= MAX_MODULATION_RUNS else None, video, audio)
+
+    def embed(
+        self,
+        video_rows: torch.Tensor,
+        audio_rows: torch.Tensor,
+        text_states: torch.Tensor,
+        timesteps: torch.Tensor,
+        timestep_indices: torch.Tensor,
+        layout: PackedLayout,
+    ) -> tuple[torch.Tensor, BlockContext, _RowPlan]:
+        """Project and pack the three streams into x (B, S, D); build the per-forward block context."""
+        s, d = layout.seq_len, self.config.hidden_size
+        b = text_states.shape[0]
+        if video_rows.shape[1] != layout.num_video_rows or audio_rows.shape[1] != layout.num_audio_rows:
+            raise ValueError(
+                f"got {video_rows.shape[1]} video / {audio_rows.shape[1]} audio rows, the layout has "
+                f"{layout.num_video_rows} / {layout.num_audio_rows}"
+            )
+        text = self.token_refiner(self.context_embedder(text_states.to(self.context_embedder.weight.dtype)))
+        dtype = text.dtype  # the text stream sets the residual dtype (bf16 when cast)
+        video = self.proj_in(video_rows.to(self.proj_in.weight.dtype)).to(dtype)  # (B, Nv, D)
+        audio = self.audio_proj_in(audio_rows.to(self.audio_proj_in.weight.dtype)).to(dtype)  # (B, Na, D)
+
+        x = torch.empty(b, s, d, dtype=dtype, device=text.device)  # (B, S, D); every row is written below
+        x.index_copy_(1, layout.text_indices, text)
+        x.index_copy_(1, layout.video_indices, video)
+        x.index_copy_(1, layout.audio_indices, audio)
+
+        temb = self.time_embedder(timestep_sinusoid(timesteps, self.config.freq_dim).to(self.time_embedder.linear_1.weight.dtype))
+        cos, sin = self.rope(layout.position_ids, dtype)  # (S, 3F) each, once per forward
+        plan = self.plan_rows(timestep_indices, layout)
+        rows = None
+        if plan.runs is None:
+            rows = timestep_indices.to(x.device, torch.long) * NUM_TAGS + layout.token_tags
+        ctx = BlockContext(temb_act=F.silu(temb), cos=cos, sin=sin, runs=plan.runs, adaln_rows=rows)
+        return x, ctx, plan
+
+    def run_blocks(self, x: torch.Tensor, ctx: BlockContext) -> torch.Tensor:
+        for block in self.transformer_blocks:
+            x = block(x, ctx)
+        return x
+
+    def heads(
+        self,
+        x: torch.Tensor,
+        ctx: BlockContext,
+        plan: _RowPlan,
+        timestep_indices: torch.Tensor,
+        layout: PackedLayout,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """norm_out + proj_out on the video rows only, norm_out + audio_proj_out on the audio rows only."""
+        shift, scale1 = self.norm_out.table(ctx.temb_act)  # (n_t, D) each
+        outs = []
+        for runs, indices, proj in (
+            (plan.video, layout.video_indices, self.proj_out),
+            (plan.audio, layout.audio_indices, self.audio_proj_out),
+        ):
+            if runs is not None:
+                h = x.new_empty(x.shape[0], indices.shape[0], x.shape[2])  # (B, N_mod, D)
+                o = 0
+                for a, b, t in runs:
+                    seg = h[:, o : o + b - a]
+                    torch.addcmul(shift[t], self.norm_out.norm(x[:, a:b]), scale1[t], out=seg)
+                    o += b - a
+            else:
+                t_rows = timestep_indices.to(x.device, torch.long).index_select(0, indices)
+                h = self.norm_out.norm(x.index_select(1, indices))
+                h = torch.addcmul(shift.index_select(0, t_rows), h, scale1.index_select(0, t_rows))
+            outs.append(proj(h.to(proj.weight.dtype)))
+        return outs[0], outs[1]

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from h3serve.checkpoint import CheckpointFolder, sha256_file
+from h3serve.checkpoint import CheckpointFolder, sha256_file, write_safetensors
 from h3serve.errors import AdapterError, CheckpointError
 
 FORMAT = "fastvideo-lora-v2"
@@ -326,8 +326,6 @@ def init_adapter(
     is refused by `Adapter.open`; it exists to test that). Shapes come from the checkpoint's headers.
     Deterministic for a seed; written atomically.
     """
-    from safetensors.torch import save_file
-
     ck = CheckpointFolder(checkpoint_dir, components=[component])
     infos = ck.tensor_infos(component)
     gen = torch.Generator().manual_seed(seed)
@@ -383,7 +381,7 @@ def init_adapter(
     fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.tmp-", dir=out_path.parent)
     os.close(fd)
     try:
-        save_file(tensors, tmp, metadata=metadata)
+        write_safetensors(tmp, tensors, metadata)
         os.replace(tmp, out_path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -85,6 +85,39 @@ def sha256_file(path: str | os.PathLike, *, chunk_bytes: int = 8 << 20) -> str:
     return digest.hexdigest()
 
 
+_DTYPE_CODES = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
+
+
+def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
+                      metadata: dict[str, str] | None = None) -> None:
+    """Write a safetensors file byte-for-byte reproducibly (sorted names, sorted metadata), one tensor at a time.
+
+    `safetensors.torch.save_file` orders `__metadata__` by a hash map, so two identical saves can differ in bytes.
+    """
+    names = sorted(tensors)
+    header: dict = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(metadata[k]) for k in sorted(metadata)}
+    offset = 0
+    for name in names:
+        t = tensors[name]
+        if t.dtype not in _DTYPE_CODES:
+            raise TypeError(f"tensor '{name}': dtype {t.dtype} cannot be stored in safetensors")
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPE_CODES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for name in names:
+            t = tensors[name].detach().to("cpu").contiguous()
+            if t.numel():
+                f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
 def name_matches(name: str, patterns: Iterable[str]) -> bool:
     """Whether a tensor name falls under one of `patterns`.
 
@@ -339,6 +372,17 @@ def _open(path: Path, folder: CheckpointFolder | None = None):
         raise CheckpointError(f"{label}: not a readable safetensors file: {exc}") from exc
 
 
+def _data_offsets(path: Path) -> dict[str, int]:
+    """Tensor name -> start offset of its data, from the raw header (to read a file front to back)."""
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        return {k: int(v["data_offsets"][0]) for k, v in header.items() if k != "__metadata__"}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
 def _header_keys(path: Path, folder: CheckpointFolder | None = None) -> list[str]:
     with _open(path, folder) as f:
         return list(f.keys())
@@ -390,7 +434,7 @@ def iter_tensors(
     dtype_policy: DtypePolicyLike = None,
     names: Iterable[str] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(name, tensor)` for a component's weights, one tensor at a time, file by file.
+    """Yield `(name, tensor)` for a component's weights, one tensor at a time, file by file, in on-disk order.
 
     Single-file and sharded (`*.safetensors.index.json`) components both work. Each tensor is read on its own with
     `safe_open`, so at most one tensor (plus its cast) is alive beyond what the caller keeps. `dtype_policy` casts
@@ -411,7 +455,8 @@ def iter_tensors(
     for path in sorted(by_file):
         with _open(path, ck) as f:
             present = set(f.keys())
-            for name in sorted(by_file[path]):
+            offsets = _data_offsets(path)
+            for name in sorted(by_file[path], key=lambda n: (offsets.get(n, 0), n)):
                 if name not in present:
                     raise CheckpointError(
                         f"{ck.rel(path)}: tensor '{name}' listed in the shard index is missing from the file"

@@ -35,12 +35,13 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
 
 from h3serve import presets
-from h3serve.checkpoint import INDEX_FILE, CheckpointFolder, iter_tensors, name_matches
+from h3serve.checkpoint import INDEX_FILE, CheckpointFolder, iter_tensors, name_matches, write_safetensors
 from h3serve.errors import CheckpointError
 
 TINY_RECIPE_VERSION = 1
@@ -238,7 +239,9 @@ def build_audio_vae(seed: int):
     from diffusers import AutoencoderKLMiniMaxH3Audio
 
     torch.manual_seed(seed)
-    return AutoencoderKLMiniMaxH3Audio(**presets.TINY_AUDIO_VAE).eval()
+    with warnings.catch_warnings():  # torch's deprecation notice for the weight_norm diffusers uses
+        warnings.filterwarnings("ignore", message=".*weight_norm.*", category=FutureWarning)
+        return AutoencoderKLMiniMaxH3Audio(**presets.TINY_AUDIO_VAE).eval()
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -389,11 +392,9 @@ def release_storage_dtype(component: str, name: str) -> torch.dtype:
 
 
 def _save_shards(tensors: dict[str, torch.Tensor], folder: Path, stem: str, max_shard_bytes: int | None) -> None:
-    from safetensors.torch import save_file
-
     names = sorted(tensors)
     if max_shard_bytes is None:
-        save_file({n: tensors[n] for n in names}, str(folder / f"{stem}.safetensors"), metadata={"format": "pt"})
+        write_safetensors(folder / f"{stem}.safetensors", tensors, {"format": "pt"})
         return
     shards: list[list[str]] = [[]]
     size = 0
@@ -407,7 +408,7 @@ def _save_shards(tensors: dict[str, torch.Tensor], folder: Path, stem: str, max_
     weight_map = {}
     for i, shard in enumerate(shards):
         fname = f"{stem}-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file({n: tensors[n] for n in shard}, str(folder / fname), metadata={"format": "pt"})
+        write_safetensors(folder / fname, {n: tensors[n] for n in shard}, {"format": "pt"})
         weight_map.update({n: fname for n in shard})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     _write_json(folder / f"{stem}.safetensors.index.json", {"metadata": {"total_size": total},
@@ -470,7 +471,8 @@ def reference_pipeline(path: str | os.PathLike, workflow: str = "t2va", dtype: t
     pipe = ModularPipeline.from_pretrained(str(path), workflow=workflow)
     names = [n for n, spec in pipe._component_specs.items()
              if spec.default_creation_method == "from_pretrained" and n != "processor"]
-    with _quiet():
+    with _quiet(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*weight_norm.*", category=FutureWarning)
         pipe.load_components(names=names, dtype=dtype)
     if "processor" in pipe._component_specs:
         pipe.update_components(processor=load_processor(path))

@@ -1,0 +1,92 @@
+"""The CRD is generated from h3serve.spec; the chart ships exactly that file."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import typing
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from h3serve import spec as S
+from h3serve.operator import crd
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CHART_CRD = ROOT / "charts" / "h3serve-operator" / "crds" / "h3deployments.h3serve.io.yaml"
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+
+
+def test_chart_crd_is_the_generated_one():
+    assert CHART_CRD.read_text() == crd.to_yaml(), (
+        "regenerate: python -m h3serve.operator.crd > charts/h3serve-operator/crds/h3deployments.h3serve.io.yaml")
+
+
+def test_crd_is_a_valid_object():
+    kubernetes_validate.validate(crd.crd(), "1.37.0", strict=True)
+
+
+def test_crd_shape():
+    c = crd.crd()
+    v = c["spec"]["versions"][0]
+    assert c["spec"]["group"] == "h3serve.io" and v["name"] == "v1alpha1" and v["served"] and v["storage"]
+    assert c["spec"]["names"]["shortNames"] == ["h3d"]
+    assert v["subresources"]["status"] == {}
+    assert v["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
+    cols = [col["name"] for col in v["additionalPrinterColumns"]]
+    assert {"Profile", "Placement", "Ready", "Age"} <= set(cols)
+
+
+def _walk(cls, schema, path=""):
+    hints = typing.get_type_hints(cls)
+    props = schema["properties"]
+    assert set(props) == {f.metadata["json"] for f in dataclasses.fields(cls)}, path
+    for f in dataclasses.fields(cls):
+        sub = props[f.metadata["json"]]
+        assert sub["description"], path + f.name
+        if f.default not in (dataclasses.MISSING, None):
+            assert sub["default"] == f.default, path + f.name
+        tp, _ = S._unwrap_optional(hints[f.name])
+        if dataclasses.is_dataclass(tp):
+            _walk(tp, sub, f"{path}{f.metadata['json']}.")
+
+
+def test_schema_mirrors_every_spec_field_and_default():
+    _walk(S.H3DeploymentSpec, crd.spec_schema())
+
+
+def test_every_cel_rule_is_in_the_schema():
+    rules = []
+
+    def collect(node):
+        rules.extend(node.get("x-kubernetes-validations", []))
+        for sub in (node.get("properties") or {}).values():
+            collect(sub)
+
+    collect(crd.spec_schema())
+    assert len(rules) == len(S.CEL_RULES)
+    assert all("messageExpression" in r and r["fieldPath"].startswith(".") for r in rules)
+
+
+def _plain_jsonschema(node):
+    if isinstance(node, dict):
+        return {k: _plain_jsonschema(v) for k, v in node.items() if not k.startswith("x-kubernetes")}
+    if isinstance(node, list):
+        return [_plain_jsonschema(v) for v in node]
+    return node
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_examples_match_the_openapi_schema(path):
+    doc = yaml.safe_load(path.read_text())
+    jsonschema.validate(doc["spec"], _plain_jsonschema(crd.spec_schema()))
+
+
+def test_openapi_schema_rejects_what_the_parser_rejects():
+    bad = {"image": "i", "model": {"path": "/m"}, "placement": "spread"}
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, _plain_jsonschema(crd.spec_schema()))
+    with pytest.raises(S.SpecError):
+        S.H3DeploymentSpec.from_dict(bad)

@@ -1,0 +1,219 @@
+"""The pure renderer: golden files, `kubernetes-validate --strict` on every object, and the properties that matter.
+
+Regenerate the golden files after an intended change with:  H3SERVE_UPDATE_GOLDEN=1 pytest tests/operator/test_manifests.py
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import pathlib
+import subprocess
+import sys
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from h3serve.operator import manifests as M
+from h3serve.spec import H3DeploymentSpec, ServiceConfig, parse_and_validate
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+GOLDEN = ROOT / "tests" / "golden"
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+OWNER = {"name": "", "uid": "6f1c1a57-0000-4000-8000-000000000001"}
+K8S_VERSION = "1.37.0"
+
+
+def render_example(path: pathlib.Path, namespace: str = "h3") -> list[dict]:
+    doc = yaml.safe_load(path.read_text())
+    name = doc["metadata"]["name"]
+    spec = parse_and_validate(doc["spec"], name)
+    return M.render(spec, name, namespace, owner={**OWNER, "name": name})
+
+
+def pods(objs):
+    for o in objs:
+        if o["kind"] in ("Deployment", "StatefulSet"):
+            yield o, o["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_golden(path):
+    got = M.to_yaml(render_example(path))
+    golden = GOLDEN / f"{path.stem}.yaml"
+    if os.environ.get("H3SERVE_UPDATE_GOLDEN") or not golden.exists():
+        golden.parent.mkdir(parents=True, exist_ok=True)
+        golden.write_text(got)
+        if not os.environ.get("H3SERVE_UPDATE_GOLDEN"):
+            pytest.fail(f"wrote missing golden file {golden}; review and commit it")
+    assert got == golden.read_text(), f"{golden.name} differs; if intended, rerun with H3SERVE_UPDATE_GOLDEN=1"
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_every_object_passes_kubernetes_validate_strict(path):
+    for obj in render_example(path):
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_kubernetes_validate_cli_strict(tmp_path):
+    files = []
+    for path in EXAMPLES:
+        f = tmp_path / path.name
+        f.write_text(M.to_yaml(render_example(path)))
+        files.append(str(f))
+    exe = pathlib.Path(sys.executable).with_name("kubernetes-validate")
+    r = subprocess.run([str(exe), "--strict", "--quiet", "-k", K8S_VERSION, *files], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_render_is_deterministic_and_pure():
+    p = EXAMPLES[0]
+    a, b = render_example(p), render_example(p)
+    assert a == b
+    doc = yaml.safe_load(p.read_text())
+    spec = H3DeploymentSpec.from_dict(doc["spec"])
+    before = copy.deepcopy(spec.to_dict())
+    M.render(spec, "x", "ns")
+    assert spec.to_dict() == before
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_owner_references_labels_and_namespace_on_every_object(path):
+    name = yaml.safe_load(path.read_text())["metadata"]["name"]
+    for o in render_example(path, namespace="apps"):
+        md = o["metadata"]
+        assert md["namespace"] == "apps"
+        assert md["ownerReferences"] == [{"apiVersion": "h3serve.io/v1alpha1", "kind": "H3Deployment", "name": name,
+                                          "uid": OWNER["uid"], "controller": True, "blockOwnerDeletion": True}]
+        assert md["labels"][M.LABEL_INSTANCE] == name and md["labels"][M.LABEL_MANAGED_BY] == "h3serve-operator"
+        assert len(md["name"]) <= 63
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_pods_meet_restricted_pod_security(path):
+    for w, pod in pods(render_example(path)):
+        psc = pod["securityContext"]
+        assert psc["runAsNonRoot"] is True and psc["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert pod["automountServiceAccountToken"] is False
+        assert not pod.get("hostNetwork") and not pod.get("hostPID") and not pod.get("hostIPC")
+        for c in pod["containers"]:
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
+            assert sc["runAsNonRoot"] is True and sc["seccompProfile"] == {"type": "RuntimeDefault"}
+            assert {"startupProbe", "readinessProbe", "livenessProbe"} <= set(c)
+            assert c["startupProbe"]["grpc"]["service"] == "h3serve.startup"
+        for v in pod["volumes"]:  # restricted: only these volume types
+            assert set(v) - {"name"} <= {"configMap", "emptyDir", "persistentVolumeClaim", "secret", "projected",
+                                         "csi", "downwardAPI", "ephemeral"}
+        assert pod["terminationGracePeriodSeconds"] >= 900  # a long request drains
+
+
+def test_colocated_one_pod_per_replica_with_every_stage():
+    d = yaml.safe_load((ROOT / "examples" / "base-colocated.yaml").read_text())
+    d["spec"]["replicas"] = 3
+    spec = parse_and_validate(d["spec"], "h3")
+    objs = M.render(spec, "h3", "ns")
+    deps = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Deployment"}
+    assert set(deps) == {"h3-engine", "h3-gateway"}
+    eng = deps["h3-engine"]
+    assert eng["spec"]["replicas"] == 3
+    c = eng["spec"]["template"]["spec"]["containers"][0]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 8 == c["resources"]["requests"]["nvidia.com/gpu"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["WORLD_SIZE"] == "8" and env["MASTER_ADDR"] == "127.0.0.1" and env["RANK"] == "0"
+    assert c["command"] == ["h3serve", "serve", "engine", "--config", "/etc/h3serve/h3serve.yaml"]
+    shm = [v for v in eng["spec"]["template"]["spec"]["volumes"] if v["name"] == "dshm"][0]
+    assert shm["emptyDir"]["medium"] == "Memory"
+    assert not any(o["kind"] == "StatefulSet" for o in objs)
+    # every stage is served by the engine Service
+    cfg = ServiceConfig.from_dict(yaml.safe_load([o for o in objs if o["kind"] == "ConfigMap"][0]["data"]["h3serve.yaml"]))
+    assert set(cfg.endpoints.values()) == {"h3-engine.ns.svc:50051", "h3-gateway.ns.svc:50051"}
+
+
+def test_disaggregated_one_workload_and_service_per_stage():
+    objs = render_example(ROOT / "examples" / "base-disaggregated.yaml", "ns")
+    kinds = {(o["kind"], o["metadata"]["name"]) for o in objs}
+    for st in ("encoder", "dit", "vae", "muxer", "gateway"):
+        assert ("Deployment", f"h3-split-{st}") in kinds and ("Service", f"h3-split-{st}") in kinds
+        assert ("PodDisruptionBudget", f"h3-split-{st}") in kinds
+    gpus = {o["metadata"]["name"]: o["spec"]["template"]["spec"]["containers"][0]["resources"].get("limits", {})
+            .get("nvidia.com/gpu") for o in objs if o["kind"] == "Deployment"}
+    assert gpus == {"h3-split-encoder": 2, "h3-split-dit": 8, "h3-split-vae": 8, "h3-split-muxer": None,
+                    "h3-split-gateway": None}
+
+
+def test_gang_statefulset_headless_service_and_rank_wiring():
+    objs = render_example(ROOT / "examples" / "fasth3-disaggregated.yaml", "ns")
+    sts = [o for o in objs if o["kind"] == "StatefulSet"]
+    assert [s["metadata"]["name"] for s in sts] == ["fasth3-split-dit-0"]
+    s = sts[0]
+    assert s["spec"]["replicas"] == 2 and s["spec"]["podManagementPolicy"] == "Parallel"
+    headless = [o for o in objs if o["kind"] == "Service" and o["metadata"]["name"] == s["spec"]["serviceName"]][0]
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
+    c = s["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
+    assert env["MASTER_ADDR"] == "fasth3-split-dit-0-0.fasth3-split-dit-0.ns.svc"
+    assert env["WORLD_SIZE"] == "8" and env["NNODES"] == "2" and env["NPROC_PER_NODE"] == "4"
+    assert env["NODE_RANK"] == {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert "RANK=$((NODE_RANK * NPROC_PER_NODE))" in c["command"][2]
+    assert c["args"] == ["h3serve", "serve", "dit", "--config", "/etc/h3serve/h3serve.yaml"]
+    # the stage Service reaches gang leaders only (ordinal 0)
+    svc = [o for o in objs if o["kind"] == "Service" and o["metadata"]["name"] == "fasth3-split-dit"][0]
+    assert svc["spec"]["selector"][M.LABEL_POD_INDEX] == "0"
+
+
+def test_gang_shell_computes_the_rank():
+    objs = render_example(ROOT / "examples" / "fasth3-disaggregated.yaml", "ns")
+    c = [o for o in objs if o["kind"] == "StatefulSet"][0]["spec"]["template"]["spec"]["containers"][0]
+    argv = c["command"] + ["sh", "-c", 'echo "$RANK"']  # the container's args replaced by a probe
+    r = subprocess.run(argv, env={"NODE_RANK": "1", "NPROC_PER_NODE": "4", "PATH": os.environ["PATH"]},
+                       capture_output=True, text=True)
+    assert r.stdout.strip() == "4", r.stderr
+
+
+def test_scaling_gangs_adds_statefulsets():
+    d = yaml.safe_load((ROOT / "examples" / "fasth3-disaggregated.yaml").read_text())
+    d["spec"]["dit"]["replicas"] = 3
+    objs = M.render(parse_and_validate(d["spec"], "f"), "f", "ns")
+    assert [o["metadata"]["name"] for o in objs if o["kind"] == "StatefulSet"] == ["f-dit-0", "f-dit-1", "f-dit-2"]
+
+
+def test_network_policies_expose_only_the_gateway():
+    objs = render_example(ROOT / "examples" / "base-disaggregated.yaml", "ns")
+    nps = {o["metadata"]["name"]: o["spec"] for o in objs if o["kind"] == "NetworkPolicy"}
+    stages, gw = nps["h3-split-stages"], nps["h3-split-gateway"]
+    assert stages["ingress"] == [{"from": [{"podSelector": {"matchLabels": {
+        M.LABEL_NAME: "h3serve", M.LABEL_INSTANCE: "h3-split"}}}]}]
+    assert {"key": M.LABEL_COMPONENT, "operator": "NotIn", "values": ["gateway"]} in \
+        stages["podSelector"]["matchExpressions"]
+    open_rule = [r for r in gw["ingress"] if "from" not in r][0]
+    assert sorted(p["port"] for p in open_rule["ports"]) == [8000, 50051]
+
+
+def test_config_change_rolls_pods():
+    d = yaml.safe_load((ROOT / "examples" / "base-colocated.yaml").read_text())
+    a = M.render(parse_and_validate(d["spec"], "h3"), "h3", "ns")
+    d["spec"]["muxer"]["workers"] = 3
+    b = M.render(parse_and_validate(d["spec"], "h3"), "h3", "ns")
+    h = lambda objs: [o["spec"]["template"]["metadata"]["annotations"][M.ANN_CONFIG_HASH]  # noqa: E731
+                      for o in objs if o["kind"] == "Deployment"]
+    assert all(x != y for x, y in zip(h(a), h(b)))
+
+
+def test_cli_render(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "h3serve.operator.cli", "render", "-f",
+                        str(ROOT / "examples" / "fasth3-colocated.yaml"), "-n", "apps", "--crd"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    docs = list(yaml.safe_load_all(r.stdout))
+    assert docs[0]["kind"] == "CustomResourceDefinition"
+    assert all(d["metadata"].get("namespace") == "apps" for d in docs[1:])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"apiVersion": "h3serve.io/v1alpha1", "kind": "H3Deployment",
+                                   "metadata": {"name": "b"}, "spec": {"image": "i", "model": {"path": "/m"},
+                                                                       "dit": {"ulysses": 3}}}))
+    r = subprocess.run([sys.executable, "-m", "h3serve.operator.cli", "render", "-f", str(bad)],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "dit.ulysses x dit.ring = 3 must divide" in r.stderr and not r.stdout

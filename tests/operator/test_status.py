@@ -1,0 +1,150 @@
+"""The pure status computation."""
+
+from __future__ import annotations
+
+import pathlib
+
+import yaml
+
+from h3serve.operator import manifests as M
+from h3serve.operator import status as S
+from h3serve.spec import parse_and_validate
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
+
+
+def spec_of(example: str):
+    d = yaml.safe_load((ROOT / "examples" / f"{example}.yaml").read_text())
+    return d["metadata"]["name"], parse_and_validate(d["spec"], d["metadata"]["name"])
+
+
+def live(spec, name, ready: bool = True, generation: int = 1, observed: int = 1, missing=(), overrides=None):
+    """Workload objects as the API server returns them (status filled in)."""
+    out = []
+    for o in M.render(spec, name, "ns"):
+        if o["kind"] not in ("Deployment", "StatefulSet") or o["metadata"]["name"] in missing:
+            continue
+        n = o["spec"]["replicas"]
+        o["metadata"]["generation"] = generation
+        st = {"observedGeneration": observed, "replicas": n, "updatedReplicas": n,
+              "readyReplicas": n if ready else 0, "availableReplicas": n if ready else 0}
+        if o["kind"] == "StatefulSet":
+            st.update(currentRevision="r1", updateRevision="r1")
+        st.update((overrides or {}).get(o["metadata"]["name"], {}))
+        o["status"] = st
+        out.append(o)
+    return out
+
+
+def cond(status, t):
+    return next(c for c in status["conditions"] if c["type"] == t)
+
+
+def compute(name, spec, workloads, previous=None, issues=(), now=T0, generation=1, apply_error=None):
+    return S.compute(name=name, namespace="ns", generation=generation, spec=spec, issues=list(issues),
+                     workloads=workloads, previous=previous, now=now, apply_error=apply_error)
+
+
+def test_all_ready():
+    name, spec = spec_of("base-disaggregated")
+    st = compute(name, spec, live(spec, name))
+    assert cond(st, "Ready")["status"] == "True" and cond(st, "Ready")["reason"] == "AllStagesReady"
+    assert cond(st, "Progressing")["status"] == "False" and cond(st, "Progressing")["reason"] == "RolloutComplete"
+    assert cond(st, "Degraded")["status"] == "False" and cond(st, "SpecValid")["status"] == "True"
+    assert st["stages"] == {"encoder": {"ready": 1, "desired": 1}, "dit": {"ready": 1, "desired": 1},
+                            "vae": {"ready": 1, "desired": 1}, "muxer": {"ready": 1, "desired": 1},
+                            "gateway": {"ready": 2, "desired": 2}}
+    assert st["endpoint"] == {"grpc": "h3-split-gateway.ns.svc:50051", "http": "http://h3-split-gateway.ns.svc:8000"}
+    assert st["observedGeneration"] == 1 and st["summary"] == "5/5" and st["replicas"] == 1
+    assert st["selector"] == "app.kubernetes.io/name=h3serve,app.kubernetes.io/instance=h3-split,app.kubernetes.io/component=dit"
+
+
+def test_colocated_stages_report_the_engine():
+    name, spec = spec_of("base-colocated")
+    st = compute(name, spec, live(spec, name, ready=False))
+    assert set(st["stages"]) == {"encoder", "dit", "vae", "muxer", "gateway"}
+    assert st["stages"]["dit"] == {"ready": 0, "desired": 1}
+    assert cond(st, "Ready")["reason"] == "StagesNotReady"
+    assert cond(st, "Progressing")["reason"] == "RollingOut"
+    assert "engine" in st["selector"]
+
+
+def test_missing_children_mean_progressing():
+    name, spec = spec_of("base-disaggregated")
+    st = compute(name, spec, live(spec, name, missing={"h3-split-vae"}))
+    assert cond(st, "Progressing")["status"] == "True" and "h3-split-vae" in cond(st, "Progressing")["message"]
+    assert st["stages"]["vae"] == {"ready": 0, "desired": 1}
+    assert "vae 0/1" in cond(st, "Ready")["message"]
+
+
+def test_new_generation_not_yet_observed_is_progressing():
+    name, spec = spec_of("base-disaggregated")
+    st = compute(name, spec, live(spec, name, generation=2, observed=1), generation=2)
+    assert cond(st, "Progressing")["status"] == "True"
+    assert all(c["observedGeneration"] == 2 for c in st["conditions"])
+
+
+def test_lost_pods_after_rollout_is_degraded():
+    name, spec = spec_of("base-disaggregated")
+    # a finished rollout (updated, available) whose pod went unready later
+    w = live(spec, name, overrides={"h3-split-dit": {"readyReplicas": 0}})
+    st = compute(name, spec, w)
+    assert cond(st, "Ready")["status"] == "False"
+    assert cond(st, "Degraded")["status"] == "True" and cond(st, "Degraded")["reason"] == "StagesUnavailable"
+
+
+def test_stalled_rollout_is_degraded():
+    name, spec = spec_of("base-disaggregated")
+    w = live(spec, name, ready=False, overrides={"h3-split-dit": {"conditions": [
+        {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded"}]}})
+    st = compute(name, spec, w)
+    assert cond(st, "Degraded")["reason"] == "RolloutStalled"
+
+
+def test_gang_counts_once_when_all_pods_ready():
+    name, spec = spec_of("fasth3-disaggregated")
+    st = compute(name, spec, live(spec, name, overrides={"fasth3-split-dit-0": {"readyReplicas": 1}}))
+    assert st["stages"]["dit"] == {"ready": 0, "desired": 1}
+    st = compute(name, spec, live(spec, name))
+    assert st["stages"]["dit"] == {"ready": 1, "desired": 1}
+    assert cond(st, "Ready")["status"] == "True"
+
+
+def test_invalid_spec_keeps_children_and_says_why():
+    name, spec = spec_of("base-disaggregated")
+    w = live(spec, name)
+    issues = [("spec.dit.ulysses", "dit.ulysses x dit.ring = 3 must divide the DiT's 56 attention heads")]
+    st = compute(name, None, w, issues=issues, generation=2)
+    assert cond(st, "SpecValid") == {"type": "SpecValid", "status": "False", "reason": "InvalidSpec",
+                                     "message": "spec.dit.ulysses: dit.ulysses x dit.ring = 3 must divide the DiT's "
+                                                "56 attention heads", "observedGeneration": 2,
+                                     "lastTransitionTime": T0}
+    assert cond(st, "Progressing")["reason"] == "InvalidSpec"
+    assert cond(st, "Ready")["status"] == "True"  # the previous workloads still serve
+    st = compute(name, None, [], issues=issues)
+    assert cond(st, "Ready")["reason"] == "InvalidSpec" and st["stages"] == {}
+
+
+def test_apply_error_is_degraded():
+    name, spec = spec_of("base-colocated")
+    st = compute(name, spec, [], apply_error="Deployment/h3-base-engine: forbidden")
+    assert cond(st, "Degraded")["reason"] == "ApplyFailed" and "forbidden" in cond(st, "Degraded")["message"]
+
+
+def test_transition_times_only_move_on_change():
+    name, spec = spec_of("base-colocated")
+    a = compute(name, spec, live(spec, name, ready=False), now=T0)
+    b = compute(name, spec, live(spec, name, ready=False), previous=a, now=T1)
+    assert S.same(a, b) and cond(b, "Ready")["lastTransitionTime"] == T0
+    c = compute(name, spec, live(spec, name), previous=b, now=T1)
+    assert not S.same(b, c)
+    assert cond(c, "Ready")["lastTransitionTime"] == T1 and cond(c, "SpecValid")["lastTransitionTime"] == T0
+
+
+def test_scaled_to_zero():
+    d = yaml.safe_load((ROOT / "examples" / "base-colocated.yaml").read_text())
+    d["spec"]["replicas"] = 0
+    spec = parse_and_validate(d["spec"], "h3")
+    st = compute("h3", spec, live(spec, "h3"))
+    assert cond(st, "Ready")["reason"] == "ScaledToZero"

@@ -1,0 +1,222 @@
+"""The typed H3Deployment spec: parsing, defaults, and validation messages that say what to change."""
+
+from __future__ import annotations
+
+import copy
+import pathlib
+
+import pytest
+import yaml
+
+from h3serve.spec import (
+    CEL_RULES, DIT_SP_CHOICES, ENCODER_TP_CHOICES, H3DeploymentSpec, ServiceConfig, SpecError, parse_and_validate,
+    validate,
+)
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+SHA = "4ce198c83132251b7fd0de2503823aa49c53983f068318f66cb19eaefb7fcc12"
+
+
+def base(**over) -> dict:
+    d = {"image": "img:1", "model": {"path": "/models/MiniMax-H3",
+                                     "volume": {"persistentVolumeClaim": {"claimName": "w"}}}}
+    for k, v in over.items():
+        d[k] = v
+    return d
+
+
+def messages(d: dict, name: str | None = "h3") -> list[str]:
+    return [m for _, m in validate(H3DeploymentSpec.from_dict(d), name)]
+
+
+def fields(d: dict) -> list[str]:
+    return [f for f, _ in validate(H3DeploymentSpec.from_dict(d), "h3")]
+
+
+def test_defaults_and_round_trip():
+    s = H3DeploymentSpec.from_dict(base())
+    assert (s.profile, s.placement, s.transport, s.gpus_per_node, s.gpu_resource_name) == \
+        ("base", "colocated", "grpc", 8, "nvidia.com/gpu")
+    assert (s.encoder.tensor_parallel, s.dit.ulysses, s.dit.ring, s.vae.patch_parallel) == (1, 1, 1, 1)
+    assert s.stage_replicas("dit") == 1 and s.gateway.replicas == 2 and s.model.mount_path == "/models"
+    assert validate(s, "h3") == []
+    again = H3DeploymentSpec.from_dict(s.to_dict())
+    assert again == s
+    assert "replicas" not in s.to_dict()  # unset optionals stay unset (the CRD's /scale sees no default)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_examples_are_valid(path):
+    doc = yaml.safe_load(path.read_text())
+    spec = parse_and_validate(doc["spec"], doc["metadata"]["name"])
+    assert spec.profile in ("base", "fasth3") and spec.placement in ("colocated", "disaggregated")
+
+
+def test_examples_cover_each_profile_and_placement():
+    seen = {(yaml.safe_load(p.read_text())["spec"]["profile"], yaml.safe_load(p.read_text())["spec"]["placement"])
+            for p in EXAMPLES}
+    assert seen == {(p, q) for p in ("base", "fasth3") for q in ("colocated", "disaggregated")}
+
+
+@pytest.mark.parametrize("tp", range(1, 65))
+def test_encoder_tp_divides_64_heads_and_8_kv_heads(tp):
+    d = base(placement="disaggregated", encoder={"tensorParallel": tp})
+    msgs = messages(d)
+    if 64 % tp == 0 and 8 % tp == 0:
+        assert not any("encoder.tensorParallel" in m for m in msgs)
+    else:
+        assert f"encoder.tensorParallel={tp} must divide the encoder's 64 query heads and 8 KV heads: use 1, 2, 4 or 8" in msgs
+    assert ENCODER_TP_CHOICES == (1, 2, 4, 8)
+
+
+@pytest.mark.parametrize("u,r", [(u, r) for u in (1, 2, 3, 4, 7, 8, 14) for r in (1, 2, 4, 5)])
+def test_dit_ulysses_times_ring_divides_56_heads(u, r):
+    d = base(placement="disaggregated", gpusPerNode=64, dit={"ulysses": u, "ring": r})
+    msgs = messages(d)
+    bad = [m for m in msgs if "56 attention heads" in m]
+    if 56 % (u * r) == 0:
+        assert not bad
+    else:
+        assert bad == [f"dit.ulysses x dit.ring = {u * r} must divide the DiT's 56 attention heads: make the product "
+                       f"one of 1, 2, 4, 7, 8, 14, 28 or 56"]
+    assert DIT_SP_CHOICES == (1, 2, 4, 7, 8, 14, 28, 56)
+
+
+def test_dit_gpus_must_equal_the_group():
+    assert "spec.dit.gpus" not in fields(base(dit={"ulysses": 4, "ring": 2, "gpus": 8}))
+    msgs = messages(base(dit={"ulysses": 4, "ring": 1, "gpus": 8}))
+    assert ("dit.gpus=8 must equal dit.ulysses x dit.ring = 4 (one GPU per sequence-parallel rank): change the "
+            "degrees or drop dit.gpus") in msgs
+
+
+@pytest.mark.parametrize("pp,ok", [(1, True), (8, True), (2, False), (4, False), (16, False)])
+def test_vae_pp_is_one_or_the_whole_dit_group(pp, ok):
+    d = base(placement="disaggregated", dit={"ulysses": 8}, vae={"patchParallel": pp})
+    msgs = messages(d)
+    want = f"vae.patchParallel={pp} must be 1 or the whole DiT group (dit.ulysses x dit.ring = 8)"
+    assert (want not in msgs) if ok else (want in msgs)
+
+
+def test_fasth3_needs_an_adapter_with_a_checksum():
+    need = ("profile fasth3 needs model.adapter with path and sha256 (the FastH3 4-step adapter file and its "
+            "checksum)")
+    assert need in messages(base(profile="fasth3"))
+    m = base(profile="fasth3")
+    m["model"]["adapter"] = {"path": "/models/a.safetensors"}
+    assert need in messages(m)
+    m["model"]["adapter"]["sha256"] = SHA
+    assert messages(m) == []
+
+
+def test_fasth3_refuses_offload_and_request_lora():
+    m = base(profile="fasth3")
+    m["model"].update(adapter={"path": "/models/a.safetensors", "sha256": SHA}, offload=True, allowRequestLora=True)
+    msgs = messages(m)
+    assert ("profile fasth3 refuses model.offload: set model.offload to false (FastH3 keeps the fused weights on "
+            "the GPU)") in msgs
+    assert any(x.startswith("profile fasth3 refuses per-request LoRA") for x in msgs)
+    m["profile"] = "base"
+    assert messages(m) == []  # the base profile may offload and take request LoRAs
+
+
+def test_replicas_belong_to_their_placement():
+    assert "spec.replicas" in fields(base(placement="disaggregated", replicas=2))
+    assert "spec.placement" in fields(base(placement="colocated", dit={"replicas": 2}))
+    assert fields(base(placement="colocated", replicas=3)) == []
+    s = H3DeploymentSpec.from_dict(base(placement="disaggregated", dit={"replicas": 3}))
+    assert s.stage_replicas("dit") == 3 and s.stage_replicas("encoder") == 1
+
+
+def test_colocated_encoder_fits_the_replica_gpus():
+    msgs = messages(base(encoder={"tensorParallel": 8}, dit={"ulysses": 4}))
+    assert "encoder.tensorParallel=8 must divide the 4 GPUs of a colocated replica (dit.ulysses x dit.ring)" in msgs
+    assert messages(base(encoder={"tensorParallel": 4}, dit={"ulysses": 8})) == []
+
+
+def test_stage_larger_than_a_node_spans_whole_nodes():
+    msgs = messages(base(placement="disaggregated", gpusPerNode=4, dit={"ulysses": 7, "ring": 2}))
+    assert ("dit needs 14 GPUs, more than gpusPerNode=4: a stage larger than a node must span whole nodes (a multiple "
+            "of gpusPerNode)") in msgs
+    assert messages(base(placement="disaggregated", gpusPerNode=4, dit={"ulysses": 4, "ring": 2})) == []
+    assert messages(base(placement="disaggregated", gpusPerNode=4, encoder={"tensorParallel": 8})) == []
+
+
+def test_model_paths_inside_the_mount():
+    d = base()
+    d["model"]["path"] = "/weights/H3"
+    assert "model.path /weights/H3 must be inside model.mountPath /models, where model.volume is mounted" in messages(d)
+    d["model"].pop("volume")
+    assert messages(d) == []  # weights baked into the image: any path
+
+
+def test_unknown_fields_and_types_are_named():
+    with pytest.raises(SpecError) as e:
+        H3DeploymentSpec.from_dict({"image": "i", "model": {"path": "/m"}, "dit": {"ulyses": 2, "ring": "2"},
+                                    "placement": "spread"})
+    text = str(e.value)
+    assert "unknown field spec.dit.ulyses (did you mean ulysses?)" in text
+    assert "spec.dit.ring must be an integer" in text
+    assert "spec.placement='spread' must be one of colocated, disaggregated" in text
+    with pytest.raises(SpecError, match="spec.image is required"):
+        H3DeploymentSpec.from_dict({"model": {"path": "/m"}})
+
+
+def test_operator_only_rules():
+    d = base(dit={"resources": {"limits": {"nvidia.com/gpu": 8}}})
+    assert ("remove nvidia.com/gpu from dit.resources.limits: the operator sets the GPU count from the stage's "
+            "parallel sizes") in messages(d)
+    d = base()
+    d["model"]["volume"] = {"persistentVolumeClaim": {"claimName": "a"}, "nfs": {"server": "x", "path": "/"}}
+    assert any(m.startswith("model.volume must name exactly one volume source") for m in messages(d))
+    d = base(encoder={"resources": {"requests": {"cpu": "lots"}}})
+    assert "'lots' is not a Kubernetes quantity (e.g. 4, 500m, 64Gi)" in messages(d)
+
+
+@pytest.mark.parametrize("name,ok", [("h3", True), ("a" * 40, True), ("a" * 41, False), ("H3", False),
+                                     ("3h", False), ("h3-", False)])
+def test_names(name, ok):
+    assert (messages(base(), name) == []) == ok
+
+
+def test_every_cel_rule_has_a_python_twin():
+    # Each CEL rule must fire in Python for at least one spec of this table, with a message naming its field.
+    bad_specs = [
+        base(placement="disaggregated", encoder={"tensorParallel": 3}),
+        base(dit={"ulysses": 3}),
+        base(dit={"gpus": 2}),
+        base(vae={"patchParallel": 2}, dit={"ulysses": 4}),
+        base(profile="fasth3"),
+        base(profile="fasth3", model={"path": "/m", "offload": True}),
+        base(profile="fasth3", model={"path": "/m", "allowRequestLora": True}),
+        base(placement="disaggregated", replicas=1),
+        base(vae={"replicas": 1}),
+        base(encoder={"tensorParallel": 2}),
+        base(gpusPerNode=4, dit={"ulysses": 7, "ring": 2}),
+        base(placement="disaggregated", gpusPerNode=3, encoder={"tensorParallel": 4}, dit={"ulysses": 7}),
+        base(model={"path": "/x", "volume": {"emptyDir": {}}}),
+        base(model={"path": "/models/x", "volume": {"emptyDir": {}}, "adapter": {"path": "/y", "sha256": SHA}}),
+    ]
+    fired = set()
+    for d in bad_specs:
+        fired |= set(fields(copy.deepcopy(d)))
+    wanted = {("spec." + ".".join(x for x in (r["location"], r["field_path"].lstrip(".")) if x)) for r in CEL_RULES}
+    assert wanted <= fired, wanted - fired
+
+
+def test_service_config_round_trip():
+    s = H3DeploymentSpec.from_dict(base())
+    c = ServiceConfig(name="h3", namespace="ns", spec=s, endpoints={"dit": "h3-engine.ns.svc:50051"})
+    d = c.to_dict()
+    assert ServiceConfig.from_dict(d) == c
+    assert d["ports"]["grpc"] == 50051 and d["health"]["startup"] == "h3serve.startup"
+
+
+def test_spec_module_imports_no_serving_stack():
+    import subprocess
+    import sys
+
+    code = ("import sys, h3serve.spec; bad = [m for m in ('kopf', 'grpc', 'av', 'torch', 'kubernetes') "
+            "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr

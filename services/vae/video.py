@@ -87,8 +87,9 @@ def plan_windows(num_latents: int, *, clip_length: int = 17, token_drop: int = 3
 
 
 def to_uint8(frames: torch.Tensor) -> torch.Tensor:
-    """[0, 1] float frames → uint8 with the reference's rounding, ``(x * 255).round()``, on the frames' device."""
-    return (frames.float() * 255).round().to(torch.uint8)
+    """[0, 1] float frames → uint8 with the reference's rounding, ``(x * 255).round()`` (half to even), on the
+    frames' device; the result is contiguous (for (F, H, W, 3) frames: packed rgb24)."""
+    return (frames.float() * 255).round().to(torch.uint8).contiguous()
 
 
 def _pil_or_array_to_uint8(image) -> np.ndarray:
@@ -197,7 +198,8 @@ class VideoVAE:
             if overlap is not None:
                 main = blend(overlap, main, plan.overlap_frames, dim=-3)
             if plan.overlap_frames:
-                overlap = clip[:, :, chunk_frames:2 * chunk_frames][:, :, plan.frame_pre_padding:]
+                # keep only the 5 overlap frames alive, not the whole 28-frame window
+                overlap = clip[:, :, chunk_frames:2 * chunk_frames][:, :, plan.frame_pre_padding:].clone()
             out = self._postprocess(main)[:remaining]
             remaining -= out.shape[0]
             if out.shape[0]:

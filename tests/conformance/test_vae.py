@@ -22,13 +22,8 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 # ---------------------------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def ckpt(request, tmp_path_factory) -> Path:
-    try:
-        return Path(request.getfixturevalue("tiny_checkpoint"))
-    except pytest.FixtureLookupError:
-        from h3serve.tiny import init_tiny_checkpoint
-
-        return init_tiny_checkpoint(tmp_path_factory.getbasetemp() / "h3-tiny-seed0", seed=0)
+def ckpt(tiny_checkpoint) -> Path:
+    return Path(tiny_checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +171,7 @@ def test_encode_video_reference_matches_encode_vae_condition(ref_vae, vae):
     assert (ours - ref).abs().max().item() <= 1e-5
 
 
-def test_bf16_load_keeps_reference_dtype_policy(ckpt):
+def test_bf16_load_and_decode_follow_reference_dtype_policy(ckpt):
     from diffusers import AutoencoderKLMiniMaxH3
 
     ours = VideoVAE.load(ckpt, dtype=torch.bfloat16).model
@@ -185,6 +180,14 @@ def test_bf16_load_keeps_reference_dtype_policy(ckpt):
     assert {n: p.dtype for n, p in ours.named_parameters()} == ref_dtypes
     assert ref_dtypes["encoder.conv_in.weight"] == torch.float32
     assert ref_dtypes["decoder.proj_out.weight"] == torch.bfloat16
+    # bf16 decode (bf16 tile / temporal blends, fp32 post-processing) equals the bf16 reference pipeline
+    from diffusers.modular_pipelines.minimax_h3.decoders import MiniMaxH3VideoDecodeStep
+
+    latents = torch.randn(1, 24, 12, 20, 6, generator=torch.Generator().manual_seed(9))  # 320x96 px, padded T
+    expected = _block_pipeline(MiniMaxH3VideoDecodeStep(), vae=ref)(latents=latents, output_type="np").get("videos")
+    got = VideoVAE(ours).decode_float(latents)
+    assert got.shape == expected[0].shape == (39, 320, 96, 3)
+    assert (got - torch.from_numpy(expected[0])).abs().max().item() <= 1e-4
 
 
 # ---------------------------------------------------------------------------------------------------- audio

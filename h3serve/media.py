@@ -115,6 +115,15 @@ def probe_mp4(path_or_bytes: Any) -> MediaReport:
                     stds.append(max(0.0, squares / count - mean * mean) ** 0.5)
             video_std = float(max(stds))
         rate = (video.average_rate or video.guessed_rate) if video is not None else None
+        video_seconds = audio_seconds = None
+        if video is not None:
+            video_seconds = _seconds(video)
+            if video_seconds is None and rate:
+                video_seconds = frames / float(rate)
+        if audio is not None:
+            audio_seconds = _seconds(audio)
+            if audio_seconds is None:
+                audio_seconds = samples / audio.codec_context.sample_rate
         return MediaReport(
             source="pyav", bytes=size,
             video_codec=video.codec_context.name if video is not None else None,
@@ -123,14 +132,12 @@ def probe_mp4(path_or_bytes: Any) -> MediaReport:
             height=video.codec_context.height if video is not None else None,
             frames=frames,
             fps=float(rate) if rate else None,
-            video_seconds=(_seconds(video) if _seconds(video) is not None else (frames / float(rate) if rate else None))
-            if video is not None else None,
+            video_seconds=video_seconds,
             audio_codec=audio.codec_context.name if audio is not None else None,
             sample_rate=audio.codec_context.sample_rate if audio is not None else None,
             channels=audio.codec_context.channels if audio is not None else None,
             audio_samples=samples,
-            audio_seconds=(_seconds(audio) if _seconds(audio) is not None else samples / audio.codec_context.sample_rate)
-            if audio is not None else None,
+            audio_seconds=audio_seconds,
             video_std=video_std,
             audio_rms=(audio_sq / audio_count) ** 0.5 if audio_count else (0.0 if audio is not None else None),
         )
@@ -174,8 +181,9 @@ def ffprobe_report(path_or_bytes: Any, *, timeout: float = 120.0) -> MediaReport
         return float(s["duration"]) if s and s.get("duration") not in (None, "N/A") else None
 
     audio_samples = 0
-    if audio is not None and audio.get("duration_ts") is not None and audio.get("time_base") == f"1/{audio.get('sample_rate')}":
-        audio_samples = int(audio["duration_ts"])
+    if audio is not None and audio.get("duration_ts") is not None \
+            and audio.get("time_base") == f"1/{audio.get('sample_rate')}":
+        audio_samples = int(audio["duration_ts"])   # the edit-list trimmed length, in samples
     return MediaReport(
         source="ffprobe", bytes=os.path.getsize(path),
         video_codec=video.get("codec_name") if video else None,

@@ -89,6 +89,16 @@ def audio_latents_for_frames(num_frames: int, fps: int = FPS) -> int:
     return int(round(num_frames / fps * AUDIO_LATENTS_PER_SECOND))
 
 
+# The reference pipeline (diffusers) refuses an *aligned* duration outside [5, 15] s: 124..345 frames. Requests of
+# 4..4.9 s (107 frames) and of 14.4..15 s (362 frames) are served by h3serve but cannot be compared against it.
+REFERENCE_DURATION = (5.0, 15.0)
+
+
+def within_reference_duration(num_frames: int, fps: int = FPS) -> bool:
+    """Whether the reference pipeline accepts this aligned frame count (5 s <= F/24 <= 15 s: 124..345 frames)."""
+    return REFERENCE_DURATION[0] <= num_frames / fps <= REFERENCE_DURATION[1]
+
+
 class Canvas(NamedTuple):
     width: int
     height: int
@@ -362,7 +372,8 @@ def _reference(index: int, item: Any) -> ReferenceSpec:
         unknown = set(item) - {"kind", "path", "fps", "sample_rate"}
         if unknown:
             raise RequestError(name, _brief(dict(item)),
-                               f"{where}: unknown keys {sorted(map(str, unknown))}; allowed kind, path, fps, sample_rate")
+                               f"{where}: unknown keys {sorted(map(str, unknown))}; "
+                               "allowed kind, path, fps, sample_rate")
         kind, path = item.get("kind"), item.get("path")
         fps, sample_rate = item.get("fps"), item.get("sample_rate")
     elif isinstance(item, (str, os.PathLike)):
@@ -519,7 +530,8 @@ def validate_request(**raw: Any) -> GenerationRequest:
             raise RequestError("references", None, "task ref2va needs 1..12 references")
         references = _check_references(get("references"))
     elif get("references") is not None:
-        raise RequestError("references", _brief(get("references")), f"references are for task ref2va only (task is {task})")
+        raise RequestError("references", _brief(get("references")),
+                           f"references are for task ref2va only (task is {task})")
 
     # canvas
     width, height = get("width"), get("height")

@@ -11,12 +11,12 @@ from hypothesis import strategies as st
 from h3serve.errors import ProfileError, RequestError
 from h3serve.request import (
     CANVAS_MAX_PIXELS,
-    RAW_FIELDS,
     Canvas,
     GenerationRequest,
     ReferenceSpec,
     audio_latents_for_frames,
     canvas_for_aspect,
+    within_reference_duration,
     frames_for_seconds,
     num_frames_to_latents,
     validate_request,
@@ -87,7 +87,8 @@ def test_num_frames_to_latents_rejects_unaligned():
 @pytest.mark.parametrize(
     "aspect, canvas",
     [((16, 9), (1344, 768)), ("9:16", (768, 1344)), (1.0, (768, 768)), ("4:3", (1024, 768)),
-     ((4, 1), (2016, 512)), ("1:4", (512, 2016)), ((9, 5), (1376, 768)), ((300, 200), (1152, 768)), ((200, 400), (704, 1440))],
+     ((4, 1), (2016, 512)), ("1:4", (512, 2016)), ((9, 5), (1376, 768)), ((300, 200), (1152, 768)),
+     ((200, 400), (704, 1440))],
 )
 def test_canvas_for_aspect(aspect, canvas):
     assert canvas_for_aspect(aspect) == Canvas(*canvas)
@@ -101,6 +102,11 @@ def test_canvas_matches_reference_resolve_canvas_size():
                 continue
             ref_h, ref_w = reference.resolve_canvas_size(w, h, 32, 768, 768 * 1344)
             assert canvas_for_aspect((w, h)) == (ref_w, ref_h), (w, h)
+    pipeline = reference.MiniMaxH3ModularPipeline
+    low, high = pipeline.min_duration.fget(None), pipeline.max_duration.fget(None)
+    for frames in (107, 124, 243, 345, 362):
+        assert within_reference_duration(frames) == (low <= frames / 24 <= high), frames
+    assert [within_reference_duration(f) for f in (107, 124, 345, 362)] == [False, True, True, False]
     for requested in range(96, 361):
         assert frames_for_seconds(requested / 24) == reference.align_num_frames(requested, 17, 5)
         frames = reference.align_num_frames(requested, 17, 5)

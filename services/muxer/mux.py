@@ -183,7 +183,8 @@ class Mp4Writer:
     """Streams uint8 frames and float PCM into an MP4 (H.264 yuv420p + AAC-LC).
 
     dst: a path (written via a temporary file beside it, renamed on success) or a writable binary file object
-    (written via a temporary file, copied into it on success).
+    (written via a temporary file in tmp_dir, copied into it on success; nothing is written to it before).
+    Not thread-safe: one writer per output, fed from one thread.
     width/height: even; fps: 24 for H3; sample_rate/channels: 32000/2 for H3.
     crf/preset/threads/thread_type: x264 settings; the output bytes depend on them (threads is fixed, never
     'auto', so that the bytes do not depend on the machine's core count).
@@ -199,6 +200,8 @@ class Mp4Writer:
             raise ValueError(f"channels must be 1 or 2, got {channels}")
         if threads < 1:
             raise ValueError("threads must be >= 1 (a fixed count keeps the output byte-stable)")
+        if thread_type not in ("frame", "slice"):
+            raise ValueError(f"thread_type must be 'frame' or 'slice', got {thread_type!r}")
         self.width, self.height, self.fps = int(width), int(height), int(fps)
         self.sample_rate, self.channels = int(sample_rate), int(channels)
         self._dst_path: str | None = None
@@ -214,7 +217,11 @@ class Mp4Writer:
         container_options = {"fflags": "+bitexact"}
         if faststart:
             container_options["movflags"] = "+faststart"
-        self._container = av.open(self._tmp_path, "w", format="mp4", options=container_options)
+        try:
+            self._container = av.open(self._tmp_path, "w", format="mp4", options=container_options)
+        except BaseException:
+            os.unlink(self._tmp_path)
+            raise
         self._finalizer = weakref.finalize(self, _cleanup, self._container, self._tmp_path)
         try:
             video_options = {"crf": str(crf), "preset": preset}

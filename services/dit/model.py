@@ -194,9 +194,10 @@ class H3RotaryEmbedding(nn.Module):
         f = self.rope_freq_dim
         return 1.0 / (self.rope_theta ** (torch.arange(0, 2 * f, 2, dtype=torch.float32, device=device) / (2 * f)))
 
-    def reset_buffers(self) -> None:
-        """Recompute inv_freq in fp32 (after `to_empty`, or a meta construction, or a dtype cast)."""
-        device = None if self.inv_freq.is_meta else self.inv_freq.device
+    def reset_buffers(self, device: torch.device | str | None = None) -> None:
+        """Recompute inv_freq in fp32 (after `to_empty`, a meta construction or a dtype cast), on `device` if given."""
+        if device is None:
+            device = None if self.inv_freq.is_meta else self.inv_freq.device
         self.inv_freq = self._inv_freq(device)
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -395,9 +396,9 @@ class H3DiT(nn.Module):
         self.rope.reset_buffers()
         return self
 
-    def init_buffers(self) -> "H3DiT":
-        """Recompute the non-persistent buffers (rope.inv_freq); call after `to_empty()`."""
-        self.rope.reset_buffers()
+    def init_buffers(self, device: torch.device | str | None = None) -> "H3DiT":
+        """Recompute the non-persistent buffers (rope.inv_freq); call after `to_empty()` or a meta-device load."""
+        self.rope.reset_buffers(device)
         return self
 
     @property

@@ -1,0 +1,331 @@
+"""The embedded pipeline: encoder -> DiT -> VAE -> muxer in one process, the same stage engines the services run.
+
+    request ──► TextEncoder.encode ──► DiTEngine.generate ──► VideoVAE.iter_decode ──► Mp4Writer (own thread)
+                 (+ keyframes / refs      (+ progress per step)    clip by clip ───────►  encodes while the
+                  through the VAE encoder)                         AudioVAE.decode ───►  next clip decodes
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from h3serve.errors import CheckpointError, H3Error, ProfileError
+from h3serve.request import GenerationRequest
+
+log = logging.getLogger("h3serve.pipeline")
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+SAMPLE_RATE = 32000
+
+
+@dataclass
+class Latents:
+    video: torch.Tensor  # (1, 24, T, h, w) float32, normalized
+    audio: torch.Tensor  # (2, 32, A) float32, normalized
+    timings: dict = field(default_factory=dict)
+
+
+@dataclass
+class GenerationResult:
+    path: Path
+    num_frames: int
+    size: str
+    bytes: int
+    timings: dict
+
+
+def pick_device(device: str | None) -> torch.device:
+    if device:
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise H3Error(f"device={device!r} requested but no CUDA device is available; use --device cpu")
+        return dev
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _read_wav_32k(path: str, max_samples: int) -> torch.Tensor:
+    """An audio reference as (2, N) float32 at 32 kHz, truncated to the generated duration (mono duplicated)."""
+    import av
+    import numpy as np
+
+    try:
+        with av.open(path) as container:
+            stream = next(s for s in container.streams if s.type == "audio")
+            rate = stream.codec_context.sample_rate
+            if rate != SAMPLE_RATE:
+                raise H3Error(f"references: audio {path} is {rate} Hz; h3serve takes 32000 Hz audio references")
+            chunks = [f.to_ndarray() for f in container.decode(stream)]
+            fmt = stream.codec_context.format
+    except StopIteration:
+        raise H3Error(f"references: {path} has no audio stream") from None
+    except av.error.FFmpegError as exc:
+        raise H3Error(f"references: cannot decode audio {path}: {exc}") from None
+    pcm = np.concatenate(chunks, axis=1) if fmt.is_planar else np.concatenate(chunks, axis=1).reshape(
+        -1, stream.codec_context.channels).T
+    pcm = pcm.astype(np.float32)
+    if fmt.name.startswith("s16"):
+        pcm /= 32768.0
+    elif fmt.name.startswith("s32"):
+        pcm /= 2147483648.0
+    if pcm.shape[0] == 1:
+        pcm = np.concatenate([pcm, pcm])
+    return torch.from_numpy(np.ascontiguousarray(pcm[:2, :max_samples]))
+
+
+class _MuxThread:
+    """Runs the MP4 writer on its own thread so x264 encodes one clip while the VAE decodes the next."""
+
+    def __init__(self, writer, depth: int = 2):
+        self.writer = writer
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.error: BaseException | None = None
+        self.busy = 0.0
+        self.thread = threading.Thread(target=self._run, name="h3serve-mux", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            if self.error is not None:
+                continue  # drain: the producer learns of the error on its next put
+            kind, payload = item
+            t0 = time.perf_counter()
+            try:
+                if kind == "frames":
+                    self.writer.add_frames(payload)
+                else:
+                    self.writer.add_audio(payload)
+            except BaseException as exc:  # noqa: BLE001 - reported to the producer
+                self.error = exc
+            self.busy += time.perf_counter() - t0
+
+    def put(self, kind: str, payload) -> None:
+        if self.error is not None:
+            raise self.error
+        self.queue.put((kind, payload))
+
+    def finish(self) -> None:
+        self.queue.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+class Pipeline:
+    """All stages of one replica in this process. Build with `Pipeline.load`."""
+
+    def __init__(self, *, checkpoint: Path, profile: str, dtype: str, device: torch.device, encoder, dit,
+                 video_vae, audio_vae, load_seconds: float):
+        self.checkpoint = checkpoint
+        self.profile = profile
+        self.dtype = dtype
+        self.device = device
+        self.encoder = encoder
+        self.dit = dit
+        self.video_vae = video_vae
+        self.audio_vae = audio_vae
+        self.load_seconds = load_seconds
+
+    @classmethod
+    def load(
+        cls,
+        checkpoint: str | Path,
+        *,
+        profile: str = "base",
+        adapter: str | None = None,
+        adapter_sha256: str | None = None,
+        dtype: str = "fp32",
+        device: str | None = None,
+        tasks: Sequence[str] = ("t2va",),
+    ) -> "Pipeline":
+        from h3serve.adapter import Adapter
+        from h3serve.checkpoint import CheckpointFolder
+        from h3serve.services.dit.engine import COMPONENT_FOR_TASK, DiTEngine
+        from h3serve.services.encoder.model import TextEncoder
+        from h3serve.services.vae.audio import AudioVAE
+        from h3serve.services.vae.video import VideoVAE
+
+        t0 = time.perf_counter()
+        if dtype not in DTYPES:
+            raise H3Error(f"dtype={dtype!r} is invalid: one of {', '.join(DTYPES)}")
+        if profile not in ("base", "fasth3"):
+            raise ProfileError(f"profile={profile!r} is invalid: base or fasth3")
+        if profile == "fasth3":
+            if not adapter or not adapter_sha256:
+                raise ProfileError("profile=fasth3 needs the FastH3 adapter file and its sha256")
+            if set(tasks) - {"t2va"}:
+                raise ProfileError(f"profile=fasth3 serves t2va only, not {sorted(set(tasks) - {'t2va'})}")
+        elif adapter:
+            raise ProfileError("an adapter is only fused for profile=fasth3 (per-request LoRA is not supported)")
+        root = Path(checkpoint)
+        if not root.is_dir():
+            raise CheckpointError(f"checkpoint folder {root} does not exist")
+        CheckpointFolder(root)  # fails early, naming what is missing
+        dev = pick_device(device)
+        torch_dtype = DTYPES[dtype]
+
+        fused = Adapter.open(adapter, adapter_sha256) if profile == "fasth3" else None
+        components = sorted({COMPONENT_FOR_TASK[t] for t in tasks})
+        dit = DiTEngine.load(root, components=components, dtype=torch_dtype, device=dev, profile=profile,
+                             adapter=fused)
+        if fused is not None:
+            fused.close()
+        encoder = TextEncoder.load(root, dtype=torch_dtype, device=dev)
+        video_vae = VideoVAE.load(root, dtype=torch_dtype, device=dev)
+        audio_vae = AudioVAE.load(root, dtype=torch.float32, device=dev)
+        _sync(dev)
+        return cls(checkpoint=root, profile=profile, dtype=dtype, device=dev, encoder=encoder, dit=dit,
+                   video_vae=video_vae, audio_vae=audio_vae, load_seconds=time.perf_counter() - t0)
+
+    # -- stages -------------------------------------------------------------------------------------------------
+
+    def _conditions(self, req: GenerationRequest):
+        """Encoder inputs and DiT conditions for fl2va / ref2va (images resized, encoded by the VAE encoder)."""
+        from PIL import Image
+
+        from h3serve.services.dit.layout import AudioRef, ImageRef
+        from h3serve.services.encoder import presentation as pres
+
+        images, refs, cond_latents, layout_refs, ref_audio, anchors = [], None, [], [], [], ()
+        if req.task == "fl2va":
+            anchors = tuple(a for a, p in (("first", req.first_image), ("last", req.last_image)) if p)
+            for anchor in anchors:
+                path = req.first_image if anchor == "first" else req.last_image
+                img = Image.open(path).convert("RGB")
+                resize = pres.resize_keyframe_last if (anchor == "last" and req.first_image) \
+                    else pres.resize_keyframe_first
+                img = resize(img, req.height, req.width)
+                images.append(img)
+                cond_latents.append(self.video_vae.encode_keyframe(img))
+        elif req.task == "ref2va":
+            refs = []
+            max_samples = round(req.num_frames / req.fps * SAMPLE_RATE)
+            for spec in req.references:
+                if spec.kind == "image":
+                    img = pres.resize_reference_image(Image.open(spec.path).convert("RGB"))
+                    z = self.video_vae.encode_keyframe(img)
+                    refs.append(pres.Reference(kind="image", image=img))
+                    cond_latents.append(z)
+                    layout_refs.append(ImageRef(latent_h=int(z.shape[-2]), latent_w=int(z.shape[-1])))
+                elif spec.kind == "audio":
+                    rows = self.audio_vae.encode_reference(_read_wav_32k(spec.path, max_samples).to(self.device))
+                    refs.append(pres.Reference(kind="audio", has_audio=True))
+                    ref_audio.append(rows)
+                    layout_refs.append(AudioRef(audio_latents=int(rows.shape[0]) // 2))
+                else:
+                    raise H3Error(f"references: kind={spec.kind!r} is not supported here (image or audio); video "
+                                  "references need Qwen3-VL's video processor")
+        return images, refs, cond_latents, layout_refs, ref_audio, anchors
+
+    def generate_latents(self, req: GenerationRequest, *, progress: bool | Callable[[int, int], None] = False,
+                         should_stop: Callable[[], bool] | None = None) -> Latents:
+        from h3serve.services.dit.engine import DiTRequest
+
+        if req.profile != self.profile:
+            raise ProfileError(f"this pipeline is loaded for profile={self.profile!r}, the request asks "
+                               f"{req.profile!r}")
+        timings = {}
+        t0 = time.perf_counter()
+        images, refs, cond_latents, layout_refs, ref_audio, anchors = self._conditions(req)
+        encoded = self.encoder.encode(req.prompt, images=images, task=req.task, references=refs)
+        _sync(self.device)
+        timings["encoder_s"] = time.perf_counter() - t0
+
+        bar = None
+        if progress is True:
+            from tqdm import tqdm
+
+            bar = tqdm(total=req.num_forwards, desc="denoise", unit="step", leave=False)
+            on_step = lambda done, total: bar.update(1)  # noqa: E731
+        else:
+            on_step = progress or None
+        t1 = time.perf_counter()
+        try:
+            result = self.dit.generate(
+                DiTRequest(
+                    text_states=encoded.states, text_tags=encoded.tags, latent_frames=req.latent_frames,
+                    latent_h=req.latent_height, latent_w=req.latent_width, audio_latents=req.audio_latents,
+                    seed=req.seed, task=req.task, profile=req.profile,
+                    steps=None if req.profile == "fasth3" else req.steps, anchors=anchors,
+                    condition_latents=cond_latents, references=layout_refs, reference_audio_rows=ref_audio,
+                ),
+                on_step=on_step, should_stop=should_stop,
+            )
+        finally:
+            if bar is not None:
+                bar.close()
+        timings["dit_s"] = time.perf_counter() - t1
+        timings["dit_steps"] = result.steps
+        return Latents(video=result.video, audio=result.audio, timings=timings)
+
+    def decode_video_float(self, video: torch.Tensor) -> torch.Tensor:
+        """(1, 24, T, h, w) -> (F, H, W, 3) float32 in [0, 1] on the CPU (conformance path)."""
+        return self.video_vae.decode_float(video.to(self.device)).float().cpu()
+
+    def decode_audio(self, audio: torch.Tensor) -> torch.Tensor:
+        """(2, 32, A) -> (2, A*800) float32 PCM in [-1, 1] on the CPU."""
+        return self.audio_vae.decode(audio.to(self.device)).float().cpu()
+
+    def write_mp4(self, req: GenerationRequest, latents: Latents, out_path: str | Path) -> dict:
+        """Decode clip by clip into the MP4 writer (encoding overlaps decoding); audio last. Returns timings."""
+        from h3serve.services.muxer.mux import Mp4Writer
+
+        t0 = time.perf_counter()
+        timings = {}
+        frames = 0
+        with Mp4Writer(out_path, req.width, req.height, fps=req.fps, sample_rate=SAMPLE_RATE) as writer:
+            mux = _MuxThread(writer)
+            try:
+                for clip in self.video_vae.iter_decode(latents.video.to(self.device)):
+                    frames += int(clip.shape[0])
+                    mux.put("frames", clip.cpu())
+                timings["vae_video_s"] = time.perf_counter() - t0
+                t1 = time.perf_counter()
+                pcm = self.decode_audio(latents.audio)
+                timings["vae_audio_s"] = time.perf_counter() - t1
+                mux.put("audio", pcm.numpy())
+                t2 = time.perf_counter()
+            finally:
+                mux.finish()
+            stats = writer.close()
+        if frames != req.num_frames:
+            raise H3Error(f"internal: decoded {frames} frames, expected {req.num_frames}")
+        timings["mux_tail_s"] = time.perf_counter() - t2  # encoding left after the last decode
+        timings["mux_busy_s"] = mux.busy
+        timings["vae_s"] = timings["vae_video_s"] + timings["vae_audio_s"]
+        timings["pcm_samples"] = int(pcm.shape[-1])
+        timings["mp4_bytes"] = int(getattr(stats, "bytes", 0) or Path(out_path).stat().st_size)
+        return timings
+
+    def generate(self, req: GenerationRequest, out_path: str | Path, *,
+                 progress: bool | Callable[[int, int], None] = False,
+                 should_stop: Callable[[], bool] | None = None) -> GenerationResult:
+        t0 = time.perf_counter()
+        out_path = Path(out_path)
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        latents = self.generate_latents(req, progress=progress, should_stop=should_stop)
+        tail = self.write_mp4(req, latents, out_path)
+        t_client = time.perf_counter() - t0
+        t_video = req.num_frames / req.fps
+        t_audio = tail.pop("pcm_samples") / SAMPLE_RATE
+        t_media = max(t_video, t_audio)
+        timings = {**latents.timings, **tail, "t_client": t_client, "t_media": t_media,
+                   "rtf_client": t_client / t_media}
+        size = out_path.stat().st_size
+        return GenerationResult(path=out_path, num_frames=req.num_frames, size=f"{req.width}x{req.height}",
+                                bytes=size, timings=timings)

@@ -1,0 +1,114 @@
+"""The embedded pipeline against diffusers' MiniMaxH3ModularPipeline on the same tiny checkpoint and seed (fp32).
+
+Final video + audio latents of T2VA (base), FL2VA (first + last keyframe) and FastH3 within 1e-4, and decoded
+frames within 1e-4.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from h3serve.request import validate_request
+
+STEPS = 4  # grid points incl. the terminal 0 -> 3 forwards; enough to exercise every schedule path
+W, H = 320, 256  # deliberately non-square: two VAE tiles across the width
+
+
+def reference_pipeline(ckpt, workflow):
+    from h3serve.tiny import reference_pipeline as build
+
+    return build(ckpt, workflow=workflow)
+
+
+def reference_fuse_into(transformer, adapter_path):
+    """W + B.A + diff, b + diff_b in fp32, written independently of h3serve.adapter."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(adapter_path))
+    params = dict(transformer.named_parameters())
+    modules = {k.rsplit(".lora_A.weight", 1)[0] for k in tensors if k.endswith(".lora_A.weight")}
+    modules |= {k[: -len(".diff")] for k in tensors if k.endswith(".diff")}
+    modules |= {k[: -len(".diff_b")] for k in tensors if k.endswith(".diff_b")}
+    with torch.no_grad():
+        for m in modules:
+            w = params[f"{m}.weight"]
+            delta = torch.zeros_like(w, dtype=torch.float32)
+            if f"{m}.lora_A.weight" in tensors:
+                delta += tensors[f"{m}.lora_B.weight"].float() @ tensors[f"{m}.lora_A.weight"].float()
+            if f"{m}.diff" in tensors:
+                delta += tensors[f"{m}.diff"].float()
+            w.copy_((w.float() + delta).to(w.dtype))
+            if f"{m}.diff_b" in tensors:
+                b = params[f"{m}.bias"]
+                b.copy_((b.float() + tensors[f"{m}.diff_b"].float()).to(b.dtype))
+
+
+def run_reference(pipe, **kwargs):
+    out = pipe(num_frames=124, height=H, width=W, generator=torch.Generator("cpu").manual_seed(7),
+               output_type="np", output=["latents", "audio_latents", "videos", "audio"], **kwargs)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ours_base(tiny_checkpoint):
+    from h3serve.pipeline import Pipeline
+
+    return Pipeline.load(tiny_checkpoint, profile="base", dtype="fp32", device="cpu", tasks=("t2va", "fl2va"))
+
+
+def _request(**kw):
+    base = dict(prompt="a kite over the sea at dusk", seconds=5, size=f"{W}x{H}", seed=7, steps=STEPS)
+    base.update(kw)
+    return validate_request(**base)
+
+
+def test_t2va_latents_and_frames_match_reference(tiny_checkpoint, ours_base):
+    ref = run_reference(reference_pipeline(tiny_checkpoint, "t2va"), prompt="a kite over the sea at dusk",
+                        num_inference_steps=STEPS)
+    req = _request()
+    lat = ours_base.generate_latents(req)
+    assert lat.video.shape == ref["latents"].shape
+    torch.testing.assert_close(lat.video, ref["latents"], atol=1e-4, rtol=0)
+    torch.testing.assert_close(lat.audio, ref["audio_latents"], atol=1e-4, rtol=0)
+    frames = ours_base.decode_video_float(lat.video)          # (F, H, W, 3) in [0, 1]
+    ref_frames = torch.as_tensor(np.asarray(ref["videos"][0]))
+    assert frames.shape == ref_frames.shape == (124, H, W, 3)
+    assert (frames - ref_frames).abs().max().item() <= 1e-4
+    pcm = ours_base.decode_audio(lat.audio)                   # (2, N)
+    torch.testing.assert_close(pcm, ref["audio"][0].float(), atol=1e-4, rtol=0)
+
+
+def test_fl2va_latents_match_reference(tiny_checkpoint, ours_base, tmp_path):
+    rng = np.random.default_rng(3)
+    first = Image.fromarray(rng.integers(0, 255, (H, W, 3), dtype=np.uint8))
+    last = Image.fromarray(rng.integers(0, 255, (200, 300, 3), dtype=np.uint8))  # other aspect: cover-cropped
+    first.save(tmp_path / "first.png")
+    last.save(tmp_path / "last.png")
+    ref = run_reference(reference_pipeline(tiny_checkpoint, "fl2va"), prompt="a kite over the sea at dusk",
+                        image=first, last_image=last, num_inference_steps=STEPS)
+    req = _request(task="fl2va", first_image=str(tmp_path / "first.png"), last_image=str(tmp_path / "last.png"))
+    lat = ours_base.generate_latents(req)
+    torch.testing.assert_close(lat.video, ref["latents"], atol=1e-4, rtol=0)
+    torch.testing.assert_close(lat.audio, ref["audio_latents"], atol=1e-4, rtol=0)
+
+
+def test_fasth3_latents_match_reference(tiny_checkpoint, tiny_adapter):
+    from h3serve.pipeline import Pipeline
+    from h3serve.services.dit.scheduler import fasth3_grid
+
+    adapter_path, sha = tiny_adapter.path, tiny_adapter.sha256
+    ours = Pipeline.load(tiny_checkpoint, profile="fasth3", adapter=adapter_path, adapter_sha256=sha,
+                         dtype="fp32", device="cpu", tasks=("t2va",))
+    pipe = reference_pipeline(tiny_checkpoint, "t2va")
+    reference_fuse_into(pipe.transformer, adapter_path)  # independent W + B.A + diff
+    for sched, shift in ((pipe.scheduler, 12.0), (pipe.audio_scheduler, 3.0)):
+        sigmas = fasth3_grid(shift)
+        original = sched.set_timesteps
+        sched.set_timesteps = lambda n=None, device=None, _o=original, _s=sigmas: _o(sigmas=_s, device=device)
+    ref = run_reference(pipe, prompt="a kite over the sea at dusk", num_inference_steps=5)
+    lat = ours.generate_latents(_request(profile="fasth3", steps=None))
+    torch.testing.assert_close(lat.video, ref["latents"], atol=1e-4, rtol=0)
+    torch.testing.assert_close(lat.audio, ref["audio_latents"], atol=1e-4, rtol=0)

@@ -46,11 +46,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from h3serve.request import validate_request
 
     t0 = time.perf_counter()
-    request = validate_request(
-        prompt=args.prompt, seconds=args.seconds, size=args.size, seed=args.seed, task=args.task,
-        profile=args.profile, steps=args.steps, dtype=args.dtype, first_image=args.first_image,
-        last_image=args.last_image, references=args.reference,
-    )
+    raw = dict(prompt=args.prompt, seconds=args.seconds, size=args.size, seed=args.seed, task=args.task,
+               profile=args.profile, steps=args.steps, dtype=args.dtype, first_image=args.first_image,
+               last_image=args.last_image, references=args.reference or None)
+    request = validate_request(**{k: v for k, v in raw.items() if v is not None})
     if args.profile == "fasth3" and not (args.adapter and args.adapter_sha256):
         raise H3Error("profile=fasth3 needs --adapter FILE and --adapter-sha256 HEX (the fused FastH3 adapter)")
     if args.adapter and args.profile != "fasth3":

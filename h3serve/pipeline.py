@@ -56,33 +56,33 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _read_wav_32k(path: str, max_samples: int) -> torch.Tensor:
-    """An audio reference as (2, N) float32 at 32 kHz, truncated to the generated duration (mono duplicated)."""
+def _read_audio_32k(path: str, max_samples: int) -> torch.Tensor:
+    """An audio reference as (2, N) float32 at 32 kHz, truncated to the generated duration (mono duplicated).
+
+    Samples are converted to planar float by FFmpeg's resampler at the file's own rate and layout (a format change
+    only); other rates are refused rather than resampled differently from the reference.
+    """
     import av
-    import numpy as np
 
     try:
         with av.open(path) as container:
-            stream = next(s for s in container.streams if s.type == "audio")
-            rate = stream.codec_context.sample_rate
+            if not container.streams.audio:
+                raise H3Error(f"references: {path} has no audio stream")
+            stream = container.streams.audio[0]
+            rate = int(stream.codec_context.sample_rate)
             if rate != SAMPLE_RATE:
-                raise H3Error(f"references: audio {path} is {rate} Hz; h3serve takes 32000 Hz audio references")
-            chunks = [f.to_ndarray() for f in container.decode(stream)]
-            fmt = stream.codec_context.format
-    except StopIteration:
-        raise H3Error(f"references: {path} has no audio stream") from None
+                raise H3Error(f"references: audio {path} is {rate} Hz; audio references must be 32000 Hz")
+            resampler = av.audio.resampler.AudioResampler(format="fltp", layout=stream.layout, rate=rate)
+            chunks = [torch.from_numpy(r.to_ndarray()) for f in container.decode(stream) for r in resampler.resample(f)]
+            chunks += [torch.from_numpy(r.to_ndarray()) for r in resampler.resample(None)]
     except av.error.FFmpegError as exc:
         raise H3Error(f"references: cannot decode audio {path}: {exc}") from None
-    pcm = np.concatenate(chunks, axis=1) if fmt.is_planar else np.concatenate(chunks, axis=1).reshape(
-        -1, stream.codec_context.channels).T
-    pcm = pcm.astype(np.float32)
-    if fmt.name.startswith("s16"):
-        pcm /= 32768.0
-    elif fmt.name.startswith("s32"):
-        pcm /= 2147483648.0
+    pcm = torch.cat(chunks, dim=-1).to(torch.float32)[:, :max_samples]
     if pcm.shape[0] == 1:
-        pcm = np.concatenate([pcm, pcm])
-    return torch.from_numpy(np.ascontiguousarray(pcm[:2, :max_samples]))
+        pcm = pcm.repeat(2, 1)
+    if pcm.shape[0] != 2:
+        raise H3Error(f"references: audio {path} has {pcm.shape[0]} channels; mono or stereo only")
+    return pcm.contiguous()
 
 
 class _MuxThread:
@@ -214,7 +214,7 @@ class Pipeline:
                 cond_latents.append(self.video_vae.encode_keyframe(img))
         elif req.task == "ref2va":
             refs = []
-            max_samples = round(req.num_frames / req.fps * SAMPLE_RATE)
+            max_samples = int(req.num_frames / req.fps * SAMPLE_RATE)  # as the reference truncates
             for spec in req.references:
                 if spec.kind == "image":
                     img = pres.resize_reference_image(Image.open(spec.path).convert("RGB"))
@@ -223,7 +223,7 @@ class Pipeline:
                     cond_latents.append(z)
                     layout_refs.append(ImageRef(latent_h=int(z.shape[-2]), latent_w=int(z.shape[-1])))
                 elif spec.kind == "audio":
-                    rows = self.audio_vae.encode_reference(_read_wav_32k(spec.path, max_samples).to(self.device))
+                    rows = self.audio_vae.encode_reference(_read_audio_32k(spec.path, max_samples).to(self.device))
                     refs.append(pres.Reference(kind="audio", has_audio=True))
                     ref_audio.append(rows)
                     layout_refs.append(AudioRef(audio_latents=int(rows.shape[0]) // 2))

@@ -112,3 +112,42 @@ def test_fasth3_latents_match_reference(tiny_checkpoint, tiny_adapter):
     lat = ours.generate_latents(_request(profile="fasth3", steps=None))
     torch.testing.assert_close(lat.video, ref["latents"], atol=1e-4, rtol=0)
     torch.testing.assert_close(lat.audio, ref["audio_latents"], atol=1e-4, rtol=0)
+
+
+def _write_wav(path, pcm, rate=32000):
+    """(C, N) float in [-1, 1] -> 16-bit PCM WAV, with PyAV."""
+    import av
+
+    data = (np.clip(pcm, -1, 1) * 32767).astype(np.int16)
+    with av.open(str(path), "w", format="wav") as out:
+        stream = out.add_stream("pcm_s16le", rate=rate, layout="stereo" if data.shape[0] == 2 else "mono")
+        frame = av.AudioFrame.from_ndarray(data.T.reshape(1, -1).copy(), format="s16",
+                                           layout="stereo" if data.shape[0] == 2 else "mono")
+        frame.sample_rate = rate
+        for packet in stream.encode(frame):
+            out.mux(packet)
+        for packet in stream.encode(None):
+            out.mux(packet)
+
+
+def test_ref2va_latents_match_reference(tiny_checkpoint, tmp_path):
+    """An image reference (encoded at its own 2048-short-edge canvas) and a mono 32 kHz voice reference."""
+    from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3AudioReference, MiniMaxH3ImageReference
+
+    from h3serve.pipeline import Pipeline
+
+    rng = np.random.default_rng(5)
+    Image.fromarray(rng.integers(0, 255, (64, 96, 3), dtype=np.uint8)).save(tmp_path / "subject.png")
+    t = np.arange(int(1.3 * 32000)) / 32000
+    _write_wav(tmp_path / "voice.wav", (0.3 * np.sin(2 * np.pi * 220 * t))[None])
+
+    refs = [MiniMaxH3ImageReference.from_file(str(tmp_path / "subject.png")),
+            MiniMaxH3AudioReference.from_file(str(tmp_path / "voice.wav"))]
+    ref = run_reference(reference_pipeline(tiny_checkpoint, "ref2va"), prompt="the subject sings",
+                        references=refs, num_inference_steps=3)
+    ours = Pipeline.load(tiny_checkpoint, dtype="fp32", device="cpu", tasks=("ref2va",))
+    req = _request(prompt="the subject sings", task="ref2va", steps=3,
+                   references=[f"image:{tmp_path / 'subject.png'}", f"audio:{tmp_path / 'voice.wav'}"])
+    lat = ours.generate_latents(req)
+    torch.testing.assert_close(lat.video, ref["latents"], atol=1e-4, rtol=0)
+    torch.testing.assert_close(lat.audio, ref["audio_latents"], atol=1e-4, rtol=0)

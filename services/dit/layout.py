@@ -92,7 +92,7 @@ Reference = ImageRef | AudioRef | VideoRef
 # The layout
 
 
-@dataclass
+@dataclass(eq=False)
 class PackedLayout:
     """Structure of one packed sequence; every batch item shares it.
 
@@ -166,7 +166,8 @@ class PackedLayout:
             cursor = seg.stop
         if cursor != s:
             raise ValueError(f"segments end at {cursor}, the sequence at {s}")
-        for name, kinds, idx in (("video", VIDEO_KINDS, self.video_indices), ("audio", AUDIO_KINDS, self.audio_indices)):
+        checks = (("video", VIDEO_KINDS, self.video_indices), ("audio", AUDIO_KINDS, self.audio_indices))
+        for name, kinds, idx in checks:
             count = sum(len(seg) for seg in self.segments if seg.kind in kinds)
             if count != idx.shape[0]:
                 raise ValueError(f"{name} segments hold {count} rows, {name}_indices {idx.shape[0]}")

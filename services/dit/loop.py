@@ -70,7 +70,8 @@ def noise_condition_rows(
     rows = []
     for z in condition_latents:
         noise = _randn(tuple(z.shape), generator, device)
-        rows.append(patchify(FlowSchedule.add_noise(z.to(device=noise.device, dtype=torch.float32), noise, t), patch_size))
+        noised = FlowSchedule.add_noise(z.to(device=noise.device, dtype=torch.float32), noise, t)
+        rows.append(patchify(noised, patch_size))  # mixing before patchify is the same: patchify only permutes
     if not rows:
         return torch.zeros(0, 24 * patch_size[0] * patch_size[1] * patch_size[2], device=device)
     return torch.cat(rows)

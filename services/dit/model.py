@@ -303,7 +303,10 @@ class H3TokenRefiner(nn.Module):
 
 
 class H3AdaLNModulation(nn.Module):
-    """silu(temb) (n_t, E) -> table (n_t*3, 6, D): row t_idx*3 + tag; params shift/scale/gate msa, shift/scale/gate mlp."""
+    """silu(temb) (n_t, E) -> table (n_t*3, 6, D), row t_idx*3 + tag.
+
+    The 6 params: shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp.
+    """
 
     def __init__(self, time_embed_dim: int, hidden_size: int):
         super().__init__()
@@ -421,8 +424,12 @@ class H3DiT(nn.Module):
 
         video_rows (B, Nv, 96), audio_rows (B, Na, 32), text_states (B, L, text_dim); timesteps (n_t,) distinct clean
         times in [0, 1]; timestep_indices (S,) into them (CPU is best: the segment plan is built on the host);
-        layout on the model's device. Returns (B, Nv, 96) and (B, Na, 32) in the heads' dtype (fp32 when cast).
+        layout ideally already on the model's device (it is moved otherwise).
+        Returns (B, Nv, 96) and (B, Na, 32) in the heads' dtype (fp32 when cast).
         """
+        device = self.context_embedder.weight.device
+        layout = layout.to(device)  # no-op when the caller already moved it (the loop does, once)
+        timesteps = timesteps.to(device)
         x, ctx, plan = self.embed(video_rows, audio_rows, text_states, timesteps, timestep_indices, layout)
         x = self.run_blocks(x, ctx)
         return self.heads(x, ctx, plan, timestep_indices, layout)
@@ -476,7 +483,8 @@ class H3DiT(nn.Module):
         x.index_copy_(1, layout.video_indices, video)
         x.index_copy_(1, layout.audio_indices, audio)
 
-        temb = self.time_embedder(timestep_sinusoid(timesteps, self.config.freq_dim).to(self.time_embedder.linear_1.weight.dtype))
+        sinusoid = timestep_sinusoid(timesteps, self.config.freq_dim)  # (n_t, freq_dim) fp32
+        temb = self.time_embedder(sinusoid.to(self.time_embedder.linear_1.weight.dtype))  # (n_t, E)
         cos, sin = self.rope(layout.position_ids, dtype)  # (S, 3F) each, once per forward
         plan = self.plan_rows(timestep_indices, layout)
         rows = None

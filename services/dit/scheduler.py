@@ -19,7 +19,8 @@ from h3serve.errors import ProfileError
 
 VIDEO_SHIFT = 12.0
 AUDIO_SHIFT = 3.0
-# FastH3's DMD2 rungs [999, 749, 500, 250] on a 1000-step clock, plus the terminal 0, as pre-shift positions (§4.2 (a)).
+# FastH3's DMD2 rungs [999, 749, 500, 250] on a 1000-step clock plus the terminal 0, as pre-shift positions
+# (H3_REFERENCE §4.2, convention (a)).
 FASTH3_POSITIONS = (0.999, 0.749, 0.5, 0.25, 0.0)
 FASTH3_NUM_POINTS = len(FASTH3_POSITIONS)
 
@@ -55,7 +56,7 @@ def fasth3_grid(shift: float) -> torch.Tensor:
     return shift_sigmas(torch.tensor(FASTH3_POSITIONS, dtype=torch.float64), float(shift)).to(torch.float32)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class FlowSchedule:
     """A strictly decreasing float32 sigma grid ending at 0, and its timesteps t = 1 - sigma[:-1] (float32)."""
 

@@ -69,8 +69,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(json.dumps({"output": str(result.path), "frames": result.num_frames, "size": result.size,
                           "timings": timings}))
     else:
-        print(f"wrote {result.path} ({result.num_frames} frames, {result.size}, {result.bytes} bytes)")
-        print("  " + "  ".join(f"{k}={v:.3f}" for k, v in timings.items()))
+        print(f"wrote {result.path.resolve()} ({result.num_frames} frames, {result.size}, {result.bytes} bytes)")
+        print("  " + "  ".join(f"{k}={v}" if isinstance(v, int) else f"{k}={v:.3f}" for k, v in timings.items()))
     return 0
 
 

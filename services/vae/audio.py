@@ -7,6 +7,7 @@ It always runs in float32 (the reference pins every submodule to fp32). Stereo i
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 
 import torch
@@ -42,7 +43,9 @@ class AudioVAE:
         from h3serve.checkpoint import CheckpointFolder, load_module_weights
 
         ck = CheckpointFolder(checkpoint_dir, components=[component])
-        with init_empty_weights(include_buffers=False):
+        with init_empty_weights(include_buffers=False), warnings.catch_warnings():
+            # the network is built with torch's legacy weight_norm; its deprecation notice says nothing to a user
+            warnings.filterwarnings("ignore", message=".*weight_norm.*", category=FutureWarning)
             model = AutoencoderKLMiniMaxH3Audio.from_config(ck.config(component))
         report = load_module_weights(model, ck, component, dtype=torch.float32, device=device)
         model.to(device)

@@ -1,0 +1,33 @@
+from h3serve._proto import common_pb2 as _common_pb2
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class EncodeRequest(_message.Message):
+    __slots__ = ("request_id", "prompt", "task")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt: str
+    task: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., task: _Optional[str] = ...) -> None: ...
+
+class EncodeEvent(_message.Message):
+    __slots__ = ("chunk", "done")
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    chunk: _common_pb2.TensorChunk
+    done: EncodeDone
+    def __init__(self, chunk: _Optional[_Union[_common_pb2.TensorChunk, _Mapping]] = ..., done: _Optional[_Union[EncodeDone, _Mapping]] = ...) -> None: ...
+
+class EncodeDone(_message.Message):
+    __slots__ = ("tokens", "seconds")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    tokens: int
+    seconds: float
+    def __init__(self, tokens: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...

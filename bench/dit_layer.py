@@ -45,6 +45,10 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--peak-tflops", type=float, default=770.0, help="dense bf16 peak used for the FLOP-limit ratio")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--variants", default="",
+                   help="comma list of ATTENTION:FUSED variants of ours, e.g. 'fa3:1,fa3:0,cudnn:1,cudnn:0'; the "
+                        "first is the one the forward and the main fields use (default: the process default)")
+    p.add_argument("--no-forward", action="store_true", help="skip the whole-model forward timings")
     return p.parse_args()
 
 
@@ -127,6 +131,25 @@ def main() -> None:
     timesteps_dev = timesteps.to(device)
     ti_dev = timestep_indices.to(device)
 
+    import os
+
+    from h3serve.services.dit import kernels
+
+    variants = [tuple(v.split(":")) for v in a.variants.split(",") if v] or [(None, None)]
+
+    def use_variant(v) -> None:
+        for key, value in zip(("H3SERVE_ATTENTION", "H3SERVE_FUSED"), v):
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        kernels.reset_attention_choice()
+
+    use_variant(variants[0])
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        weights_bytes = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
     timer = _Timer(device)
     res: dict[str, list[float]] = {k: [] for k in ("ours_blocks", "ref_blocks", "ours_fwd", "ref_fwd")}
     with torch.no_grad():
@@ -156,17 +179,42 @@ def main() -> None:
             keep and res["ours_blocks"].append(t)
             t = timer(lambda: out.__setitem__("ref_blocks", ref_blocks()))
             keep and res["ref_blocks"].append(t)
+            if a.no_forward:
+                continue
             t = timer(lambda: out.__setitem__("ours_fwd", ours_forward()))
             keep and res["ours_fwd"].append(t)
             t = timer(lambda: out.__setitem__("ref_fwd", ref_forward()))
             keep and res["ref_fwd"].append(t)
 
         diff_blocks = (out["ours_blocks"].float() - out["ref_blocks"].float()).abs().max().item()
-        diff_video = (out["ours_fwd"][0] - out["ref_fwd"][0]).abs().max().item()
-        diff_audio = (out["ours_fwd"][1] - out["ref_fwd"][1]).abs().max().item()
-        scale_video = out["ref_fwd"][0].abs().max().item()
+        if not a.no_forward:
+            diff_video = (out["ours_fwd"][0] - out["ref_fwd"][0]).abs().max().item()
+            diff_audio = (out["ours_fwd"][1] - out["ref_fwd"][1]).abs().max().item()
+            scale_video = out["ref_fwd"][0].abs().max().item()
+        else:
+            diff_video = diff_audio = scale_video = None
+        peak_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
-    med = {k: statistics.median(v) for k, v in res.items()}
+        # the other variants of ours: blocks only, same input; max|delta| vs diffusers and vs the first variant
+        variant_results = []
+        for v in variants if len(variants) > 1 else []:
+            use_variant(v)
+            times = []
+            for it in range(a.warmup + a.iters):
+                x = x0.clone()
+                t = timer(lambda: out.__setitem__("v", ours.run_blocks(x, ctx)))
+                it >= a.warmup and times.append(t)
+            ms = statistics.median(times) / a.layers
+            variant_results.append({
+                "attention": kernels.chosen_attention(device)[0], "fused": kernels.use_fused(x0),
+                "ms_per_layer": round(ms, 4), "ratio_diffusers_over_ours": round(statistics.median(
+                    res["ref_blocks"]) / a.layers / ms, 4),
+                "max_abs_diff_vs_diffusers": (out["v"].float() - out["ref_blocks"].float()).abs().max().item(),
+                "max_abs_diff_vs_first": (out["v"].float() - out["ours_blocks"].float()).abs().max().item(),
+            })
+        use_variant(variants[0])
+
+    med = {k: statistics.median(v) if v else float("nan") for k, v in res.items()}
     s, d = layout.seq_len, cfg["hidden_size"]
     inner = cfg["num_attention_heads"] * cfg["attention_head_dim"]
     linear_flops_per_row = 2 * (4 * d * inner + 3 * d * cfg["ffn_dim"])
@@ -187,6 +235,8 @@ def main() -> None:
         "seq": {"S": s, "text": text_len, "video_rows": layout.num_video_rows, "audio_rows": layout.num_audio_rows,
                 "latent": [frames, lh, lw], "audio_latents": audio_latents},
         "iters": a.iters,
+        "attention": kernels.chosen_attention(device)[0],
+        "fused": kernels.use_fused(x0),
         "ours_ms_per_layer": round(ours_layer_ms, 4),
         "diffusers_ms_per_layer": round(ref_layer_ms, 4),
         "ratio_diffusers_over_ours": round(ref_layer_ms / ours_layer_ms, 4),
@@ -202,6 +252,10 @@ def main() -> None:
         "peak_tflops": a.peak_tflops if on_gpu else None,
         "ours_flop_limit_ratio": round(ours_tflops / a.peak_tflops, 4) if on_gpu else None,
         "diffusers_flop_limit_ratio": round(ref_tflops / a.peak_tflops, 4) if on_gpu else None,
+        "flop_limit_ms_per_layer": round(flops_per_layer / (a.peak_tflops * 1e12) * 1e3, 4),
+        "weights_gib": round(weights_bytes / 2**30, 3) if on_gpu else None,
+        "peak_hbm_gib": round(peak_bytes / 2**30, 3) if on_gpu else None,
+        "variants": variant_results,
     }
     print(json.dumps(result))
 

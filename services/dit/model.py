@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import kernels
 from .layout import AUDIO_KINDS, NUM_TAGS, VIDEO_KINDS, PackedLayout
 
 # Top-level modules that stay float32 in the mixed-precision checkpoint (the rope buffer is fp32 too, but recomputed).
@@ -236,7 +237,8 @@ class H3Attention(nn.Module):
         self.norm_k = nn.RMSNorm(head_dim, eps=qk_norm_eps)
         self.to_out = nn.ModuleList([nn.Linear(inner, hidden_size, bias=False)])
         # The one place attention happens: replace per instance (e.g. a Ulysses all-to-all around SDPA).
-        self.attention_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = sdpa_attention
+        # Default: the per-process backend choice of `kernels` (fa3 / cuDNN on CUDA, plain SDPA on CPU).
+        self.attention_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = kernels.auto_attention
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """(B, H, N, Dh) q, k, v -> (B, H, N, Dh)."""
@@ -244,12 +246,18 @@ class H3Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         b, n, _ = x.shape  # (B, N, D)
-        q = self.norm_q(self.to_q(x).view(b, n, self.heads, self.head_dim))  # (B, N, H, Dh)
-        k = self.norm_k(self.to_k(x).view(b, n, self.heads, self.head_dim))
+        if kernels.use_fused(x):  # one kernel: QK RMSNorm + partial RoPE, in place on the projections
+            q = self.to_q(x).view(b, n, self.heads, self.head_dim)  # (B, N, H, Dh)
+            k = self.to_k(x).view(b, n, self.heads, self.head_dim)
+            kernels.qk_norm_rope_(q, k, self.norm_q.weight, self.norm_k.weight, self.norm_q.eps,
+                                  *(rope if rope is not None else (None, None)))
+        else:
+            q = self.norm_q(self.to_q(x).view(b, n, self.heads, self.head_dim))  # (B, N, H, Dh)
+            k = self.norm_k(self.to_k(x).view(b, n, self.heads, self.head_dim))
+            if rope is not None:
+                apply_rope_(q, *rope)
+                apply_rope_(k, *rope)
         v = self.to_v(x).view(b, n, self.heads, self.head_dim)
-        if rope is not None:
-            apply_rope_(q, *rope)
-            apply_rope_(k, *rope)
         o = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (B, H, N, Dh)
         o = o.transpose(1, 2).reshape(b, n, self.heads * self.head_dim).to(q.dtype)  # (B, N, H*Dh)
         return self.to_out[0](o)
@@ -271,7 +279,10 @@ class H3FeedForward(nn.Module):
         self.net = nn.ModuleList([_SwiGLUIn(dim, inner), nn.Identity(), nn.Linear(inner, dim, bias=False)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        value, gate = self.net[0].proj(x).chunk(2, dim=-1)  # (B, N, F) each
+        proj = self.net[0].proj(x)  # (B, N, 2F): [value | gate]
+        if kernels.use_fused(proj):
+            return self.net[2](kernels.swiglu(proj))
+        value, gate = proj.chunk(2, dim=-1)  # (B, N, F) each
         return self.net[2](F.silu(gate).mul_(value))
 
 
@@ -332,12 +343,24 @@ class H3Block(nn.Module):
     def forward(self, x: torch.Tensor, ctx: BlockContext) -> torch.Tensor:
         """x (B, S, D) is updated in place and returned."""
         table = self.adaln_proj(ctx.temb_act)  # (R, 6, D), R = 3*n_t
+        if kernels.use_fused(x):
+            return self._forward_fused(x, table, ctx)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = table.unbind(1)  # (R, D) each
         h = _modulate_(self.norm1(x), shift_msa, 1.0 + scale_msa, ctx)
         _add_gated_(x, self.attn(h, (ctx.cos, ctx.sin)), gate_msa, ctx)
         h = _modulate_(self.norm2(x), shift_mlp, 1.0 + scale_mlp, ctx)
         _add_gated_(x, self.ff(h), gate_mlp, ctx)
         return x
+
+    def _forward_fused(self, x: torch.Tensor, table: torch.Tensor, ctx: BlockContext) -> torch.Tensor:
+        """The same block with fused norm+modulate and gate+residual(+norm+modulate) kernels."""
+        rows = kernels.modulation_rows(ctx, x.device)
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = map(kernels.table_rows, table.unbind(1))
+        h = kernels.rms_modulate(x, self.norm1.weight, self.norm1.eps, shift_msa, scale_msa, rows)
+        y = self.attn(h, (ctx.cos, ctx.sin))
+        h = kernels.gated_residual_rms_modulate_(x, y, gate_msa, self.norm2.weight, self.norm2.eps, shift_mlp,
+                                                 scale_mlp, rows)
+        return kernels.gated_residual_(x, self.ff(h), gate_mlp, rows)
 
 
 class H3OutputNorm(nn.Module):

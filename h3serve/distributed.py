@@ -250,19 +250,19 @@ class Runtime:
 
 def _serve_peer(runtime: Runtime, handlers: dict[str, Handler]) -> None:
     """Ranks 1..N-1: execute rank 0's commands until shutdown, or exit when rank 0 (the store) disappears."""
+    # A client of its own that may block forever: an idle stage waits for requests without polling or timing out;
+    # if rank 0 (the store's server) dies, the connection breaks and the wait raises.
+    waiter = dist.TCPStore(runtime.master_addr, runtime.master_port, is_master=False,
+                           timeout=timedelta(days=3650))
     seq = 0
     while True:
         seq += 1
         key = f"{_CMD}{seq}"
-        while True:
-            try:
-                runtime.store.wait([key], timedelta(seconds=1.0))
-                break
-            except Exception as exc:  # noqa: BLE001 - a timeout means "no request yet"; anything else: rank 0 gone
-                if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
-                    continue
-                log.error("rank %d: lost rank 0 (%s); exiting", runtime.rank, exc)
-                return
+        try:
+            waiter.wait([key])
+        except Exception as exc:  # noqa: BLE001
+            log.error("rank %d: lost rank 0 (%s); exiting", runtime.rank, exc)
+            return
         op = runtime.store.get(key).decode()
         if op == _SHUTDOWN:
             return
@@ -431,13 +431,17 @@ class StageHandle:
             key = f"{_DONE}{seq}/{r}"
             deadline = time.time() + self.runtime.timeout_s
             while True:
+                exc = None
                 try:
-                    self.runtime.store.wait([key], timedelta(seconds=0.5))
-                    outcomes[r] = self.runtime.store.get(key).decode()
-                    break
-                except Exception as exc:  # noqa: BLE001
-                    if self._dead is not None or self._check_peers() is not None or time.time() > deadline:
-                        raise self._failed(op, exc) from None
+                    if self.runtime.store.check([key]):
+                        outcomes[r] = self.runtime.store.get(key).decode()
+                        break
+                except Exception as e:  # noqa: BLE001
+                    exc = e
+                if exc is not None or self._dead is not None or self._check_peers() is not None \
+                        or time.time() > deadline:
+                    raise self._failed(op, exc or TimeoutError(f"no outcome from rank {r}")) from None
+                time.sleep(0.005)
         self.last_outcomes = outcomes
 
     def close(self) -> None:

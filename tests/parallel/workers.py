@@ -77,3 +77,78 @@ def build_dit(runtime: Runtime, plans):
             runtime.store.set(f"test/steps/{runtime.rank}", str(len(steps)))
 
     return {"forward": forward, "generate": generate}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# VAE patch parallel
+
+VAE_TILE, VAE_OVERLAP = 128, 32  # smaller than the release's 256 / 64 so that a small frame has many tiles
+
+
+def load_vae(checkpoint, tile=VAE_TILE, overlap=VAE_OVERLAP):
+    from h3serve.services.vae.video import VideoVAE
+
+    vae = VideoVAE.load(checkpoint)
+    vae.tile, vae.min_overlap = tile, overlap
+    return vae
+
+
+def build_vae(runtime: Runtime, checkpoint, sizes):
+    """Op `vae_decode` (payload: (pp, latents)) for each patch-parallel size in `sizes`."""
+    from h3serve.services.vae.parallel import PatchParallelVAE
+
+    vae = load_vae(checkpoint)
+    groups = {pp: runtime.new_group(range(pp))[0] for pp in sizes}
+
+    def decode(payload, local):
+        pp, latents = payload
+        if runtime.rank >= pp:
+            return None
+        return PatchParallelVAE(vae, groups[pp], runtime.rank, pp).decode_float(latents)
+
+    return {"vae_decode": decode}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Encoder tensor parallel
+
+QWEN_TEXT = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                      "mrope_section": [2, 3, 3]})
+
+
+def tiny_qwen_text(seed: int = 0):
+    """An in-process Qwen3-VL text decoder with 4 heads / 2 KV heads (the tiny checkpoint has 2 / 1)."""
+    from transformers import Qwen3VLTextConfig, Qwen3VLTextModel
+
+    cfg = Qwen3VLTextConfig(**QWEN_TEXT)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return Qwen3VLTextModel(cfg).eval().requires_grad_(False)
+
+
+def qwen_text_states(model, seed: int = 3, length: int = 11):
+    ids = torch.randint(0, QWEN_TEXT["vocab_size"], (1, length), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).last_hidden_state
+
+
+def build_encoder(runtime: Runtime, checkpoint, tp):
+    """Ops `encode` (the tiny checkpoint's encoder, KV head replicated) and `qwen_text` (4 heads / 2 KV heads)."""
+    from h3serve.services.encoder.model import TextEncoder
+    from h3serve.services.encoder.parallel import parallelize_encoder, parallelize_text_decoder
+
+    group = runtime.new_group(range(tp))[0]
+    member = runtime.rank < tp
+    encoder = TextEncoder.load(checkpoint, dtype=torch.float32) if member else None
+    if member:
+        parallelize_encoder(encoder, group, runtime.rank, tp)
+    qwen = parallelize_text_decoder(tiny_qwen_text(), group, runtime.rank, tp) if member else None
+
+    def encode(prompt, local):
+        return encoder.encode(prompt).states if member else None
+
+    def qwen_text(payload, local):
+        return qwen_text_states(qwen) if member else None
+
+    return {"encode": encode, "qwen_text": qwen_text}

@@ -104,8 +104,11 @@ def _pil_or_array_to_uint8(image) -> np.ndarray:
 class VideoVAE:
     """The video VAE behind our interface. Build with ``VideoVAE.load`` or wrap an ``AutoencoderKLMiniMaxH3``."""
 
-    def __init__(self, model, *, tile: int = 256, min_overlap: int = 64):
+    def __init__(self, model, *, tile: int = 256, min_overlap: int = 64, tile_batch: int | None = None):
         self.model = model.eval()
+        # Tiles of one window decoded per decoder call (same-shape tiles are stacked on the batch axis; the ViT
+        # decoder treats batch items independently). None: all of them on CUDA, one at a time elsewhere.
+        self.tile_batch = tile_batch
         cfg = model.config
         self.config = cfg
         self.spatial_ratio = int(math.prod(cfg.spatial_downsample_factors))
@@ -172,7 +175,23 @@ class VideoVAE:
         """Decode one latent window (denormalized), all tiles, stitched: (1, 3, frames, H, W) in VAE pixel space."""
         h, w = z_window.shape[-2] * self.spatial_ratio, z_window.shape[-1] * self.spatial_ratio
         tiles = self.plan_tiles(h, w)
-        return stitch_tiles(tiles, [self.decode_tile(z_window, t) for t in tiles])
+        batch = self.tile_batch or (len(tiles) if z_window.is_cuda else 1)
+        if batch <= 1 or z_window.shape[0] != 1:
+            return stitch_tiles(tiles, [self.decode_tile(z_window, t) for t in tiles])
+        r = self.spatial_ratio
+        decoded: list[torch.Tensor | None] = [None] * len(tiles)
+        by_shape: dict[tuple[int, int], list[int]] = {}
+        for i, t in enumerate(tiles):
+            by_shape.setdefault((t.height, t.width), []).append(i)
+        for idx in by_shape.values():
+            for k in range(0, len(idx), batch):
+                part = idx[k:k + batch]
+                z = torch.cat([z_window[..., tiles[i].y0 // r: tiles[i].y1 // r, tiles[i].x0 // r: tiles[i].x1 // r]
+                               for i in part])
+                out = self.model.decoder(self.model.post_quant_conv(z))
+                for j, i in enumerate(part):
+                    decoded[i] = out[j:j + 1]
+        return stitch_tiles(tiles, decoded)
 
     def _postprocess(self, clip: torch.Tensor) -> torch.Tensor:
         """(1, 3, F, H, W) VAE pixel space → (F, H, W, 3) float32 in [0, 1] (ImageNet de-normalize, clamp)."""
@@ -211,6 +230,25 @@ class VideoVAE:
         """Stream uint8 (F_clip, H, W, 3) frames on the VAE's device, clip by clip (see ``iter_decode_float``)."""
         for clip in self.iter_decode_float(latents):
             yield to_uint8(clip)
+
+    def iter_decode_yuv420p(self, latents: torch.Tensor) -> Iterator[tuple[tuple[torch.Tensor, ...], object]]:
+        """Stream yuv420p planes (Y (F,H,W), U, V (F,H/2,W/2)) in pinned host memory, clip by clip, each with the
+        CUDA event that marks its copy done (None off CUDA): uint8 and the colour conversion run on the device, the
+        device-to-host copy is asynchronous, so the consumer (an encoder thread) waits on the event, not the stream.
+        """
+        from h3serve.services.muxer.mux import rgb_to_yuv420p
+
+        for clip in self.iter_decode(latents):
+            planes = rgb_to_yuv420p(clip)
+            if not clip.is_cuda:
+                yield planes, None
+                continue
+            host = tuple(torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for p in planes)
+            for h, p in zip(host, planes):
+                h.copy_(p, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            yield host, event
 
     @torch.no_grad()
     def decode_float(self, latents: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The GPU benchmark suite, run from the repository root on a CUDA machine whose Python has torch but neither
+# diffusers nor h3serve installed. Wheels / zips carried in .whl/ are installed into /tmp/site; h3serve is made
+# importable from a copy of the package with `services` linked in. Every bench prints one JSON line; all output
+# goes to $OUT (default ./out). Steps: env | layer | vae | full50 | parallel (default: env,layer,vae,full50).
+#
+#   bash bench/gpu_suite.sh                       # everything
+#   STEPS=env,layer bash bench/gpu_suite.sh
+set -u
+OUT=${OUT:-$PWD/out}
+STEPS=${STEPS:-env,layer,vae,full50}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+fi
+for z in .whl/*.zip; do [ -e "$z" ] && python3 -m zipfile -e "$z" /tmp/site; done
+rm -rf /tmp/pkg && mkdir -p /tmp/pkg && cp -r h3serve /tmp/pkg/ && ln -s "$PWD/services" /tmp/pkg/h3serve/services
+export PYTHONPATH=/tmp/pkg:/tmp/site
+
+has() { [[ ",$STEPS," == *",$1,"* ]]; }
+run() {  # name timeout_s command...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name: $*" | tee -a "$OUT/suite.log"
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.json" 2> "$OUT/$name.err"
+  local rc=$?
+  echo "=== $name rc=$rc wall=$((SECONDS - t0))s" | tee -a "$OUT/suite.log"
+  tail -c 1500 "$OUT/$name.err" | grep -v Warning | tail -5
+  cat "$OUT/$name.json"
+}
+
+if has env; then
+  { nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv
+    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
+    python3 -c "import diffusers, av; print('diffusers', diffusers.__version__, 'av', av.__version__)"
+    python3 -c "from h3serve.services.dit import kernels as k; print('fa3 available', k.fa3_available('cuda'))"
+    nproc; } 2>&1 | tee "$OUT/env.txt"
+fi
+GEO="--preset full --dtype bf16 --device cuda --seq-video-frames 243 --height 768 --width-px 1344"
+if has layer; then
+  run dit_layer 200 python3 bench/dit_layer.py $GEO --layers 2 --iters 5 --warmup 2 \
+      --variants fa3:1,fa3:0,cudnn:1,cudnn:0,flash:1
+fi
+if has vae; then
+  run vae 300 python3 bench/vae.py --preset full --device cuda --dtype bf16 --latents 72x48x84 --iters 1 \
+      --warmup 1 --ref-warmup 0 --compile --tail --x264-threads 8
+fi
+if has full50; then
+  run dit_full50 240 python3 bench/dit_layer.py $GEO --layers 50 --iters 1 --warmup 0 --variants fa3:1
+fi
+if has parallel && [ -f bench/dit_parallel.py ]; then
+  run dit_parallel 240 torchrun --standalone --nproc-per-node 2 bench/dit_parallel.py $GEO --layers 2
+fi
+echo "=== done" | tee -a "$OUT/suite.log"

@@ -309,23 +309,20 @@ def _join(xs) -> str:
 CEL_RULES: list[dict] = [
     dict(location="encoder", field_path=".tensorParallel",
          rule=f"{ENCODER_HEADS} % self.tensorParallel == 0 && {ENCODER_KV_HEADS} % self.tensorParallel == 0",
-         message_expression=(f"'encoder.tensorParallel=' + string(self.tensorParallel) + ' must divide the encoder\\'s "
-                             f"{ENCODER_HEADS} query heads and {ENCODER_KV_HEADS} KV heads: use "
-                             f"{_join(ENCODER_TP_CHOICES)}'")),
+         message_expression=(f"'encoder.tensorParallel=%d must divide the encoder\\'s {ENCODER_HEADS} query heads and "
+                             f"{ENCODER_KV_HEADS} KV heads: use {_join(ENCODER_TP_CHOICES)}'.format([self.tensorParallel])")),
     dict(location="dit", field_path=".ulysses",
          rule=f"{DIT_HEADS} % (self.ulysses * self.ring) == 0",
-         message_expression=(f"'dit.ulysses x dit.ring = ' + string(self.ulysses * self.ring) + ' must divide the "
-                             f"DiT\\'s {DIT_HEADS} attention heads: make the product one of "
-                             f"{_join(DIT_SP_CHOICES)}'")),
+         message_expression=(f"'dit.ulysses x dit.ring = %d must divide the DiT\\'s {DIT_HEADS} attention heads: make "
+                             f"the product one of {_join(DIT_SP_CHOICES)}'.format([self.ulysses * self.ring])")),
     dict(location="dit", field_path=".gpus",
          rule="!has(self.gpus) || self.gpus == self.ulysses * self.ring",
-         message_expression=("'dit.gpus=' + string(self.gpus) + ' must equal dit.ulysses x dit.ring = ' + "
-                             "string(self.ulysses * self.ring) + ' (one GPU per sequence-parallel rank): change "
-                             "the degrees or drop dit.gpus'")),
+         message_expression=("'dit.gpus=%d must equal dit.ulysses x dit.ring = %d (one GPU per sequence-parallel "
+                             "rank): change the degrees or drop dit.gpus'.format([self.gpus, self.ulysses * self.ring])")),
     dict(location="", field_path=".vae.patchParallel",
          rule="self.vae.patchParallel == 1 || self.vae.patchParallel == self.dit.ulysses * self.dit.ring",
-         message_expression=("'vae.patchParallel=' + string(self.vae.patchParallel) + ' must be 1 or the whole DiT "
-                             "group (dit.ulysses x dit.ring = ' + string(self.dit.ulysses * self.dit.ring) + ')'")),
+         message_expression=("'vae.patchParallel=%d must be 1 or the whole DiT group (dit.ulysses x dit.ring = %d)'"
+                             ".format([self.vae.patchParallel, self.dit.ulysses * self.dit.ring])")),
     dict(location="", field_path=".model.adapter",
          rule="self.profile != 'fasth3' || (has(self.model.adapter) && has(self.model.adapter.sha256))",
          message_expression=("'profile fasth3 needs model.adapter with path and sha256 (the FastH3 4-step adapter "
@@ -350,30 +347,29 @@ CEL_RULES: list[dict] = [
     dict(location="", field_path=".encoder.tensorParallel",
          rule=("self.placement == 'disaggregated' || "
                "(self.dit.ulysses * self.dit.ring) % self.encoder.tensorParallel == 0"),
-         message_expression=("'encoder.tensorParallel=' + string(self.encoder.tensorParallel) + ' must divide the ' "
-                             "+ string(self.dit.ulysses * self.dit.ring) + ' GPUs of a colocated replica (dit.ulysses "
-                             "x dit.ring)'")),
+         message_expression=("'encoder.tensorParallel=%d must divide the %d GPUs of a colocated replica (dit.ulysses "
+                             "x dit.ring)'.format([self.encoder.tensorParallel, self.dit.ulysses * self.dit.ring])")),
     dict(location="", field_path=".dit",
          rule=("self.dit.ulysses * self.dit.ring <= self.gpusPerNode || "
                "(self.dit.ulysses * self.dit.ring) % self.gpusPerNode == 0"),
-         message_expression=("'dit needs ' + string(self.dit.ulysses * self.dit.ring) + ' GPUs, more than "
-                             "gpusPerNode=' + string(self.gpusPerNode) + ': a stage larger than a node must span "
-                             "whole nodes (a multiple of gpusPerNode)'")),
+         message_expression=("'dit needs %d GPUs, more than gpusPerNode=%d: a stage larger than a node must span "
+                             "whole nodes (a multiple of gpusPerNode)'.format([self.dit.ulysses * self.dit.ring, "
+                             "self.gpusPerNode])")),
     dict(location="", field_path=".encoder",
          rule=("self.placement == 'colocated' || self.encoder.tensorParallel <= self.gpusPerNode || "
                "self.encoder.tensorParallel % self.gpusPerNode == 0"),
-         message_expression=("'encoder needs ' + string(self.encoder.tensorParallel) + ' GPUs, more than "
-                             "gpusPerNode=' + string(self.gpusPerNode) + ': a stage larger than a node must span "
-                             "whole nodes (a multiple of gpusPerNode)'")),
+         message_expression=("'encoder needs %d GPUs, more than gpusPerNode=%d: a stage larger than a node must span "
+                             "whole nodes (a multiple of gpusPerNode)'.format([self.encoder.tensorParallel, "
+                             "self.gpusPerNode])")),
     dict(location="", field_path=".model.path",
          rule="!has(self.model.volume) || self.model.path.startsWith(self.model.mountPath + '/')",
-         message_expression=("'model.path ' + self.model.path + ' must be inside model.mountPath ' + "
-                             "self.model.mountPath + ', where model.volume is mounted'")),
+         message_expression=("'model.path %s must be inside model.mountPath %s, where model.volume is mounted'"
+                             ".format([self.model.path, self.model.mountPath])")),
     dict(location="", field_path=".model.adapter.path",
          rule=("!has(self.model.volume) || !has(self.model.adapter) || "
                "self.model.adapter.path.startsWith(self.model.mountPath + '/')"),
-         message_expression=("'model.adapter.path ' + self.model.adapter.path + ' must be inside model.mountPath ' + "
-                             "self.model.mountPath + ', where model.volume is mounted'")),
+         message_expression=("'model.adapter.path %s must be inside model.mountPath %s, where model.volume is "
+                             "mounted'.format([self.model.adapter.path, self.model.mountPath])")),
 ]
 
 

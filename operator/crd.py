@@ -25,7 +25,8 @@ def _field_schema(tp, fl: dataclasses.Field) -> dict:
     if dataclasses.is_dataclass(tp):
         out = _object_schema(tp)
         if fl.default_factory is not dataclasses.MISSING:
-            out["default"] = {}  # so that the API server fills in the nested defaults too
+            # the nested defaults spelled out: CEL rules on the object see them even when the user omits it
+            out["default"] = S._dump(fl.default_factory())
     elif tp is bool:
         out = {"type": "boolean"}
     elif tp is int:

@@ -80,9 +80,10 @@ def reconcile(namespace: str, name: str, logger: logging.Logger) -> dict | None:
             workloads = [w for kind in ("Deployment", "StatefulSet")
                          for w in kube.list_children(namespace, name, kind) if kube.owned_by(w, md["uid"])]
 
+        pods = _pods_if_unready(namespace, name, workloads, logger)
         new = S.compute(name=name, namespace=namespace, generation=generation,
                         spec=spec if not issues else None, issues=issues, workloads=workloads,
-                        previous=cr.get("status"), now=_now(), apply_error=apply_error)
+                        previous=cr.get("status"), now=_now(), apply_error=apply_error, pods=pods)
         old = cr.get("status") or {}
         if not S.same(old, new):
             patch = dict(new)
@@ -93,6 +94,18 @@ def reconcile(namespace: str, name: str, logger: logging.Logger) -> dict | None:
         if apply_error:
             raise kopf.TemporaryError(f"apply failed: {apply_error}", delay=10)
         return new
+
+
+def _pods_if_unready(namespace: str, name: str, workloads: list[dict], logger) -> list[dict]:
+    """The pods, when some are not ready (their conditions explain why); [] if they may not be read."""
+    if not any(int((w.get("status") or {}).get("readyReplicas") or 0) < int((w.get("spec") or {}).get("replicas") or 0)
+               for w in workloads):
+        return []
+    try:
+        return kube.list_pods(namespace, name)
+    except Exception as e:  # noqa: BLE001 - e.g. RBAC without pods: list; the status just says less
+        logger.warning("cannot list pods to explain unready stages: %s", _short(e))
+        return []
 
 
 def _prune(namespace: str, name: str, uid: str, keep: set, logger: logging.Logger) -> None:
@@ -121,6 +134,9 @@ def configure(settings: kopf.OperatorSettings, **_) -> None:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=GROUP, key="last-handled-configuration")
+    # Serve exactly the namespaces given and the resources present at startup: no cluster-wide list/watch of
+    # namespaces and CRDs, so a namespaced operator needs no ClusterRole at all. (The chart installs the CRD first.)
+    settings.scanning.disabled = True
     settings.posting.level = logging.WARNING  # Events on the H3Deployment for warnings and errors only
     settings.watching.server_timeout = 300
     settings.networking.request_timeout = 60
@@ -172,13 +188,15 @@ async def keep_in_sync(name: str, namespace: str, stopped, logger, **_) -> None:
 
 
 def _child_changed(body, namespace: str, **_) -> None:
-    for ref in (body.get("metadata") or {}).get("ownerReferences") or []:
-        if ref.get("kind") == "H3Deployment" and ref.get("apiVersion", "").startswith(GROUP + "/"):
-            ev = _triggers.get((namespace, ref.get("name")))
-            if ev is not None:
-                ev.set()
+    md = body.get("metadata") or {}
+    owners = [r.get("name") for r in md.get("ownerReferences") or []
+              if r.get("kind") == "H3Deployment" and r.get("apiVersion", "").startswith(GROUP + "/")]
+    for owner in owners or [(md.get("labels") or {}).get(M.LABEL_INSTANCE)]:  # pods: owned by ReplicaSets
+        ev = _triggers.get((namespace, owner))
+        if ev is not None:
+            ev.set()
 
 
 _OURS = {M.LABEL_MANAGED_BY: M.MANAGER}
-for _kind, (_api_version, _plural) in M.KINDS.items():
+for _kind, (_api_version, _plural) in {**M.KINDS, "Pod": ("v1", "pods")}.items():
     kopf.on.event(_api_version, _plural, labels=_OURS, id=f"child-{_plural}")(_child_changed)

@@ -80,6 +80,11 @@ def list_children(namespace: str, name: str, kind: str) -> list[dict]:
     return items
 
 
+def list_pods(namespace: str, name: str) -> list[dict]:
+    sel = f"{M.LABEL_INSTANCE}={name},{M.LABEL_MANAGED_BY}={M.MANAGER}"
+    return _plain(_resource("v1", "Pod").get(namespace=namespace, label_selector=sel)).get("items") or []
+
+
 def delete(kind: str, namespace: str, name: str) -> None:
     from kubernetes.dynamic.exceptions import NotFoundError
 
@@ -102,4 +107,4 @@ def owned_by(obj: dict, uid: str) -> bool:
 
 
 __all__ = ["FIELD_MANAGER", "PLURAL", "apply", "delete", "dynamic", "get_h3deployment", "list_children",
-           "load_config", "owned_by", "patch_status"]
+           "list_pods", "load_config", "owned_by", "patch_status"]

@@ -7,7 +7,8 @@ Conditions (reasons are CamelCase):
 - SpecValid    True  SpecAccepted | False InvalidSpec (message: every problem, with what to change)
 - Progressing  True  RollingOut (message: the workloads still rolling out) | False RolloutComplete | False InvalidSpec
 - Ready        True  AllStagesReady | False StagesNotReady | False ScaledToZero | False InvalidSpec
-- Degraded     True  ApplyFailed | RolloutStalled | StagesUnavailable | False AsExpected
+- Degraded     True  ApplyFailed | PodsUnschedulable | PodsFailing | RolloutStalled | StagesUnavailable
+               False AsExpected
 """
 
 from __future__ import annotations
@@ -63,6 +64,27 @@ def _rolled_out(w: dict | None, pods: int) -> tuple[bool, bool, int]:
     return done, False, ready
 
 
+_FAILING = ("ImagePullBackOff", "ErrImagePull", "CrashLoopBackOff", "CreateContainerConfigError",
+            "CreateContainerError", "InvalidImageName", "RunContainerError")
+
+
+def pod_problems(pods: list[dict]) -> list[tuple[str, str]]:
+    """(reason, "pod: what") for pods that cannot make progress on their own: unschedulable or failing."""
+    out = []
+    for p in sorted(pods, key=lambda p: p["metadata"]["name"]):
+        name, st = p["metadata"]["name"], p.get("status") or {}
+        if p["metadata"].get("deletionTimestamp"):
+            continue
+        for c in st.get("conditions") or []:
+            if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
+                out.append(("PodsUnschedulable", f"{name}: {c.get('message', 'unschedulable')}"))
+        for cs in (st.get("initContainerStatuses") or []) + (st.get("containerStatuses") or []):
+            w = (cs.get("state") or {}).get("waiting") or {}
+            if w.get("reason") in _FAILING:
+                out.append(("PodsFailing", f"{name}: {w['reason']}: {w.get('message', '')}".rstrip(": ")))
+    return out
+
+
 def _condition(ctype: str, ok: bool, reason: str, message: str, generation: int, previous: dict, now: str) -> dict:
     status = "True" if ok else "False"
     prev = next((c for c in previous.get("conditions") or [] if c.get("type") == ctype), None)
@@ -73,7 +95,7 @@ def _condition(ctype: str, ok: bool, reason: str, message: str, generation: int,
 
 def compute(*, name: str, namespace: str, generation: int, spec: H3DeploymentSpec | None,
             issues: list[tuple[str, str]], workloads: list[dict], previous: dict | None, now: str,
-            apply_error: str | None = None) -> dict:
+            apply_error: str | None = None, pods: list[dict] | None = None) -> dict:
     previous = previous or {}
     live = {(w["kind"], w["metadata"]["name"]): w for w in workloads}
     expected = expected_workloads(spec, name) if spec is not None else expected_from_live(workloads)
@@ -118,7 +140,9 @@ def compute(*, name: str, namespace: str, generation: int, spec: H3DeploymentSpe
         zero = [s for s, v in stages.items() if v["desired"] == 0]
         ready = (False, "ScaledToZero", f"scaled to zero: {', '.join(zero)}")
     elif not_ready:
-        ready = (False, "StagesNotReady", "waiting for " + ", ".join(not_ready))
+        problems = pod_problems(pods or [])
+        why = "; ".join(t for _, t in problems[:3])
+        ready = (False, "StagesNotReady", "waiting for " + ", ".join(not_ready) + (f" ({why})" if why else ""))
     else:
         ready = (True, "AllStagesReady", all_counts)
     conds.append(_condition("Ready", ready[0], ready[1], ready[2], generation, previous, now))
@@ -132,8 +156,11 @@ def compute(*, name: str, namespace: str, generation: int, spec: H3DeploymentSpe
         prog = (False, "RolloutComplete", f"generation {generation} is rolled out")
     conds.append(_condition("Progressing", prog[0], prog[1], prog[2], generation, previous, now))
 
+    problems = pod_problems(pods or []) if not_ready else []
     if apply_error:
         deg = (True, "ApplyFailed", apply_error)
+    elif problems:
+        deg = (True, problems[0][0], "; ".join(t for _, t in problems[:5]))
     elif stalled:
         deg = (True, "RolloutStalled", "progress deadline exceeded: " + ", ".join(stalled))
     elif valid and not rolling and not_ready:

@@ -148,3 +148,23 @@ def test_scaled_to_zero():
     spec = parse_and_validate(d["spec"], "h3")
     st = compute("h3", spec, live(spec, "h3"))
     assert cond(st, "Ready")["reason"] == "ScaledToZero"
+
+
+def test_unschedulable_and_failing_pods_are_explained():
+    name, spec = spec_of("base-colocated")
+    w = live(spec, name, ready=False)
+    pods = [
+        {"metadata": {"name": "h3-base-engine-abc"}, "status": {"conditions": [
+            {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+             "message": "0/9 nodes are available: 9 Insufficient nvidia.com/gpu."}]}},
+        {"metadata": {"name": "h3-base-gateway-xyz"}, "status": {"containerStatuses": [
+            {"state": {"waiting": {"reason": "ImagePullBackOff", "message": "pull access denied"}}}]}},
+    ]
+    st = compute(name, spec, w, previous=None)
+    assert cond(st, "Degraded")["status"] == "False"  # not ready yet, no pod problem known: just progressing
+    st = S.compute(name=name, namespace="ns", generation=1, spec=spec, issues=[], workloads=w, previous=None,
+                   now=T0, pods=pods)
+    assert cond(st, "Degraded")["reason"] == "PodsUnschedulable"
+    assert "h3-base-engine-abc: 0/9 nodes are available: 9 Insufficient nvidia.com/gpu." in cond(st, "Degraded")["message"]
+    assert "h3-base-gateway-xyz: ImagePullBackOff: pull access denied" in cond(st, "Degraded")["message"]
+    assert "Insufficient nvidia.com/gpu" in cond(st, "Ready")["message"]

@@ -4,8 +4,9 @@
 # Everything lands in $H3SERVE_TOOLS_CACHE (default $HOME/.cache/h3serve-k8s), outside the repo,
 # and is reused on later runs: a tool is rebuilt only if its binary or its version stamp is missing.
 #
-#   tests/operator/tools.sh            build what is missing, print the bin directory
-#   tests/operator/tools.sh --check    exit 1 if anything is missing (builds nothing)
+#   tests/operator/tools.sh [TOOL...]          build what is missing, print the bin directory
+#   tests/operator/tools.sh --check [TOOL...]  exit 1 if anything is missing (builds nothing)
+# TOOL is helm, etcd, kwok or kubernetes (default: all).
 #
 # Versions are pinned below; override with the environment variables of the same name.
 set -euo pipefail
@@ -41,7 +42,12 @@ timed() { # timed NAME CMD...: run, record seconds in $CACHE/build-times.tsv
 }
 
 build_helm() {
+  # Offline `helm template` / `helm lint` assume this Kubernetes version unless told otherwise (upstream: 1.20).
+  local min; min=$(echo "$K8S_VERSION" | cut -d. -f2)
   local ldf="-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
+  local p; for p in pkg/chartutil pkg/lint/rules; do
+    ldf="$ldf -X helm.sh/helm/v3/$p.k8sVersionMajor=1 -X helm.sh/helm/v3/$p.k8sVersionMinor=$min"
+  done
   GOBIN=$BIN nice -n "$NICE" go install -trimpath -ldflags "$ldf" "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
 }
 
@@ -90,20 +96,38 @@ build_k8s() {
     k8s.io/kubernetes/cmd/kube-scheduler
 }
 
-if [[ ${1:-} == --check ]]; then
-  have helm "$HELM_VERSION" helm && have kwok "$KWOK_VERSION" kwok && have etcd "$ETCD_VERSION" etcd &&
-    have k8s "$K8S_VERSION" kube-apiserver kube-controller-manager kube-scheduler && exit 0
-  exit 1
+HELM_STAMP="$HELM_VERSION+k8s${K8S_VERSION%.*}"
+check=0
+if [[ ${1:-} == --check ]]; then check=1; shift; fi
+want=("$@"); [[ ${#want[@]} -gt 0 ]] || want=(helm etcd kwok kubernetes)
+
+ok() { # ok TOOL: is it built at the pinned version?
+  case $1 in
+    helm) have helm "$HELM_STAMP" helm ;;
+    etcd) have etcd "$ETCD_VERSION" etcd ;;
+    kwok) have kwok "$KWOK_VERSION" kwok && [[ -s $SHARE/kwok-stages.yaml ]] ;;
+    kubernetes) have k8s "$K8S_VERSION" kube-apiserver kube-controller-manager kube-scheduler ;;
+    *) echo "unknown tool $1 (helm, etcd, kwok, kubernetes)" >&2; exit 2 ;;
+  esac
+}
+
+if (( check )); then
+  for t in "${want[@]}"; do ok "$t" || exit 1; done
+  exit 0
 fi
 
 # One builder at a time (parallel test workers may call this together).
 exec 9> "$CACHE/.lock"
 flock 9
 
-have helm "$HELM_VERSION" helm || { timed "helm@$HELM_VERSION" build_helm && mark helm "$HELM_VERSION"; }
-have etcd "$ETCD_VERSION" etcd || { timed "etcd@$ETCD_VERSION" build_etcd && mark etcd "$ETCD_VERSION"; }
-have kwok "$KWOK_VERSION" kwok || { timed "kwok@$KWOK_VERSION" build_kwok && mark kwok "$KWOK_VERSION"; }
-have k8s "$K8S_VERSION" kube-apiserver kube-controller-manager kube-scheduler ||
-  { timed "kubernetes@$K8S_VERSION" build_k8s && mark k8s "$K8S_VERSION"; }
+for t in "${want[@]}"; do
+  ok "$t" && continue
+  case $t in
+    helm) timed "helm@$HELM_VERSION" build_helm && mark helm "$HELM_STAMP" ;;
+    etcd) timed "etcd@$ETCD_VERSION" build_etcd && mark etcd "$ETCD_VERSION" ;;
+    kwok) timed "kwok@$KWOK_VERSION" build_kwok && mark kwok "$KWOK_VERSION" ;;
+    kubernetes) timed "kubernetes@$K8S_VERSION" build_k8s && mark k8s "$K8S_VERSION" ;;
+  esac
+done
 rm -rf "$CACHE/src"
 echo "$BIN"

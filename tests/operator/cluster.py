@@ -1,0 +1,269 @@
+"""A real Kubernetes control plane on loopback for the operator tests.
+
+etcd + kube-apiserver + kube-controller-manager + kube-scheduler, built from source by `tools.sh` (cached in
+$H3SERVE_TOOLS_CACHE, default $HOME/.cache/h3serve-k8s), plus kwok managing simulated GPU nodes so that pods
+schedule, turn Running and Ready. Every server listens on 127.0.0.1; nothing ever connects to a pod or node IP.
+
+    cp = ControlPlane.start(nodes=8, gpus_per_node=8)
+    ...  # cp.kubeconfig, cp.bin("helm"), cp.env
+    cp.stop()
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import tempfile
+import time
+import urllib.request
+
+import yaml
+
+HERE = pathlib.Path(__file__).resolve().parent
+TOOLS = HERE / "tools.sh"
+CACHE = pathlib.Path(os.environ.get("H3SERVE_TOOLS_CACHE", pathlib.Path.home() / ".cache" / "h3serve-k8s"))
+
+
+def ensure_tools(*tools: str) -> pathlib.Path:
+    """Build the tools if missing (the first build of Kubernetes takes minutes), return the bin directory."""
+    r = subprocess.run(["bash", str(TOOLS), *tools], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"tools.sh failed ({r.returncode}):\n{r.stderr[-4000:]}")
+    return pathlib.Path(r.stdout.strip().splitlines()[-1])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _openssl(*args: str, cwd: pathlib.Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def make_pki(d: pathlib.Path) -> None:
+    d.mkdir(parents=True, exist_ok=True)
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "3650", "-subj", "/CN=h3serve-test-ca",
+             "-keyout", "ca.key", "-out", "ca.crt", cwd=d)
+    (d / "srv.ext").write_text(
+        "subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,"
+        "DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local\n"
+        "extendedKeyUsage=serverAuth\nkeyUsage=critical,digitalSignature,keyEncipherment\n")
+    (d / "cli.ext").write_text("extendedKeyUsage=clientAuth\nkeyUsage=critical,digitalSignature,keyEncipherment\n")
+    for name, subj, ext in (("apiserver", "/CN=kube-apiserver", "srv.ext"),
+                            ("admin", "/O=system:masters/CN=admin", "cli.ext")):
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", subj, "-keyout", f"{name}.key", "-out",
+                 f"{name}.csr", cwd=d)
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-days", "3650", "-extfile", ext, "-out", f"{name}.crt", cwd=d)
+    _openssl("genrsa", "-out", "sa.key", "2048", cwd=d)
+    _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)
+
+
+def write_kubeconfig(path: pathlib.Path, server: str, ca: pathlib.Path, user: dict) -> None:
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config",
+        "clusters": [{"name": "local", "cluster": {"server": server, "certificate-authority": str(ca)}}],
+        "users": [{"name": "u", "user": user}],
+        "contexts": [{"name": "local", "context": {"cluster": "local", "user": "u"}}],
+        "current-context": "local",
+    }))
+
+
+def gpu_node(name: str, gpus: int) -> dict:
+    return {
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": name, "annotations": {"kwok.x-k8s.io/node": "fake"},
+                     "labels": {"type": "kwok", "kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
+                                "kubernetes.io/arch": "amd64", "nvidia.com/gpu.product": "NVIDIA-H200"}},
+        "spec": {"taints": [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]},
+        "status": {"allocatable": {"cpu": "128", "memory": "2Ti", "pods": "110", "nvidia.com/gpu": str(gpus)},
+                   "capacity": {"cpu": "128", "memory": "2Ti", "pods": "110", "nvidia.com/gpu": str(gpus)}},
+    }
+
+
+def cpu_node(name: str) -> dict:
+    n = gpu_node(name, 0)
+    n["spec"] = {}
+    for k in ("allocatable", "capacity"):
+        n["status"][k].pop("nvidia.com/gpu")
+        n["status"][k]["cpu"] = "16"
+        n["status"][k]["memory"] = "64Gi"
+    n["metadata"]["labels"].pop("nvidia.com/gpu.product")
+    return n
+
+
+class ControlPlane:
+    def __init__(self, run: pathlib.Path, bindir: pathlib.Path):
+        self.run, self.bindir = run, bindir
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.ports = {k: free_port() for k in ("etcd", "peer", "api", "kcm", "sched", "kwok")}
+        self.server = f"https://127.0.0.1:{self.ports['api']}"
+        self.pki = run / "pki"
+        self.kubeconfig = run / "admin.kubeconfig"
+        self.env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "HOME": str(run / "home"),
+                    "HELM_CACHE_HOME": str(run / "helm" / "cache"), "HELM_CONFIG_HOME": str(run / "helm" / "config"),
+                    "HELM_DATA_HOME": str(run / "helm" / "data"), "NO_PROXY": "127.0.0.1,localhost",
+                    "no_proxy": "127.0.0.1,localhost"}
+        (run / "home").mkdir(parents=True, exist_ok=True)
+        self.timings: dict[str, float] = {}
+
+    def bin(self, name: str) -> str:
+        return str(self.bindir / name)
+
+    # ---- lifecycle ------------------------------------------------------------------------------------------
+    @classmethod
+    def start(cls, nodes: int = 8, gpus_per_node: int = 8, cpu_nodes: int = 1) -> "ControlPlane":
+        t0 = time.monotonic()
+        bindir = ensure_tools()
+        run = pathlib.Path(tempfile.mkdtemp(prefix="h3serve-k8s-"))
+        cp = cls(run, bindir)
+        cp.timings["tools"] = time.monotonic() - t0
+        try:
+            cp._start(nodes, gpus_per_node, cpu_nodes)
+        except BaseException:
+            cp.dump_logs()
+            cp.stop()
+            raise
+        cp.timings["total"] = time.monotonic() - t0
+        return cp
+
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        log = open(self.run / f"{name}.log", "wb")
+        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.run,
+                             start_new_session=True)
+        self.procs.append((name, p))
+        return p
+
+    def _wait(self, what: str, fn, timeout: float = 90.0, proc: subprocess.Popen | None = None) -> None:
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"{what} exited with {proc.returncode}; see {self.run}")
+            try:
+                if fn():
+                    return
+            except Exception as e:  # noqa: BLE001 - not up yet
+                last = e
+            time.sleep(0.25)
+        raise TimeoutError(f"{what} not ready after {timeout}s (last error: {last})")
+
+    def _get(self, url: str, insecure: bool = False) -> str:
+        ctx = ssl.create_default_context(cafile=str(self.pki / "ca.crt")) if not insecure else \
+            ssl._create_unverified_context()
+        if url.startswith("http://"):
+            ctx = None
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}),
+                                             urllib.request.HTTPSHandler(context=ctx) if ctx else
+                                             urllib.request.HTTPHandler())
+        with opener.open(url, timeout=5) as r:
+            return r.read().decode()
+
+    def _start(self, nodes: int, gpus_per_node: int, cpu_nodes: int) -> None:
+        P, B, D = self.ports, self.bin, self.pki
+        t = time.monotonic()
+        make_pki(D)
+        write_kubeconfig(self.kubeconfig, self.server, D / "ca.crt",
+                         {"client-certificate": str(D / "admin.crt"), "client-key": str(D / "admin.key")})
+        self.timings["pki"] = time.monotonic() - t
+
+        t = time.monotonic()
+        etcd = self._spawn("etcd", [
+            B("etcd"), "--name=default", f"--data-dir={self.run / 'etcd'}",
+            f"--listen-client-urls=http://127.0.0.1:{P['etcd']}", f"--advertise-client-urls=http://127.0.0.1:{P['etcd']}",
+            f"--listen-peer-urls=http://127.0.0.1:{P['peer']}",
+            f"--initial-advertise-peer-urls=http://127.0.0.1:{P['peer']}",
+            f"--initial-cluster=default=http://127.0.0.1:{P['peer']}", "--unsafe-no-fsync=true",
+            "--listen-metrics-urls=", "--log-level=warn"])
+        self._wait("etcd", lambda: '"health":"true"' in self._get(f"http://127.0.0.1:{P['etcd']}/health"), proc=etcd)
+        self.timings["etcd"] = time.monotonic() - t
+
+        t = time.monotonic()
+        api = self._spawn("kube-apiserver", [
+            B("kube-apiserver"), f"--etcd-servers=http://127.0.0.1:{P['etcd']}",
+            "--bind-address=127.0.0.1", f"--secure-port={P['api']}",
+            "--advertise-address=127.0.0.1", "--endpoint-reconciler-type=none",
+            f"--tls-cert-file={D / 'apiserver.crt'}", f"--tls-private-key-file={D / 'apiserver.key'}",
+            f"--client-ca-file={D / 'ca.crt'}", f"--cert-dir={self.run / 'apiserver-certs'}",
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+            f"--service-account-key-file={D / 'sa.pub'}", f"--service-account-signing-key-file={D / 'sa.key'}",
+            "--service-cluster-ip-range=10.96.0.0/16", "--authorization-mode=Node,RBAC",
+            "--allow-privileged=false", "--profiling=false", "--v=0"])
+        self._wait("kube-apiserver", lambda: self._get(f"{self.server}/readyz") == "ok", timeout=120, proc=api)
+        self.timings["apiserver"] = time.monotonic() - t
+
+        t = time.monotonic()
+        common = [f"--kubeconfig={self.kubeconfig}", f"--authentication-kubeconfig={self.kubeconfig}",
+                  f"--authorization-kubeconfig={self.kubeconfig}", "--bind-address=127.0.0.1", "--leader-elect=false",
+                  "--authorization-always-allow-paths=/healthz,/readyz,/livez,/metrics", "--profiling=false"]
+        kcm = self._spawn("kube-controller-manager", [
+            B("kube-controller-manager"), *common, f"--secure-port={P['kcm']}",
+            f"--service-account-private-key-file={D / 'sa.key'}", f"--root-ca-file={D / 'ca.crt'}",
+            "--use-service-account-credentials=false", "--controllers=*",
+            "--concurrent-gc-syncs=10", "--node-monitor-grace-period=60s"])
+        sched = self._spawn("kube-scheduler", [B("kube-scheduler"), *common, f"--secure-port={P['sched']}"])
+        self._wait("kube-controller-manager", lambda: self._get(f"https://127.0.0.1:{P['kcm']}/healthz", True) == "ok",
+                   proc=kcm)
+        self._wait("kube-scheduler", lambda: self._get(f"https://127.0.0.1:{P['sched']}/healthz", True) == "ok",
+                   proc=sched)
+        self.timings["kcm+scheduler"] = time.monotonic() - t
+
+        t = time.monotonic()
+        kwok = self._spawn("kwok", [
+            B("kwok"), f"--kubeconfig={self.kubeconfig}", f"--config={CACHE / 'share' / 'kwok-stages.yaml'}",
+            "--manage-all-nodes=false", "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
+            "--cidr=10.244.0.0/16", "--node-ip=127.0.0.1", f"--server-address=127.0.0.1:{P['kwok']}",
+            f"--node-port={P['kwok']}", "--node-lease-duration-seconds=40"])
+        from kubernetes import client, config
+
+        self.api = config.new_client_from_config(str(self.kubeconfig))
+        core = client.CoreV1Api(self.api)
+        self._wait("default service account", lambda: core.read_namespaced_service_account("default", "default"))
+        for i in range(nodes):
+            core.create_node(gpu_node(f"gpu-{i}", gpus_per_node))
+        for i in range(cpu_nodes):
+            core.create_node(cpu_node(f"cpu-{i}"))
+
+        def nodes_ready():
+            ns = core.list_node().items
+            return len(ns) == nodes + cpu_nodes and all(
+                any(c.type == "Ready" and c.status == "True" for c in (n.status.conditions or []))
+                and not any(t.key.startswith("node.kubernetes.io/") for t in (n.spec.taints or []))
+                for n in ns)
+        self._wait("kwok nodes Ready and untainted", nodes_ready, timeout=120, proc=kwok)
+        self.timings["nodes"] = time.monotonic() - t
+
+    def stop(self) -> None:
+        for name, p in reversed(self.procs):
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        for name, p in reversed(self.procs):
+            try:
+                p.wait(timeout=5)  # the state is thrown away: no need for a long graceful shutdown
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        self.procs.clear()
+        if os.environ.get("H3SERVE_KEEP_CLUSTER_DIR"):
+            print(f"control plane files kept in {self.run}")
+        else:
+            shutil.rmtree(self.run, ignore_errors=True)
+
+    def dump_logs(self, lines: int = 40) -> str:
+        out = []
+        for f in sorted(self.run.glob("*.log")):
+            tail = f.read_text(errors="replace").splitlines()[-lines:]
+            out.append(f"==== {f.name} ====\n" + "\n".join(tail))
+        text = "\n".join(out)
+        print(text)
+        return text

@@ -1,0 +1,467 @@
+"""Operator end-to-end against a real control plane (kube-apiserver, etcd, KCM, scheduler) and kwok GPU nodes.
+
+The chart installs the CRD and the operator's RBAC; the operator then runs as a local process with the chart's
+ServiceAccount token, so the tests also prove that the chart's least-privilege Role is enough.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import pathlib
+import subprocess
+import time
+
+import pytest
+import yaml
+from conftest import Operator, load_example, wait_for
+from kubernetes import dynamic
+from kubernetes.dynamic.exceptions import ApiException, NotFoundError
+
+from h3serve.operator import manifests as M
+from h3serve.operator.status import expected_workloads
+from h3serve.spec import CEL_RULES, H3DeploymentSpec, validate
+
+pytestmark = pytest.mark.cluster
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "h3serve-operator"
+SYSTEM_NS, APPS_NS = "h3-system", "h3-apps"
+RELEASE = "h3op"
+EXAMPLES = ["base-colocated", "base-disaggregated", "fasth3-colocated", "fasth3-disaggregated"]
+CHILD_KINDS = list(M.KINDS)
+
+
+# ---- fixtures ---------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def dyn(control_plane):
+    return dynamic.DynamicClient(control_plane.api)
+
+
+def R(dyn, kind: str, api_version: str | None = None):
+    api_version = api_version or (M.KINDS[kind][0] if kind in M.KINDS else {
+        "H3Deployment": "h3serve.io/v1alpha1", "Namespace": "v1", "Pod": "v1", "ReplicaSet": "apps/v1",
+        "Role": "rbac.authorization.k8s.io/v1", "ServiceAccount": "v1",
+        "CustomResourceDefinition": "apiextensions.k8s.io/v1"}[kind])
+    return dyn.resources.get(api_version=api_version, kind=kind)
+
+
+@pytest.fixture(scope="module")
+def installed(control_plane, dyn):
+    """helm install the chart: the CRD from crds/, RBAC for APPS_NS, the operator Deployment."""
+    for ns in (SYSTEM_NS, APPS_NS):
+        R(dyn, "Namespace").create(body={"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+    helm = control_plane.bin("helm")
+    r = subprocess.run([helm, "install", RELEASE, str(CHART), "-n", SYSTEM_NS, "--set", f"watchNamespaces={{{APPS_NS}}}",
+                        "--wait", "--timeout", "120s"], capture_output=True, text=True, env=control_plane.env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+@pytest.fixture(scope="module")
+def weights(dyn, installed):
+    """The examples mount the PVC `h3-weights`: a PV bound to it (nothing ever mounts it: the nodes are simulated)."""
+    R(dyn, "PersistentVolume", "v1").create(body={
+        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"h3-weights-{APPS_NS}"},
+        "spec": {"capacity": {"storage": "200Gi"}, "accessModes": ["ReadOnlyMany"], "storageClassName": "",
+                 "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": "/models"},
+                 "claimRef": {"namespace": APPS_NS, "name": "h3-weights"}}})
+    R(dyn, "PersistentVolumeClaim", "v1").create(namespace=APPS_NS, body={
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "h3-weights"},
+        "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "", "volumeName": f"h3-weights-{APPS_NS}",
+                 "resources": {"requests": {"storage": "200Gi"}}}})
+    wait_for("h3-weights bound", lambda: R(dyn, "PersistentVolumeClaim", "v1").get(
+        name="h3-weights", namespace=APPS_NS).to_dict()["status"].get("phase") == "Bound", timeout=60)
+
+
+@pytest.fixture(scope="module")
+def operator_kubeconfig(control_plane, dyn, installed, tmp_path_factory):
+    """A kubeconfig holding a token of the chart's ServiceAccount (what the operator pod would use)."""
+    sa = f"{RELEASE}-h3serve-operator"
+    tr = R(dyn, "ServiceAccount").subresources["token"].create(
+        body={"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": 7200}},
+        name=sa, namespace=SYSTEM_NS)
+    path = tmp_path_factory.mktemp("op") / "operator.kubeconfig"
+    from cluster import write_kubeconfig
+
+    write_kubeconfig(path, control_plane.server, control_plane.pki / "ca.crt", {"token": tr.status.token})
+    return path
+
+
+@pytest.fixture(scope="module")
+def operator(control_plane, operator_kubeconfig, weights, tmp_path_factory):
+    log = tmp_path_factory.mktemp("oplog") / "operator.log"
+    op = Operator(operator_kubeconfig, [APPS_NS], log, control_plane.env).start()
+    yield op
+    op.kill()
+    text = op.text()
+    # least privilege held: the operator never hit a permission error
+    assert "forbidden" not in text.lower(), op.tail(200)
+
+
+# ---- helpers -------------------------------------------------------------------------------------------------------
+
+def get_cr(dyn, name, ns=APPS_NS) -> dict:
+    return R(dyn, "H3Deployment").get(name=name, namespace=ns).to_dict()
+
+
+def condition(cr: dict, ctype: str) -> dict:
+    return next((c for c in (cr.get("status") or {}).get("conditions") or [] if c["type"] == ctype), {})
+
+
+def children(dyn, name, ns=APPS_NS) -> dict[tuple[str, str], dict]:
+    out = {}
+    for kind in CHILD_KINDS:
+        for o in R(dyn, kind).get(namespace=ns, label_selector=f"{M.LABEL_INSTANCE}={name}").to_dict()["items"]:
+            out[(kind, o["metadata"]["name"])] = o
+    return out
+
+
+def pods(dyn, name, ns=APPS_NS) -> list[dict]:
+    return R(dyn, "Pod").get(namespace=ns, label_selector=f"{M.LABEL_INSTANCE}={name}").to_dict()["items"]
+
+
+def ready_cr(dyn, name, generation=None, timeout=90.0):
+    def ok():
+        cr = get_cr(dyn, name)
+        st = cr.get("status") or {}
+        gen = generation or cr["metadata"]["generation"]
+        return cr if (condition(cr, "Ready").get("status") == "True" and st.get("observedGeneration") == gen
+                      and condition(cr, "Progressing").get("status") == "False") else None
+    try:
+        return wait_for(f"{name} Ready=True", ok, timeout=timeout)
+    except AssertionError as e:
+        cr = get_cr(dyn, name)
+        raise AssertionError(f"{e}\ngeneration {cr['metadata']['generation']}, status:\n"
+                             f"{yaml.safe_dump(cr.get('status'))}") from None
+
+
+def expected_names(cr: dict) -> set[tuple[str, str]]:
+    spec = H3DeploymentSpec.from_dict(cr["spec"])
+    return {(o["kind"], o["metadata"]["name"]) for o in M.render(spec, cr["metadata"]["name"], APPS_NS)}
+
+
+def expected_pod_count(cr: dict) -> int:
+    spec = H3DeploymentSpec.from_dict(cr["spec"])
+    return sum(e.pods for e in expected_workloads(spec, cr["metadata"]["name"]))  # a gang: pods per StatefulSet
+
+
+def create(dyn, doc):
+    return R(dyn, "H3Deployment").create(body=doc, namespace=doc["metadata"]["namespace"]).to_dict()
+
+
+def delete_cr(dyn, name):
+    try:
+        R(dyn, "H3Deployment").delete(name=name, namespace=APPS_NS)
+    except NotFoundError:
+        pass
+
+
+def wait_gone(dyn, name, timeout=90.0):
+    wait_for(f"{name} and its children gone", lambda: not children(dyn, name) and not pods(dyn, name) and _cr_gone(
+        dyn, name), timeout=timeout)
+
+
+def _cr_gone(dyn, name):
+    try:
+        get_cr(dyn, name)
+        return False
+    except NotFoundError:
+        return True
+
+
+# ---- the chart ----------------------------------------------------------------------------------------------------
+
+def test_chart_installs_crd_rbac_and_operator(installed, dyn, control_plane):
+    crd = R(dyn, "CustomResourceDefinition").get(name="h3deployments.h3serve.io").to_dict()
+    assert any(c["type"] == "Established" and c["status"] == "True" for c in crd["status"]["conditions"])
+    roles = R(dyn, "Role").get(namespace=APPS_NS).to_dict()["items"]
+    assert [r["metadata"]["name"] for r in roles] == [f"{RELEASE}-h3serve-operator"]
+    crb = dyn.resources.get(api_version="rbac.authorization.k8s.io/v1", kind="ClusterRoleBinding").get().to_dict()
+    assert not [b for b in crb["items"] if b["metadata"]["name"].startswith(RELEASE)]  # namespaced by default
+    # the operator pod itself scheduled onto a (CPU) kwok node and turned Running
+    op_pods = R(dyn, "Pod").get(namespace=SYSTEM_NS).to_dict()["items"]
+    assert op_pods and all(p["status"]["phase"] == "Running" for p in op_pods)
+    assert op_pods[0]["spec"]["nodeName"].startswith("cpu-")
+    r = subprocess.run([control_plane.bin("helm"), "status", RELEASE, "-n", SYSTEM_NS, "-o", "json"],
+                       capture_output=True, text=True, env=control_plane.env)
+    assert json.loads(r.stdout)["info"]["status"] == "deployed"
+
+
+# ---- admission: OpenAPI + CEL -------------------------------------------------------------------------------------
+
+SHA = "4ce198c83132251b7fd0de2503823aa49c53983f068318f66cb19eaefb7fcc12"
+BAD_SPECS = {
+    "encoder-tp": {"placement": "disaggregated", "encoder": {"tensorParallel": 3}},
+    "dit-heads": {"dit": {"ulysses": 3}, "encoder": {"tensorParallel": 1}},
+    "dit-gpus": {"dit": {"ulysses": 4, "gpus": 8}, "encoder": {"tensorParallel": 4}},
+    "vae-pp": {"dit": {"ulysses": 4}, "vae": {"patchParallel": 2}, "encoder": {"tensorParallel": 4}},
+    "fasth3-adapter": {"profile": "fasth3"},
+    "fasth3-offload": {"profile": "fasth3", "model": {"path": "/models/H3", "offload": True, "allowRequestLora": True,
+                                                      "adapter": {"path": "/models/a", "sha256": SHA}}},
+    "replicas-placement": {"placement": "disaggregated", "replicas": 2},
+    "stage-replicas-colocated": {"dit": {"replicas": 2}},
+    "colocated-encoder": {"dit": {"ulysses": 2}, "encoder": {"tensorParallel": 4}},
+    "gang-whole-nodes": {"placement": "disaggregated", "gpusPerNode": 4, "dit": {"ulysses": 7, "ring": 2}},
+    "model-path": {"model": {"path": "/weights/H3", "volume": {"persistentVolumeClaim": {"claimName": "w"}}}},
+    "adapter-path": {"model": {"adapter": {"path": "/elsewhere/a.safetensors", "sha256": SHA}}},
+    "encoder-gang": {"placement": "disaggregated", "gpusPerNode": 3, "encoder": {"tensorParallel": 4}},
+}
+
+
+def good_doc(name: str) -> dict:
+    """A small valid colocated H3Deployment (1 GPU per replica) that schedules on the test's GPU nodes."""
+    spec = {"image": "img:1", "model": {"path": "/models/H3",
+                                        "volume": {"persistentVolumeClaim": {"claimName": "h3-weights"}}},
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}
+    return {"apiVersion": "h3serve.io/v1alpha1", "kind": "H3Deployment",
+            "metadata": {"name": name, "namespace": APPS_NS}, "spec": spec}
+
+
+def bad_doc(key: str, name: str = "bad") -> dict:
+    doc = good_doc(name)
+    spec = doc["spec"]
+    for k, v in BAD_SPECS[key].items():
+        spec[k] = {**spec[k], **v} if isinstance(v, dict) and isinstance(spec.get(k), dict) else v
+    return doc
+
+
+@pytest.mark.parametrize("key", sorted(BAD_SPECS))
+def test_invalid_spec_rejected_by_cel_with_the_python_message(installed, dyn, key):
+    doc = bad_doc(key)
+    py = validate(H3DeploymentSpec.from_dict(doc["spec"]), "bad")
+    assert py, "the table entry must be invalid"
+    with pytest.raises(ApiException) as e:
+        R(dyn, "H3Deployment").create(body=doc, namespace=APPS_NS, query_params=[("dryRun", "All")])
+    assert e.value.status == 422
+    body = json.loads(e.value.body)
+    server = " ".join(c.get("message", "") for c in body["details"]["causes"])
+    for field, msg in py:
+        assert msg in server, f"{field}: python says {msg!r}; the API server said {server!r}"
+        # and the server points at the same field
+        assert any(c.get("field") == field for c in body["details"]["causes"]), (field, body["details"]["causes"])
+
+
+def test_all_cel_rules_exercised_against_the_server():
+    fired = set()
+    for key in BAD_SPECS:
+        fired |= {f for f, _ in validate(H3DeploymentSpec.from_dict(bad_doc(key)["spec"]), "bad")}
+    wanted = {("spec." + ".".join(x for x in (r["location"], r["field_path"].lstrip(".")) if x)) for r in CEL_RULES}
+    missing = wanted - fired
+    assert not missing, missing
+
+
+def test_openapi_rejects_enums_bounds_and_names(installed, dyn):
+    doc = good_doc("bad")
+    for patch, text in ((("placement", "spread"), 'Unsupported value: "spread"'),
+                        (("gpusPerNode", 0), "should be greater than or equal to 1"),
+                        (("transport", "tcp"), 'Unsupported value: "tcp"')):
+        d = copy.deepcopy(doc)
+        d["spec"][patch[0]] = patch[1]
+        with pytest.raises(ApiException) as e:
+            R(dyn, "H3Deployment").create(body=d, namespace=APPS_NS, query_params=[("dryRun", "All")])
+        assert text in json.loads(e.value.body)["message"], e.value.body
+    d = copy.deepcopy(doc)
+    d["metadata"]["name"] = "x" * 41
+    with pytest.raises(ApiException) as e:
+        R(dyn, "H3Deployment").create(body=d, namespace=APPS_NS, query_params=[("dryRun", "All")])
+    assert "metadata.name must be at most 40 characters" in json.loads(e.value.body)["message"]
+    # and a valid spec passes, with the defaults filled in by the API server
+    ok = R(dyn, "H3Deployment").create(body=doc, namespace=APPS_NS, query_params=[("dryRun", "All")]).to_dict()
+    assert ok["spec"]["dit"] == {"ulysses": 1, "ring": 1} and ok["spec"]["gateway"]["replicas"] == 2
+    assert H3DeploymentSpec.from_dict(ok["spec"]) == H3DeploymentSpec.from_dict(doc["spec"])
+
+
+# ---- reconcile ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_example_reconciles_to_ready(operator, dyn, example):
+    doc = load_example(example, APPS_NS)
+    name = doc["metadata"]["name"]
+    created = create(dyn, doc)
+    uid = created["metadata"]["uid"]
+    want = expected_names(created)
+    kids = wait_for(f"{name} children", lambda: (lambda c: c if set(c) == want else None)(children(dyn, name)),
+                    timeout=60)
+    for (kind, cname), obj in kids.items():
+        refs = obj["metadata"]["ownerReferences"]
+        assert refs == [{"apiVersion": "h3serve.io/v1alpha1", "kind": "H3Deployment", "name": name, "uid": uid,
+                         "controller": True, "blockOwnerDeletion": True}], (kind, cname)
+        assert any(f["manager"] == "h3serve-operator" and f["operation"] == "Apply"
+                   for f in obj["metadata"]["managedFields"]), (kind, cname)
+    n = expected_pod_count(created)
+    wait_for(f"{name} pods Running+Ready", lambda: (lambda ps: len(ps) == n and all(
+        p["status"].get("phase") == "Running" and any(c["type"] == "Ready" and c["status"] == "True"
+                                                      for c in p["status"].get("conditions") or []) for p in ps))(
+        pods(dyn, name)), timeout=90)
+    cr = ready_cr(dyn, name)
+    st = cr["status"]
+    assert condition(cr, "SpecValid")["status"] == "True" and condition(cr, "Degraded")["status"] == "False"
+    assert condition(cr, "Ready")["reason"] == "AllStagesReady"
+    assert set(st["stages"]) == {"encoder", "dit", "vae", "muxer", "gateway"}
+    assert all(v["ready"] == v["desired"] > 0 for v in st["stages"].values())
+    assert st["endpoint"]["grpc"] == f"{name}-gateway.{APPS_NS}.svc:50051"
+    # GPU pods landed on GPU nodes with the GPUs they asked for
+    for p in pods(dyn, name):
+        gpus = int(p["spec"]["containers"][0]["resources"].get("limits", {}).get("nvidia.com/gpu", 0))
+        if gpus:
+            assert p["spec"]["nodeName"].startswith("gpu-")
+
+
+def test_scale_subresource_sets_colocated_replicas(operator, dyn):
+    name = "h3-base"
+    ready_cr(dyn, name)
+    scale = R(dyn, "H3Deployment").subresources["scale"]
+    s = scale.get(name=name, namespace=APPS_NS).to_dict()
+    assert s["spec"]["replicas"] == 1 and s["status"]["replicas"] == 1 and "engine" in s["status"]["selector"]
+    scale.patch(body={"spec": {"replicas": 2}}, name=name, namespace=APPS_NS,
+                content_type="application/merge-patch+json")
+    wait_for("engine scaled to 2", lambda: R(dyn, "Deployment").get(name=f"{name}-engine", namespace=APPS_NS)
+             .to_dict()["status"].get("readyReplicas") == 2, timeout=60)
+    cr = ready_cr(dyn, name)
+    assert cr["status"]["stages"]["dit"] == {"ready": 2, "desired": 2} and cr["status"]["replicas"] == 2
+
+
+def test_changing_dit_ulysses_rolls_out(operator, dyn):
+    name = "h3-split"
+    before = ready_cr(dyn, name)
+    old_pods = {p["metadata"]["name"] for p in pods(dyn, name) if p["metadata"]["labels"][M.LABEL_COMPONENT] == "dit"}
+    R(dyn, "H3Deployment").patch(body={"spec": {"dit": {"ulysses": 2}, "vae": {"patchParallel": 4}}}, name=name,
+                                 namespace=APPS_NS, content_type="application/merge-patch+json")
+    gen = before["metadata"]["generation"] + 1
+
+    def rolled():
+        d = R(dyn, "Deployment").get(name=f"{name}-dit", namespace=APPS_NS).to_dict()
+        c = d["spec"]["template"]["spec"]["containers"][0]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        return int(c["resources"]["limits"]["nvidia.com/gpu"]) == 4 and env["WORLD_SIZE"] == "4"
+    wait_for("dit Deployment updated", rolled, timeout=60)
+    cr = ready_cr(dyn, name, generation=gen)
+    assert cr["status"]["observedGeneration"] == gen
+    assert all(c["observedGeneration"] == gen for c in cr["status"]["conditions"])
+    dit_pods = [p for p in pods(dyn, name) if p["metadata"]["labels"][M.LABEL_COMPONENT] == "dit"]
+    assert len(dit_pods) == 1 and dit_pods[0]["metadata"]["name"] not in old_pods
+    assert int(dit_pods[0]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]) == 4
+    cfg = R(dyn, "ConfigMap").get(name=f"{name}-config", namespace=APPS_NS).to_dict()
+    assert yaml.safe_load(cfg["data"]["h3serve.yaml"])["spec"]["dit"]["ulysses"] == 2
+
+
+def test_deleted_and_edited_children_are_repaired(operator, dyn):
+    name = "h3-split"
+    ready_cr(dyn, name)
+    svc = R(dyn, "Service").get(name=f"{name}-gateway", namespace=APPS_NS).to_dict()
+    dep = R(dyn, "Deployment").get(name=f"{name}-encoder", namespace=APPS_NS).to_dict()
+    R(dyn, "Service").delete(name=f"{name}-gateway", namespace=APPS_NS)
+    R(dyn, "Deployment").delete(name=f"{name}-encoder", namespace=APPS_NS)
+    R(dyn, "NetworkPolicy").delete(name=f"{name}-stages", namespace=APPS_NS)
+    # drift: someone scales the vae by hand and edits the ConfigMap
+    R(dyn, "Deployment").patch(body={"spec": {"replicas": 3}}, name=f"{name}-vae", namespace=APPS_NS,
+                               content_type="application/merge-patch+json")
+    R(dyn, "ConfigMap").patch(body={"data": {"h3serve.yaml": "{}"}}, name=f"{name}-config", namespace=APPS_NS,
+                              content_type="application/merge-patch+json")
+
+    def repaired():
+        s = R(dyn, "Service").get(name=f"{name}-gateway", namespace=APPS_NS).to_dict()
+        d = R(dyn, "Deployment").get(name=f"{name}-encoder", namespace=APPS_NS).to_dict()
+        R(dyn, "NetworkPolicy").get(name=f"{name}-stages", namespace=APPS_NS)
+        v = R(dyn, "Deployment").get(name=f"{name}-vae", namespace=APPS_NS).to_dict()
+        c = R(dyn, "ConfigMap").get(name=f"{name}-config", namespace=APPS_NS).to_dict()
+        return (s["metadata"]["uid"] != svc["metadata"]["uid"] and d["metadata"]["uid"] != dep["metadata"]["uid"]
+                and v["spec"]["replicas"] == 1 and c["data"]["h3serve.yaml"] != "{}")
+    wait_for("children repaired", repaired, timeout=60)
+    cr = ready_cr(dyn, name)
+    assert set(children(dyn, name)) == expected_names(cr)
+
+
+def test_operator_only_rule_reports_spec_valid_false(operator, dyn):
+    doc = good_doc("gpu-in-resources")
+    doc["spec"]["dit"] = {"ulysses": 1, "resources": {"limits": {"nvidia.com/gpu": 8}}}
+    create(dyn, doc)  # the schema accepts it; only the operator knows
+
+    def reported():
+        cr = get_cr(dyn, "gpu-in-resources")
+        return cr if condition(cr, "SpecValid").get("status") == "False" else None
+    cr = wait_for("SpecValid=False", reported, timeout=60)
+    c = condition(cr, "SpecValid")
+    assert c["reason"] == "InvalidSpec"
+    assert ("remove nvidia.com/gpu from dit.resources.limits: the operator sets the GPU count from the stage's "
+            "parallel sizes") in c["message"]
+    assert condition(cr, "Ready")["status"] == "False" and condition(cr, "Ready")["reason"] == "InvalidSpec"
+    assert cr["status"]["observedGeneration"] == cr["metadata"]["generation"]
+    assert not children(dyn, "gpu-in-resources")
+    assert operator.alive()  # reported, not crash-looped
+    # fixing the spec rolls it out
+    R(dyn, "H3Deployment").patch(body={"spec": {"dit": {"resources": None}}}, name="gpu-in-resources",
+                                 namespace=APPS_NS, content_type="application/merge-patch+json")
+    cr = ready_cr(dyn, "gpu-in-resources", timeout=90)
+    assert condition(cr, "SpecValid")["status"] == "True"
+    delete_cr(dyn, "gpu-in-resources")
+    wait_gone(dyn, "gpu-in-resources")
+
+
+def test_unschedulable_pods_are_explained_in_status(operator, dyn):
+    doc = good_doc("no-toleration")
+    doc["spec"].pop("tolerations")  # the GPU nodes are tainted nvidia.com/gpu:NoSchedule
+    create(dyn, doc)
+
+    def degraded():
+        cr = get_cr(dyn, "no-toleration")
+        return cr if condition(cr, "Degraded").get("reason") == "PodsUnschedulable" else None
+    cr = wait_for("Degraded=PodsUnschedulable", degraded, timeout=60)
+    assert condition(cr, "Degraded")["status"] == "True"
+    assert "untolerated taint" in condition(cr, "Degraded")["message"]
+    assert "no-toleration-engine-" in condition(cr, "Ready")["message"]
+    delete_cr(dyn, "no-toleration")
+    wait_gone(dyn, "no-toleration")
+
+
+def test_restart_operator_mid_reconcile_makes_no_duplicates(operator, dyn):
+    doc = load_example("fasth3-disaggregated", APPS_NS)
+    doc["metadata"]["name"] = "restart"
+    created = create(dyn, doc)
+    want = expected_names(created)
+    # kill it as soon as it started creating children
+    wait_for("first children", lambda: len(children(dyn, "restart")) >= 1, timeout=60, interval=0.05)
+    operator.kill()
+    partial = set(children(dyn, "restart"))
+    operator.start()
+    cr = ready_cr(dyn, "restart", timeout=120)
+    kids = children(dyn, "restart")
+    assert set(kids) == want, (partial, set(kids) ^ want)
+    # no duplicate workloads or pods: exactly what the spec asks for
+    assert len(pods(dyn, "restart")) == expected_pod_count(cr)
+    rs = R(dyn, "ReplicaSet").get(namespace=APPS_NS, label_selector=f"{M.LABEL_INSTANCE}=restart").to_dict()["items"]
+    assert len(rs) == sum(1 for k in want if k[0] == "Deployment")
+    # kill it again at a random later point: nothing changes
+    operator.kill()
+    operator.start()
+    time.sleep(3)
+    assert set(children(dyn, "restart")) == want and len(pods(dyn, "restart")) == expected_pod_count(cr)
+
+
+def test_delete_cr_garbage_collects_children(operator, dyn):
+    for name in ("restart", "fasth3-split"):
+        assert children(dyn, name)
+        delete_cr(dyn, name)
+    for name in ("restart", "fasth3-split"):
+        wait_gone(dyn, name)
+    # the others are untouched
+    assert children(dyn, "h3-base")
+
+
+def test_status_printer_columns(operator, dyn, control_plane):
+    # kubectl get h3d shows these columns; the API server computes them (Table format)
+    import urllib.request
+    import ssl
+
+    ctx = ssl.create_default_context(cafile=str(control_plane.pki / "ca.crt"))
+    ctx.load_cert_chain(str(control_plane.pki / "admin.crt"), str(control_plane.pki / "admin.key"))
+    req = urllib.request.Request(f"{control_plane.server}/apis/h3serve.io/v1alpha1/namespaces/{APPS_NS}/h3deployments",
+                                 headers={"Accept": "application/json;as=Table;v=v1;g=meta.k8s.io"})
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=ctx))
+    table = json.loads(opener.open(req, timeout=10).read())
+    cols = [c["name"] for c in table["columnDefinitions"]]
+    assert cols[:5] == ["Name", "Profile", "Placement", "Ready", "Stages"] and "Age" in cols
+    rows = {r["cells"][0]: r["cells"] for r in table["rows"]}
+    assert rows["h3-base"][1:4] == ["base", "colocated", "True"]

@@ -1,4 +1,4 @@
-"""`h3serve` command line: generate | checkpoint | render | operator.
+"""`h3serve` command line: generate | serve | checkpoint | render | operator.
 
 Every user-facing failure is one line on stderr and a non-zero exit; set H3SERVE_DEBUG=1 for tracebacks.
 """
@@ -19,8 +19,12 @@ EXIT_INTERNAL = 3
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate one MP4 in this process (embedded pipeline)")
-    p.add_argument("--checkpoint", required=True, help="diffusers-format H3 folder")
+    p = sub.add_parser("generate", help="generate one MP4 in this process (embedded pipeline), or on a server")
+    p.add_argument("--checkpoint", default=None, help="diffusers-format H3 folder (embedded; required without "
+                                                      "--server)")
+    p.add_argument("--server", default=None, metavar="HOST:PORT",
+                   help="generate on a running gateway (h3serve serve) instead of in this process")
+    p.add_argument("--timeout", type=float, default=None, help="with --server: the request's deadline in seconds")
     p.add_argument("--prompt", required=True)
     p.add_argument("--seconds", default="5", help="requested duration, 4-15 s (raised to the next 17n+5 frames)")
     p.add_argument("--size", default=None, help="WxH, sides multiples of 32 (default: 16:9 canvas 1344x768)")
@@ -50,6 +54,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                profile=args.profile, steps=args.steps, dtype=args.dtype, first_image=args.first_image,
                last_image=args.last_image, references=args.reference or None)
     request = validate_request(**{k: v for k, v in raw.items() if v is not None})
+    if args.server:
+        return _generate_remote(args, t0)
+    if not args.checkpoint:
+        raise H3Error("generate needs --checkpoint DIR (embedded) or --server HOST:PORT (a running gateway)")
     if args.profile == "fasth3" and not (args.adapter and args.adapter_sha256):
         raise H3Error("profile=fasth3 needs --adapter FILE and --adapter-sha256 HEX (the fused FastH3 adapter)")
     if args.adapter and args.profile != "fasth3":
@@ -72,6 +80,67 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(f"wrote {result.path.resolve()} ({result.num_frames} frames, {result.size}, {result.bytes} bytes)")
         print("  " + "  ".join(f"{k}={v}" if isinstance(v, int) else f"{k}={v:.3f}" for k, v in timings.items()))
     return 0
+
+
+def _generate_remote(args: argparse.Namespace, t0: float) -> int:
+    """`generate --server`: the same request through the SDK; the server's profile, dtype and device apply."""
+    from h3serve.client import Client
+
+    server_side = {"--device": args.device, "--adapter": args.adapter, "--adapter-sha256": args.adapter_sha256,
+                   "--first-image": args.first_image, "--last-image": args.last_image,
+                   "--reference": args.reference or None, "--checkpoint": args.checkpoint,
+                   "--dtype": None if args.dtype == "fp32" else args.dtype,
+                   "--profile": None if args.profile == "base" else args.profile}
+    given = [flag for flag, value in server_side.items() if value is not None]
+    if given:
+        raise H3Error(f"{', '.join(given)}: set on the server (h3serve serve), not with --server")
+    fields = dict(seconds=float(args.seconds) if args.seconds is not None else None, size=args.size,
+                  seed=int(args.seed) if args.seed is not None else None, task=args.task,
+                  num_inference_steps=int(args.steps) if args.steps is not None else None)
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=100, desc="generate", unit="%", leave=False, file=sys.stderr)
+
+    def on_progress(p) -> None:
+        if bar is not None:
+            bar.set_description(p.stage)
+            bar.update(max(0.0, p.percent - bar.n))
+
+    try:
+        with Client(args.server) as client:
+            result = client.generate(args.prompt, output=args.output, timeout=args.timeout, on_progress=on_progress,
+                                     **{k: v for k, v in fields.items() if v is not None})
+    finally:
+        if bar is not None:
+            bar.close()
+    timings = dict(result.timings)
+    timings["wall_s"] = time.perf_counter() - t0
+    acc = result.accepted
+    size = f"{acc.width}x{acc.height}" if acc else ""
+    frames = acc.num_frames if acc else 0
+    if args.json:
+        print(json.dumps({"output": str(result.path), "frames": frames, "size": size, "request_id": result.request_id,
+                          "sha256": result.sha256, "timings": timings}))
+    else:
+        print(f"wrote {result.path.resolve()} ({frames} frames, {size}, {result.mp4_bytes} bytes)")
+        print("  " + "  ".join(f"{k}={v:.3f}" for k, v in timings.items()))
+    return 0
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    from h3serve.serve import add_arguments
+
+    p = sub.add_parser("serve", help="run the stages as gRPC services (and the gateway's HTTP API)")
+    add_arguments(p)
+    p.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from h3serve.serve import main_from_args
+
+    return main_from_args(args)
 
 
 def _add_checkpoint(sub: argparse._SubParsersAction) -> None:
@@ -125,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default=os.environ.get("H3SERVE_LOG", "WARNING"))
     sub = parser.add_subparsers(dest="cmd", required=True)
     _add_generate(sub)
+    _add_serve(sub)
     _add_checkpoint(sub)
     try:
         from h3serve.operator.cli import add_subcommands

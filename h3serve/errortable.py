@@ -1,0 +1,312 @@
+"""The one error table of the service layer: domain errors <-> gRPC status codes <-> HTTP statuses.
+
+Every servicer (stage or gateway), the HTTP API and the SDK go through this module, so a failure has the same
+name everywhere:
+
+    domain error                code (stable)       gRPC status           HTTP   retry
+    RequestError                invalid_request     INVALID_ARGUMENT      422    no    (names the field)
+    ProfileError                invalid_request     FAILED_PRECONDITION   422    no
+    QueueFull                   queue_full          RESOURCE_EXHAUSTED    429    yes   (refused at once)
+    TooLarge                    too_large           RESOURCE_EXHAUSTED    413    no
+    Draining                    draining            UNAVAILABLE           503    yes
+    StageUnavailable            stage_unavailable   UNAVAILABLE           503    yes   (names the stage)
+    TransportError              stage_unavailable   UNAVAILABLE           503    yes
+    DeadlineExceeded            deadline_exceeded   DEADLINE_EXCEEDED     504    yes
+    Cancelled                   cancelled           CANCELLED             499    no
+    NotFound                    not_found           NOT_FOUND             404    no
+    NotReady                    not_ready           FAILED_PRECONDITION   409    yes
+    StageFailed                 stage_failed        INTERNAL              500    no    (names the stage)
+    MediaError                  media_error         INTERNAL              500    no
+    anything else               internal            INTERNAL              500    no
+
+On the wire a gRPC error carries its details in the status message and, machine-readably, in trailing metadata:
+`h3serve-code`, `h3serve-field`, `h3serve-stage`. HTTP errors are `{"error": {"code", "message", "field",
+"param", "stage", "retryable"}}` (`param` is the OpenAI spelling of the field).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import grpc
+
+from h3serve.errors import Cancelled, H3Error, MediaError, ProfileError, RequestError
+
+log = logging.getLogger("h3serve.errors")
+
+MD_CODE, MD_FIELD, MD_STAGE = "h3serve-code", "h3serve-field", "h3serve-stage"
+STAGES = ("gateway", "encoder", "dit", "vae", "muxer")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Service-layer domain errors (the model-side ones live in h3serve.errors)
+
+class ServiceError(H3Error):
+    """A service-layer failure; `stage` names the stage it concerns, when one does."""
+
+    def __init__(self, message: str, *, stage: str | None = None):
+        self.stage = stage
+        super().__init__(message)
+
+
+class QueueFull(ServiceError):
+    """The admission queue is full; retry later or elsewhere."""
+
+
+class TooLarge(ServiceError):
+    """The result exceeds a configured size limit (e.g. the sync response limit)."""
+
+
+class Draining(ServiceError):
+    """The server is shutting down and admits nothing new."""
+
+
+class StageUnavailable(ServiceError):
+    """A stage is down, not ready, or died while working on the request."""
+
+    def __init__(self, stage: str, message: str = ""):
+        super().__init__(f"{stage}: stage unavailable" + (f": {message}" if message else ""), stage=stage)
+
+
+class StageFailed(ServiceError):
+    """A stage failed on the request for a reason other than being unavailable."""
+
+    def __init__(self, stage: str, message: str):
+        super().__init__(f"{stage}: {message}", stage=stage)
+
+
+class DeadlineExceeded(ServiceError):
+    """The request's deadline passed before it finished."""
+
+
+class NotFound(ServiceError):
+    """No such request / job / session."""
+
+
+class NotReady(ServiceError):
+    """The resource exists but is not ready yet (e.g. a job's content before it completed)."""
+
+
+class InvalidRequest(RequestError):
+    """A RequestError rebuilt from the wire (field and message known, value and allowed not separately)."""
+
+    def __init__(self, field: str, message: str):
+        self.field, self.value, self.allowed = field, None, message
+        H3Error.__init__(self, message)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The table
+
+@dataclass(frozen=True)
+class ErrorKind:
+    code: str
+    grpc: grpc.StatusCode
+    http: int
+    retryable: bool
+
+
+def _transport_error() -> type:
+    from h3serve.transport.base import TransportError
+
+    return TransportError
+
+
+_KINDS = {
+    "invalid_request": ErrorKind("invalid_request", grpc.StatusCode.INVALID_ARGUMENT, 422, False),
+    "profile": ErrorKind("invalid_request", grpc.StatusCode.FAILED_PRECONDITION, 422, False),
+    "queue_full": ErrorKind("queue_full", grpc.StatusCode.RESOURCE_EXHAUSTED, 429, True),
+    "too_large": ErrorKind("too_large", grpc.StatusCode.RESOURCE_EXHAUSTED, 413, False),
+    "draining": ErrorKind("draining", grpc.StatusCode.UNAVAILABLE, 503, True),
+    "stage_unavailable": ErrorKind("stage_unavailable", grpc.StatusCode.UNAVAILABLE, 503, True),
+    "deadline_exceeded": ErrorKind("deadline_exceeded", grpc.StatusCode.DEADLINE_EXCEEDED, 504, True),
+    "cancelled": ErrorKind("cancelled", grpc.StatusCode.CANCELLED, 499, False),
+    "not_found": ErrorKind("not_found", grpc.StatusCode.NOT_FOUND, 404, False),
+    "not_ready": ErrorKind("not_ready", grpc.StatusCode.FAILED_PRECONDITION, 409, True),
+    "stage_failed": ErrorKind("stage_failed", grpc.StatusCode.INTERNAL, 500, False),
+    "media_error": ErrorKind("media_error", grpc.StatusCode.INTERNAL, 500, False),
+    "internal": ErrorKind("internal", grpc.StatusCode.INTERNAL, 500, False),
+}
+
+# (exception class, kind); the first match wins, so subclasses come before their bases.
+TABLE: list[tuple[Callable[[], type], ErrorKind]] = [
+    (lambda: RequestError, _KINDS["invalid_request"]),
+    (lambda: ProfileError, _KINDS["profile"]),
+    (lambda: QueueFull, _KINDS["queue_full"]),
+    (lambda: TooLarge, _KINDS["too_large"]),
+    (lambda: Draining, _KINDS["draining"]),
+    (lambda: StageUnavailable, _KINDS["stage_unavailable"]),
+    (_transport_error, _KINDS["stage_unavailable"]),
+    (lambda: DeadlineExceeded, _KINDS["deadline_exceeded"]),
+    (lambda: Cancelled, _KINDS["cancelled"]),
+    (lambda: NotFound, _KINDS["not_found"]),
+    (lambda: NotReady, _KINDS["not_ready"]),
+    (lambda: StageFailed, _KINDS["stage_failed"]),
+    (lambda: MediaError, _KINDS["media_error"]),
+]
+INTERNAL = _KINDS["internal"]
+
+
+@dataclass(frozen=True)
+class Classified:
+    kind: ErrorKind
+    message: str
+    field: str | None
+    stage: str | None
+
+
+def classify(exc: BaseException, *, stage: str | None = None) -> Classified:
+    """The kind of `exc`, its one-line message, the field it names and the stage it concerns."""
+    for cls, kind in TABLE:
+        if isinstance(exc, cls()):
+            break
+    else:
+        kind = INTERNAL
+    field = getattr(exc, "field", None)
+    if kind.code == "invalid_request" and field is None and isinstance(exc, ProfileError):
+        field = "profile"
+    exc_stage = getattr(exc, "stage", None)
+    if exc_stage is None and isinstance(exc, _transport_error()):
+        edge = getattr(exc, "edge", "") or ""
+        exc_stage = edge.split("->")[-1] or None
+    message = str(exc) if kind is not INTERNAL else f"internal error: {type(exc).__name__}: {exc}"
+    return Classified(kind, message, field, exc_stage or (stage if kind is not INTERNAL else stage))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# gRPC side
+
+def abort(context: grpc.ServicerContext, exc: BaseException, *, stage: str | None = None):
+    """End an RPC with the status the table gives `exc` (raises, as `context.abort` does)."""
+    c = classify(exc, stage=stage)
+    if c.kind is INTERNAL or c.kind.code in ("stage_failed", "media_error"):
+        log.error("%s: %s", stage or "server", c.message, exc_info=exc)
+    md = [(MD_CODE, c.kind.code)]
+    if c.field:
+        md.append((MD_FIELD, str(c.field)))
+    if c.stage:
+        md.append((MD_STAGE, c.stage))
+    try:
+        context.set_trailing_metadata(md)
+    except Exception:  # noqa: BLE001 - the call may already be gone
+        pass
+    context.abort(c.kind.grpc, c.message[:4000])
+
+
+def grpc_method(stage: str | None):
+    """Decorate a servicer method (unary or server-streaming generator) so every exception leaves through the
+    table. `grpc.RpcError`s raised by `context.abort` pass through unchanged."""
+
+    def deco(fn):
+        if inspect.isgeneratorfunction(fn):
+            @functools.wraps(fn)
+            def stream(self, request, context):
+                try:
+                    yield from fn(self, request, context)
+                except Exception as exc:  # noqa: BLE001 - the table decides
+                    if _is_abort(exc):
+                        raise
+                    abort(context, exc, stage=stage)
+            return stream
+
+        @functools.wraps(fn)
+        def unary(self, request, context):
+            try:
+                return fn(self, request, context)
+            except Exception as exc:  # noqa: BLE001
+                if _is_abort(exc):
+                    raise
+                abort(context, exc, stage=stage)
+        return unary
+
+    return deco
+
+
+def _is_abort(exc: BaseException) -> bool:
+    # grpc's context.abort() raises a bare `Exception()` after recording the status: let it through untouched
+    return type(exc) is Exception and not exc.args
+
+
+def _metadata(err: grpc.RpcError) -> dict[str, str]:
+    try:
+        md = err.trailing_metadata() or ()
+    except Exception:  # noqa: BLE001
+        md = ()
+    return {k: (v.decode() if isinstance(v, bytes) else v) for k, v in md}
+
+
+def from_grpc(err: grpc.RpcError, *, stage: str | None = None, cancelled: bool = False) -> H3Error:
+    """The domain error for a failed call. `stage` names the callee (used when the status does not name one);
+    `cancelled` says the caller itself cancelled the call (then the result is `Cancelled`, whatever the code)."""
+    try:
+        code, details = err.code(), err.details() or ""
+    except Exception:  # noqa: BLE001 - not a call error
+        return StageFailed(stage or "server", str(err))
+    md = _metadata(err)
+    named = md.get(MD_CODE)
+    field = md.get(MD_FIELD)
+    where = md.get(MD_STAGE) or stage
+    if cancelled:
+        return Cancelled(details or "cancelled by the caller")
+    if named == "invalid_request" and code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidRequest(field or "request", details)
+    if named == "invalid_request":
+        return ProfileError(details)
+    if named == "queue_full":
+        return QueueFull(details, stage=where)
+    if named == "too_large":
+        return TooLarge(details, stage=where)
+    if named == "draining":
+        return Draining(details, stage=where)
+    if named == "not_found":
+        return NotFound(details, stage=where)
+    if named == "not_ready":
+        return NotReady(details, stage=where)
+    if named in ("stage_failed", "media_error", "internal"):
+        return _keep_message(StageFailed(where or "server", details), details)
+    if named == "stage_unavailable" or code == grpc.StatusCode.UNAVAILABLE:
+        return _keep_message(StageUnavailable(where or "server", details), details, where)
+    if named == "deadline_exceeded" or code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceeded(details or "deadline exceeded", stage=where)
+    if named == "cancelled" or code == grpc.StatusCode.CANCELLED:
+        # the callee went away or gave up without us asking: to the caller it is unavailable
+        return StageUnavailable(where or "server", details or "the call was cancelled by the server")
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidRequest(field or "request", details)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return QueueFull(details, stage=where)
+    if code == grpc.StatusCode.NOT_FOUND:
+        return NotFound(details, stage=where)
+    return StageFailed(where or "server", f"{code.name}: {details}")
+
+
+def _keep_message(exc: ServiceError, details: str, where: str | None = None) -> ServiceError:
+    """Use the callee's message as is when it already starts with the stage's name (no 'vae: vae: ...')."""
+    stage = exc.stage
+    if details and stage and details.startswith(f"{stage}:"):
+        exc.args = (details,)
+    return exc
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# HTTP side
+
+def http_error(exc: BaseException, *, stage: str | None = None) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, JSON body) for `exc`."""
+    c = classify(exc, stage=stage)
+    if c.kind is INTERNAL:
+        log.error("http: %s", c.message, exc_info=exc)
+    return c.kind.http, {"error": error_object(c)}
+
+
+def error_object(c: Classified) -> dict[str, Any]:
+    return {"code": c.kind.code, "message": c.message, "field": c.field, "param": c.field, "stage": c.stage,
+            "retryable": c.kind.retryable}
+
+
+def http_status_for_code(code: str) -> int:
+    return _KINDS.get(code, INTERNAL).http

@@ -1,0 +1,419 @@
+"""gRPC byte-stream transport, and the gRPC settings every h3serve server and channel shares.
+
+A tensor crosses a gRPC stream as `TensorChunk` messages (protos/h3serve/v1/common.proto): payloads of at most
+`CHUNK_BYTES` (4 MiB), the first chunk carrying dtype, shape and a small JSON `meta`. `StreamEnd` closes a stream
+explicitly; a stream that stops without it means the sender died or cancelled, and the receiver raises
+`TransportError` rather than taking a truncated stream for a complete one.
+
+    sender side (client-streaming call)                 receiver side (the servicer)
+    s = GrpcStreamSender(wrap, first=open_msg)          r = GrpcStreamReceiver(request_iterator, unwrap)
+    fut = stub.Push.future(s.requests(), timeout=t)     for msg in r:   # Message(header, tensor, meta)
+    s.attach(fut); s.send("frames", t); s.close()           ...
+
+`send` blocks when `depth` messages wait (back-pressure from the network and the receiver), and fails at once
+once the call has ended. Transport code knows no model: names, dtypes and shapes are the caller's business.
+
+Transport selection is one function pair, `make_sender` / `make_receiver`: "grpc" carries the bytes inside the
+stream; any other name ("nixl") is the module `h3serve.transport.<name>`, which moves the bytes out of band and
+uses the gRPC stream as its control channel (TensorChunk.transport_metadata carries its descriptors; the muxer's
+OpenSession / PushOpen / Handshake carry its agent metadata). Such a module provides:
+
+    receiver_metadata(session_id: str) -> bytes                       # receiver side, at session open
+    make_receiver(control: GrpcStreamReceiver, session_id: str) -> TensorReceiver
+    make_sender(control: GrpcStreamSender, peer_metadata: bytes) -> TensorSender
+    handshake(session_id: str, metadata: bytes) -> bytes              # optional extra exchange
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import queue
+import time
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from h3serve.transport.base import (
+    Message,
+    TensorHeader,
+    TensorReceiver,
+    TensorSender,
+    TransportError,
+    tensor_bytes,
+    tensor_from_bytes,
+)
+
+MiB = 1 << 20
+CHUNK_BYTES = 4 * MiB                 # largest tensor payload per message
+MESSAGE_LIMIT = CHUNK_BYTES + 64 * 1024   # the explicit send/receive limit of every stage server and channel
+DEFAULT_DEPTH = 4                     # messages a sender may queue before send() blocks
+MAX_TENSOR_BYTES = 4 << 30            # a receiver refuses a header announcing more than this
+
+# Keepalive: a peer that vanishes without closing its socket (host down, partition) is noticed within ~15 s even
+# on an idle call; a process that dies is noticed at once (the kernel closes its sockets).
+_KEEPALIVE = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+
+def server_options(max_message: int = MESSAGE_LIMIT) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_send_message_length", int(max_message)),
+        ("grpc.max_receive_message_length", int(max_message)),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+        ("grpc.http2.max_ping_strikes", 0),
+        ("grpc.so_reuseport", 0),
+        *_KEEPALIVE,
+    ]
+
+
+def channel_options(max_message: int = MESSAGE_LIMIT) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_send_message_length", int(max_message)),
+        ("grpc.max_receive_message_length", int(max_message)),
+        ("grpc.enable_retries", 0),   # a generation is not idempotent; retries are the caller's decision
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.min_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 2_000),
+        *_KEEPALIVE,
+    ]
+
+
+def insecure_channel(address: str, max_message: int = MESSAGE_LIMIT):
+    import grpc
+
+    return grpc.insecure_channel(address, options=channel_options(max_message))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tensor <-> chunks
+
+def iter_tensor_chunks(name: str, tensor: torch.Tensor | None, meta: dict | None = None, *,
+                       chunk_bytes: int = CHUNK_BYTES) -> Iterator[Any]:
+    """The `TensorChunk` messages of one tensor (one empty chunk for `tensor=None`, a control-only item)."""
+    from h3serve._proto import common_pb2
+
+    if not 0 < chunk_bytes <= CHUNK_BYTES:
+        raise ValueError(f"chunk_bytes must be in (0, {CHUNK_BYTES}], got {chunk_bytes}")
+    meta_json = json.dumps(meta, separators=(",", ":")) if meta else ""
+    if tensor is None:
+        yield common_pb2.TensorChunk(name=name, dtype="", offset=0, total_bytes=0, last=True, meta_json=meta_json)
+        return
+    header = TensorHeader.of(name, tensor)
+    view = tensor_bytes(tensor)
+    total = len(view)
+    if total == 0:
+        yield common_pb2.TensorChunk(name=name, dtype=header.dtype, shape=header.shape, offset=0, total_bytes=0,
+                                     last=True, meta_json=meta_json)
+        return
+    for offset in range(0, total, chunk_bytes):
+        end = min(total, offset + chunk_bytes)
+        first = offset == 0
+        yield common_pb2.TensorChunk(
+            name=name, dtype=header.dtype if first else "", shape=header.shape if first else (), offset=offset,
+            total_bytes=total if first else 0, data=bytes(view[offset:end]), last=end == total,
+            meta_json=meta_json if first else "")
+
+
+class TensorAssembler:
+    """Rebuilds tensors from their chunks, in order; one tensor at a time (chunks of tensors never interleave)."""
+
+    def __init__(self, *, edge: str = "", max_tensor_bytes: int = MAX_TENSOR_BYTES):
+        self.edge = edge
+        self.max_tensor_bytes = max_tensor_bytes
+        self._header: TensorHeader | None = None
+        self._meta: dict = {}
+        self._buf: bytearray | None = None
+        self._filled = 0
+        self.tensors = 0
+        self.bytes = 0
+
+    @property
+    def pending(self) -> bool:
+        return self._header is not None
+
+    def add(self, chunk: Any) -> Message | None:
+        """Feed one chunk; returns the completed `Message` when this chunk completes a tensor."""
+        if chunk.transport_metadata and not chunk.data and chunk.total_bytes:
+            raise TransportError(f"tensor {chunk.name!r} arrived out of band; this receiver speaks 'grpc' only",
+                                 edge=self.edge)
+        if self._header is None:
+            if chunk.offset != 0:
+                raise TransportError(f"tensor {chunk.name!r} starts at offset {chunk.offset}", edge=self.edge)
+            meta = json.loads(chunk.meta_json) if chunk.meta_json else {}
+            if not isinstance(meta, dict):
+                raise TransportError(f"tensor {chunk.name!r}: meta is not a JSON object", edge=self.edge)
+            if not chunk.dtype:  # control-only item
+                if not chunk.last:
+                    raise TransportError(f"control item {chunk.name!r} must be one chunk", edge=self.edge)
+                self.tensors += 1
+                return Message(None, None, meta)
+            try:
+                header = TensorHeader(chunk.name, chunk.dtype, tuple(int(s) for s in chunk.shape))
+                nbytes = header.nbytes
+            except KeyError:
+                raise TransportError(f"tensor {chunk.name!r}: unknown dtype {chunk.dtype!r}", edge=self.edge) from None
+            if any(s < 0 for s in header.shape) or nbytes != chunk.total_bytes:
+                raise TransportError(f"tensor {chunk.name!r}: shape {header.shape} x {header.dtype} is {nbytes} "
+                                     f"bytes, the chunk says {chunk.total_bytes}", edge=self.edge)
+            if nbytes > self.max_tensor_bytes:
+                raise TransportError(f"tensor {chunk.name!r}: {nbytes} bytes exceeds the limit "
+                                     f"{self.max_tensor_bytes}", edge=self.edge)
+            self._header, self._meta, self._filled = header, meta, 0
+            if chunk.last and len(chunk.data) == nbytes:   # the common single-chunk case: no extra copy
+                self._header = None
+                self.tensors += 1
+                self.bytes += nbytes
+                return Message(header, tensor_from_bytes(header, chunk.data), meta)
+            self._buf = bytearray(nbytes)
+        header = self._header
+        if chunk.name != header.name:
+            raise TransportError(f"chunk of {chunk.name!r} inside tensor {header.name!r}", edge=self.edge)
+        if chunk.offset != self._filled:
+            raise TransportError(f"tensor {header.name!r}: chunk at offset {chunk.offset}, expected {self._filled}",
+                                 edge=self.edge)
+        end = self._filled + len(chunk.data)
+        if end > len(self._buf):
+            raise TransportError(f"tensor {header.name!r}: {end} bytes exceed the announced {len(self._buf)}",
+                                 edge=self.edge)
+        self._buf[self._filled:end] = chunk.data
+        self._filled = end
+        if not chunk.last:
+            return None
+        if self._filled != len(self._buf):
+            raise TransportError(f"tensor {header.name!r} ended at {self._filled} of {len(self._buf)} bytes",
+                                 edge=self.edge)
+        buf, meta = self._buf, self._meta
+        self._header, self._buf, self._meta = None, None, {}
+        self.tensors += 1
+        self.bytes += len(buf)
+        return Message(header, tensor_from_bytes(header, memoryview(buf)), meta)
+
+
+def collect_tensors(chunks: Iterable[Any], *, edge: str = "") -> dict[str, torch.Tensor]:
+    """All tensors of a finite chunk sequence, by name (a later tensor of the same name replaces the earlier)."""
+    asm = TensorAssembler(edge=edge)
+    out = {}
+    for chunk in chunks:
+        msg = asm.add(chunk)
+        if msg is not None and msg.header is not None:
+            out[msg.header.name] = msg.tensor
+    if asm.pending:
+        raise TransportError("stream ended inside a tensor", edge=edge)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sender / receiver over one gRPC stream
+
+_END = object()
+
+
+class GrpcStreamSender(TensorSender):
+    """The sending side of a client stream. Iterate `requests()` as the call's request iterator.
+
+    wrap(chunk=None, end=None) -> the RPC's request message holding a TensorChunk or a StreamEnd.
+    first: an optional message sent before any tensor (e.g. the session's `open`).
+    """
+
+    def __init__(self, wrap: Callable[..., Any], *, first: Any = None, depth: int = DEFAULT_DEPTH,
+                 edge: str = "grpc", chunk_bytes: int = CHUNK_BYTES):
+        self.wrap = wrap
+        self.edge = edge
+        self.chunk_bytes = chunk_bytes
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self._first = first
+        self._call = None
+        self._closed = False
+        self._error: BaseException | None = None
+        self.tensors = 0
+        self.bytes = 0
+        self.messages = 0
+        self.send_seconds = 0.0   # time send() spent blocked on back-pressure
+
+    # -- the call side ---------------------------------------------------------------------------------------
+    def requests(self) -> Iterator[Any]:
+        if self._first is not None:
+            yield self._first
+        while True:
+            item = self._queue.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):  # abort: stop without the end marker
+                return
+            yield item
+
+    def attach(self, call: Any) -> None:
+        """The call (a future or a response iterator) whose end means the stream is over."""
+        self._call = call
+        if hasattr(call, "add_done_callback"):
+            call.add_done_callback(lambda _f: self._call_done())
+
+    def _call_done(self) -> None:
+        if not self._closed and self._error is None:
+            self._error = TransportError("the receiver ended the stream", edge=self.edge)
+
+    def fail(self, exc: BaseException) -> None:
+        """Mark the stream failed (e.g. the call raised); pending and later sends raise."""
+        if self._error is None:
+            self._error = exc
+
+    # -- TensorSender ----------------------------------------------------------------------------------------
+    def _put(self, item: Any, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        t0 = time.perf_counter()
+        while True:
+            if self._error is not None:
+                raise self._error if isinstance(self._error, TransportError) else \
+                    TransportError(str(self._error), edge=self.edge)
+            wait = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
+            if wait <= 0:
+                raise TransportError(f"receiver did not drain within {timeout}s", edge=self.edge)
+            try:
+                self._queue.put(item, timeout=wait)
+                break
+            except queue.Full:
+                continue
+        self.send_seconds += time.perf_counter() - t0
+
+    def send(self, name: str, tensor: torch.Tensor | None, meta: dict | None = None, *,
+             timeout: float | None = None) -> None:
+        if self._closed:
+            raise TransportError("send after close", edge=self.edge)
+        for chunk in iter_tensor_chunks(name, tensor, meta, chunk_bytes=self.chunk_bytes):
+            self._put(self.wrap(chunk=chunk), timeout)
+            self.messages += 1
+            self.bytes += len(chunk.data)
+        self.tensors += 1
+
+    def close(self, timeout: float | None = None) -> None:
+        if self._closed:
+            return
+        from h3serve._proto import common_pb2
+
+        self._put(self.wrap(end=common_pb2.StreamEnd(tensors=self.tensors)), timeout)
+        self._put(_END, timeout)
+        self._closed = True
+
+    def abort(self) -> None:
+        """End the request stream without the end marker (the receiver treats the stream as failed)."""
+        self._closed = True
+        try:
+            self._queue.put_nowait(TransportError("aborted", edge=self.edge))
+        except queue.Full:
+            # make room: the receiver must not take the queued tail for a complete stream
+            try:
+                while True:
+                    self._queue.get_nowait()
+            except queue.Empty:
+                pass
+            self._queue.put_nowait(TransportError("aborted", edge=self.edge))
+
+
+class GrpcStreamReceiver(TensorReceiver):
+    """The receiving side of a stream: a (server-side) request iterator or a response iterator.
+
+    unwrap(msg) -> ("chunk", TensorChunk) | ("end", StreamEnd) | ("other", msg); "other" messages are refused.
+    """
+
+    def __init__(self, messages: Iterable[Any], unwrap: Callable[[Any], tuple[str, Any]], *, edge: str = "grpc",
+                 max_tensor_bytes: int = MAX_TENSOR_BYTES):
+        self._it = iter(messages)
+        self.unwrap = unwrap
+        self.edge = edge
+        self.assembler = TensorAssembler(edge=edge, max_tensor_bytes=max_tensor_bytes)
+        self.ended = False
+        self.end_tensors: int | None = None
+        self.recv_seconds = 0.0
+
+    def recv(self, *, timeout: float | None = None) -> Message | None:
+        # timeout: gRPC streams are bounded by the call's deadline instead
+        if self.ended:
+            return None
+        t0 = time.perf_counter()
+        try:
+            while True:
+                try:
+                    msg = next(self._it)
+                except StopIteration:
+                    raise TransportError("the sender stopped before the end of the stream", edge=self.edge) from None
+                except TransportError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - grpc.RpcError and friends: the peer is gone
+                    detail = exc.details() if hasattr(exc, "details") else str(exc)
+                    raise TransportError(f"stream broken: {detail or type(exc).__name__}", edge=self.edge) from None
+                kind, item = self.unwrap(msg)
+                if kind == "end":
+                    if self.assembler.pending:
+                        raise TransportError("stream ended inside a tensor", edge=self.edge)
+                    if item.tensors and item.tensors != self.assembler.tensors:
+                        raise TransportError(f"the sender sent {item.tensors} tensors, {self.assembler.tensors} "
+                                             "arrived", edge=self.edge)
+                    self.ended, self.end_tensors = True, int(item.tensors)
+                    return None
+                if kind != "chunk":
+                    raise TransportError(f"unexpected {kind} message inside a tensor stream", edge=self.edge)
+                out = self.assembler.add(item)
+                if out is not None:
+                    return out
+        finally:
+            self.recv_seconds += time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Transport selection: the one place that maps a transport name to its implementation
+
+GRPC = "grpc"
+
+
+def _plugin(transport: str):
+    if not transport.isidentifier() or transport in ("base", "inproc", "grpc"):
+        raise TransportError(f"unknown transport {transport!r}")
+    try:
+        return importlib.import_module(f"h3serve.transport.{transport}")
+    except ImportError as exc:
+        raise TransportError(f"transport {transport!r} is not available here ({exc})") from None
+
+
+def available_transports() -> list[str]:
+    out = [GRPC]
+    try:
+        _plugin("nixl")
+        out.append("nixl")
+    except TransportError:
+        pass
+    return out
+
+
+def receiver_metadata(transport: str, session_id: str) -> bytes:
+    """What a receiver publishes when a session opens (empty for gRPC)."""
+    if transport in ("", GRPC):
+        return b""
+    return _plugin(transport).receiver_metadata(session_id)
+
+
+def make_sender(transport: str, control: GrpcStreamSender, peer_metadata: bytes = b"") -> TensorSender:
+    """The sender for `transport`, riding on (gRPC) or controlled through (others) the stream `control`."""
+    if transport in ("", GRPC):
+        return control
+    return _plugin(transport).make_sender(control=control, peer_metadata=peer_metadata)
+
+
+def make_receiver(transport: str, control: GrpcStreamReceiver, session_id: str = "") -> TensorReceiver:
+    if transport in ("", GRPC):
+        return control
+    return _plugin(transport).make_receiver(control=control, session_id=session_id)
+
+
+def handshake(transport: str, session_id: str, metadata: bytes) -> bytes:
+    if transport in ("", GRPC):
+        return b""
+    plugin = _plugin(transport)
+    if not hasattr(plugin, "handshake"):
+        raise TransportError(f"transport {transport!r} has no handshake")
+    return plugin.handshake(session_id, metadata)

@@ -1,0 +1,115 @@
+"""DiT stage server: a thin gRPC adapter over `DiTEngine`.
+
+Generate reads the parameters and the encoder's tensors from the client stream, runs the engine on the stage's
+engine thread with `should_stop` wired to the call (client cancel, deadline, server stop), and streams one
+progress event per denoising step, then the latents.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from h3serve.errors import RequestError
+from h3serve.errortable import grpc_method
+from h3serve.serve import StageBase, StageConfig
+from h3serve.transport.grpc import GrpcStreamReceiver, iter_tensor_chunks
+
+log = logging.getLogger("h3serve.dit")
+
+
+def _unwrap(msg):
+    kind = msg.WhichOneof("input")
+    return ("chunk", msg.chunk) if kind == "chunk" else ("end", msg.end) if kind == "end" else (kind, msg)
+
+
+class DiTServicer(StageBase):
+    stage = "dit"
+
+    def __init__(self, config: StageConfig, health=None):
+        super().__init__(config, health)
+        self.engine = None
+
+    def register(self, server) -> None:
+        from h3serve._proto import dit_pb2_grpc
+
+        dit_pb2_grpc.add_DiTServicer_to_server(self, server)
+
+    def load(self) -> None:
+        self.executor.submit(self._load).result()
+
+    def _load(self) -> None:
+        import torch
+
+        from h3serve.adapter import Adapter
+        from h3serve.pipeline import DTYPES, pick_device
+        from h3serve.services.dit.engine import DiTEngine, DiTRequest
+
+        c = self.config
+        device = pick_device(c.device)
+        adapter = Adapter.open(c.adapter, c.adapter_sha256) if c.profile == "fasth3" else None
+        self.engine = DiTEngine.load(c.checkpoint, components=("transformer",), dtype=DTYPES[c.dtype],
+                                     device=device, profile=c.profile, adapter=adapter)
+        if adapter is not None:
+            adapter.close()
+        if c.warmup:   # one forward at the smallest geometry: kernels, allocator, lazy init
+            model = self.engine.models["transformer"]
+            req = DiTRequest(text_states=torch.zeros(1, 4, model.config.text_dim), text_tags=torch.ones(4, dtype=torch.long),
+                             latent_frames=2, latent_h=2, latent_w=2, audio_latents=4, seed=0, task="t2va",
+                             profile=c.profile, steps=None if c.profile == "fasth3" else 2)
+            self.engine.generate(req)
+
+    def info(self) -> dict:
+        return {**super().info(), "tasks": ["t2va", "fl2va"]}
+
+    @grpc_method("dit")
+    def Generate(self, request_iterator, context):
+        from h3serve._proto import common_pb2, dit_pb2
+        from h3serve.services.dit.engine import DiTRequest
+
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("input") != "params":
+            raise RequestError("params", None, "the first message of a DiT stream carries the parameters")
+        p = first.params
+        scope = self.scope(context, p.request_id)
+        try:
+            tensors = {}
+            for msg in GrpcStreamReceiver(request_iterator, _unwrap, edge="gateway->dit"):
+                tensors[msg.header.name] = msg.tensor
+            for name in ("text_states", "text_tags"):
+                if name not in tensors:
+                    raise RequestError(name, None, "the DiT needs text_states (1, L, D) and text_tags (L,)")
+            if p.profile != self.config.profile:
+                raise RequestError("profile", p.profile, f"this DiT serves profile {self.config.profile!r}")
+            req = DiTRequest(
+                text_states=tensors["text_states"], text_tags=tensors["text_tags"], latent_frames=p.latent_frames,
+                latent_h=p.latent_height, latent_w=p.latent_width, audio_latents=p.audio_latents, seed=int(p.seed),
+                task=p.task or "t2va", profile=p.profile, steps=(p.steps or None) if p.profile != "fasth3" else None)
+            t0 = time.perf_counter()
+
+            def work(emit):
+                def on_step(done: int, total: int) -> None:
+                    scope.unit_done()
+                    emit(common_pb2.Progress(stage="dit", done=done, total=total, elapsed_s=time.perf_counter() - t0))
+
+                return self.engine.generate(req, on_step=on_step, should_stop=scope.should_stop)
+
+            result = yield from self.engine_events(scope, work, lambda p: dit_pb2.DiTEvent(progress=p))
+            for chunk in iter_tensor_chunks("video_latents", result.video):
+                yield dit_pb2.DiTEvent(chunk=chunk)
+            for chunk in iter_tensor_chunks("audio_latents", result.audio):
+                yield dit_pb2.DiTEvent(chunk=chunk)
+            yield dit_pb2.DiTEvent(done=dit_pb2.DiTDone(steps=result.steps, seconds=result.seconds,
+                                                        step_seconds=result.step_seconds))
+        except BaseException as exc:
+            self.finish(scope, exc)
+            raise
+        self.finish(scope)
+
+    @grpc_method("dit")
+    def Status(self, request, context):
+        return self.status()
+
+
+def create(config: StageConfig, health=None) -> DiTServicer:
+    return DiTServicer(config, health)

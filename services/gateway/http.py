@@ -1,0 +1,323 @@
+"""The HTTP API of the gateway (FastAPI): the videos API users know from vLLM-Omni / OpenAI, plus health, readiness
+and Prometheus metrics. A thin adapter over `GatewayCore`; errors leave through h3serve.errortable.
+
+    POST   /v1/videos                 create a job (JSON or multipart/form fields)       -> job object
+    GET    /v1/videos                 list jobs (limit, after, order)                      -> list object
+    GET    /v1/videos/{id}            one job                                              -> job object
+    GET    /v1/videos/{id}/content    the MP4 of a completed job                           -> video/mp4
+    DELETE /v1/videos/{id}            cancel it if unfinished, and delete it and its MP4   -> deletion object
+    POST   /v1/videos/{id}/cancel     cancel, keep the job (status failed, code cancelled) -> job object
+    POST   /v1/videos/sync            create and wait; the MP4 is the response body        -> video/mp4
+    GET    /health  /ready  /metrics  liveness, readiness (every stage SERVING, not draining), Prometheus
+
+Request fields: prompt, seconds, size | width + height, num_frames, fps, seed, num_inference_steps, quality,
+model, extra_params {task, duration}. `?validate_only=true` validates and aligns without generating. The header
+`X-Request-Timeout: SECONDS` sets the request's deadline (default and upper bound: the server's request timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from h3serve.errors import H3Error, RequestError
+from h3serve.errortable import NotReady, error_object, http_error
+
+from .core import FileSink, GatewayCore, Job
+
+TOP_LEVEL = ("prompt", "seconds", "size", "width", "height", "num_frames", "fps", "seed", "num_inference_steps",
+             "quality", "model", "extra_params")
+UNSUPPORTED = {
+    "negative_prompt": "negative prompts are not supported by H3 serving",
+    "guidance_scale": "guidance is fixed by the model's schedule",
+    "flow_shift": "the flow shift is the checkpoint's",
+    "input_reference": "reference inputs (fl2va / ref2va) are not served over the API yet",
+    "input_references": "reference inputs (fl2va / ref2va) are not served over the API yet",
+}
+EXTRA_PARAMS = ("task", "duration")
+EXTRA_UNSUPPORTED = {"audio_flow_shift": "the audio flow shift is the checkpoint's"}
+
+JSON_BODY = {
+    "type": "object",
+    "required": ["prompt"],
+    "properties": {
+        "prompt": {"type": "string", "maxLength": 20000, "description": "What to generate"},
+        "seconds": {"type": ["string", "number"], "description": "Requested duration, 4..15 s (raised to 17n+5 "
+                                                                  "frames at 24 fps). Not with num_frames."},
+        "size": {"type": "string", "example": "1344x768", "description": "WxH, multiples of 32 in [256, 2048]"},
+        "width": {"type": "integer"}, "height": {"type": "integer"},
+        "num_frames": {"type": "integer", "description": "Requested frames at 24 fps (raised to 17n+5)"},
+        "fps": {"type": "integer", "enum": [24]},
+        "seed": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1},
+        "num_inference_steps": {"type": "integer", "description": "Sigma grid points incl. the terminal 0 "
+                                                                  "(N -> N-1 steps); base default 50, fasth3 5"},
+        "quality": {"type": "string", "enum": ["lossless"]},
+        "model": {"type": "string"},
+        "extra_params": {"type": "object", "properties": {"task": {"type": "string", "enum": ["t2va"]},
+                                                          "duration": {"type": ["string", "number"]}}},
+    },
+}
+REQUEST_BODY = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": JSON_BODY},
+    "multipart/form-data": {"schema": {**JSON_BODY, "properties": {
+        **JSON_BODY["properties"], "extra_params": {"type": "string", "description": "a JSON object"}}}},
+}}}
+
+
+def _error_response(exc: BaseException) -> JSONResponse:
+    status, body = http_error(exc)
+    return JSONResponse(body, status_code=status)
+
+
+def _short(value: Any) -> Any:
+    text = repr(value)
+    return value if len(text) <= 60 else text[:60] + "..."
+
+
+def normalize_fields(body: Any) -> tuple[dict[str, Any], dict[str, str]]:
+    """The videos-API body -> (fields for GatewayCore, request field -> caller's field name)."""
+    if not isinstance(body, dict):
+        raise RequestError("body", _short(body), "a JSON object of request fields")
+    fields: dict[str, Any] = {}
+    names: dict[str, str] = {}
+    for key, value in body.items():
+        if not isinstance(key, str):
+            raise RequestError("body", _short(key), "string keys")
+        if key in UNSUPPORTED:
+            if value is None or value == "" or value == []:
+                continue
+            raise RequestError(key, _short(value), "not supported: " + UNSUPPORTED[key])
+        if key not in TOP_LEVEL:
+            raise RequestError(key, _short(value), "unknown field; allowed: " + ", ".join(TOP_LEVEL))
+        if key == "extra_params":
+            continue
+        if value is not None:
+            fields[key] = value
+    extra = body.get("extra_params")
+    if isinstance(extra, str):
+        try:
+            extra = json.loads(extra) if extra.strip() else {}
+        except ValueError:
+            raise RequestError("extra_params", _short(extra), "a JSON object") from None
+    if extra is not None:
+        if not isinstance(extra, dict):
+            raise RequestError("extra_params", _short(extra), "a JSON object")
+        for key, value in extra.items():
+            name = f"extra_params.{key}"
+            if key in EXTRA_UNSUPPORTED:
+                raise RequestError(name, _short(value), "not supported: " + EXTRA_UNSUPPORTED[key])
+            if key not in EXTRA_PARAMS:
+                raise RequestError(name, _short(value), "unknown; allowed: " + ", ".join(EXTRA_PARAMS))
+            if value is None:
+                continue
+            if key == "task":
+                fields["task"], names["task"] = value, name
+            elif key == "duration":
+                if "seconds" in fields:
+                    raise RequestError(name, _short(value), "give seconds or extra_params.duration, not both")
+                fields["seconds"], names["seconds"] = value, name
+    return fields, names
+
+
+async def read_body(request: Request) -> Any:
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype == "application/x-www-form-urlencoded":
+        raw = await request.body()
+        if raw.lstrip().startswith(b"{"):   # JSON sent without its content type (curl -d '{...}')
+            ctype = "application/json"
+    if ctype in ("multipart/form-data", "application/x-www-form-urlencoded"):
+        try:
+            form = await request.form()
+        except Exception as exc:  # noqa: BLE001 - malformed multipart
+            raise RequestError("body", type(exc).__name__, "a well-formed form") from None
+        body: dict[str, Any] = {}
+        for key, value in form.multi_items():
+            if not isinstance(value, str):   # an uploaded file
+                raise RequestError(key, getattr(value, "filename", "file"),
+                                   "file inputs are not supported over the API yet")
+            if key in body:
+                raise RequestError(key, value, "given once")
+            body[key] = value
+        return body
+    if ctype not in ("", "application/json"):
+        raise RequestError("content-type", ctype, "application/json, multipart/form-data or "
+                                                  "application/x-www-form-urlencoded")
+    raw = await request.body()
+    try:
+        return json.loads(raw, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise RequestError("body", _short(raw[:60]), "a JSON object of request fields") from None
+
+
+def _timeout(request: Request) -> float | None:
+    value = request.headers.get("x-request-timeout")
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise RequestError("X-Request-Timeout", _short(value), "seconds, a positive number")
+    return seconds
+
+
+def job_object(job: Job, core: GatewayCore) -> dict:
+    r = job.request
+    t = job.timings
+    durations = {k: round(float(v), 6) for k, v in t.items() if k.endswith("_s")}
+    return {
+        "id": job.id, "object": "video", "model": job.admitted.model, "status": job.status,
+        "progress": int(job.progress), "created_at": int(job.created_at),
+        "started_at": int(job.started_at) if job.started_at else None,
+        "completed_at": int(job.completed_at) if job.completed_at else None,
+        "expires_at": int(job.completed_at + core.config.job_ttl_s) if job.completed_at else None,
+        "prompt": r.prompt, "seconds": f"{r.seconds:g}", "size": f"{r.width}x{r.height}", "width": r.width,
+        "height": r.height, "num_frames": r.num_frames, "fps": r.fps, "seed": r.seed, "num_inference_steps": r.steps,
+        "quality": "lossless", "task": r.task, "profile": r.profile, "queue_position": job.queue_position,
+        "error": error_object(job.error) if job.error else None,
+        "inference_time_s": round(t["t_client"], 6) if job.status == "completed" and "t_client" in t else None,
+        "stage_durations": durations, "rtf": round(t["rtf_client"], 6) if "rtf_client" in t else None,
+        "mp4_bytes": job.mp4_bytes or None, "sha256": job.sha256 or None,
+        "peak_memory_mb": None,   # not measured on this path (stages run in other processes)
+    }
+
+
+def create_app(core: GatewayCore) -> FastAPI:
+    app = FastAPI(title="h3serve", version="0.1.0",
+                  description="MiniMax H3 text -> video + audio. Videos API compatible with vLLM-Omni / OpenAI "
+                              "where the fields apply.")
+
+    @app.exception_handler(H3Error)
+    async def _h3(request: Request, exc: H3Error):
+        if isinstance(exc, RequestError):
+            core.metrics.requests.labels(outcome="invalid_request").inc()
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        core.metrics.requests.labels(outcome="invalid_request").inc()
+        err = (exc.errors() or [{}])[0]
+        loc = [str(x) for x in err.get("loc", ()) if x not in ("body", "query", "path", "header")]
+        return _error_response(RequestError(".".join(loc) or "request", _short(err.get("input")),
+                                            err.get("msg", "invalid")))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return JSONResponse({"error": {"code": code, "message": str(exc.detail), "field": None, "param": None,
+                                       "stage": None, "retryable": False}}, status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        return _error_response(exc)
+
+    def new_job(fields, names, request: Request, kind: str) -> Job:
+        def sink(job: Job):
+            job.output_path = os.path.join(core.jobs_dir, f"{job.id}.mp4")
+            return FileSink(job.output_path)
+
+        return core.new_job(fields, kind=kind, sink_factory=sink, timeout=_timeout(request), names=names)
+
+    @app.post("/v1/videos", openapi_extra=REQUEST_BODY, summary="Create a video job")
+    async def create_video(request: Request, validate_only: bool = False):
+        fields, names = normalize_fields(await read_body(request))
+        job = new_job(fields, names, request, "http")
+        if validate_only:
+            obj = job_object(job, core)
+            obj["status"], obj["object"] = "validated", "video.validation"
+            return obj
+        core.submit(job)
+        return job_object(job, core)
+
+    @app.post("/v1/videos/sync", openapi_extra=REQUEST_BODY, summary="Create a video and wait for the MP4",
+              responses={200: {"content": {"video/mp4": {}}}})
+    async def create_video_sync(request: Request):
+        fields, names = normalize_fields(await read_body(request))
+        job = core.submit(new_job(fields, names, request, "http"))
+        while not job.done.is_set():
+            if await request.is_disconnected():
+                job.cancel("the HTTP client disconnected")
+                break
+            await asyncio.to_thread(job.done.wait, 0.25)
+        if job.exc is not None:
+            return _error_response(job.exc)
+        headers = {"X-Request-Id": job.id,
+                   "X-Stage-Durations": json.dumps({k: round(v, 4) for k, v in job.timings.items()
+                                                    if k.endswith("_s")}, separators=(",", ":"))}
+        return FileResponse(job.output_path, media_type="video/mp4", headers=headers)
+
+    @app.get("/v1/videos", summary="List video jobs")
+    async def list_videos(limit: int = 20, after: str | None = None, order: str = "desc"):
+        if not 1 <= limit <= 100:
+            raise RequestError("limit", limit, "an integer in [1, 100]")
+        if order not in ("asc", "desc"):
+            raise RequestError("order", order, "asc or desc")
+        jobs = core.list()
+        if order == "desc":
+            jobs.reverse()
+        if after is not None:
+            ids = [j.id for j in jobs]
+            if after not in ids:
+                raise RequestError("after", after, "the id of a listed video")
+            jobs = jobs[ids.index(after) + 1:]
+        page = jobs[:limit]
+        return {"object": "list", "data": [job_object(j, core) for j in page],
+                "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None,
+                "has_more": len(jobs) > limit}
+
+    @app.get("/v1/videos/{video_id}", summary="Get a video job")
+    async def get_video(video_id: str):
+        return job_object(core.get(video_id), core)
+
+    @app.get("/v1/videos/{video_id}/content", summary="Download the MP4", response_class=FileResponse,
+             responses={200: {"content": {"video/mp4": {}}}})
+    async def get_content(video_id: str):
+        job = core.get(video_id)
+        if job.status == "failed":
+            raise NotReady(f"video {video_id} failed ({job.error.kind.code}): no content")
+        if job.status != "completed" or not job.output_path or not os.path.exists(job.output_path):
+            raise NotReady(f"video {video_id} is {job.status} ({int(job.progress)}%); content is ready when "
+                           "status is completed")
+        return FileResponse(job.output_path, media_type="video/mp4", filename=f"{video_id}.mp4")
+
+    @app.delete("/v1/videos/{video_id}", summary="Cancel (if unfinished) and delete a video job")
+    async def delete_video(video_id: str):
+        job = await asyncio.to_thread(core.delete, video_id)
+        return {"id": job.id, "object": "video.deleted", "deleted": True}
+
+    @app.post("/v1/videos/{video_id}/cancel", summary="Cancel a video job and keep it")
+    async def cancel_video(video_id: str):
+        job = core.get(video_id)
+        core.cancel(video_id)
+        await asyncio.to_thread(job.done.wait, 10.0)
+        return job_object(job, core)
+
+    @app.get("/health", summary="Liveness")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready", summary="Readiness: every stage SERVING and not draining")
+    async def ready():
+        body = {"status": "ready" if core.ready() else "not_ready", "stages": dict(core.stages.status),
+                "draining": core.draining, "queue_depth": len(core.queue), "inflight": len(core.running)}
+        return JSONResponse(body, status_code=200 if core.ready() else 503)
+
+    @app.get("/metrics", summary="Prometheus metrics")
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(core.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    app.state.core = core
+    app.state.started = time.time()
+    return app

@@ -1,0 +1,44 @@
+"""Prometheus metrics of the gateway (served at GET /metrics), in a registry of their own."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+STAGE_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800)
+RTF_BUCKETS = (0.1, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2, 3, 5, 10, 20, 50)
+# timings key -> stage label of h3serve_stage_seconds
+STAGE_KEYS = {"queue_s": "queue", "encoder_s": "encoder", "dit_s": "dit", "vae_video_s": "vae_video",
+              "vae_audio_s": "vae_audio", "mux_tail_s": "mux_tail", "fetch_s": "fetch", "tail_s": "tail"}
+
+
+class GatewayMetrics:
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        self.queue_depth = Gauge("h3serve_queue_depth", "Requests admitted and waiting to start", registry=r)
+        self.inflight = Gauge("h3serve_inflight_requests", "Requests running through the stages", registry=r)
+        self.requests = Counter("h3serve_requests", "Requests by outcome (completed, or the error code)",
+                                ["outcome"], registry=r)
+        self.stage_seconds = Histogram("h3serve_stage_seconds", "Seconds a completed request spent per stage",
+                                       ["stage"], buckets=STAGE_SECONDS_BUCKETS, registry=r)
+        self.request_seconds = Histogram("h3serve_request_seconds", "Admission to MP4 ready (t_client)",
+                                         buckets=STAGE_SECONDS_BUCKETS, registry=r)
+        self.rtf = Histogram("h3serve_rtf", "Real-time factor t_client / t_media of completed requests",
+                             buckets=RTF_BUCKETS, registry=r)
+        self.stage_up = Gauge("h3serve_stage_up", "1 when the stage reports SERVING", ["stage"], registry=r)
+        for outcome in ("completed", "invalid_request", "queue_full", "draining", "stage_unavailable",
+                        "deadline_exceeded", "cancelled", "stage_failed", "internal"):
+            self.requests.labels(outcome=outcome)
+        for stage in ("encoder", "dit", "vae", "muxer"):
+            self.stage_up.labels(stage=stage).set(0)
+
+    def observe(self, timings: dict) -> None:
+        for key, stage in STAGE_KEYS.items():
+            if key in timings:
+                self.stage_seconds.labels(stage=stage).observe(timings[key])
+        if "t_client" in timings:
+            self.request_seconds.observe(timings["t_client"])
+        if "rtf_client" in timings:
+            self.rtf.observe(timings["rtf_client"])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,213 @@
+"""VAE stage server: a thin gRPC adapter over `VideoVAE` / `AudioVAE`.
+
+Decode reads the latents from the caller, then decodes clip by clip and streams each clip's uint8 frames (made on
+the device by `VideoVAE.iter_decode`) straight to the muxer session named in the request, followed by the PCM.
+The caller receives only one small event per clip and a summary; frames never pass through it. Cancellation and
+the deadline are checked before every clip.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from h3serve.errors import RequestError
+from h3serve.errortable import StageUnavailable, from_grpc, grpc_method
+from h3serve.serve import StageBase, StageConfig
+from h3serve.transport.base import TransportError
+from h3serve.transport.grpc import (
+    CHUNK_BYTES,
+    GrpcStreamReceiver,
+    GrpcStreamSender,
+    handshake,
+    insecure_channel,
+    make_sender,
+)
+
+log = logging.getLogger("h3serve.vae")
+
+SEND_DEPTH = 4   # frame messages the VAE may run ahead of the muxer (<= 16 MiB in flight)
+
+
+def _unwrap(msg):
+    kind = msg.WhichOneof("input")
+    return ("chunk", msg.chunk) if kind == "chunk" else ("end", msg.end) if kind == "end" else (kind, msg)
+
+
+def _push_message(chunk=None, end=None):
+    from h3serve._proto import muxer_pb2
+
+    return muxer_pb2.PushMessage(chunk=chunk) if chunk is not None else muxer_pb2.PushMessage(end=end)
+
+
+class VAEServicer(StageBase):
+    stage = "vae"
+
+    def __init__(self, config: StageConfig, health=None):
+        super().__init__(config, health)
+        self.video_vae = None
+        self.audio_vae = None
+        self._channels: dict[str, object] = {}
+        self._channels_lock = threading.Lock()
+
+    def register(self, server) -> None:
+        from h3serve._proto import vae_pb2_grpc
+
+        vae_pb2_grpc.add_VAEServicer_to_server(self, server)
+
+    def load(self) -> None:
+        self.executor.submit(self._load).result()
+
+    def _load(self) -> None:
+        import torch
+
+        from h3serve.pipeline import DTYPES, pick_device
+        from h3serve.services.vae.audio import AudioVAE
+        from h3serve.services.vae.video import VideoVAE
+
+        device = pick_device(self.config.device)
+        self.video_vae = VideoVAE.load(self.config.checkpoint, dtype=DTYPES[self.config.dtype], device=device)
+        self.audio_vae = AudioVAE.load(self.config.checkpoint, dtype=torch.float32, device=device)
+        if self.config.warmup:   # one window at the smallest size, and a short audio decode
+            for _ in self.video_vae.iter_decode(torch.zeros(1, self.video_vae.latent_channels, 7, 2, 2)):
+                pass
+            self.audio_vae.decode(torch.zeros(2, self.audio_vae.latent_channels, 4))
+
+    def close(self) -> None:
+        super().close()
+        for channel in self._channels.values():
+            channel.close()
+
+    def _muxer(self, address: str):
+        from h3serve._proto import muxer_pb2_grpc
+
+        with self._channels_lock:
+            channel = self._channels.get(address)
+            if channel is None:
+                channel = self._channels[address] = insecure_channel(address)
+        return muxer_pb2_grpc.MuxerStub(channel)
+
+    @grpc_method("vae")
+    def Handshake(self, request, context):
+        from h3serve._proto import common_pb2
+
+        md = handshake(request.transport, request.session_id, request.transport_metadata)
+        return common_pb2.TransportHandshake(transport=request.transport, session_id=request.session_id,
+                                             transport_metadata=md)
+
+    @grpc_method("vae")
+    def Decode(self, request_iterator, context):
+        from h3serve._proto import vae_pb2
+
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("input") != "params":
+            raise RequestError("params", None, "the first message of a Decode stream carries the parameters")
+        p = first.params
+        scope = self.scope(context, p.request_id)
+        try:
+            tensors = {m.header.name: m.tensor for m in GrpcStreamReceiver(request_iterator, _unwrap,
+                                                                           edge="gateway->vae")}
+            video, audio = tensors.get("video_latents"), tensors.get("audio_latents")
+            if video is None or video.ndim != 5 or video.shape[0] != 1:
+                raise RequestError("video_latents", None if video is None else tuple(video.shape),
+                                   "(1, 24, T, h, w) float32")
+            if audio is None or audio.ndim != 3:
+                raise RequestError("audio_latents", None if audio is None else tuple(audio.shape), "(2, 32, A) float32")
+            if not p.sink.address or not p.sink.session_id:
+                raise RequestError("sink", p.sink.address, "a muxer address and session id")
+            done = yield from self.engine_events(scope, lambda emit: self._decode(scope, p, video, audio, emit),
+                                                 lambda clip: vae_pb2.DecodeEvent(clip=clip))
+            yield vae_pb2.DecodeEvent(done=done)
+        except BaseException as exc:
+            self.finish(scope, exc)
+            raise
+        self.finish(scope)
+
+    def _decode(self, scope, p, video, audio, emit):
+        """On the engine thread: decode clip by clip into the muxer session; returns DecodeDone."""
+        from h3serve._proto import muxer_pb2, vae_pb2
+
+        sink = p.sink
+        transport = sink.transport or "grpc"
+        control = GrpcStreamSender(
+            _push_message, depth=SEND_DEPTH, edge="vae->muxer",
+            first=muxer_pb2.PushMessage(open=muxer_pb2.PushOpen(session_id=sink.session_id, transport=transport)))
+        push = self._muxer(sink.address).Push.future(control.requests(), timeout=scope.remaining())
+        control.attach(push)
+        ok = False
+        try:
+            sender = make_sender(transport, control, sink.transport_metadata)
+            plan = self.video_vae.plan_windows(int(video.shape[2]))
+            clips = plan.num_windows + (1 if plan.overlap_frames else 0)
+            frames_done = 0
+            bytes_sent = 0
+            t0 = time.perf_counter()
+            scope.check("before clip 0")
+            for index, clip in enumerate(self.video_vae.iter_decode(video.to(self.video_vae.device))):
+                n = int(clip.shape[0])
+                frame_bytes = clip[0].numel() * clip.element_size()
+                per = max(1, CHUNK_BYTES // frame_bytes)   # whole frames per message
+                for s in range(0, n, per):
+                    part = clip[s:s + per]
+                    self._send(sender, push, "frames", part.cpu(), scope)
+                    bytes_sent += part.numel()
+                scope.unit_done()
+                emit(vae_pb2.ClipSent(index=index, first_frame=frames_done, frames=n, clips=clips,
+                                      bytes=n * frame_bytes))
+                frames_done += n
+                scope.check(f"before clip {index + 1}")
+            video_s = time.perf_counter() - t0
+            if p.num_frames and frames_done != p.num_frames:
+                raise RuntimeError(f"decoded {frames_done} frames, the request expects {p.num_frames}")
+            t1 = time.perf_counter()
+            pcm = self.audio_vae.decode(audio.to(self.audio_vae.device)).float().cpu()   # (2, N) in [-1, 1]
+            per = max(1, CHUNK_BYTES // (pcm.shape[0] * pcm.element_size()))
+            for s in range(0, pcm.shape[1], per):
+                part = pcm[:, s:s + per].contiguous()
+                self._send(sender, push, "pcm", part, scope)
+                bytes_sent += part.numel() * part.element_size()
+            audio_s = time.perf_counter() - t1
+            try:
+                sender.close(timeout=scope.remaining())
+            except TransportError:
+                self._raise_push_error(push)
+                raise
+            t2 = time.perf_counter()
+            try:
+                result = push.result()
+            except Exception as exc:  # noqa: BLE001 - grpc.RpcError
+                raise from_grpc(exc, stage="muxer") from None
+            ok = True
+            return vae_pb2.DecodeDone(frames=frames_done, pcm_samples=int(pcm.shape[1]), video_seconds=video_s,
+                                      audio_seconds=audio_s, sink_tail_seconds=time.perf_counter() - t2,
+                                      bytes_sent=bytes_sent)
+        finally:
+            if not ok:
+                control.abort()
+                push.cancel()
+
+    def _send(self, sender, push, name, tensor, scope) -> None:
+        try:
+            sender.send(name, tensor, timeout=scope.remaining())
+        except TransportError:
+            scope.check("while sending")
+            self._raise_push_error(push)
+            raise
+
+    @staticmethod
+    def _raise_push_error(push) -> None:
+        """If the muxer ended the Push call, raise what it said (with the muxer named)."""
+        if push.done() and not push.cancelled():
+            exc = push.exception()
+            if exc is not None:
+                raise from_grpc(exc, stage="muxer") from None
+        raise StageUnavailable("muxer", "the frame stream broke")
+
+    @grpc_method("vae")
+    def Status(self, request, context):
+        return self.status()
+
+
+def create(config: StageConfig, health=None) -> VAEServicer:
+    return VAEServicer(config, health)

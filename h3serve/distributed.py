@@ -44,7 +44,7 @@ log = logging.getLogger("h3serve.distributed")
 
 __all__ = [
     "ParallelDegrees", "DegreeError", "Runtime", "StageHandle", "Local", "StageFailed",
-    "launch", "join_from_env", "free_port",
+    "launch", "join_from_env", "free_port", "weights_digest", "check_identical",
 ]
 
 HEARTBEAT_S = 0.5
@@ -157,9 +157,10 @@ class Runtime:
                  timeout_s: float, backend: str | None = None, device: str | None = None):
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.master_addr, self.master_port, self.timeout_s = master_addr, master_port, timeout_s
+        # device: None (cuda:LOCAL_RANK when CUDA is present, else cpu), "cpu", "cuda" (= cuda:LOCAL_RANK).
         if device is None:
-            device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(f"cuda:{local_rank}" if device == "cuda" else device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
@@ -284,10 +285,10 @@ def _serve_peer(runtime: Runtime, handlers: dict[str, Handler]) -> None:
 
 
 def _peer_main(rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float,
-               backend: str | None, build: Callable, build_args: tuple, env: dict) -> None:
+               backend: str | None, build: Callable, build_args: tuple, env: dict, device: str | None) -> None:
     os.environ.update(env)
     runtime = Runtime(rank, world_size, master_addr=master_addr, master_port=master_port, local_rank=rank,
-                      timeout_s=timeout_s, backend=backend)
+                      timeout_s=timeout_s, backend=backend, device=device)
     try:
         handlers = build(runtime, *build_args)
         runtime.store.set(f"h3/ready/{rank}", "1")
@@ -367,10 +368,10 @@ class StageHandle:
                 break
             time.sleep(HEARTBEAT_S / 4)
         if self._dead is None:
-            self._dead = (-1, f"unknown ({type(exc).__name__}: {exc})")
+            self._dead = (-1, f"a collective failed ({type(exc).__name__}: {exc})")
         r, why = self._dead
-        who = f"rank {r} of {self.world_size}" if r >= 0 else "a rank"
-        return StageFailed(f"{op} failed: {who} {why}; the stage is unhealthy and must be restarted")
+        who = f"rank {r} of {self.world_size} {why}" if r >= 0 else why
+        return StageFailed(f"{op} failed: {who}; the stage is unhealthy and must be restarted")
 
     # -- calls --------------------------------------------------------------------------------------------------
 
@@ -498,9 +499,10 @@ def _wait_ready(handle: StageHandle, deadline_s: float) -> None:
 
 
 def launch(world_size: int, build: Callable, build_args: tuple = (), *, timeout_s: float = 600.0,
-           backend: str | None = None, master_port: int | None = None, start_timeout_s: float = 600.0
-           ) -> StageHandle:
-    """Make this process rank 0 of a new `world_size` world and spawn ranks 1..N-1 on this host.
+           backend: str | None = None, master_port: int | None = None, start_timeout_s: float = 600.0,
+           device: str | None = None) -> StageHandle:
+    """Make this process rank 0 of a new `world_size` world and spawn ranks 1..N-1 on this host (rank r on
+    cuda:r with `device` "cuda" or None when CUDA is present; every rank on the CPU with "cpu").
 
     `build(runtime, *build_args) -> {op: handler}` runs on every rank (it must be importable: spawned processes
     import it by name). Returns once every rank has built its handlers.
@@ -509,6 +511,9 @@ def launch(world_size: int, build: Callable, build_args: tuple = (), *, timeout_
 
     if world_size < 1:
         raise DegreeError(f"world_size={world_size} is invalid: at least 1 rank")
+    if dist.is_initialized():
+        raise H3Error("this process already is a rank of a parallel stage (one per process); close that stage "
+                      "(StageHandle.close / Pipeline.close) before launching another")
     addr = "127.0.0.1"
     port = master_port or free_port(addr)
     ctx = mp.get_context("spawn")
@@ -516,12 +521,12 @@ def launch(world_size: int, build: Callable, build_args: tuple = (), *, timeout_
     procs = []
     for r in range(1, world_size):
         p = ctx.Process(target=_peer_main, name=f"h3-rank-{r}", daemon=True,
-                        args=(r, world_size, addr, port, timeout_s, backend, build, build_args, env))
+                        args=(r, world_size, addr, port, timeout_s, backend, build, build_args, env, device))
         p.start()
         procs.append(p)
     try:
         runtime = Runtime(0, world_size, master_addr=addr, master_port=port, local_rank=0, timeout_s=timeout_s,
-                          backend=backend)
+                          backend=backend, device=device)
     except BaseException:
         for p in procs:
             p.kill()
@@ -566,17 +571,25 @@ def join_from_env(build: Callable, build_args: tuple = (), *, timeout_s: float =
     return handle
 
 
-def tensor_digest(tensors: Iterator[tuple[str, torch.Tensor]]) -> str:
-    """sha256 over (name, dtype, shape, bytes) of every tensor, in order: the same weights give the same hex."""
+def weights_digest(named_tensors) -> str:
+    """A fingerprint of (name, dtype, shape, every bit) of each tensor, computed where the tensors live.
+
+    Per tensor, an exact int64 sum of its bytes weighted by position (mod 65521) on its own device, so a multi-GB
+    model is fingerprinted without copying it to the host; the per-tensor numbers are then hashed with sha256.
+    """
     import hashlib
 
     h = hashlib.sha256()
-    for name, t in tensors:
-        t = t.detach().to("cpu").contiguous()
-        h.update(name.encode())
-        h.update(str(t.dtype).encode())
-        h.update(repr(tuple(t.shape)).encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    chunk = 1 << 24
+    for name, t in named_tensors:
+        t = t.detach().contiguous()
+        data = t.reshape(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
+        acc = torch.zeros((), dtype=torch.int64, device=t.device)
+        for off in range(0, data.numel(), chunk):
+            part = data[off:off + chunk].to(torch.int64)
+            pos = torch.arange(off, off + part.numel(), device=t.device, dtype=torch.int64) % 65521 + 1
+            acc += (part * pos).sum()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|{int(acc)};".encode())
     return h.hexdigest()
 
 

@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from h3serve.distributed import ParallelDegrees
 from h3serve.errors import CheckpointError, H3Error, ProfileError
 from h3serve.request import GenerationRequest
 
@@ -130,7 +131,7 @@ class Pipeline:
     """All stages of one replica in this process. Build with `Pipeline.load`."""
 
     def __init__(self, *, checkpoint: Path, profile: str, dtype: str, device: torch.device, encoder, dit,
-                 video_vae, audio_vae, load_seconds: float):
+                 video_vae, audio_vae, load_seconds: float, stage=None):
         self.checkpoint = checkpoint
         self.profile = profile
         self.dtype = dtype
@@ -140,6 +141,13 @@ class Pipeline:
         self.video_vae = video_vae
         self.audio_vae = audio_vae
         self.load_seconds = load_seconds
+        self.stage = stage  # the parallel ranks' StageHandle (None with all degrees 1)
+
+    def close(self) -> None:
+        """Stop the parallel ranks, if any (a no-op with all degrees 1)."""
+        if self.stage is not None:
+            self.stage.close()
+            self.stage = None
 
     @classmethod
     def load(
@@ -152,6 +160,10 @@ class Pipeline:
         dtype: str = "fp32",
         device: str | None = None,
         tasks: Sequence[str] = ("t2va",),
+        encoder_tp: int = 1,
+        ulysses: int = 1,
+        ring: int = 1,
+        vae_pp: int = 1,
     ) -> "Pipeline":
         from h3serve.adapter import Adapter
         from h3serve.checkpoint import CheckpointFolder
@@ -175,9 +187,26 @@ class Pipeline:
         root = Path(checkpoint)
         if not root.is_dir():
             raise CheckpointError(f"checkpoint folder {root} does not exist")
-        CheckpointFolder(root)  # fails early, naming what is missing
+        folder = CheckpointFolder(root)  # fails early, naming what is missing
         dev = pick_device(device)
         torch_dtype = DTYPES[dtype]
+        degrees = ParallelDegrees(encoder_tp=encoder_tp, ulysses=ulysses, ring=ring, vae_pp=vae_pp)
+        if not degrees.trivial:
+            text = folder.config("text_encoder").get("text_config", {})
+            degrees.validate(dit_heads=int(folder.config("transformer")["num_attention_heads"]),
+                             encoder_heads=int(text["num_attention_heads"]),
+                             encoder_kv_heads=int(text["num_key_value_heads"]),
+                             encoder_intermediate=int(text["intermediate_size"]))  # rank 0 here, ranks 1..N-1 spawned; every rank loads its part (_parallel_rank)
+            from h3serve.distributed import launch
+
+            handle = launch(degrees.world_size, _parallel_rank, (str(root), profile, adapter, adapter_sha256, dtype,
+                            tuple(tasks), degrees), device=dev.type)
+            dit, encoder, video_vae, audio_vae = handle.handlers["_stages"](None, None)
+            for proxy in (dit, encoder, video_vae):
+                proxy.stage = handle
+            return cls(checkpoint=root, profile=profile, dtype=dtype, device=handle.runtime.device, encoder=encoder,
+                       dit=dit, video_vae=video_vae, audio_vae=audio_vae, load_seconds=time.perf_counter() - t0,
+                       stage=handle)
 
         fused = Adapter.open(adapter, adapter_sha256) if profile == "fasth3" else None
         components = sorted({COMPONENT_FOR_TASK[t] for t in tasks})
@@ -329,3 +358,128 @@ class Pipeline:
         size = out_path.stat().st_size
         return GenerationResult(path=out_path, num_frames=req.num_frames, size=f"{req.width}x{req.height}",
                                 bytes=size, timings=timings)
+
+
+# -- parallel degrees: what every rank builds, and rank 0's stand-ins for the stages ----------------------------------
+
+
+def _parallel_rank(runtime, checkpoint: str, profile: str, adapter: str | None, adapter_sha256: str | None,
+                   dtype: str, tasks: tuple, degrees: ParallelDegrees) -> dict:
+    """Every rank: load its part (encoder shard, DiT under USP, VAE tiles), return the ops rank 0 calls."""
+    from h3serve.adapter import Adapter
+    from h3serve.distributed import Local, check_identical, weights_digest
+    from h3serve.services.dit.engine import COMPONENT_FOR_TASK, DiTEngine
+    from h3serve.services.dit.parallel import USPDiT, USPGroups, USPPlan
+    from h3serve.services.encoder.model import TextEncoder
+    from h3serve.services.encoder.parallel import parallelize_encoder
+    from h3serve.services.vae.audio import AudioVAE
+    from h3serve.services.vae.parallel import PatchParallelVAE
+    from h3serve.services.vae.video import VideoVAE
+
+    rank, dev, torch_dtype = runtime.rank, runtime.device, DTYPES[dtype]
+    # Groups first, in the same order on every rank.
+    enc_group, _ = runtime.new_group(range(degrees.encoder_tp))
+    usp = USPGroups.build(runtime, USPPlan(degrees.ulysses, degrees.ring))
+    vae_group, _ = runtime.new_group(range(degrees.vae_pp))
+
+    dit = encoder = video_vae = audio_vae = None
+    if usp is not None:
+        # FastH3: each process fuses the adapter into the weights it streams, before any sharding.
+        fused = Adapter.open(adapter, adapter_sha256) if profile == "fasth3" else None
+        components = sorted({COMPONENT_FOR_TASK[t] for t in tasks})
+        dit = DiTEngine.load(checkpoint, components=components, dtype=torch_dtype, device=dev, profile=profile,
+                             adapter=fused)
+        if fused is not None:
+            fused.close()
+        for name, model in sorted(dit.models.items()):
+            check_identical(runtime, weights_digest(model.state_dict().items()), f"DiT {name} weights",
+                            control=usp.control)
+            dit.models[name] = USPDiT(model, usp)
+    if rank < degrees.encoder_tp:
+        encoder = parallelize_encoder(TextEncoder.load(checkpoint, dtype=torch_dtype, device=dev), enc_group, rank,
+                                      degrees.encoder_tp)
+    if rank < degrees.vae_pp:
+        video_vae = VideoVAE.load(checkpoint, dtype=torch_dtype, device=dev)
+        if degrees.vae_pp > 1:
+            video_vae = PatchParallelVAE(video_vae, vae_group, rank, degrees.vae_pp)
+    if rank == 0:
+        if video_vae is None:
+            video_vae = VideoVAE.load(checkpoint, dtype=torch_dtype, device=dev)
+        audio_vae = AudioVAE.load(checkpoint, dtype=torch.float32, device=dev)  # audio: rank 0 only
+
+    def encode(payload, local: Local | None):
+        if encoder is None:
+            return None
+        prompt, images, task, references = payload
+        return encoder.encode(prompt, images=images, task=task, references=references)
+
+    def generate(req, local: Local | None):
+        if dit is None:
+            return None
+        should_stop = runtime.agreed_stop(local.should_stop if local else None, usp.control)
+        return dit.generate(req, on_step=local.on_step if local else None, should_stop=should_stop)
+
+    def decode(payload, local: Local | None):
+        if rank >= degrees.vae_pp:
+            return iter(())
+        latents, as_float = payload
+        return video_vae.iter_decode_float(latents) if as_float else video_vae.iter_decode(latents)
+
+    handlers = {"encode": encode, "dit": generate, "vae": decode}
+    if rank == 0:
+        handlers["_stages"] = lambda payload, local: (
+            _ParallelDiT(runtime, handlers), _ParallelEncoder(runtime, handlers),
+            _ParallelVideoVAE(video_vae.vae if isinstance(video_vae, PatchParallelVAE) else video_vae),
+            audio_vae)
+    return handlers
+
+
+def _cpu(t):
+    return t.cpu() if isinstance(t, torch.Tensor) else t
+
+
+class _StageProxy:
+    """Rank 0's stand-in for a stage: the same method, run on every rank through the pipeline's StageHandle."""
+
+    stage = None  # set by Pipeline.load once the handle exists
+
+
+class _ParallelEncoder(_StageProxy):
+    def __init__(self, runtime, handlers):
+        self.runtime, self.handlers = runtime, handlers
+
+    def encode(self, prompt, *, images=(), task="t2va", references=None):
+        return self.stage.call("encode", (prompt, list(images), task, references))
+
+
+class _ParallelDiT(_StageProxy):
+    def __init__(self, runtime, handlers):
+        self.runtime, self.handlers = runtime, handlers
+
+    def generate(self, req, *, on_step=None, should_stop=None):
+        import dataclasses
+
+        # Peers unpickle the request: tensors travel on the CPU and each rank moves them to its own device.
+        req = dataclasses.replace(req, text_states=_cpu(req.text_states), text_tags=_cpu(req.text_tags),
+                                  condition_latents=[_cpu(t) for t in req.condition_latents],
+                                  reference_audio_rows=[_cpu(t) for t in req.reference_audio_rows])
+        return self.stage.call("dit", req, should_stop=should_stop, on_step=on_step)
+
+
+class _ParallelVideoVAE(_StageProxy):
+    """Rank 0's VideoVAE (keyframe / reference encodes stay local) whose decode runs patch parallel."""
+
+    def __init__(self, vae):
+        self.vae = vae
+
+    def __getattr__(self, name):
+        return getattr(self.vae, name)
+
+    def iter_decode(self, latents):
+        return self.stage.call("vae", (_cpu(latents), False))
+
+    def iter_decode_float(self, latents):
+        return self.stage.call("vae", (_cpu(latents), True))
+
+    def decode_float(self, latents):
+        return torch.cat(list(self.iter_decode_float(latents)), dim=0)

@@ -282,7 +282,10 @@ class USPDiT(nn.Module):
                 x.index_copy_(1, idx[j0:j1] - a, part)
         sinusoid = timestep_sinusoid(timesteps, m.config.freq_dim)
         temb = m.time_embedder(sinusoid.to(m.time_embedder.linear_1.weight.dtype))
-        cos, sin = m.rope(layout.position_ids[a:b], dtype)  # (b-a, 3F): own rows only
+        if b > a:
+            cos, sin = m.rope(layout.position_ids[a:b], dtype)  # (b-a, 3F): own rows only
+        else:  # a rank of pure padding (S < P * n)
+            cos = sin = torch.zeros(0, 3 * m.config.rope_freq_dim, dtype=dtype, device=device)
         if b - a < n:
             cos, sin = (F.pad(t, (0, 0, 0, n - (b - a))) for t in (cos, sin))
         plan = m.plan_rows(timestep_indices, layout)

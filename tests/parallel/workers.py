@@ -152,3 +152,23 @@ def build_encoder(runtime: Runtime, checkpoint, tp):
         return qwen_text_states(qwen) if member else None
 
     return {"encode": encode, "qwen_text": qwen_text}
+
+
+def build_suite(runtime: Runtime, checkpoint, plans=(), vae_sizes=(), tp=None):
+    """Everything one test stage offers: DiT plans, VAE patch-parallel sizes, encoder TP (optional)."""
+    handlers = {}
+    if plans:
+        handlers.update(build_dit(runtime, plans))
+    if vae_sizes:
+        handlers.update(build_vae(runtime, checkpoint, vae_sizes))
+    if tp:
+        handlers.update(build_encoder(runtime, checkpoint, tp))
+    return handlers
+
+
+def dit_request(steps=6, seed=3):
+    from h3serve.services.dit.engine import DiTRequest
+
+    g = torch.Generator().manual_seed(seed)
+    return DiTRequest(text_states=torch.randn(1, 7, 24, generator=g), text_tags=torch.ones(7, dtype=torch.long),
+                      latent_frames=2, latent_h=4, latent_w=6, audio_latents=3, seed=seed, steps=steps)

@@ -1,0 +1,91 @@
+"""Failures of parallel stages against one rank, for real: several processes, gloo on the CPU, tiny models.
+
+Reference first (1 rank, in this process), then the same op on every rank of a launched stage, then compare.
+DiT / encoder in fp32 within max|Δ| <= 1e-5 (Ring and TP re-associate fp32 sums; Ulysses and patch parallel are
+bitwise in practice); VAE patch parallel bitwise.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from h3serve.distributed import DegreeError, ParallelDegrees, StageFailed, launch
+from h3serve.errors import Cancelled
+
+from .workers import (build_suite, dit_inputs, dit_request)
+
+TOL = 1e-5
+# (text_len, latent_frames, latent_h, latent_w, audio_latents), extra kwargs
+GEOMETRIES = {
+    "S28": ((10, 2, 4, 6, 3), {}),  # 10 + 6 + 12 rows: divides 2 and 4
+    "S25": ((7, 2, 4, 6, 3), {}),  # divides neither: the last rank pads
+    "S5": ((2, 1, 2, 2, 1), {}),  # 4 ranks: 2 + 2 + 1 + 0 rows, a rank of pure padding
+    "fl2va": ((7, 2, 4, 6, 3), {"anchors": ("first",)}),  # condition rows, 3 timesteps
+    "per-row-t": ((7, 2, 4, 6, 3), {"per_row_timesteps": True}),  # the model's gather path (no segment runs)
+}
+
+
+def _maxdiff(a, b) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+def test_a_dead_rank_fails_the_request_with_a_clear_error(tiny_checkpoint):
+    h = launch(2, build_suite, (str(tiny_checkpoint), [(2, 1)]), timeout_s=30)
+    try:
+        victim = h.processes[0]
+
+        def kill(i, n):
+            if i == 2:
+                os.kill(victim.pid, signal.SIGKILL)
+
+        t0 = time.monotonic()
+        with pytest.raises(StageFailed, match=r"rank 1 of 2 .*unhealthy") as info:
+            h.call("generate", ((2, 1), dit_request(steps=20)), on_step=kill)
+        elapsed = time.monotonic() - t0
+        assert elapsed < 15, f"took {elapsed:.1f} s to notice"
+        assert not h.healthy and "rank 1" in h.failure
+        with pytest.raises(StageFailed, match="unhealthy"):
+            h.call("generate", ((2, 1), dit_request()))
+        print(f"dead rank reported in {elapsed:.2f} s: {info.value}")
+    finally:
+        h.close()
+
+
+# -- pure parts -------------------------------------------------------------------------------------------------------
+
+def test_degrees_are_validated_with_a_message_that_says_what_to_change():
+    assert ParallelDegrees(encoder_tp=8, ulysses=8, ring=1, vae_pp=8).validate().world_size == 8
+    assert ParallelDegrees(ulysses=8, ring=2, vae_pp=16).validate().world_size == 16
+    with pytest.raises(DegreeError, match=r"ulysses=3 does not divide the DiT's 56 .*ring"):
+        ParallelDegrees(ulysses=3).validate()
+    with pytest.raises(DegreeError, match=r"encoder_tp=3 .* Use encoder_tp in \[1, 2, 4, 8, 16, 32, 64\]"):
+        ParallelDegrees(encoder_tp=3).validate()
+    with pytest.raises(DegreeError, match=r"vae_pp=2 .*set vae_pp to 1 or 4"):
+        ParallelDegrees(ulysses=4, vae_pp=2).validate()
+    with pytest.raises(DegreeError, match=r"WORLD_SIZE=4 .* need .* = 2 ranks"):
+        ParallelDegrees(ulysses=2).validate(world_size=4)
+    with pytest.raises(DegreeError, match="positive integer"):
+        ParallelDegrees(ring=0).validate()
+
+
+def test_row_shards_and_tile_assignment_are_pure_and_cover_everything():
+    from h3serve.services.dit.parallel import row_shards
+    from h3serve.services.vae.parallel import assign_tiles
+    from h3serve.services.vae.tiling import plan_tiles
+
+    layout = dit_inputs(*GEOMETRIES["S25"][0])[-1]
+    shards = row_shards(layout, 4)
+    assert [(s.start, s.stop) for s in shards] == [(0, 7), (7, 14), (14, 21), (21, 25)]
+    for kind, total in (("text", 7), ("video", 12), ("audio", 6)):
+        spans = [getattr(s, kind) for s in shards]
+        assert spans[0][0] == 0 and spans[-1][1] == total
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    tiles = plan_tiles(768, 1344)
+    owned = assign_tiles(tiles, 8)
+    assert sorted(k for ks in owned for k in ks) == list(range(len(tiles)))
+    assert max(map(len, owned)) - min(map(len, owned)) <= 1

@@ -1,0 +1,104 @@
+"""Two-rank stages against one rank, for real: several processes, gloo on the CPU, tiny models.
+
+Reference first (1 rank, in this process), then the same op on every rank of a launched stage, then compare.
+DiT / encoder in fp32 within max|Δ| <= 1e-5 (Ring and TP re-associate fp32 sums; Ulysses and patch parallel are
+bitwise in practice); VAE patch parallel bitwise.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from h3serve.distributed import DegreeError, ParallelDegrees, StageFailed, launch
+from h3serve.errors import Cancelled
+
+from .workers import (build_suite, dit_inputs, dit_request, load_vae, qwen_text_states, tiny_dit, tiny_qwen_text)
+
+TOL = 1e-5
+# (text_len, latent_frames, latent_h, latent_w, audio_latents), extra kwargs
+GEOMETRIES = {
+    "S28": ((10, 2, 4, 6, 3), {}),  # 10 + 6 + 12 rows: divides 2 and 4
+    "S25": ((7, 2, 4, 6, 3), {}),  # divides neither: the last rank pads
+    "S5": ((2, 1, 2, 2, 1), {}),  # 4 ranks: 2 + 2 + 1 + 0 rows, a rank of pure padding
+    "fl2va": ((7, 2, 4, 6, 3), {"anchors": ("first",)}),  # condition rows, 3 timesteps
+    "per-row-t": ((7, 2, 4, 6, 3), {"per_row_timesteps": True}),  # the model's gather path (no segment runs)
+}
+
+
+def _maxdiff(a, b) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def stage2(tiny_checkpoint):
+    with launch(2, build_suite, (str(tiny_checkpoint), [(2, 1), (1, 2)], (2,), 2), timeout_s=60) as h:
+        yield h
+
+
+# -- DiT USP ----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("geometry", ["S28", "S25", "fl2va", "per-row-t"])
+@pytest.mark.parametrize("plan", [(2, 1), (1, 2)], ids=["ulysses2", "ring2"])
+def test_dit_two_ranks_match_one(stage2, plan, geometry):
+    geo, kw = GEOMETRIES[geometry]
+    ref = tiny_dit()(*dit_inputs(*geo, **kw))
+    out = stage2.call("forward", (plan, geo, kw))
+    assert [o.shape for o in out] == [r.shape for r in ref]
+    assert _maxdiff(out, ref) <= TOL
+    assert stage2.last_outcomes == {1: "ok"}
+
+
+def test_cancel_stops_every_rank_at_the_same_step_then_serves_the_next(stage2):
+    from h3serve.services.dit.engine import DiTEngine
+
+    done = []
+    with pytest.raises(Cancelled) as info:
+        stage2.call("generate", ((2, 1), dit_request(steps=8)), should_stop=lambda: len(done) >= 3,
+                    on_step=lambda i, n: done.append(i))
+    assert "before denoising step 4 of" in str(info.value)
+    assert stage2.last_outcomes == {1: f"Cancelled: {info.value}"}  # rank 1 stopped at the same boundary
+    assert [stage2.runtime.store.get(f"test/steps/{r}").decode() for r in (0, 1)] == ["3", "3"]
+
+    res = stage2.call("generate", ((2, 1), dit_request()))  # the stage is still healthy and serves the next one
+    ref = DiTEngine({"transformer": tiny_dit()}, device=torch.device("cpu"), profile="base").generate(dit_request())
+    assert stage2.healthy and res.steps == ref.steps
+    assert _maxdiff((res.video, res.audio), (ref.video, ref.audio)) <= TOL
+
+
+# -- encoder TP -------------------------------------------------------------------------------------------------------
+
+def test_encoder_tp2_matches_tp1(stage2, tiny_checkpoint):
+    """The tiny checkpoint's encoder: 2 heads / 1 KV head, so TP 2 replicates the KV head on both ranks."""
+    from h3serve.services.encoder.model import TextEncoder
+
+    prompt = "a kite over the sea at dusk"
+    ref = TextEncoder.load(tiny_checkpoint, dtype=torch.float32).encode(prompt).states
+    out = stage2.call("encode", prompt)
+    assert out.shape == ref.shape and (out - ref).abs().max().item() <= TOL
+
+
+def test_qwen_text_tp2_shards_kv_heads(stage2):
+    """A 4-head / 2-KV-head Qwen3-VL text decoder: TP 2 shards the KV heads too."""
+    ref = qwen_text_states(tiny_qwen_text())
+    out = stage2.call("qwen_text")
+    assert (out - ref).abs().max().item() <= TOL * max(1.0, ref.abs().max().item())
+
+
+# -- VAE patch parallel -----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def vae_reference(tiny_checkpoint):
+    latents = torch.randn(1, 24, 7, 16, 24, generator=torch.Generator().manual_seed(0))  # 2 windows, 12 tiles
+    return latents, load_vae(tiny_checkpoint).decode_float(latents)
+
+
+def test_vae_pp2_frames_equal_pp1(stage2, vae_reference):
+    latents, ref = vae_reference
+    assert torch.equal(stage2.call("vae_decode", (2, latents)), ref)
+
+

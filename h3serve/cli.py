@@ -34,6 +34,11 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", default=None, help="sigma grid points incl. the terminal 0 (base default 50)")
     p.add_argument("--dtype", default="fp32", help="fp32 | bf16")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when present)")
+    for flag, what in (("--encoder-tp", "text encoder tensor-parallel degree"),
+                       ("--ulysses", "DiT Ulysses degree (divides the DiT's heads)"),
+                       ("--ring", "DiT Ring degree (ulysses x ring = DiT ranks)"),
+                       ("--vae-pp", "VAE patch-parallel degree (1 or ulysses x ring)")):
+        p.add_argument(flag, type=int, default=1, help=f"{what}; >1 starts one process per rank (default 1)")
     p.add_argument("--adapter", default=None, help="FastH3 adapter (fastvideo-lora-v2 safetensors)")
     p.add_argument("--adapter-sha256", default=None, help="expected sha256 of --adapter (required with it)")
     p.add_argument("--first-image", default=None, help="fl2va: first keyframe image")
@@ -67,9 +72,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     pipe = Pipeline.load(
         args.checkpoint, profile=args.profile, adapter=args.adapter, adapter_sha256=args.adapter_sha256,
-        dtype=args.dtype, device=args.device, tasks=(request.task,),
+        dtype=args.dtype, device=args.device, tasks=(request.task,), encoder_tp=args.encoder_tp,
+        ulysses=args.ulysses, ring=args.ring, vae_pp=args.vae_pp,
     )
-    result = pipe.generate(request, args.output, progress=not args.no_progress)
+    try:
+        result = pipe.generate(request, args.output, progress=not args.no_progress)
+    finally:
+        pipe.close()
     timings = dict(result.timings)
     timings["load_s"] = pipe.load_seconds
     timings["wall_s"] = time.perf_counter() - t0

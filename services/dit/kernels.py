@@ -177,7 +177,7 @@ def modulation_rows(ctx, device: torch.device | str) -> torch.Tensor:
         return cached
     if ctx.runs is not None:
         n = ctx.cos.shape[0]
-        rows = torch.empty(n, dtype=torch.int32)
+        rows = torch.zeros(n, dtype=torch.int32)  # rows no run covers (a shard's padding) read table row 0
         for a, b, r in ctx.runs:
             rows[a:b] = r
         rows = rows.to(device, non_blocking=True)
@@ -292,7 +292,8 @@ def _tl_dtype(dtype: torch.dtype):
 
 
 def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, eps: float,
-                  cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  cos: torch.Tensor | None = None,
+                  sin: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """In place on contiguous (B, N, H, Dh) q, k: RMSNorm(·)·w per head, then RoPE on the first 2·cos.shape[-1]
     channels (cos / sin (N, R/2) in the activation dtype); no RoPE when cos is None."""
     if not (q.is_contiguous() and k.is_contiguous()) or q.shape != k.shape:
@@ -356,7 +357,7 @@ def gated_residual_(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, rows: 
 
 
 def swiglu(proj: torch.Tensor) -> torch.Tensor:
-    """(…, 2F) [value | gate] -> (…, F) value·silu(gate) with silu rounded first, like `F.silu(gate).mul_(value)`."""
+    """(…, 2F) [value | gate] -> (…, F) value·silu(gate), silu rounded first like `F.silu(gate).mul_(value)`."""
     p = proj.contiguous()
     f2 = p.shape[-1]
     f = f2 // 2

@@ -4,7 +4,8 @@ attention backend selection.
 Tolerances: the kernels repeat the plain path's rounding steps (one rounding per torch op), so on a GPU they differ
 from it only through fp32 reduction order and exp/rsqrt implementations. Triton's CPU interpreter, however, converts
 fp32 -> bf16 by truncation, not round-to-nearest, so in bf16 each rounding step may be one ulp off here: bf16 is
-checked to 2^-5 · max|ref| (a few ulps of the largest output), fp32 (which has no such step) to 1e-5 · max(1, max|ref|).
+checked to 2^-5 · max|ref| (a few ulps of the largest output), fp32 (which has no such step) to
+1e-5 · max(1, max|ref|).
 """
 
 from __future__ import annotations

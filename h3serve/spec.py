@@ -47,12 +47,13 @@ GPU_STAGES = ("encoder", "dit", "vae")
 # Ports every h3serve pod uses (the service config carries them to the processes).
 GRPC_PORT = 50051
 HTTP_PORT = 8000
-METRICS_PORT = 9090
 DIST_PORT = 29500  # torch.distributed rendezvous (MASTER_PORT)
-# gRPC health service names the probes ask for (grpc.health.v1); the servers report them.
-HEALTH_STARTUP = "h3serve.startup"  # SERVING once weights are loaded and one warm-up pass has run
-HEALTH_READY = "h3serve.ready"  # SERVING while accepting work (not draining, queue not full)
-HEALTH_LIVE = "h3serve.live"  # SERVING while the serving loop makes progress
+# `h3serve serve --stages all` (a colocated replica) puts the gateway on GRPC_PORT and the stages on loopback at
+# GRPC_PORT + these offsets.
+COLOCATED_PORT_OFFSETS = {"encoder": 1, "dit": 2, "vae": 3, "muxer": 4}
+# grpc.health.v1 service the probes check: "" = the whole server, SERVING once the weights are loaded and one
+# warm-up pass ran, NOT_SERVING again while it drains.
+HEALTH_SERVICE = ""
 
 NAME_MAX = 40  # leaves room for "-encoder-12" suffixes and StatefulSet pod / revision-hash labels (<= 63)
 _NAME_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -181,8 +182,8 @@ class VaeSpec:
 class MuxerSpec:
     replicas: Optional[int] = f("replicas", "Muxer replicas (disaggregated placement only; default 1).", None,
                                 minimum=0, maximum=1024)
-    workers: int = f("workers", "H.264/AAC encode worker processes per muxer (colocated: per replica pod).", 4,
-                     minimum=1, maximum=256)
+    workers: int = f("workers", "H.264 encoder threads per muxer (`h3serve serve --mux-threads`; colocated: per "
+                     "replica pod).", 4, minimum=1, maximum=256)
     resources: Optional[dict] = f("resources", "CPU/memory requests and limits of a muxer pod (CPU only).", None,
                                   **RESOURCES_SCHEMA)
     node_selector: Optional[dict] = f("nodeSelector", "Replaces spec.nodeSelector for this stage.", None)
@@ -191,8 +192,9 @@ class MuxerSpec:
 
 @dataclass(frozen=True)
 class GatewaySpec:
-    replicas: int = f("replicas", "Gateway replicas (the gRPC + HTTP front door, CPU only).", 2,
-                      minimum=0, maximum=1024)
+    replicas: Optional[int] = f("replicas", "Gateway replicas (the gRPC + HTTP front door, CPU only; "
+                                "disaggregated placement only, default 2: a colocated replica runs its own gateway).",
+                                None, minimum=0, maximum=1024)
     queue_size: int = f("queueSize", "Requests a gateway admits before it answers RESOURCE_EXHAUSTED.", 16,
                         minimum=1, maximum=100000)
     service_type: str = f("serviceType", "Type of the gateway Service.", "ClusterIP",
@@ -245,12 +247,10 @@ class H3DeploymentSpec:
         return {"encoder": self.encoder.gpus, "dit": self.dit.sp, "vae": self.vae.gpus, "muxer": 0}[stage]
 
     def stage_replicas(self, stage: str) -> int:
-        if stage == "gateway":
-            return self.gateway.replicas
         if self.placement == "colocated":
             return 1 if self.replicas is None else self.replicas
         r = getattr(self, stage).replicas
-        return 1 if r is None else r
+        return (2 if stage == "gateway" else 1) if r is None else r
 
     def pods_per_replica(self, gpus: int) -> int:
         """1 when a replica's GPUs fit one node, else the gang size (one pod per node)."""
@@ -285,8 +285,8 @@ class ServiceConfig:
     def to_dict(self) -> dict:
         return {
             "apiVersion": API_VERSION, "kind": "ServiceConfig", "name": self.name, "namespace": self.namespace,
-            "ports": {"grpc": GRPC_PORT, "http": HTTP_PORT, "metrics": METRICS_PORT, "dist": DIST_PORT},
-            "health": {"startup": HEALTH_STARTUP, "ready": HEALTH_READY, "live": HEALTH_LIVE},
+            "ports": {"grpc": GRPC_PORT, "http": HTTP_PORT, "dist": DIST_PORT},
+            "health": {"service": HEALTH_SERVICE},
             "endpoints": dict(self.endpoints), "spec": self.spec.to_dict(),
         }
 
@@ -341,9 +341,10 @@ CEL_RULES: list[dict] = [
                              "dit.replicas, vae.replicas and muxer.replicas instead'")),
     dict(location="", field_path=".placement",
          rule=("self.placement == 'disaggregated' || (!has(self.encoder.replicas) && !has(self.dit.replicas) && "
-               "!has(self.vae.replicas) && !has(self.muxer.replicas))"),
+               "!has(self.vae.replicas) && !has(self.muxer.replicas) && !has(self.gateway.replicas))"),
          message_expression=("'per-stage replicas only apply to disaggregated placement: with placement colocated "
-                             "set spec.replicas and remove encoder/dit/vae/muxer.replicas'")),
+                             "set spec.replicas and remove encoder/dit/vae/muxer/gateway.replicas (each colocated "
+                             "replica runs its own gateway)'")),
     dict(location="", field_path=".encoder.tensorParallel",
          rule=("self.placement == 'disaggregated' || "
                "(self.dit.ulysses * self.dit.ring) % self.encoder.tensorParallel == 0"),
@@ -393,7 +394,8 @@ def _cel_message(i: int, spec: H3DeploymentSpec) -> str:
         lambda: ("spec.replicas only applies to colocated placement: set encoder.replicas, dit.replicas, "
                  "vae.replicas and muxer.replicas instead"),
         lambda: ("per-stage replicas only apply to disaggregated placement: with placement colocated set "
-                 "spec.replicas and remove encoder/dit/vae/muxer.replicas"),
+                 "spec.replicas and remove encoder/dit/vae/muxer/gateway.replicas (each colocated replica runs its "
+                 "own gateway)"),
         lambda: (f"encoder.tensorParallel={e.tensor_parallel} must divide the {d.sp} GPUs of a colocated replica "
                  f"(dit.ulysses x dit.ring)"),
         lambda: (f"dit needs {d.sp} GPUs, more than gpusPerNode={spec.gpus_per_node}: a stage larger than a node "
@@ -419,7 +421,7 @@ def _cel_checks(s: H3DeploymentSpec) -> list[bool]:
         s.profile != "fasth3" or not m.offload,
         s.profile != "fasth3" or not m.allow_request_lora,
         s.placement == "colocated" or s.replicas is None,
-        s.placement == "disaggregated" or all(getattr(s, st).replicas is None for st in STAGES),
+        s.placement == "disaggregated" or all(getattr(s, st).replicas is None for st in (*STAGES, "gateway")),
         s.placement == "disaggregated" or d.sp % e.tensor_parallel == 0,
         d.sp <= s.gpus_per_node or d.sp % s.gpus_per_node == 0,
         s.placement == "colocated" or e.tensor_parallel <= s.gpus_per_node or e.tensor_parallel % s.gpus_per_node == 0,

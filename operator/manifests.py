@@ -5,13 +5,19 @@ No I/O, no clock, no randomness: the same input gives the same list, in the same
 What it renders for an H3Deployment `<name>`:
 - ServiceAccount `<name>` (no API token mounted: the pods never call the API server).
 - ConfigMap `<name>-config` holding the service config (`h3serve.spec.ServiceConfig`) every process reads.
-- Workloads. `colocated`: component `engine`, one pod per replica running every stage on the same GPUs.
-  `disaggregated`: one workload per stage (`encoder`, `dit`, `vae`, `muxer`). A replica whose GPUs fit one node is
-  one pod with N GPUs and N ranks (a Deployment); a replica larger than a node is a gang: a StatefulSet per replica
-  `<name>-<component>-<r>` with one pod per node, a headless Service of the same name, leader = ordinal 0.
-- A Service per component (`<name>-<component>`, selecting leaders only), the gateway Deployment + Service.
-- A PodDisruptionBudget per component; NetworkPolicies: the gateway takes traffic from anywhere on its gRPC and
+- Workloads. `colocated`: component `engine`, one pod per replica running every stage (gateway included) on the
+  same GPUs (`h3serve serve --stages all`: the stages talk over loopback inside the pod). `disaggregated`: one
+  workload per stage (`encoder`, `dit`, `vae`, `muxer`) plus the gateway Deployment. A replica whose GPUs fit one
+  node is one pod with N GPUs and N ranks (a Deployment); a replica larger than a node is a gang: a StatefulSet per
+  replica `<name>-<component>-<r>` with one pod per node, a headless Service of the same name, leader = ordinal 0.
+- A Service per component, selecting leaders only: `<name>-<stage>` and the front door `<name>-gateway` (which
+  selects the gateway pods, or the engine pods when colocated).
+- A PodDisruptionBudget per component; NetworkPolicies: the front door takes traffic from anywhere on its gRPC and
   HTTP ports, everything else only from pods of the same H3Deployment.
+
+Every container runs `h3serve serve` with flags rendered from the spec; the whole spec is also mounted as the
+service config (`$H3SERVE_CONFIG`), and torch.distributed is wired by environment (MASTER_ADDR, MASTER_PORT,
+WORLD_SIZE, NNODES, NPROC_PER_NODE, NODE_RANK, RANK = the first global rank of the pod).
 """
 
 from __future__ import annotations
@@ -21,8 +27,8 @@ import json
 from typing import Any
 
 from h3serve.spec import (
-    API_VERSION, DIST_PORT, GPU_STAGES, GRPC_PORT, HEALTH_LIVE, HEALTH_READY, HEALTH_STARTUP, HTTP_PORT, KIND,
-    METRICS_PORT, STAGES, H3DeploymentSpec, ServiceConfig,
+    API_VERSION, COLOCATED_PORT_OFFSETS, DIST_PORT, GPU_STAGES, GRPC_PORT, HEALTH_SERVICE, HTTP_PORT, KIND, STAGES,
+    H3DeploymentSpec, ServiceConfig,
 )
 
 MANAGER = "h3serve-operator"
@@ -64,8 +70,8 @@ def selector(name: str, component: str) -> dict[str, str]:
 
 
 def components(spec: H3DeploymentSpec) -> list[str]:
-    """The workload components of a spec, in request order, gateway last."""
-    return ([ENGINE] if spec.placement == "colocated" else list(STAGES)) + [GATEWAY]
+    """The workload components of a spec: the engine (colocated), or each stage then the gateway."""
+    return [ENGINE] if spec.placement == "colocated" else [*STAGES, GATEWAY]
 
 
 def component_gpus(spec: H3DeploymentSpec, component: str) -> int:
@@ -96,10 +102,10 @@ def workload_names(spec: H3DeploymentSpec, name: str, component: str) -> list[tu
 
 
 def endpoints(spec: H3DeploymentSpec, name: str, namespace: str) -> dict[str, str]:
-    """stage -> "host:port" of the Service that fronts it (colocated stages are served by the engine)."""
+    """stage -> "host:port": a stage's Service, or (colocated) the stage's loopback port inside the replica pod."""
     host = lambda comp: f"{name}-{comp}.{namespace}.svc:{GRPC_PORT}"  # noqa: E731
     if spec.placement == "colocated":
-        out = {st: host(ENGINE) for st in STAGES}
+        out = {st: f"127.0.0.1:{GRPC_PORT + COLOCATED_PORT_OFFSETS[st]}" for st in STAGES}
     else:
         out = {st: host(st) for st in STAGES}
     out[GATEWAY] = host(GATEWAY)
@@ -148,21 +154,26 @@ def _meta(obj: dict, obj_name: str, name: str, namespace: str, component: str | 
 
 # ---- one component: workloads + Service + PDB --------------------------------------------------------------------
 
+def front(comp: str) -> bool:
+    """The component that takes client traffic: the gateway, or the engine (its in-pod gateway) when colocated."""
+    return comp in (GATEWAY, ENGINE)
+
+
 def _component(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, cfg_hash: str) -> list[dict]:
     objs: list[dict] = []
     replicas = component_replicas(spec, comp)
     gang = gang_size(spec, comp)
     gpus = component_gpus(spec, comp)
-    svc_name = f"{name}-{comp}"
+    svc_name = f"{name}-{GATEWAY}" if comp == ENGINE else f"{name}-{comp}"
     ports = [{"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "protocol": "TCP", "appProtocol": "grpc"}]
-    if comp == GATEWAY:
+    if front(comp):
         ports.append({"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP",
                       "appProtocol": "http"})
     svc_selector = {**selector(name, comp), LABEL_ROLE: "leader"}
     if gang > 1:
         svc_selector = {**selector(name, comp), LABEL_POD_INDEX: "0"}
     svc_spec: dict = {"selector": svc_selector, "ports": ports}
-    if comp == GATEWAY:
+    if front(comp):
         svc_spec["type"] = spec.gateway.service_type
     objs.append(_meta({"apiVersion": "v1", "kind": "Service", "spec": svc_spec}, svc_name, name, namespace, comp))
 
@@ -182,7 +193,7 @@ def _component(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, cfg
     pdb = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "spec": {
         "maxUnavailable": 1, "selector": {"matchLabels": selector(name, comp)},
         "unhealthyPodEvictionPolicy": "AlwaysAllow"}}
-    objs.append(_meta(pdb, svc_name, name, namespace, comp))
+    objs.append(_meta(pdb, f"{name}-{comp}", name, namespace, comp))
     return objs
 
 
@@ -219,9 +230,9 @@ def _pod_security_context() -> dict:
             "seccompProfile": {"type": "RuntimeDefault"}}
 
 
-def _grpc_probe(service: str, period: int, failures: int, timeout: int = 5) -> dict:
-    return {"grpc": {"port": GRPC_PORT, "service": service}, "periodSeconds": period, "timeoutSeconds": timeout,
-            "failureThreshold": failures}
+def _grpc_probe(period: int, failures: int, timeout: int = 5) -> dict:
+    return {"grpc": {"port": GRPC_PORT, "service": HEALTH_SERVICE}, "periodSeconds": period,
+            "timeoutSeconds": timeout, "failureThreshold": failures}
 
 
 def _env(spec: H3DeploymentSpec, comp: str) -> list[dict]:
@@ -230,6 +241,7 @@ def _env(spec: H3DeploymentSpec, comp: str) -> list[dict]:
         {"name": "H3SERVE_COMPONENT", "value": comp},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "HF_HUB_OFFLINE", "value": "1"},
         {"name": "HOME", "value": "/tmp"},  # the root filesystem is read-only
     ]
@@ -252,8 +264,34 @@ def _dist_env(world: int, per_pod: int, nnodes: int, master: str, gang: bool) ->
     return env
 
 
-def _command(comp: str, gang: bool) -> tuple[list[str], list[str]]:
-    serve = ["h3serve", "serve", comp, "--config", CONFIG_PATH]
+def serve_args(spec: H3DeploymentSpec, name: str, namespace: str, comp: str) -> list[str]:
+    """The `h3serve serve` command line of a component."""
+    stages = "all" if comp == ENGINE else comp
+    args = ["h3serve", "serve", "--stages", stages, "--host", "0.0.0.0", "--port", str(GRPC_PORT),
+            "--grace-s", str(spec.drain_seconds), "--profile", spec.profile]
+    if comp in (ENGINE, *GPU_STAGES):
+        args += ["--checkpoint", spec.model.path, "--device", "cuda", "--dtype", "bf16"]
+    if comp in (ENGINE, "dit") and spec.model.adapter is not None:
+        args += ["--adapter", spec.model.adapter.path]
+        if spec.model.adapter.sha256:
+            args += ["--adapter-sha256", spec.model.adapter.sha256]
+    if comp in (ENGINE, "vae", GATEWAY):
+        args += ["--transport", spec.transport]
+    if comp in (ENGINE, "muxer"):
+        args += ["--mux-threads", str(spec.muxer.workers)]
+    if front(comp):
+        args += ["--http-host", "0.0.0.0", "--http-port", str(HTTP_PORT), "--queue-size", str(spec.gateway.queue_size)]
+    if comp == GATEWAY:
+        for st, addr in endpoints(spec, name, namespace).items():
+            if st != GATEWAY:
+                args += [f"--{st}", addr]
+    if comp in STAGES:  # peers (the VAE streaming to a muxer) reach this very pod
+        args += ["--advertise", f"$(POD_IP):{GRPC_PORT}"]
+    return args
+
+
+def _command(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, gang: bool) -> tuple[list[str], list[str]]:
+    serve = serve_args(spec, name, namespace, comp)
     if not gang:
         return serve, []
     # RANK = the global rank of this pod's first process (its local ranks follow); the leader (ordinal 0) is rank 0.
@@ -264,10 +302,9 @@ def _pod_template(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, 
                   cfg_hash: str, extra_labels: dict, dist_env: list[dict], gang: bool) -> dict:
     node_selector, tolerations, base_res = _stage_opts(spec, comp)
     gpu = gpus_per_pod > 0
-    ports = [{"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
-             {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}]
-    if comp == GATEWAY:
-        ports.insert(1, {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"})
+    ports = [{"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"}]
+    if front(comp):
+        ports.append({"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"})
     if gang:
         ports.append({"name": "dist", "containerPort": DIST_PORT, "protocol": "TCP"})
     mounts = [{"name": "config", "mountPath": "/etc/h3serve", "readOnly": True},
@@ -280,7 +317,7 @@ def _pod_template(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, 
     if comp != GATEWAY and comp != "muxer" and spec.model.volume is not None:
         mounts.append({"name": "model", "mountPath": spec.model.mount_path, "readOnly": True})
         volumes.append({"name": "model", **_readonly_volume(spec.model.volume)})
-    command, args = _command(comp, gang)
+    command, args = _command(spec, name, namespace, comp, gang)
     container = {
         "name": comp,
         "image": spec.image,
@@ -291,11 +328,15 @@ def _pod_template(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, 
         "resources": _resources(spec, base_res, gpus_per_pod),
         "securityContext": _security_context(),
         "volumeMounts": mounts,
-        # Startup: weights loaded and one warm-up pass done (reported by the server's gRPC health service).
-        # Loading ~100 GB of weights from a network volume can take long: allow up to an hour.
-        "startupProbe": _grpc_probe(HEALTH_STARTUP, 10, 360) if comp != GATEWAY else _grpc_probe(HEALTH_STARTUP, 5, 60),
-        "readinessProbe": _grpc_probe(HEALTH_READY, 5, 3),
-        "livenessProbe": _grpc_probe(HEALTH_LIVE, 20, 6, timeout=10),
+        # Startup: gRPC health SERVING = weights loaded and one warm-up pass done. Loading ~100 GB of weights from
+        # a network volume can take long: allow up to an hour (the gateway only waits for its channels).
+        "startupProbe": _grpc_probe(10, 360) if comp != GATEWAY else _grpc_probe(5, 60),
+        # Readiness: NOT_SERVING again while draining, so endpoints drop the pod before it stops.
+        "readinessProbe": _grpc_probe(5, 3),
+        # Liveness: the server still accepts connections (a draining server reports NOT_SERVING, on purpose not a
+        # liveness failure: it must be allowed to finish its requests).
+        "livenessProbe": {"tcpSocket": {"port": GRPC_PORT}, "periodSeconds": 20, "timeoutSeconds": 10,
+                          "failureThreshold": 6},
         # Let endpoints drop the pod before SIGTERM starts the drain.
         "lifecycle": {"preStop": {"sleep": {"seconds": 5}}},
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -362,21 +403,22 @@ def _statefulset(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, g
 
 def _network_policies(spec: H3DeploymentSpec, name: str, namespace: str) -> list[dict]:
     same_instance = {"podSelector": {"matchLabels": {LABEL_NAME: "h3serve", LABEL_INSTANCE: name}}}
+    mine = [{"key": LABEL_INSTANCE, "operator": "In", "values": [name]},
+            {"key": LABEL_NAME, "operator": "In", "values": ["h3serve"]}]
     stages = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "spec": {
         "podSelector": {"matchExpressions": [
-            {"key": LABEL_INSTANCE, "operator": "In", "values": [name]},
-            {"key": LABEL_NAME, "operator": "In", "values": ["h3serve"]},
-            {"key": LABEL_COMPONENT, "operator": "NotIn", "values": [GATEWAY]}]},
+            *mine, {"key": LABEL_COMPONENT, "operator": "NotIn", "values": [GATEWAY, ENGINE]}]},
         "policyTypes": ["Ingress"],
         # Any port: gRPC, torch.distributed / NCCL and UCX pick ports of their own between peers.
         "ingress": [{"from": [same_instance]}]}}
     gateway = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "spec": {
-        "podSelector": {"matchLabels": selector(name, GATEWAY)},
+        "podSelector": {"matchExpressions": [
+            *mine, {"key": LABEL_COMPONENT, "operator": "In", "values": [GATEWAY, ENGINE]}]},
         "policyTypes": ["Ingress"],
         "ingress": [{"ports": [{"port": GRPC_PORT, "protocol": "TCP"}, {"port": HTTP_PORT, "protocol": "TCP"}]},
                     {"from": [same_instance]}]}}
     return [_meta(stages, f"{name}-stages", name, namespace, None),
-            _meta(gateway, f"{name}-gateway", name, namespace, GATEWAY)]
+            _meta(gateway, f"{name}-gateway", name, namespace, None)]
 
 
 def to_yaml(objs: list[dict]) -> str:

@@ -121,7 +121,7 @@ def compute(*, name: str, namespace: str, generation: int, spec: H3DeploymentSpe
     stages: dict[str, dict] = {}
     for comp in sorted(comp_desired, key=_order):
         entry = {"ready": comp_ready[comp], "desired": comp_desired[comp]}
-        for st in (STAGES if comp == M.ENGINE else (comp,)):
+        for st in ((*STAGES, M.GATEWAY) if comp == M.ENGINE else (comp,)):
             stages[st] = dict(entry)
 
     valid = spec is not None and not issues

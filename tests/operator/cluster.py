@@ -37,6 +37,37 @@ def ensure_tools(*tools: str) -> pathlib.Path:
     return pathlib.Path(r.stdout.strip().splitlines()[-1])
 
 
+def listening_addresses(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket process `pid` listens on (from /proc; IPv4 and IPv6)."""
+    import ipaddress
+
+    inodes = set()
+    for fd in pathlib.Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = []
+    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+        for line in pathlib.Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] != "0A" or f[9] not in inodes:  # 0A = LISTEN
+                continue
+            hexaddr, hexport = f[1].split(":")
+            raw = bytes.fromhex(hexaddr)
+            if v6:
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+                addr = str(ipaddress.IPv6Address(raw))
+                if addr.startswith("::ffff:"):
+                    addr = addr[7:]
+            else:
+                addr = str(ipaddress.IPv4Address(raw[::-1]))
+            out.append((addr, int(hexport, 16)))
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

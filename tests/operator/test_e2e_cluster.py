@@ -269,7 +269,7 @@ def test_openapi_rejects_enums_bounds_and_names(installed, dyn):
     assert "metadata.name must be at most 40 characters" in json.loads(e.value.body)["message"]
     # and a valid spec passes, with the defaults filled in by the API server
     ok = R(dyn, "H3Deployment").create(body=doc, namespace=APPS_NS, query_params=[("dryRun", "All")]).to_dict()
-    assert ok["spec"]["dit"] == {"ulysses": 1, "ring": 1} and ok["spec"]["gateway"]["replicas"] == 2
+    assert ok["spec"]["dit"] == {"ulysses": 1, "ring": 1} and ok["spec"]["gateway"]["queueSize"] == 16
     assert H3DeploymentSpec.from_dict(ok["spec"]) == H3DeploymentSpec.from_dict(doc["spec"])
 
 
@@ -438,6 +438,48 @@ def test_restart_operator_mid_reconcile_makes_no_duplicates(operator, dyn):
     operator.start()
     time.sleep(3)
     assert set(children(dyn, "restart")) == want and len(pods(dyn, "restart")) == expected_pod_count(cr)
+
+
+def test_kopf_run_works_too(operator, operator_kubeconfig, control_plane, dyn, tmp_path):
+    """The same handlers under the stock `kopf run` (here by file path), instead of `h3serve operator`."""
+    import os
+    import signal
+    import sys
+
+    from cluster import free_port
+
+    operator.kill()
+    port = free_port()
+    log = tmp_path / "kopf.log"
+    kopf_exe = pathlib.Path(sys.executable).with_name("kopf")
+    proc = subprocess.Popen([str(kopf_exe), "run", "--standalone", f"--namespace={APPS_NS}",
+                             f"--liveness=http://127.0.0.1:{port}/healthz", str(ROOT / "operator" / "handlers.py")],
+                            env={**control_plane.env, "KUBECONFIG": str(operator_kubeconfig)}, cwd=ROOT,
+                            stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        create(dyn, good_doc("via-kopf-run"))
+        cr = ready_cr(dyn, "via-kopf-run", timeout=60)
+        assert condition(cr, "SpecValid")["status"] == "True"
+        assert set(children(dyn, "via-kopf-run")) == expected_names(cr)
+    except BaseException:
+        print(log.read_text()[-4000:])
+        raise
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+        operator.start()
+    delete_cr(dyn, "via-kopf-run")
+    wait_gone(dyn, "via-kopf-run")
+
+
+def test_servers_listen_on_loopback_only(control_plane, operator):
+    from cluster import listening_addresses
+
+    procs = [(n, p.pid) for n, p in control_plane.procs] + [("operator", operator.proc.pid)]
+    for name, pid in procs:
+        addrs = listening_addresses(pid)
+        assert addrs, name
+        assert all(a in ("127.0.0.1", "::1") for a, _ in addrs), (name, addrs)
 
 
 def test_delete_cr_garbage_collects_children(operator, dyn):

@@ -102,7 +102,9 @@ def test_pods_meet_restricted_pod_security(path):
             assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
             assert sc["runAsNonRoot"] is True and sc["seccompProfile"] == {"type": "RuntimeDefault"}
             assert {"startupProbe", "readinessProbe", "livenessProbe"} <= set(c)
-            assert c["startupProbe"]["grpc"]["service"] == "h3serve.startup"
+            assert c["startupProbe"]["grpc"] == {"port": 50051, "service": ""}  # SERVING = loaded + warmed up
+            assert c["readinessProbe"]["grpc"] == {"port": 50051, "service": ""}  # NOT_SERVING while draining
+            assert "tcpSocket" in c["livenessProbe"]  # a draining server is alive
         for v in pod["volumes"]:  # restricted: only these volume types
             assert set(v) - {"name"} <= {"configMap", "emptyDir", "persistentVolumeClaim", "secret", "projected",
                                          "csi", "downwardAPI", "ephemeral"}
@@ -115,20 +117,25 @@ def test_colocated_one_pod_per_replica_with_every_stage():
     spec = parse_and_validate(d["spec"], "h3")
     objs = M.render(spec, "h3", "ns")
     deps = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Deployment"}
-    assert set(deps) == {"h3-engine", "h3-gateway"}
+    assert set(deps) == {"h3-engine"}  # the gateway runs in each replica pod
     eng = deps["h3-engine"]
     assert eng["spec"]["replicas"] == 3
     c = eng["spec"]["template"]["spec"]["containers"][0]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 8 == c["resources"]["requests"]["nvidia.com/gpu"]
     env = {e["name"]: e.get("value") for e in c["env"]}
     assert env["WORLD_SIZE"] == "8" and env["MASTER_ADDR"] == "127.0.0.1" and env["RANK"] == "0"
-    assert c["command"] == ["h3serve", "serve", "engine", "--config", "/etc/h3serve/h3serve.yaml"]
+    assert c["command"][:4] == ["h3serve", "serve", "--stages", "all"]
     shm = [v for v in eng["spec"]["template"]["spec"]["volumes"] if v["name"] == "dshm"][0]
     assert shm["emptyDir"]["medium"] == "Memory"
     assert not any(o["kind"] == "StatefulSet" for o in objs)
-    # every stage is served by the engine Service
+    # the front door selects the engine pods; the stages talk over loopback inside the pod
+    svc = [o for o in objs if o["kind"] == "Service"]
+    assert [x["metadata"]["name"] for x in svc] == ["h3-gateway"]
+    assert svc[0]["spec"]["selector"][M.LABEL_COMPONENT] == "engine"
+    assert [p["port"] for p in svc[0]["spec"]["ports"]] == [50051, 8000]
     cfg = ServiceConfig.from_dict(yaml.safe_load([o for o in objs if o["kind"] == "ConfigMap"][0]["data"]["h3serve.yaml"]))
-    assert set(cfg.endpoints.values()) == {"h3-engine.ns.svc:50051", "h3-gateway.ns.svc:50051"}
+    assert cfg.endpoints == {"encoder": "127.0.0.1:50052", "dit": "127.0.0.1:50053", "vae": "127.0.0.1:50054",
+                             "muxer": "127.0.0.1:50055", "gateway": "h3-gateway.ns.svc:50051"}
 
 
 def test_disaggregated_one_workload_and_service_per_stage():
@@ -158,7 +165,7 @@ def test_gang_statefulset_headless_service_and_rank_wiring():
     assert env["NODE_RANK"] == {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 4
     assert "RANK=$((NODE_RANK * NPROC_PER_NODE))" in c["command"][2]
-    assert c["args"] == ["h3serve", "serve", "dit", "--config", "/etc/h3serve/h3serve.yaml"]
+    assert c["args"][:4] == ["h3serve", "serve", "--stages", "dit"]
     # the stage Service reaches gang leaders only (ordinal 0)
     svc = [o for o in objs if o["kind"] == "Service" and o["metadata"]["name"] == "fasth3-split-dit"][0]
     assert svc["spec"]["selector"][M.LABEL_POD_INDEX] == "0"
@@ -180,14 +187,43 @@ def test_scaling_gangs_adds_statefulsets():
     assert [o["metadata"]["name"] for o in objs if o["kind"] == "StatefulSet"] == ["f-dit-0", "f-dit-1", "f-dit-2"]
 
 
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_rendered_commands_parse_with_the_real_cli(path):
+    """Every container's argv is a valid `h3serve serve` command line, carrying the spec's settings."""
+    from h3serve.cli import build_parser
+
+    parser = build_parser()
+    doc = yaml.safe_load(path.read_text())
+    spec = parse_and_validate(doc["spec"], doc["metadata"]["name"])
+    for w, pod in pods(render_example(path)):
+        c = pod["containers"][0]
+        argv = c.get("args") or c["command"]
+        assert argv[:2] == ["h3serve", "serve"]
+        ns = parser.parse_args(argv[1:])
+        assert ns.cmd == "serve" and ns.port == 50051 and ns.host == "0.0.0.0" and ns.profile == spec.profile
+        assert ns.grace_s == spec.drain_seconds <= pod["terminationGracePeriodSeconds"] - 30
+        comp = w["metadata"]["labels"][M.LABEL_COMPONENT]
+        if comp in ("engine", "encoder", "dit", "vae"):
+            assert ns.checkpoint == spec.model.path
+        if comp in ("engine", "dit") and spec.profile == "fasth3":
+            assert (ns.adapter, ns.adapter_sha256) == (spec.model.adapter.path, spec.model.adapter.sha256)
+        if comp in ("engine", "muxer"):
+            assert ns.mux_threads == spec.muxer.workers
+        if comp == "gateway":
+            assert ns.dit == f"{doc['metadata']['name']}-dit.h3.svc:50051" and ns.http_port == 8000
+            assert ns.queue_size == spec.gateway.queue_size
+
+
 def test_network_policies_expose_only_the_gateway():
     objs = render_example(ROOT / "examples" / "base-disaggregated.yaml", "ns")
     nps = {o["metadata"]["name"]: o["spec"] for o in objs if o["kind"] == "NetworkPolicy"}
     stages, gw = nps["h3-split-stages"], nps["h3-split-gateway"]
     assert stages["ingress"] == [{"from": [{"podSelector": {"matchLabels": {
         M.LABEL_NAME: "h3serve", M.LABEL_INSTANCE: "h3-split"}}}]}]
-    assert {"key": M.LABEL_COMPONENT, "operator": "NotIn", "values": ["gateway"]} in \
+    assert {"key": M.LABEL_COMPONENT, "operator": "NotIn", "values": ["gateway", "engine"]} in \
         stages["podSelector"]["matchExpressions"]
+    assert {"key": M.LABEL_COMPONENT, "operator": "In", "values": ["gateway", "engine"]} in \
+        gw["podSelector"]["matchExpressions"]
     open_rule = [r for r in gw["ingress"] if "from" not in r][0]
     assert sorted(p["port"] for p in open_rule["ports"]) == [8000, 50051]
 

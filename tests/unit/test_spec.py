@@ -39,7 +39,8 @@ def test_defaults_and_round_trip():
     assert (s.profile, s.placement, s.transport, s.gpus_per_node, s.gpu_resource_name) == \
         ("base", "colocated", "grpc", 8, "nvidia.com/gpu")
     assert (s.encoder.tensor_parallel, s.dit.ulysses, s.dit.ring, s.vae.patch_parallel) == (1, 1, 1, 1)
-    assert s.stage_replicas("dit") == 1 and s.gateway.replicas == 2 and s.model.mount_path == "/models"
+    assert s.stage_replicas("dit") == 1 and s.gateway.replicas is None and s.model.mount_path == "/models"
+    assert H3DeploymentSpec.from_dict(base(placement="disaggregated")).stage_replicas("gateway") == 2
     assert validate(s, "h3") == []
     again = H3DeploymentSpec.from_dict(s.to_dict())
     assert again == s
@@ -123,6 +124,7 @@ def test_fasth3_refuses_offload_and_request_lora():
 def test_replicas_belong_to_their_placement():
     assert "spec.replicas" in fields(base(placement="disaggregated", replicas=2))
     assert "spec.placement" in fields(base(placement="colocated", dit={"replicas": 2}))
+    assert "spec.placement" in fields(base(placement="colocated", gateway={"replicas": 2}))
     assert fields(base(placement="colocated", replicas=3)) == []
     s = H3DeploymentSpec.from_dict(base(placement="disaggregated", dit={"replicas": 3}))
     assert s.stage_replicas("dit") == 3 and s.stage_replicas("encoder") == 1
@@ -209,7 +211,7 @@ def test_service_config_round_trip():
     c = ServiceConfig(name="h3", namespace="ns", spec=s, endpoints={"dit": "h3-engine.ns.svc:50051"})
     d = c.to_dict()
     assert ServiceConfig.from_dict(d) == c
-    assert d["ports"]["grpc"] == 50051 and d["health"]["startup"] == "h3serve.startup"
+    assert d["ports"]["grpc"] == 50051 and d["health"] == {"service": ""}
 
 
 def test_spec_module_imports_no_serving_stack():

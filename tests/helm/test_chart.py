@@ -1,0 +1,131 @@
+"""The operator chart, through the real helm binary: lint, template for every values example, strict validation."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from h3serve.operator import crd
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "h3serve-operator"
+VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
+K8S = "1.37.0"
+
+
+def template(helm, *args: str) -> list[dict]:
+    out = helm("template", "h3op", str(CHART), "--namespace", "ops", "--kube-version", K8S, *args).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def test_lint_strict(helm):
+    out = helm("lint", "--strict", str(CHART), "--kube-version", K8S)
+    assert "1 chart(s) linted, 0 chart(s) failed" in out.stdout
+    for v in VALUES:
+        helm("lint", "--strict", str(CHART), "-f", str(v), "--kube-version", K8S)
+
+
+@pytest.mark.parametrize("values", VALUES, ids=lambda p: p.stem)
+def test_template_passes_kubernetes_validate_strict(helm, values):
+    docs = template(helm, "-f", str(values), "--include-crds")
+    assert docs
+    for d in docs:
+        kubernetes_validate.validate(d, K8S, strict=True)
+
+
+def test_crd_ships_in_crds_dir(helm):
+    docs = template(helm, "--include-crds")
+    crds = [d for d in docs if d["kind"] == "CustomResourceDefinition"]
+    assert crds == [crd.crd()]
+    assert not [d for d in template(helm) if d["kind"] == "CustomResourceDefinition"]  # not a template: never deleted
+
+
+def by_kind(docs):
+    out = {}
+    for d in docs:
+        out.setdefault(d["kind"], []).append(d)
+    return out
+
+
+def test_namespaced_by_default(helm):
+    k = by_kind(template(helm))
+    assert "ClusterRole" not in k and "ClusterRoleBinding" not in k
+    assert [r["metadata"]["namespace"] for r in k["Role"]] == ["ops"]
+    args = k["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--namespace=ops" in args and "--all-namespaces" not in args
+
+
+def test_watch_namespaces_get_a_role_each(helm):
+    k = by_kind(template(helm, "--set", "watchNamespaces={a,b}"))
+    assert sorted(r["metadata"]["namespace"] for r in k["Role"]) == ["a", "b"]
+    assert sorted(b["metadata"]["namespace"] for b in k["RoleBinding"]) == ["a", "b"]
+    for b in k["RoleBinding"]:
+        assert b["subjects"] == [{"kind": "ServiceAccount", "name": "h3op-h3serve-operator", "namespace": "ops"}]
+    args = k["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--namespace=a" in args and "--namespace=b" in args
+
+
+def test_cluster_scope_is_opt_in(helm):
+    k = by_kind(template(helm, "--set", "clusterScope=true"))
+    assert "Role" not in k and len(k["ClusterRole"]) == 1 and len(k["ClusterRoleBinding"]) == 1
+    assert "--all-namespaces" in k["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_rbac_is_least_privilege(helm):
+    rules = by_kind(template(helm))["Role"][0]["rules"]
+    granted = {(g, r): set(rule["verbs"]) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]}
+    for rule in rules:
+        assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"]
+    assert not any(r in ("secrets", "pods/exec", "nodes", "roles", "rolebindings") for _, r in granted)
+    assert granted[("", "pods")] == {"get", "list", "watch"}  # read only: to explain unready stages
+    assert granted[("h3serve.io", "h3deployments")] == {"get", "list", "watch", "patch", "update"}
+    assert "create" not in granted[("h3serve.io", "h3deployments")]
+
+
+def test_operator_deployment(helm):
+    dep = by_kind(template(helm))["Deployment"][0]
+    spec = dep["spec"]
+    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+    pod = spec["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["command"] == ["h3serve", "operator"]
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "liveness"}
+    assert "--liveness=http://0.0.0.0:8080/healthz" in c["args"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    sc = c["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
+    assert sc["readOnlyRootFilesystem"] is True
+    assert c["image"] == "registry.example/h3serve:0.1.0"
+
+
+def test_values_schema_rejects_bad_values(helm):
+    bad = helm("template", "h3op", str(CHART), "--set", "clusterScope=maybe", check=False)
+    assert bad.returncode != 0 and "clusterScope" in bad.stderr
+    bad = helm("template", "h3op", str(CHART), "--set", "operator.resyncSeconds=1", check=False)
+    assert bad.returncode != 0 and "resyncSeconds" in bad.stderr
+    bad = helm("template", "h3op", str(CHART), "--set", "watchNamespaces={Bad_NS}", check=False)
+    assert bad.returncode != 0
+    bad = helm("template", "h3op", str(CHART), "--set", "typo=1", check=False)
+    assert bad.returncode != 0 and "typo" in bad.stderr
+
+
+def test_values_yaml_is_valid_and_documented():
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    jsonschema.validate(values, schema)
+    assert set(values) == set(schema["properties"])
+    text = (CHART / "values.yaml").read_text().splitlines()
+    for i, line in enumerate(text):  # every top-level key is preceded by a comment
+        if line and not line.startswith((" ", "#")) and ":" in line:
+            assert any(text[j].startswith("#") for j in range(max(0, i - 3), i)), line
+
+
+def test_kube_version_gate(helm):
+    bad = helm("template", "h3op", str(CHART), "--kube-version", "1.29.0", check=False)
+    assert bad.returncode != 0 and "kubeVersion" in bad.stderr

@@ -82,6 +82,8 @@ class StageConfig:
     max_sync_bytes: int = 64 << 20
     transport: str = "grpc"
     model_name: str | None = None
+    # vae
+    frame_format: str = "yuv420p"    # what the VAE sends the muxer: yuv420p planes (1.5 B/px) or rgb24 (3 B/px)
     # muxer
     mux_threads: int = 4
     crf: int = 18
@@ -468,7 +470,7 @@ def wait_serving(address: str, timeout: float, *, service: str = "", alive: Call
 
 _PASS = ("checkpoint", "profile", "adapter", "adapter_sha256", "dtype", "device", "threads", "host", "grace_s",
          "queue_size", "max_inflight", "request_timeout_s", "jobs_dir", "job_ttl_s", "max_jobs", "max_sync_bytes",
-         "transport", "model_name", "mux_threads", "crf", "preset", "session_ttl_s", "tmp_dir", "http_host")
+         "transport", "model_name", "frame_format", "mux_threads", "crf", "preset", "session_ttl_s", "tmp_dir", "http_host")
 
 
 def child_argv(config: StageConfig, stage: str, port: int, addresses: dict[str, str], http_port: int | None,
@@ -693,6 +695,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="gateway: largest MP4 GenerateSync returns in one message")
     p.add_argument("--transport", default=d.transport, help="VAE -> muxer frame transport: grpc (nixl: later)")
     p.add_argument("--model-name", default=None, help="gateway: model id reported and accepted in requests")
+    p.add_argument("--frame-format", default=d.frame_format, choices=("yuv420p", "rgb24"),
+                   help="vae: frames to the muxer as yuv420p planes made on the device, or rgb24")
     p.add_argument("--mux-threads", type=int, default=d.mux_threads, help="muxer: x264 threads (fixed)")
     p.add_argument("--crf", type=int, default=d.crf)
     p.add_argument("--preset", default=d.preset)

@@ -41,7 +41,7 @@ from h3serve.errortable import (
     classify,
     from_grpc,
 )
-from h3serve.request import GenerationRequest, validate_request
+from h3serve.request import TASKS, GenerationRequest, validate_request
 from h3serve.serve import StageConfig
 from h3serve.transport.grpc import collect_tensors, insecure_channel, iter_tensor_chunks
 
@@ -108,6 +108,7 @@ def build_request(fields: dict[str, Any], *, config: StageConfig, names: dict[st
     extra_params.task). Raises RequestError naming the caller's field."""
     names = dict(names or {})
     api_names = {internal: api for api, internal in API_FIELDS.items()}
+    api_names["profile"] = "model"   # the profile is the deployment's; a caller names it through `model`
     api_names.update(names)
     check_types({k: v for k, v in fields.items()})
     model = fields.get("model")
@@ -120,6 +121,10 @@ def build_request(fields: dict[str, Any], *, config: StageConfig, names: dict[st
     if quality is not None and quality not in QUALITIES:
         raise RequestError("quality", _short(quality),
                            "'lossless' (the only mode served: no step caching or sparse attention)")
+    task = fields.get("task")
+    if isinstance(task, str) and task.strip().lower() in TASKS and task.strip().lower() not in SERVED_TASKS:
+        raise RequestError(api_names.get("task", "task"), task,
+                           "this deployment serves t2va (fl2va / ref2va run in the embedded pipeline)")
     raw = {internal: fields[api] for api, internal in API_FIELDS.items()
            if api in fields and fields[api] is not None}
     raw["profile"] = config.profile

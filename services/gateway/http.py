@@ -174,7 +174,7 @@ def _timeout(request: Request) -> float | None:
 def job_object(job: Job, core: GatewayCore) -> dict:
     r = job.request
     t = job.timings
-    durations = {k: round(float(v), 6) for k, v in t.items() if k.endswith("_s")}
+    durations = {k: round(float(v), 6) for k, v in t.items() if k.endswith("_s") or k in ("t_client", "t_media")}
     return {
         "id": job.id, "object": "video", "model": job.admitted.model, "status": job.status,
         "progress": int(job.progress), "created_at": int(job.created_at),

@@ -189,6 +189,7 @@ class MuxerServicer(StageBase):
             reader = threading.Thread(target=_read_into, args=(receiver, inbox, scope), daemon=True,
                                       name=f"h3serve-mux-read-{session.id[:6]}")
             reader.start()
+            planes: dict = {}
             writer = Mp4Writer(session.path, session.width, session.height, fps=session.fps,
                                sample_rate=session.sample_rate, channels=session.channels, **self.writer_options)
             while True:
@@ -209,10 +210,18 @@ class MuxerServicer(StageBase):
                 if name == "frames":
                     writer.add_frames(item.tensor.numpy())
                     scope.unit_done()
+                elif name in ("y", "u", "v"):
+                    planes[name] = item.tensor.numpy()
+                    if name == "v":
+                        if set(planes) != {"y", "u", "v"}:
+                            raise RequestError("chunk", name, "planes in the order y, u, v")
+                        writer.add_yuv(planes.pop("y"), planes.pop("u"), planes.pop("v"))
+                        scope.unit_done()
                 elif name == "pcm":
                     writer.add_audio(item.tensor.numpy())
                 else:
-                    raise RequestError("chunk", name, "frames (n, H, W, 3) uint8 or pcm (C, N) float32")
+                    raise RequestError("chunk", name, "frames (n, H, W, 3) uint8, y/u/v planes, or pcm (C, N) "
+                                                      "float32")
             t_end = time.perf_counter()
             stats = writer.close()
             if session.expected_frames and stats.frames != session.expected_frames:

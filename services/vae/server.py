@@ -144,17 +144,14 @@ class VAEServicer(StageBase):
             bytes_sent = 0
             t0 = time.perf_counter()
             scope.check("before clip 0")
-            for index, clip in enumerate(self.video_vae.iter_decode(video.to(self.video_vae.device))):
-                n = int(clip.shape[0])
-                frame_bytes = clip[0].numel() * clip.element_size()
-                per = max(1, CHUNK_BYTES // frame_bytes)   # whole frames per message
-                for s in range(0, n, per):
-                    part = clip[s:s + per]
-                    self._send(sender, push, "frames", part.cpu(), scope)
-                    bytes_sent += part.numel()
+            for index, (n, parts) in enumerate(self._clips(video)):
+                clip_bytes = 0
+                for name, part in parts:
+                    self._send(sender, push, name, part, scope)
+                    clip_bytes += part.numel()
+                bytes_sent += clip_bytes
                 scope.unit_done()
-                emit(vae_pb2.ClipSent(index=index, first_frame=frames_done, frames=n, clips=clips,
-                                      bytes=n * frame_bytes))
+                emit(vae_pb2.ClipSent(index=index, first_frame=frames_done, frames=n, clips=clips, bytes=clip_bytes))
                 frames_done += n
                 scope.check(f"before clip {index + 1}")
             video_s = time.perf_counter() - t0
@@ -186,6 +183,26 @@ class VAEServicer(StageBase):
             if not ok:
                 control.abort()
                 push.cancel()
+
+    def _clips(self, video):
+        """(frames, [(tensor name, host tensor), ...]) per decoded clip, cut into messages of whole frames:
+        "frames" (n, H, W, 3) uint8 RGB, or with frame_format yuv420p "y" (n, H, W), "u", "v" (n, H/2, W/2)."""
+        latents = video.to(self.video_vae.device)
+        if self.config.frame_format == "yuv420p":
+            for (y, u, v), ready in self.video_vae.iter_decode_yuv420p(latents):
+                if ready is not None:
+                    ready.synchronize()
+                n = int(y.shape[0])
+                per = max(1, CHUNK_BYTES // (y[0].numel()))
+                parts = []
+                for s in range(0, n, per):
+                    parts += [("y", y[s:s + per]), ("u", u[s:s + per]), ("v", v[s:s + per])]
+                yield n, parts
+            return
+        for clip in self.video_vae.iter_decode(latents):
+            n = int(clip.shape[0])
+            per = max(1, CHUNK_BYTES // clip[0].numel())
+            yield n, [("frames", clip[s:s + per].cpu()) for s in range(0, n, per)]
 
     def _send(self, sender, push, name, tensor, scope) -> None:
         try:

@@ -1,0 +1,147 @@
+"""Service tests: real stage processes started by `h3serve serve` on 127.0.0.1, real gRPC and HTTP clients.
+
+The stack is started once per session (`stack`); tests that need their own processes start them. Every engine
+runs with one torch thread, and the embedded reference is computed with one thread too: fp32 CPU kernels may
+round differently with another thread count, and the tests compare MP4 bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+THREADS = 1
+# The canonical request: tiny checkpoint, 320x256, 5 s (124 frames), 4 grid points (3 denoising steps).
+REQUEST = dict(prompt="a kite over the sea", seconds=5, size="320x256", seed=0, num_inference_steps=4)
+STAGES = ("encoder", "dit", "vae", "muxer")
+
+
+def embedded_request(**fields):
+    """validate_request kwargs for an API-style request (num_inference_steps -> steps), fp32 as the servers."""
+    raw = dict(fields)
+    raw["steps"] = raw.pop("num_inference_steps")
+    return dict(raw, dtype="fp32")
+
+
+class Stack:
+    """A launcher process (`h3serve serve --stages all`) and the endpoints it printed."""
+
+    def __init__(self, checkpoint: Path, *extra: str, start_timeout: float = 240.0):
+        argv = [sys.executable, "-m", "h3serve.cli", "--log-level", "WARNING", "serve", "--checkpoint",
+                str(checkpoint), "--port", "0", "--http-port", "0", "--threads", str(THREADS), "--json", *extra]
+        env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(THREADS), PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
+        self.events: list[dict] = []
+        self._serving = threading.Event()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        if not self._serving.wait(start_timeout):
+            self.stop()
+            raise RuntimeError(f"the stack did not come up within {start_timeout}s: {self.events}")
+        serving = next(e for e in self.events if e["event"] == "serving")
+        self.grpc = serving["gateway"]["grpc"]
+        self.http = serving["gateway"]["http"]
+        self.addresses = {s: serving["stages"][s]["address"] for s in STAGES}
+        self._channels = {}
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            self.events.append(event)
+            if event.get("event") == "serving":
+                self._serving.set()
+
+    def status(self, stage: str):
+        """The stage's StageStatus (its own counters: requests, cancelled, steps / clips, last request)."""
+        import grpc
+
+        from h3serve._proto import common_pb2, dit_pb2_grpc, encoder_pb2_grpc, muxer_pb2_grpc, vae_pb2_grpc
+
+        stubs = {"encoder": encoder_pb2_grpc.EncoderStub, "dit": dit_pb2_grpc.DiTStub, "vae": vae_pb2_grpc.VAEStub,
+                 "muxer": muxer_pb2_grpc.MuxerStub}
+        if stage not in self._channels:
+            self._channels[stage] = grpc.insecure_channel(self.addresses[stage])
+        return stubs[stage](self._channels[stage]).Status(common_pb2.StatusRequest(), timeout=5)
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        import httpx
+
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            try:
+                if httpx.get(f"{self.http}/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"gateway not ready within {timeout}s")
+
+    def wait_idle(self, stage: str, timeout: float = 30.0):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            st = self.status(stage)
+            if not st.current_request_id:
+                return st
+            time.sleep(0.05)
+        raise TimeoutError(f"{stage} still busy after {timeout}s")
+
+    def stop(self, timeout: float = 90.0) -> int:
+        for c in self._channels.values():
+            c.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+
+@pytest.fixture(scope="session")
+def stack(tiny_checkpoint):
+    """All stages + gateway, queue size 1, one request at a time."""
+    s = Stack(tiny_checkpoint, "--queue-size", "1", "--max-inflight", "1", "--grace-s", "10")
+    yield s
+    code = s.stop()
+    assert code == 0, f"launcher exited with {code}"
+
+
+@pytest.fixture(scope="session")
+def embedded(tiny_checkpoint, tmp_path_factory):
+    """`embedded(**api_fields) -> bytes`: the embedded pipeline's MP4 for a request (fp32, cpu, 1 thread)."""
+    import torch
+
+    from h3serve.pipeline import Pipeline
+    from h3serve.request import validate_request
+
+    cache: dict = {}
+    out = tmp_path_factory.mktemp("embedded")
+    pipe = Pipeline.load(tiny_checkpoint, dtype="fp32", device="cpu")
+
+    def make(**fields) -> bytes:
+        key = json.dumps(fields, sort_keys=True)
+        if key not in cache:
+            before = torch.get_num_threads()
+            torch.set_num_threads(THREADS)
+            try:
+                path = out / f"{len(cache)}.mp4"
+                pipe.generate(validate_request(**embedded_request(**fields)), path)
+                cache[key] = path.read_bytes()
+            finally:
+                torch.set_num_threads(before)
+        return cache[key]
+
+    return make

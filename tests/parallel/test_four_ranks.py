@@ -7,17 +7,12 @@ bitwise in practice); VAE patch parallel bitwise.
 
 from __future__ import annotations
 
-import os
-import signal
-import time
-
 import pytest
 import torch
 
-from h3serve.distributed import DegreeError, ParallelDegrees, StageFailed, launch
-from h3serve.errors import Cancelled
+from h3serve.distributed import launch
 
-from .workers import (build_suite, dit_inputs, load_vae, qwen_text_states, tiny_dit, tiny_qwen_text)
+from .workers import build_suite, dit_inputs, load_vae, tiny_dit
 
 TOL = 1e-5
 # (text_len, latent_frames, latent_h, latent_w, audio_latents), extra kwargs

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import yaml
-from conftest import Operator, load_example, wait_for
+from kube_harness import Operator, free_port, listening_addresses, load_example, wait_for, write_kubeconfig
 from kubernetes import dynamic
 from kubernetes.dynamic.exceptions import ApiException, NotFoundError
 
@@ -83,8 +83,6 @@ def operator_kubeconfig(control_plane, dyn, installed, tmp_path_factory):
         body={"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": 7200}},
         name=sa, namespace=SYSTEM_NS)
     path = tmp_path_factory.mktemp("op") / "operator.kubeconfig"
-    from cluster import write_kubeconfig
-
     write_kubeconfig(path, control_plane.server, control_plane.pki / "ca.crt", {"token": tr.status.token})
     return path
 
@@ -446,8 +444,6 @@ def test_kopf_run_works_too(operator, operator_kubeconfig, control_plane, dyn, t
     import signal
     import sys
 
-    from cluster import free_port
-
     operator.kill()
     port = free_port()
     log = tmp_path / "kopf.log"
@@ -473,8 +469,6 @@ def test_kopf_run_works_too(operator, operator_kubeconfig, control_plane, dyn, t
 
 
 def test_servers_listen_on_loopback_only(control_plane, operator):
-    from cluster import listening_addresses
-
     procs = [(n, p.pid) for n, p in control_plane.procs] + [("operator", operator.proc.pid)]
     for name, pid in procs:
         addrs = listening_addresses(pid)

@@ -7,6 +7,8 @@ schedule, turn Running and Ready. Every server listens on 127.0.0.1; nothing eve
     cp = ControlPlane.start(nodes=8, gpus_per_node=8)
     ...  # cp.kubeconfig, cp.bin("helm"), cp.env
     cp.stop()
+
+Plus the test helpers: `wait_for`, `Operator` (the operator as a child process), `load_example`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import os
 import pathlib
 import shutil
+import sys
 import signal
 import socket
 import ssl
@@ -25,6 +28,7 @@ import urllib.request
 import yaml
 
 HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
 TOOLS = HERE / "tools.sh"
 CACHE = pathlib.Path(os.environ.get("H3SERVE_TOOLS_CACHE", pathlib.Path.home() / ".cache" / "h3serve-k8s"))
 
@@ -298,3 +302,64 @@ class ControlPlane:
         text = "\n".join(out)
         print(text)
         return text
+
+
+def wait_for(what: str, fn, timeout: float = 60.0, interval: float = 0.5):
+    """Poll fn() until it returns something truthy; fail with the last value/error after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            v = fn()
+            if v:
+                return v
+            last = v
+        except Exception as e:  # noqa: BLE001
+            last = e
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
+
+
+class Operator:
+    """`python -m h3serve.operator.cli operator` as a child process, with the credentials it is given."""
+
+    def __init__(self, kubeconfig: pathlib.Path, namespaces: list[str], log: pathlib.Path, env: dict):
+        self.kubeconfig, self.namespaces, self.log, self.env = kubeconfig, namespaces, log, env
+        self.proc: subprocess.Popen | None = None
+        self.port = free_port()
+
+    def start(self) -> "Operator":
+        args = [sys.executable, "-m", "h3serve.operator.cli", "operator",
+                *[f"--namespace={n}" for n in self.namespaces], f"--liveness=http://127.0.0.1:{self.port}/healthz"]
+        env = {**self.env, "KUBECONFIG": str(self.kubeconfig), "H3SERVE_RESYNC_SECONDS": "20",
+               "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(args, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT, env=env,
+                                     cwd=ROOT, start_new_session=True)
+        wait_for("operator liveness", self.alive, timeout=60)
+        return self
+
+    def alive(self) -> bool:
+        import urllib.request
+
+        if self.proc is None or self.proc.poll() is not None:
+            raise AssertionError(f"operator exited: {self.tail()}")
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(f"http://127.0.0.1:{self.port}/healthz", timeout=2) as r:
+            return r.status == 200
+
+    def kill(self, sig=signal.SIGKILL) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            self.proc.wait(timeout=30)
+
+    def tail(self, n: int = 60) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:]) if self.log.exists() else ""
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+def load_example(name: str, namespace: str) -> dict:
+    doc = yaml.safe_load((ROOT / "examples" / f"{name}.yaml").read_text())
+    doc["metadata"]["namespace"] = namespace
+    return doc

@@ -53,7 +53,10 @@ def _cmd_render(args: argparse.Namespace) -> int:
     out = []
     if args.crd:
         out.append(crd.crd())
-    for doc in _load_docs(args.file):
+    docs = _load_docs(args.file)
+    if not docs:
+        raise H3Error(f"render: no document in {args.file}")
+    for doc in docs:
         if doc.get("kind") == KIND:
             md = doc.get("metadata") or {}
             name = args.name or md.get("name")

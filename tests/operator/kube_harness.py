@@ -72,6 +72,13 @@ def listening_addresses(pid: int) -> list[tuple[str, int]]:
     return out
 
 
+def die_with_parent() -> None:
+    """preexec_fn: the child gets SIGKILL when the test process dies (even when pytest itself is killed)."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -172,7 +179,7 @@ class ControlPlane:
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = open(self.run / f"{name}.log", "wb")
         p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.run,
-                             start_new_session=True)
+                             start_new_session=True, preexec_fn=die_with_parent)
         self.procs.append((name, p))
         return p
 
@@ -334,7 +341,7 @@ class Operator:
         env = {**self.env, "KUBECONFIG": str(self.kubeconfig), "H3SERVE_RESYNC_SECONDS": "20",
                "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(args, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT, env=env,
-                                     cwd=ROOT, start_new_session=True)
+                                     cwd=ROOT, start_new_session=True, preexec_fn=die_with_parent)
         wait_for("operator liveness", self.alive, timeout=60)
         return self
 

@@ -14,7 +14,9 @@ import time
 
 import pytest
 import yaml
-from kube_harness import Operator, free_port, listening_addresses, load_example, wait_for, write_kubeconfig
+from kube_harness import (
+    Operator, die_with_parent, free_port, listening_addresses, load_example, wait_for, write_kubeconfig,
+)
 from kubernetes import dynamic
 from kubernetes.dynamic.exceptions import ApiException, NotFoundError
 
@@ -451,7 +453,8 @@ def test_kopf_run_works_too(operator, operator_kubeconfig, control_plane, dyn, t
     proc = subprocess.Popen([str(kopf_exe), "run", "--standalone", f"--namespace={APPS_NS}",
                              f"--liveness=http://127.0.0.1:{port}/healthz", str(ROOT / "operator" / "handlers.py")],
                             env={**control_plane.env, "KUBECONFIG": str(operator_kubeconfig)}, cwd=ROOT,
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=die_with_parent)
     try:
         create(dyn, good_doc("via-kopf-run"))
         cr = ready_cr(dyn, "via-kopf-run", timeout=60)

@@ -94,7 +94,12 @@ class StageConfig:
 
     @property
     def address(self) -> str:
-        return self.advertise or f"{self.host}:{self.port}"
+        """The address peers use: --advertise, else host:port (loopback when bound to every interface)."""
+        return self.advertise or f"{connect_host(self.host)}:{self.port}"
+
+
+def connect_host(host: str) -> str:
+    return "127.0.0.1" if host in ("", "0.0.0.0", "::", "[::]") else host
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -509,7 +514,7 @@ class Launcher:
         self.http_port = None
         if "gateway" in stages and http_port is not None:
             self.http_port = free_port(config.http_host) if http_port == 0 else http_port
-        self.addresses = {s: f"{host}:{p}" for s, p in self.ports.items()}
+        self.addresses = {s: f"{connect_host(host)}:{p}" for s, p in self.ports.items()}
         for s in MODEL_STAGES + ("muxer",):   # a gateway without local stages talks to the ones given
             if s not in self.addresses and getattr(config, s):
                 self.addresses[s] = getattr(config, s)
@@ -527,8 +532,9 @@ class Launcher:
     def endpoints(self) -> dict:
         out = {"stages": {s: {"address": self.addresses[s], "pid": self.procs[s].pid} for s in self.stages}}
         if "gateway" in self.stages:
+            http_host = connect_host(self.config.http_host)
             out["gateway"] = {"grpc": self.addresses["gateway"],
-                              "http": f"http://{self.config.http_host}:{self.http_port}" if self.http_port else None}
+                              "http": f"http://{http_host}:{self.http_port}" if self.http_port else None}
         return out
 
     def start(self) -> bool:

@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from h3serve.transport.base import (
+    DTYPES,
     Message,
     TensorHeader,
     TensorReceiver,
@@ -105,12 +106,12 @@ def iter_tensor_chunks(name: str, tensor: torch.Tensor | None, meta: dict | None
         yield common_pb2.TensorChunk(name=name, dtype="", offset=0, total_bytes=0, last=True, meta_json=meta_json)
         return
     header = TensorHeader.of(name, tensor)
-    view = tensor_bytes(tensor)
-    total = len(view)
-    if total == 0:
+    if tensor.numel() == 0:
         yield common_pb2.TensorChunk(name=name, dtype=header.dtype, shape=header.shape, offset=0, total_bytes=0,
                                      last=True, meta_json=meta_json)
         return
+    view = tensor_bytes(tensor)
+    total = len(view)
     for offset in range(0, total, chunk_bytes):
         end = min(total, offset + chunk_bytes)
         first = offset == 0
@@ -165,6 +166,10 @@ class TensorAssembler:
                 raise TransportError(f"tensor {chunk.name!r}: {nbytes} bytes exceeds the limit "
                                      f"{self.max_tensor_bytes}", edge=self.edge)
             self._header, self._meta, self._filled = header, meta, 0
+            if nbytes == 0 and chunk.last:
+                self._header = None
+                self.tensors += 1
+                return Message(header, torch.empty(header.shape, dtype=DTYPES[header.dtype]), meta)
             if chunk.last and len(chunk.data) == nbytes:   # the common single-chunk case: no extra copy
                 self._header = None
                 self.tensors += 1

@@ -339,7 +339,7 @@ class StageClients:
         """The muxer replica that holds a session (its address may differ from the service address)."""
         from h3serve._proto import muxer_pb2_grpc
 
-        if not address or address == self.addresses["muxer"]:
+        if not address or address == self.addresses["muxer"] or address.rsplit(":", 1)[0] in ("0.0.0.0", "[::]", ""):
             return self.muxer
         with self._lock:
             channel = self._extra.get(address)
@@ -674,7 +674,10 @@ class GatewayCore:
             except grpc.RpcError as err:
                 raise from_grpc(err, stage="muxer", cancelled=job.cancel_requested.is_set()) from None
             mux = self.stages.muxer_at(session.address)
-            sink = common_pb2.Sink(address=session.address or self.stages.addresses["muxer"],
+            where = session.address
+            if not where or where.rsplit(":", 1)[0] in ("0.0.0.0", "[::]"):
+                where = self.stages.addresses["muxer"]   # a replica that did not say where it is reachable
+            sink = common_pb2.Sink(address=where,
                                    session_id=session.session_id, transport=self.config.transport,
                                    transport_metadata=session.transport_metadata)
             inputs = itertools.chain(

@@ -8,5 +8,8 @@ if ! command -v ffprobe >/dev/null 2>&1; then
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq ffmpeg >/dev/null) \
     || { echo "test.sh: could not install ffmpeg (ffprobe) with apt-get" >&2; exit 1; }
 fi
+# The operator tests run a real control plane; its binaries are built from source once and cached outside the repo
+# (cold: about 11 minutes on 2 cores; afterwards a no-op).
+bash tests/operator/tools.sh >/dev/null
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 exec .venv/bin/python -m pytest "$@"

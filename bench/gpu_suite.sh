@@ -2,7 +2,8 @@
 # The GPU benchmark suite, run from the repository root on a CUDA machine whose Python has torch but neither
 # diffusers nor h3serve installed. Wheels / zips carried in .whl/ are installed into /tmp/site; h3serve is made
 # importable from a copy of the package with `services` linked in. Every bench prints one JSON line; all output
-# goes to $OUT (default ./out). Steps: env | layer | vae | full50 | parallel (default: env,layer,vae,full50).
+# goes to $OUT (default ./out). Steps: env | layer | vae | full50 | tail | parallel
+# (default: env,layer,vae,full50).
 #
 #   bash bench/gpu_suite.sh                       # everything
 #   STEPS=env,layer bash bench/gpu_suite.sh
@@ -50,7 +51,12 @@ fi
 if has full50; then
   run dit_full50 240 python3 bench/dit_layer.py $GEO --layers 50 --iters 1 --warmup 0 --variants fa3:1
 fi
-if has parallel && [ -f bench/dit_parallel.py ]; then
-  run dit_parallel 240 torchrun --standalone --nproc-per-node 2 bench/dit_parallel.py $GEO --layers 2
+if has tail; then
+  run tail 240 python3 bench/tail.py --preset full --device cuda --dtype bf16 --latents 72x48x84 --compile \
+      --x264-threads 8 --variants 16:frame:1,16:frame:0,16:slice:0
+fi
+if has parallel; then
+  run dit_parallel 300 python3 bench/dit_parallel.py $GEO --layers 2 --world 2 --plans 2x1,1x2 \
+      --baseline-attention sdpa,fa3 --iters 3 --warmup 1
 fi
 echo "=== done" | tee -a "$OUT/suite.log"

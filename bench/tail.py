@@ -44,14 +44,16 @@ def decode_only(vae, latents) -> tuple[float, int]:
 
 
 def stream_to_mp4(vae, latents, pcm: np.ndarray, out_path: str, width: int, height: int, *, threads: int = 8,
-                  preset: str = "veryfast", depth: int = 3) -> dict:
+                  preset: str = "veryfast", thread_type: str = "frame", faststart: bool = True,
+                  depth: int = 3) -> dict:
     """Decode -> yuv420p on the device -> pinned D2H -> x264 on a writer thread; returns timings (s from start)."""
     from h3serve.services.muxer.mux import Mp4Writer
 
     dev = vae.device
     _sync(dev)
     t0 = time.perf_counter()
-    writer = Mp4Writer(out_path, width, height, threads=threads, preset=preset)
+    writer = Mp4Writer(out_path, width, height, threads=threads, preset=preset, thread_type=thread_type,
+                       faststart=faststart)
     q: queue.Queue = queue.Queue(maxsize=depth)
     err: list[BaseException] = []
     busy = [0.0]
@@ -106,8 +108,19 @@ def check_mp4(path: str) -> dict:
                 "height": v.codec_context.height, "audio_streams": len(c.streams.audio)}
 
 
-def run(vae, latents, *, threads: int, preset: str, repeats: int = 1) -> dict:
-    """decode-only vs decode+encode+MP4 on the same model and latents (the first decode also warms up)."""
+def parse_variants(spec: str) -> list[tuple[int, str, bool]]:
+    """'THREADS:frame|slice:FASTSTART(1|0),...' -> [(threads, thread_type, faststart), ...]."""
+    out = []
+    for v in spec.split(","):
+        t, kind, fs = v.split(":")
+        out.append((int(t), kind, fs == "1"))
+    return out
+
+
+def run(vae, latents, *, threads: int, preset: str, repeats: int = 1, variants: str | None = None) -> dict:
+    """decode-only vs decode+encode+MP4 on the same model and latents (the first decode also warms up).
+
+    With `variants` (see parse_variants), every writer variant is measured too, under 'variants'."""
     width = latents.shape[-1] * vae.spatial_ratio
     height = latents.shape[-2] * vae.spatial_ratio
     frames = vae.plan_windows(latents.shape[2]).num_frames
@@ -119,9 +132,15 @@ def run(vae, latents, *, threads: int, preset: str, repeats: int = 1) -> dict:
             d_times.append(decode_only(vae, latents)[0])
             s_runs.append(stream_to_mp4(vae, latents, pcm, out, width, height, threads=threads, preset=preset))
         check = check_mp4(out)
+        more = []
+        for t, kind, fs in parse_variants(variants) if variants else []:
+            r = stream_to_mp4(vae, latents, pcm, out, width, height, threads=t, preset=preset, thread_type=kind,
+                              faststart=fs)
+            more.append({"threads": t, "thread_type": kind, "faststart": fs, **r,
+                         "overhead_s": round(r["mp4_ready_s"] - min(d_times), 4), "mp4": check_mp4(out)})
     d = min(d_times)
     s = min(s_runs, key=lambda r: r["mp4_ready_s"])
-    return {"decode_only_s": round(d, 4), "stream": s, "overhead_s": round(s["mp4_ready_s"] - d, 4),
+    return {"variants": more, "decode_only_s": round(d, 4), "stream": s, "overhead_s": round(s["mp4_ready_s"] - d, 4),
             "target_overhead_s": 0.3, "met": s["mp4_ready_s"] - d <= 0.3, "mp4": check,
             "x264": {"preset": preset, "threads": threads}, "size": [width, height], "frames": frames,
             "repeats": repeats}
@@ -137,6 +156,7 @@ def main() -> None:
     ap.add_argument("--x264-preset", default="veryfast")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--compile", action="store_true", help="torch.compile the decoder blocks first")
+    ap.add_argument("--variants", default=None, help="writer variants THREADS:frame|slice:FASTSTART,... (also timed)")
     a = ap.parse_args()
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -157,7 +177,7 @@ def main() -> None:
                           generator=torch.Generator().manual_seed(1)).to(device)
     with torch.no_grad():
         decode_only(vae, latents)  # warm-up (and compile)
-    res = run(vae, latents, threads=a.x264_threads, preset=a.x264_preset, repeats=a.repeats)
+    res = run(vae, latents, threads=a.x264_threads, preset=a.x264_preset, repeats=a.repeats, variants=a.variants)
     res = {"bench": "tail", "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "dtype": a.dtype, "preset": a.preset, "latents": [t_, h_, w_],
            "compiled": a.compile, "host_cpus": os.cpu_count(), **res}

@@ -58,6 +58,7 @@ def main() -> None:
     ap.add_argument("--tail", action="store_true",
                     help="then run bench/tail.py's measurement on this model (compiled if --compile): 'tail' key")
     ap.add_argument("--x264-threads", type=int, default=8)
+    ap.add_argument("--tail-variants", default=None, help="bench/tail.py writer variants, e.g. 16:frame:1,16:slice:0")
     a = ap.parse_args()
 
     from diffusers.utils import logging as diffusers_logging
@@ -146,7 +147,8 @@ def main() -> None:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from tail import run as run_tail  # bench/tail.py
 
-        result["tail"] = run_tail(ours, latents, threads=a.x264_threads, preset="veryfast", repeats=a.iters)
+        result["tail"] = run_tail(ours, latents, threads=a.x264_threads, preset="veryfast", repeats=a.iters,
+                                  variants=a.tail_variants)
     if device.type == "cuda":
         result["peak_hbm_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
     print(json.dumps(result))

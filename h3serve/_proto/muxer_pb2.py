@@ -25,31 +25,33 @@ _sym_db = _symbol_database.Default()
 from h3serve._proto import common_pb2 as h3serve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16h3serve/v1/muxer.proto\x12\nh3serve.v1\x1a\x17h3serve/v1/common.proto\"\xb6\x01\n\x12OpenSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05width\x18\x02 \x01(\x05\x12\x0e\n\x06height\x18\x03 \x01(\x05\x12\x0b\n\x03\x66ps\x18\x04 \x01(\x05\x12\x13\n\x0bsample_rate\x18\x05 \x01(\x05\x12\x10\n\x08\x63hannels\x18\x06 \x01(\x05\x12\x17\n\x0f\x65xpected_frames\x18\x07 \x01(\x05\x12\r\n\x05ttl_s\x18\x08 \x01(\x01\x12\x11\n\ttransport\x18\t \x01(\t\"o\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x1a\n\x12transport_metadata\x18\x03 \x01(\x0c\x12\x17\n\x0fmax_chunk_bytes\x18\x04 \x01(\x03\"M\n\x08PushOpen\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttransport\x18\x02 \x01(\t\x12\x1a\n\x12transport_metadata\x18\x03 \x01(\x0c\"\x8b\x01\n\x0bPushMessage\x12$\n\x04open\x18\x01 \x01(\x0b\x32\x14.h3serve.v1.PushOpenH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.h3serve.v1.TensorChunkH\x00\x12$\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x15.h3serve.v1.StreamEndH\x00\x42\x06\n\x04item\"t\n\nPushResult\x12\x0e\n\x06\x66rames\x18\x01 \x01(\x05\x12\x15\n\raudio_samples\x18\x02 \x01(\x03\x12\x11\n\tmp4_bytes\x18\x03 \x01(\x03\x12\x16\n\x0e\x65ncode_seconds\x18\x04 \x01(\x01\x12\x14\n\x0ctail_seconds\x18\x05 \x01(\x01\"\"\n\x0c\x46\x65tchRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"K\n\x08Mp4Chunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x0c\n\x04last\x18\x04 \x01(\x08\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\x32\x96\x03\n\x05Muxer\x12N\n\x0bOpenSession\x12\x1e.h3serve.v1.OpenSessionRequest\x1a\x1f.h3serve.v1.OpenSessionResponse\x12\x39\n\x04Push\x12\x17.h3serve.v1.PushMessage\x1a\x16.h3serve.v1.PushResult(\x01\x12\x39\n\x05\x46\x65tch\x12\x18.h3serve.v1.FetchRequest\x1a\x14.h3serve.v1.Mp4Chunk0\x01\x12<\n\x05\x41\x62ort\x12\x18.h3serve.v1.AbortRequest\x1a\x19.h3serve.v1.AbortResponse\x12K\n\tHandshake\x12\x1e.h3serve.v1.TransportHandshake\x1a\x1e.h3serve.v1.TransportHandshake\x12<\n\x06Status\x12\x19.h3serve.v1.StatusRequest\x1a\x17.h3serve.v1.StageStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16h3serve/v1/muxer.proto\x12\nh3serve.v1\x1a\x17h3serve/v1/common.proto\"E\n\x0e\x43ontrolMessage\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttransport\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xb6\x01\n\x12OpenSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05width\x18\x02 \x01(\x05\x12\x0e\n\x06height\x18\x03 \x01(\x05\x12\x0b\n\x03\x66ps\x18\x04 \x01(\x05\x12\x13\n\x0bsample_rate\x18\x05 \x01(\x05\x12\x10\n\x08\x63hannels\x18\x06 \x01(\x05\x12\x17\n\x0f\x65xpected_frames\x18\x07 \x01(\x05\x12\r\n\x05ttl_s\x18\x08 \x01(\x01\x12\x11\n\ttransport\x18\t \x01(\t\"o\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x1a\n\x12transport_metadata\x18\x03 \x01(\x0c\x12\x17\n\x0fmax_chunk_bytes\x18\x04 \x01(\x03\"M\n\x08PushOpen\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttransport\x18\x02 \x01(\t\x12\x1a\n\x12transport_metadata\x18\x03 \x01(\x0c\"\x8b\x01\n\x0bPushMessage\x12$\n\x04open\x18\x01 \x01(\x0b\x32\x14.h3serve.v1.PushOpenH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.h3serve.v1.TensorChunkH\x00\x12$\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x15.h3serve.v1.StreamEndH\x00\x42\x06\n\x04item\"t\n\nPushResult\x12\x0e\n\x06\x66rames\x18\x01 \x01(\x05\x12\x15\n\raudio_samples\x18\x02 \x01(\x03\x12\x11\n\tmp4_bytes\x18\x03 \x01(\x03\x12\x16\n\x0e\x65ncode_seconds\x18\x04 \x01(\x01\x12\x14\n\x0ctail_seconds\x18\x05 \x01(\x01\"\"\n\x0c\x46\x65tchRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"K\n\x08Mp4Chunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x0c\n\x04last\x18\x04 \x01(\x08\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\x32\xdd\x03\n\x05Muxer\x12N\n\x0bOpenSession\x12\x1e.h3serve.v1.OpenSessionRequest\x1a\x1f.h3serve.v1.OpenSessionResponse\x12\x39\n\x04Push\x12\x17.h3serve.v1.PushMessage\x1a\x16.h3serve.v1.PushResult(\x01\x12\x39\n\x05\x46\x65tch\x12\x18.h3serve.v1.FetchRequest\x1a\x14.h3serve.v1.Mp4Chunk0\x01\x12<\n\x05\x41\x62ort\x12\x18.h3serve.v1.AbortRequest\x1a\x19.h3serve.v1.AbortResponse\x12K\n\tHandshake\x12\x1e.h3serve.v1.TransportHandshake\x1a\x1e.h3serve.v1.TransportHandshake\x12\x45\n\x07\x43ontrol\x12\x1a.h3serve.v1.ControlMessage\x1a\x1a.h3serve.v1.ControlMessage(\x01\x30\x01\x12<\n\x06Status\x12\x19.h3serve.v1.StatusRequest\x1a\x17.h3serve.v1.StageStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'h3serve.v1.muxer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_OPENSESSIONREQUEST']._serialized_start=64
-  _globals['_OPENSESSIONREQUEST']._serialized_end=246
-  _globals['_OPENSESSIONRESPONSE']._serialized_start=248
-  _globals['_OPENSESSIONRESPONSE']._serialized_end=359
-  _globals['_PUSHOPEN']._serialized_start=361
-  _globals['_PUSHOPEN']._serialized_end=438
-  _globals['_PUSHMESSAGE']._serialized_start=441
-  _globals['_PUSHMESSAGE']._serialized_end=580
-  _globals['_PUSHRESULT']._serialized_start=582
-  _globals['_PUSHRESULT']._serialized_end=698
-  _globals['_FETCHREQUEST']._serialized_start=700
-  _globals['_FETCHREQUEST']._serialized_end=734
-  _globals['_MP4CHUNK']._serialized_start=736
-  _globals['_MP4CHUNK']._serialized_end=811
-  _globals['_ABORTREQUEST']._serialized_start=813
-  _globals['_ABORTREQUEST']._serialized_end=863
-  _globals['_ABORTRESPONSE']._serialized_start=865
-  _globals['_ABORTRESPONSE']._serialized_end=897
-  _globals['_MUXER']._serialized_start=900
-  _globals['_MUXER']._serialized_end=1306
+  _globals['_CONTROLMESSAGE']._serialized_start=63
+  _globals['_CONTROLMESSAGE']._serialized_end=132
+  _globals['_OPENSESSIONREQUEST']._serialized_start=135
+  _globals['_OPENSESSIONREQUEST']._serialized_end=317
+  _globals['_OPENSESSIONRESPONSE']._serialized_start=319
+  _globals['_OPENSESSIONRESPONSE']._serialized_end=430
+  _globals['_PUSHOPEN']._serialized_start=432
+  _globals['_PUSHOPEN']._serialized_end=509
+  _globals['_PUSHMESSAGE']._serialized_start=512
+  _globals['_PUSHMESSAGE']._serialized_end=651
+  _globals['_PUSHRESULT']._serialized_start=653
+  _globals['_PUSHRESULT']._serialized_end=769
+  _globals['_FETCHREQUEST']._serialized_start=771
+  _globals['_FETCHREQUEST']._serialized_end=805
+  _globals['_MP4CHUNK']._serialized_start=807
+  _globals['_MP4CHUNK']._serialized_end=882
+  _globals['_ABORTREQUEST']._serialized_start=884
+  _globals['_ABORTREQUEST']._serialized_end=934
+  _globals['_ABORTRESPONSE']._serialized_start=936
+  _globals['_ABORTRESPONSE']._serialized_end=968
+  _globals['_MUXER']._serialized_start=971
+  _globals['_MUXER']._serialized_end=1448
 # @@protoc_insertion_point(module_scope)

@@ -6,6 +6,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ControlMessage(_message.Message):
+    __slots__ = ("session_id", "transport", "data")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    transport: str
+    data: bytes
+    def __init__(self, session_id: _Optional[str] = ..., transport: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
 class OpenSessionRequest(_message.Message):
     __slots__ = ("request_id", "width", "height", "fps", "sample_rate", "channels", "expected_frames", "ttl_s", "transport")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -60,6 +60,11 @@ class MuxerStub:
                 request_serializer=h3serve_dot_v1_dot_common__pb2.TransportHandshake.SerializeToString,
                 response_deserializer=h3serve_dot_v1_dot_common__pb2.TransportHandshake.FromString,
                 _registered_method=True)
+        self.Control = channel.stream_stream(
+                '/h3serve.v1.Muxer/Control',
+                request_serializer=h3serve_dot_v1_dot_muxer__pb2.ControlMessage.SerializeToString,
+                response_deserializer=h3serve_dot_v1_dot_muxer__pb2.ControlMessage.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/h3serve.v1.Muxer/Status',
                 request_serializer=h3serve_dot_v1_dot_common__pb2.StatusRequest.SerializeToString,
@@ -107,6 +112,15 @@ class MuxerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Control(self, request_iterator, context):
+        """A two-way control pipe for transports that move the bytes out of band and need messages in both directions
+        (e.g. NIXL: handshake, part headers, credits, end). Opaque to gRPC; the producer's first message names the
+        session. Answers UNIMPLEMENTED until such a transport is plugged in; "grpc" uses Push.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Status(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -140,6 +154,11 @@ def add_MuxerServicer_to_server(servicer, server):
                     servicer.Handshake,
                     request_deserializer=h3serve_dot_v1_dot_common__pb2.TransportHandshake.FromString,
                     response_serializer=h3serve_dot_v1_dot_common__pb2.TransportHandshake.SerializeToString,
+            ),
+            'Control': grpc.stream_stream_rpc_method_handler(
+                    servicer.Control,
+                    request_deserializer=h3serve_dot_v1_dot_muxer__pb2.ControlMessage.FromString,
+                    response_serializer=h3serve_dot_v1_dot_muxer__pb2.ControlMessage.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -282,6 +301,33 @@ class Muxer:
             '/h3serve.v1.Muxer/Handshake',
             h3serve_dot_v1_dot_common__pb2.TransportHandshake.SerializeToString,
             h3serve_dot_v1_dot_common__pb2.TransportHandshake.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Control(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/h3serve.v1.Muxer/Control',
+            h3serve_dot_v1_dot_muxer__pb2.ControlMessage.SerializeToString,
+            h3serve_dot_v1_dot_muxer__pb2.ControlMessage.FromString,
             options,
             channel_credentials,
             insecure,

@@ -376,23 +376,27 @@ class GrpcStreamReceiver(TensorReceiver):
 GRPC = "grpc"
 
 
+PLUGIN_API = ("receiver_metadata", "make_receiver", "make_sender")
+
+
 def _plugin(transport: str):
     if not transport.isidentifier() or transport in ("base", "inproc", "grpc"):
         raise TransportError(f"unknown transport {transport!r}")
     try:
-        return importlib.import_module(f"h3serve.transport.{transport}")
+        module = importlib.import_module(f"h3serve.transport.{transport}")
     except ImportError as exc:
         raise TransportError(f"transport {transport!r} is not available here ({exc})") from None
+    missing = [name for name in PLUGIN_API if not callable(getattr(module, name, None))]
+    if missing:
+        raise TransportError(f"transport {transport!r} does not plug into the service streams yet (it lacks "
+                             f"{', '.join(missing)}); use --transport grpc")
+    return module
 
 
-def available_transports() -> list[str]:
-    out = [GRPC]
-    try:
-        _plugin("nixl")
-        out.append("nixl")
-    except TransportError:
-        pass
-    return out
+def check_transport(transport: str) -> None:
+    """Raise TransportError unless `transport` can carry the VAE -> muxer stream here (checked at start-up)."""
+    if transport not in ("", GRPC):
+        _plugin(transport)
 
 
 def receiver_metadata(transport: str, session_id: str) -> bytes:

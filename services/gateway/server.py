@@ -58,6 +58,9 @@ class GatewayServicer(StageBase):
         gateway_pb2_grpc.add_GatewayServicer_to_server(self, server)
 
     def load(self) -> None:
+        from h3serve.transport.grpc import check_transport
+
+        check_transport(self.config.transport)
         self.core.start()
         if self.config.http_port is not None:
             self.start_http()

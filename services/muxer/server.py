@@ -285,6 +285,12 @@ class MuxerServicer(StageBase):
             _unlink(session.path)
         return muxer_pb2.AbortResponse(existed=True)
 
+    def Control(self, request_iterator, context):
+        import grpc
+
+        context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                      "muxer: no transport with a control pipe is plugged in (the grpc transport uses Push)")
+
     @grpc_method("muxer")
     def Status(self, request, context):
         return self.status()

@@ -724,7 +724,8 @@ class NixlReceiver(_Endpoint, TensorReceiver):
             # The sender could not use our pool: free it now, the bytes come inline.
             self.transport, self.reason = "grpc", obj.get("reason") or "sender fell back"
             self._teardown()
-            log.warning("%s receiver: sender fell back to grpc: %s", self.edge, self.reason)
+            (log.info if self.reason == "requested" else log.warning)(
+                "%s receiver: sender uses grpc: %s", self.edge, self.reason)
         elif chosen != "nixl" and obj.get("reason"):
             self.reason = obj["reason"]
 

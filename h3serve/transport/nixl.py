@@ -758,6 +758,8 @@ class NixlReceiver(_Endpoint, TensorReceiver):
             else:
                 t0 = time.perf_counter()
                 out[off:off + n].copy_(view)
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()  # the slot is read before it is reused
                 self.stats["copy_s"] += time.perf_counter() - t0
                 self._credit(slot)
             off += n

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -121,6 +122,9 @@ def test_a_cancelled_call_fails_the_receiver_and_later_sends(sink):
     call = stub.Push.future(sender.requests(), timeout=30)
     sender.attach(call)
     sender.send("frames", torch.zeros(4, 8, 8, 3, dtype=torch.uint8))
+    end = time.monotonic() + 10
+    while not servicer.got and time.monotonic() < end:   # the receiver is reading the stream
+        time.sleep(0.01)
     call.cancel()
     assert servicer.done.wait(10)
     assert isinstance(servicer.error, TransportError)

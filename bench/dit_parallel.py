@@ -33,7 +33,10 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--world", type=int, default=2)
-    p.add_argument("--plans", default="2x1,1x2", help="ulysses x ring plans, comma separated")
+    p.add_argument("--plans", default="2x1,1x2",
+                   help="ulysses x ring plans, comma separated; a ':fa3' suffix runs the plan with its local attention "
+                        "(Ulysses: the SDPA call; Ring: attention_with_lse) replaced by FlashAttention-3 in this "
+                        "process (services.dit.kernels), e.g. 2x1:fa3")
     p.add_argument("--baseline-attention", default="sdpa,fa3",
                    help="1-GPU baselines (H3SERVE_ATTENTION values; unavailable ones are skipped)")
     p.add_argument("--iters", type=int, default=3)
@@ -118,17 +121,36 @@ def _worker(rank: int, a: argparse.Namespace, port: int, queue) -> None:
             torch.distributed.barrier()
         os.environ.pop("H3SERVE_ATTENTION", None)
         kernels.reset_attention_choice()
+        import types
+
+        import h3serve.services.dit.parallel as par
+
+        orig_f, orig_lse = par.F, par.attention_with_lse
         for spec in [p for p in a.plans.split(",") if p]:
-            u, r = (int(x) for x in spec.split("x"))
+            geo, _, local = spec.partition(":")
+            u, r = (int(x) for x in geo.split("x"))
+            if local == "fa3":
+                if not (cuda and kernels.fa3_available(dev)):
+                    continue
+                shim = types.SimpleNamespace(**{k: getattr(orig_f, k) for k in dir(orig_f) if not k.startswith("__")})
+                shim.scaled_dot_product_attention = kernels.fa3_attention
+                par.F, par.attention_with_lse = shim, kernels.fa3_attention_with_lse
+            else:
+                par.F, par.attention_with_lse = orig_f, orig_lse
             usp = parallelize_dit(model, rt, USPPlan(ulysses=u, ring=r))
             if cuda:
                 torch.cuda.reset_peak_memory_stats(dev)
-            out, ms = timed(lambda: usp(*args))
+            try:
+                out, ms = timed(lambda: usp(*args))
+            except Exception as exc:  # noqa: BLE001 - recorded; both ranks fail alike (same shapes)
+                res["plans"][spec] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
+                continue
             peaks = [None] * a.world
             torch.distributed.all_gather_object(peaks, _peak(dev))
-            entry = {"ulysses": u, "ring": r, "forward_ms": round(ms, 4), "peak_hbm_gib_per_gpu": peaks}
+            entry = {"ulysses": u, "ring": r, "local_attention": local or "parallel.py default",
+                     "forward_ms": round(ms, 4), "peak_hbm_gib_per_gpu": peaks}
             if rank == 0:
-                ref_name = "sdpa" if "sdpa" in refs else next(iter(refs), None)
+                ref_name = local if local in refs else "sdpa" if "sdpa" in refs else next(iter(refs), None)
                 if ref_name is not None:
                     rv, ra = refs[ref_name]
                     entry["max_abs_diff_vs_1gpu"] = {"baseline": ref_name,

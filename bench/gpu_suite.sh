@@ -53,10 +53,10 @@ if has full50; then
 fi
 if has tail; then
   run tail 240 python3 bench/tail.py --preset full --device cuda --dtype bf16 --latents 72x48x84 --compile \
-      --x264-threads 8 --variants 16:frame:1,16:frame:0,16:slice:0
+      --x264-threads 8 --variants ${TAIL_VARIANTS:-16:frame:1,16:frame:0,16:slice:0}
 fi
 if has parallel; then
-  run dit_parallel 300 python3 bench/dit_parallel.py $GEO --layers 2 --world 2 --plans 2x1,1x2 \
+  run dit_parallel 300 python3 bench/dit_parallel.py $GEO --layers 2 --world 2 --plans ${PLANS:-2x1,1x2} \
       --baseline-attention sdpa,fa3 --iters 3 --warmup 1
 fi
 echo "=== done" | tee -a "$OUT/suite.log"

@@ -43,17 +43,52 @@ def decode_only(vae, latents) -> tuple[float, int]:
     return time.perf_counter() - t0, n
 
 
+def synthetic_clips(vae, latents):
+    """The decode stream with its pixels replaced by a smooth moving picture (same shapes, same device work plus a
+    few element-wise ops), as yuv420p planes in pinned memory with their copy events: a stand-in for natural video,
+    whose encode cost differs from the random-weight decoder's noise."""
+    from h3serve.services.muxer.mux import rgb_to_yuv420p
+
+    done = 0
+    for clip in vae.iter_decode(latents):
+        n, h, w, _ = clip.shape
+        t = torch.arange(done, done + n, device=clip.device, dtype=torch.float32)[:, None, None]
+        yy = torch.arange(h, device=clip.device, dtype=torch.float32)[None, :, None]
+        xx = torch.arange(w, device=clip.device, dtype=torch.float32)[None, None, :]
+        chans = [torch.sin((xx + 3 * t) / (40 + 9 * c)) * torch.cos((yy - 2 * t) / (31 + 7 * c)) for c in range(3)]
+        rgb = ((torch.stack(chans, -1) * 0.5 + 0.5) * 255).round().to(torch.uint8)
+        done += n
+        planes = rgb_to_yuv420p(rgb)
+        if not rgb.is_cuda:
+            yield planes, None
+            continue
+        host = tuple(torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for p in planes)
+        for hp, p in zip(host, planes):
+            hp.copy_(p, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        yield host, ev
+
+
 def stream_to_mp4(vae, latents, pcm: np.ndarray, out_path: str, width: int, height: int, *, threads: int = 8,
                   preset: str = "veryfast", thread_type: str = "frame", faststart: bool = True,
-                  depth: int = 3) -> dict:
-    """Decode -> yuv420p on the device -> pinned D2H -> x264 on a writer thread; returns timings (s from start)."""
+                  depth: int = 3, workers: int = 0, segment_frames: int = 0, content: str = "decoded") -> dict:
+    """Decode -> yuv420p on the device -> pinned D2H -> x264 on a writer thread; returns timings (s from start).
+
+    thread_type 'seg': segment-parallel writer (`workers` segments at once, `threads` x264 threads each, segments of
+    at most `segment_frames` frames, 0 = one per clip)."""
     from h3serve.services.muxer.mux import Mp4Writer
+    from h3serve.services.muxer.segments import SegmentedMp4Writer
 
     dev = vae.device
     _sync(dev)
     t0 = time.perf_counter()
-    writer = Mp4Writer(out_path, width, height, threads=threads, preset=preset, thread_type=thread_type,
-                       faststart=faststart)
+    if thread_type == "seg":
+        writer = SegmentedMp4Writer(out_path, width, height, threads=threads, preset=preset, workers=workers,
+                                    segment_frames=segment_frames or None, faststart=faststart)
+    else:
+        writer = Mp4Writer(out_path, width, height, threads=threads, preset=preset, thread_type=thread_type,
+                           faststart=faststart)
     q: queue.Queue = queue.Queue(maxsize=depth)
     err: list[BaseException] = []
     busy = [0.0]
@@ -77,7 +112,8 @@ def stream_to_mp4(vae, latents, pcm: np.ndarray, out_path: str, width: int, heig
     q.put((pcm, "audio"))  # encoded on the writer thread while the first clip decodes
     frames = 0
     first = None
-    for planes, event in vae.iter_decode_yuv420p(latents):
+    source = synthetic_clips(vae, latents) if content == "synthetic" else vae.iter_decode_yuv420p(latents)
+    for planes, event in source:
         frames += int(planes[0].shape[0])
         q.put((planes, event))
         if first is None:
@@ -108,12 +144,19 @@ def check_mp4(path: str) -> dict:
                 "height": v.codec_context.height, "audio_streams": len(c.streams.audio)}
 
 
-def parse_variants(spec: str) -> list[tuple[int, str, bool]]:
-    """'THREADS:frame|slice:FASTSTART(1|0),...' -> [(threads, thread_type, faststart), ...]."""
+def parse_variants(spec: str) -> list[dict]:
+    """'THREADS:frame|slice:FASTSTART(1|0)' or 'THREADS:seg:WORKERS:SEGMENT_FRAMES', each optionally followed by
+    ':synthetic' (smooth stand-in pixels), comma separated -> stream_to_mp4 keyword dicts."""
     out = []
     for v in spec.split(","):
-        t, kind, fs = v.split(":")
-        out.append((int(t), kind, fs == "1"))
+        f = v.split(":")
+        content = "synthetic" if f[-1] == "synthetic" else "decoded"
+        f = f[:-1] if content == "synthetic" else f
+        if f[1] == "seg":
+            out.append(dict(threads=int(f[0]), thread_type="seg", workers=int(f[2]), segment_frames=int(f[3]),
+                            faststart=True, content=content))
+        else:
+            out.append(dict(threads=int(f[0]), thread_type=f[1], faststart=f[2] == "1", content=content))
     return out
 
 
@@ -133,11 +176,9 @@ def run(vae, latents, *, threads: int, preset: str, repeats: int = 1, variants: 
             s_runs.append(stream_to_mp4(vae, latents, pcm, out, width, height, threads=threads, preset=preset))
         check = check_mp4(out)
         more = []
-        for t, kind, fs in parse_variants(variants) if variants else []:
-            r = stream_to_mp4(vae, latents, pcm, out, width, height, threads=t, preset=preset, thread_type=kind,
-                              faststart=fs)
-            more.append({"threads": t, "thread_type": kind, "faststart": fs, **r,
-                         "overhead_s": round(r["mp4_ready_s"] - min(d_times), 4), "mp4": check_mp4(out)})
+        for kw in parse_variants(variants) if variants else []:
+            r = stream_to_mp4(vae, latents, pcm, out, width, height, preset=preset, **kw)
+            more.append({**kw, **r, "overhead_s": round(r["mp4_ready_s"] - min(d_times), 4), "mp4": check_mp4(out)})
     d = min(d_times)
     s = min(s_runs, key=lambda r: r["mp4_ready_s"])
     return {"variants": more, "decode_only_s": round(d, 4), "stream": s, "overhead_s": round(s["mp4_ready_s"] - d, 4),
@@ -156,7 +197,9 @@ def main() -> None:
     ap.add_argument("--x264-preset", default="veryfast")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--compile", action="store_true", help="torch.compile the decoder blocks first")
-    ap.add_argument("--variants", default=None, help="writer variants THREADS:frame|slice:FASTSTART,... (also timed)")
+    ap.add_argument("--variants", default=None,
+                    help="writer variants (also timed): THREADS:frame|slice:FASTSTART or "
+                         "THREADS:seg:WORKERS:SEGFRAMES, each with an optional ':synthetic' suffix; comma separated")
     a = ap.parse_args()
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -80,6 +80,13 @@ def fa3_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Te
     return out.transpose(1, 2)
 
 
+def fa3_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashAttention-3 returning the softmax log-sum-exp too (for ring merges): (B, H, Nq, Dh) x (B, H, Nk, Dh) ->
+    out (B, H, Nq, Dh), lse (B, H, Nq) fp32. Key/value views need only a unit stride on the last axis."""
+    out, lse = _fa3_func()(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), return_attn_probs=True)[:2]
+    return out.transpose(1, 2), lse.float()
+
+
 _IMPLS: dict[str, AttentionFn] = {
     "sdpa": sdpa_attention,
     "cudnn": cudnn_attention,

@@ -47,6 +47,7 @@ def _cpu() -> float:
 
 def receiver_main(port_q, opts: dict) -> None:
     import grpc
+    import numpy as np
     import torch
 
     from h3serve._proto import common_pb2
@@ -83,12 +84,10 @@ def receiver_main(port_q, opts: dict) -> None:
         buf = None
         for chunk in request_iterator:
             if chunk.offset == 0:
-                buf = torch.empty(chunk.total_bytes, dtype=torch.uint8)
-            view = torch.frombuffer(chunk.data, dtype=torch.uint8) if chunk.data else None
-            if view is not None:
-                buf[chunk.offset:chunk.offset + view.numel()].copy_(view)
+                buf = np.empty(chunk.total_bytes, dtype=np.uint8)
+            buf[chunk.offset:chunk.offset + len(chunk.data)] = np.frombuffer(chunk.data, dtype=np.uint8)
             if chunk.last:
-                t = buf.view(torch.uint8).reshape(tuple(CLIP))
+                t = torch.from_numpy(buf).reshape(tuple(CLIP))   # the clip as a tensor, as the muxer gets it
                 n += t.numel()
         return json.dumps({"bytes": n, "cpu_s": _cpu() - cpu0, "transport": {"chosen": "grpc"}}).encode()
 

@@ -339,3 +339,86 @@ def healthy_peer_main(port: int, role: str, opts: dict, q) -> None:
     except TransportError as e:
         out["error"] = str(e)
     q.put(out)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The control pipe on a real gRPC bidi stream (what the services do): QueuePipe on both ends
+
+
+GRPC_SERVICE = "h3serve.test.Edge"
+
+
+def grpc_receiver_main(port_q, q, opts: dict) -> None:
+    """A gRPC server whose bidi method `Pipe` runs one NixlReceiver per call over a QueuePipe."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from h3serve.transport import nixl as nx
+
+    cap = _setup(opts)
+    done = __import__("threading").Event()
+
+    def run(pipe):
+        res = {"role": "receiver", "got": [], "error": None}
+        t0 = time.monotonic()
+        try:
+            with nx.NixlReceiver(EDGE, pipe, **opts.get("rx", {})) as rx:
+                pipe.send(rx.handshake())
+                try:
+                    while (msg := rx.recv(timeout=opts.get("recv_timeout", 20))) is not None:
+                        t0 = time.monotonic()
+                        name = msg.header.name if msg.header else msg.meta.get("_name")
+                        res["got"].append(digest(name, msg.tensor, {k: v for k, v in msg.meta.items()
+                                                                     if k != "_name"}))
+                except TransportError as e:
+                    res["error"] = _error_info(e, t0)
+                res["transport"] = rx.transport_info
+        finally:
+            pipe.close()
+            res["counters"] = nx.counters()
+            res["logs"] = cap.lines
+            q.put(res)
+            done.set()
+
+    def handler(request_iterator, context):
+        pipe = nx.QueuePipe()
+        pipe.pump(request_iterator)
+        context.add_callback(lambda: pipe.feed_eof("gRPC call ended"))
+        __import__("threading").Thread(target=run, args=(pipe,), daemon=True).start()
+        return pipe.outgoing()
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        GRPC_SERVICE, {"Pipe": grpc.stream_stream_rpc_method_handler(handler)})])
+    port_q.put(server.add_insecure_port("127.0.0.1:0"))
+    server.start()
+    done.wait(120)
+    server.stop(grace=1)
+
+
+def grpc_sender_main(port: int, q, opts: dict) -> None:
+    import grpc
+
+    from h3serve.transport import nixl as nx
+
+    cap = _setup(opts)
+    res = {"role": "sender", "sent": [], "error": None}
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    pipe = nx.QueuePipe()
+    pipe.pump(channel.stream_stream(f"/{GRPC_SERVICE}/Pipe")(pipe.outgoing()))
+    try:
+        with nx.NixlSender(EDGE, pipe, **opts.get("tx", {})) as tx:
+            tx.connect(pipe.recv(30))
+            for n, (name, tensor, meta) in enumerate(_payload(opts)):
+                if opts.get("die_after") is not None and n == opts["die_after"]:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                tx.send(name, tensor, meta if tensor is not None else {**meta, "_name": name})
+                res["sent"].append(digest(name, tensor, meta) if opts.get("payload", "dtypes") == "dtypes" else n)
+            res["transport"] = tx.transport_info
+    except TransportError as e:
+        res["error"] = str(e)
+    pipe.close()
+    res["counters"] = nx.counters()
+    res["logs"] = cap.lines
+    q.put(res)

@@ -342,3 +342,40 @@ def test_memory_stable_over_100_failed_streams(ctx):
     # A leaked pool or staging area would be >= 8 MiB per failure (>= 640 MiB over 80 rounds).
     assert growth < 48 * MB, growth
     assert last["fds"] <= warm["fds"] + 2 and last["threads"] <= warm["threads"] + 1
+
+
+@needs_nixl
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("case", ["round_trip", "sender_killed"])
+def test_control_pipe_on_a_grpc_bidi_stream(ctx, case):
+    """The services' wiring: handshake, headers, credits and end on a real gRPC bidi stream (QueuePipe at both
+    ends), bytes by NIXL. A sender killed mid-stream breaks the gRPC call, which the receiver reports as a
+    TransportError naming the edge."""
+    port_q, q = ctx.Queue(), ctx.Queue()
+    rx = ctx.Process(target=peers.grpc_receiver_main, args=(port_q, q, {"rx": {"buffer_bytes": 1 * MB}}))
+    rx.start()
+    tx_opts = {} if case == "round_trip" else {"payload": "frames", "clips": 200, "die_after": 5}
+    tx = ctx.Process(target=peers.grpc_sender_main, args=(port_q.get(timeout=30), q, tx_opts))
+    tx.start()
+    try:
+        out = {}
+        while len(out) < (2 if case == "round_trip" else 1):
+            r = q.get(timeout=60)
+            out[r["role"]] = r
+    finally:
+        for p in (tx, rx):
+            p.join(15)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    r = out["receiver"]
+    if case == "round_trip":
+        s = out["sender"]
+        assert r["error"] is None and s["error"] is None, (r["error"], s["error"])
+        assert r["transport"]["chosen"] == "nixl" and s["transport"]["chosen"] == "nixl"
+        assert r["got"] == s["sent"] and len(r["got"]) == len(peers.dtype_cases())
+        _no_leaks(s)
+    else:
+        assert r["error"] and r["error"]["type"] == "TransportError" and r["error"]["edge"] == EDGE, r
+        assert "peer gone" in r["error"]["message"] and r["error"]["elapsed"] < 10
+    _no_leaks(r)

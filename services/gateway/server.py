@@ -122,6 +122,13 @@ class GatewayServicer(StageBase):
             self.core.metrics.requests.labels(outcome="invalid_request").inc()
             raise
 
+    def _submit(self, job: Job) -> None:
+        try:
+            self.core.submit(job)
+        except RequestError:   # e.g. a request id already in use
+            self.core.metrics.requests.labels(outcome="invalid_request").inc()
+            raise
+
     @grpc_method("gateway")
     def Generate(self, request, context):
         from h3serve._proto import gateway_pb2
@@ -131,7 +138,7 @@ class GatewayServicer(StageBase):
             yield gateway_pb2.GenerateEvent(accepted=accepted_proto(job))
             yield gateway_pb2.GenerateEvent(done=done_proto(job))
             return
-        self.core.submit(job)
+        self._submit(job)
         context.add_callback(lambda: job.cancel("cancelled by the client"))
         yield gateway_pb2.GenerateEvent(accepted=accepted_proto(job))
         while True:
@@ -157,7 +164,7 @@ class GatewayServicer(StageBase):
         job = self._new_job(request, context, "sync", lambda j: BytesSink(self.config.max_sync_bytes))
         if request.validate_only:
             return gateway_pb2.GenerateResponse(accepted=accepted_proto(job), done=done_proto(job))
-        self.core.submit(job)
+        self._submit(job)
         context.add_callback(lambda: job.cancel("cancelled by the client"))
         while not job.done.wait(0.1):
             if not context.is_active():

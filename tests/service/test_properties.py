@@ -8,7 +8,7 @@ import json
 import grpc
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from h3serve.errortable import MD_CODE, MD_FIELD
@@ -48,7 +48,11 @@ HTTP_FIELDS = {
     "some_unknown_field": json_values,
 }
 
-http_bodies = st.fixed_dictionaries({}, optional=HTTP_FIELDS)
+VALID = {"prompt": "a kite over the sea", "size": "320x256", "seconds": 5, "num_inference_steps": 4}
+# any mix of fields, or a valid request with one field changed (so that acceptance is exercised too)
+http_bodies = st.one_of(
+    st.fixed_dictionaries({}, optional=HTTP_FIELDS),
+    st.sampled_from(sorted(HTTP_FIELDS)).flatmap(lambda k: HTTP_FIELDS[k].map(lambda v: {**VALID, k: v})))
 
 
 def _allowed_fields(body: dict) -> set[str]:
@@ -74,6 +78,7 @@ def http(stack):
 @given(body=http_bodies)
 def test_http_fields_never_5xx_and_rejections_name_the_field(http, body):
     r = http.post("/v1/videos", params={"validate_only": "true"}, json=body)
+    event(f"HTTP {r.status_code}")
     assert r.status_code in (200, 422), (r.status_code, r.text)
     if r.status_code == 200:
         assert r.json()["status"] == "validated"
@@ -120,8 +125,14 @@ def gateway_stub(stack):
         yield gateway_pb2_grpc.GatewayStub(channel)
 
 
+grpc_fields = st.one_of(
+    st.fixed_dictionaries({}, optional=GRPC_FIELDS),
+    st.sampled_from(sorted(GRPC_FIELDS)).flatmap(
+        lambda k: GRPC_FIELDS[k].map(lambda v: {"size": "320x256", "seconds": 5.0, "num_inference_steps": 4, k: v})))
+
+
 @SETTINGS
-@given(prompt=st.one_of(st.text(max_size=40), st.just("")), fields=st.fixed_dictionaries({}, optional=GRPC_FIELDS))
+@given(prompt=st.one_of(st.text(max_size=40), st.just("")), fields=grpc_fields)
 def test_grpc_fields_never_crash_and_rejections_name_the_field(gateway_stub, prompt, fields):
     from h3serve._proto import gateway_pb2
 
@@ -129,12 +140,14 @@ def test_grpc_fields_never_crash_and_rejections_name_the_field(gateway_stub, pro
     try:
         events = list(gateway_stub.Generate(req, timeout=30))
     except grpc.RpcError as err:
+        event(err.code().name)
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (err.code(), err.details(), fields)
         md = dict(err.trailing_metadata() or ())
         assert md[MD_CODE] == "invalid_request"
         assert md[MD_FIELD] in set(fields) | {"prompt"}, (md, fields)
         assert md[MD_FIELD] in err.details()
         return
+    event("OK")
     kinds = [e.WhichOneof("event") for e in events]
     assert kinds == ["accepted", "done"]
     acc = events[0].accepted

@@ -128,3 +128,29 @@ def test_vae_killed_mid_request_fails_unavailable_naming_it(stack, embedded):
     _assert_next_request_served(stack, embedded)
     st = stack.status("muxer")
     assert not st.current_request_id   # the broken session was dropped, not left open
+
+
+def test_muxer_killed_while_the_vae_streams_fails_unavailable_naming_it(stack, embedded):
+    pid = stack.status("muxer").pid
+    killed_at = None
+    with Client(stack.grpc, timeout=60) as client:
+        gen = client.stream(**dict(REQUEST, seconds=15))
+        with pytest.raises(StageUnavailable) as info:
+            for event in gen:
+                if isinstance(event, Progress) and event.stage == "vae" and killed_at is None:
+                    os.kill(pid, signal.SIGKILL)
+                    killed_at = time.monotonic()
+            gen.result()
+    assert killed_at is not None and time.monotonic() - killed_at < 10.0
+    assert info.value.stage == "muxer" and "muxer" in str(info.value)
+    vae = stack.wait_idle("vae")
+    assert vae.last.outcome == "error" and vae.last.units_done < 22   # the VAE stopped decoding
+    end = time.monotonic() + 120
+    while time.monotonic() < end:
+        try:
+            if stack.status("muxer").pid != pid:
+                break
+        except Exception:  # noqa: BLE001 - not up yet
+            pass
+        time.sleep(0.2)
+    _assert_next_request_served(stack, embedded)

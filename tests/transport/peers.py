@@ -189,6 +189,8 @@ def sender_main(pipe, q, opts: dict) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             if opts.get("stall_after") is not None and n == opts["stall_after"]:
                 time.sleep(opts.get("stall_s", 30))
+            if opts.get("progress_at") is not None and n == opts["progress_at"]:
+                q.put({"role": "progress", "n": n})
             t0 = time.monotonic()
             tx.send(name, tensor, meta if tensor is not None else {**meta, "_name": name},
                     timeout=opts.get("send_timeout"))
@@ -196,7 +198,7 @@ def sender_main(pipe, q, opts: dict) -> None:
         t0 = time.monotonic()
         tx.close()
         res["elapsed"] = time.monotonic() - t_start
-    except TransportError as e:
+    except (TransportError, EOFError, TimeoutError) as e:
         res["error"] = _error_info(e, t0)
     finally:
         if tx is not None:

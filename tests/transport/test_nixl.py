@@ -31,10 +31,9 @@ def ctx():
     return c
 
 
-def run_pair(ctx, rx_opts: dict, tx_opts: dict, *, timeout: float = 90, kill: str | None = None,
-             kill_after_s: float = 0.0) -> dict:
+def run_pair(ctx, rx_opts: dict, tx_opts: dict, *, timeout: float = 90, kill: str | None = None) -> dict:
     """Start a receiver and a sender process joined by a socket pipe; return {role: result}. `kill` ("receiver" |
-    "sender") SIGKILLs that peer from outside `kill_after_s` seconds after the sender reports it is streaming."""
+    "sender") SIGKILLs that peer from outside once the sender reports `progress_at` messages sent."""
     a, b = SocketPipe.pair()
     q = ctx.Queue()
     procs = {"receiver": ctx.Process(target=peers.receiver_main, args=(a, q, rx_opts)),
@@ -44,7 +43,8 @@ def run_pair(ctx, rx_opts: dict, tx_opts: dict, *, timeout: float = 90, kill: st
     a.close()
     b.close()  # only the children hold the pipe now: a dead child means EOF for the other
     if kill:
-        time.sleep(kill_after_s)
+        r = q.get(timeout=timeout)
+        assert r["role"] == "progress", r
         os.kill(procs[kill].pid, signal.SIGKILL)
     want = 1 if kill or rx_opts.get("die_after") is not None or tx_opts.get("die_after") is not None else 2
     out = {}
@@ -232,9 +232,9 @@ def test_select_transport_reports_the_reason(ctx):
 def test_peer_killed_mid_stream_is_a_clean_error(ctx, victim):
     """SIGKILL one peer while 52 MB clips stream: the survivor raises TransportError naming the edge well within
     its 20 s timeout, and has released its agent and registered memory."""
-    tx = {"payload": "frames", "clips": 400, "send_timeout": 20}
+    tx = {"payload": "frames", "clips": 400, "send_timeout": 20, "progress_at": 6}
     rx = {"verify": "count", "recv_timeout": 20, "slow_s": 0.02}
-    res = run_pair(ctx, rx, tx, kill=victim, kill_after_s=4.0, timeout=60)
+    res = run_pair(ctx, rx, tx, kill=victim, timeout=60)
     survivor = res["sender" if victim == "receiver" else "receiver"]
     err = survivor["error"]
     assert err is not None, "the survivor finished without noticing"

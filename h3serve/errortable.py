@@ -252,6 +252,8 @@ def from_grpc(err: grpc.RpcError, *, stage: str | None = None, cancelled: bool =
     where = md.get(MD_STAGE) or stage
     if cancelled:
         return Cancelled(details or "cancelled by the caller")
+    if named == "cancelled":   # the callee says the request was cancelled (e.g. by id, by another caller)
+        return Cancelled(details or "cancelled")
     if named == "invalid_request" and code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidRequest(field or "request", details)
     if named == "invalid_request":
@@ -272,7 +274,7 @@ def from_grpc(err: grpc.RpcError, *, stage: str | None = None, cancelled: bool =
         return _keep_message(StageUnavailable(where or "server", details), details, where)
     if named == "deadline_exceeded" or code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return DeadlineExceeded(details or "deadline exceeded", stage=where)
-    if named == "cancelled" or code == grpc.StatusCode.CANCELLED:
+    if code == grpc.StatusCode.CANCELLED:
         # the callee went away or gave up without us asking: to the caller it is unavailable
         return StageUnavailable(where or "server", details or "the call was cancelled by the server")
     if code == grpc.StatusCode.INVALID_ARGUMENT:

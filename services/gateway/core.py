@@ -608,8 +608,9 @@ class GatewayCore:
             job.attach(call)
             yield from call
         except grpc.RpcError as err:
-            cancelled = job.cancel_requested.is_set()
-            raise from_grpc(err, stage=stage, cancelled=cancelled) from None
+            if job.cancel_requested.is_set():
+                raise Cancelled(job.cancel_reason or "cancelled") from None
+            raise from_grpc(err, stage=stage) from None
         finally:
             job.detach()
 

@@ -32,6 +32,7 @@ CASES = [
     (StageUnavailable("vae", "died"), grpc.StatusCode.UNAVAILABLE, 503, StageUnavailable, None, "vae"),
     (TransportError("broke", edge="vae->muxer"), grpc.StatusCode.UNAVAILABLE, 503, StageUnavailable, None, "muxer"),
     (DeadlineExceeded("late"), grpc.StatusCode.DEADLINE_EXCEEDED, 504, DeadlineExceeded, None, None),
+    (Cancelled("cancelled by id"), grpc.StatusCode.CANCELLED, 499, Cancelled, None, None),
     (NotFound("who"), grpc.StatusCode.NOT_FOUND, 404, NotFound, None, None),
     (StageFailed("dit", "nan"), grpc.StatusCode.INTERNAL, 500, StageFailed, None, "dit"),
     (MediaError("no audio"), grpc.StatusCode.INTERNAL, 500, StageFailed, None, None),

@@ -172,7 +172,7 @@ class VAEServicer(StageBase):
                 raise
             t2 = time.perf_counter()
             try:
-                result = push.result()
+                push.result()
             except Exception as exc:  # noqa: BLE001 - grpc.RpcError
                 raise from_grpc(exc, stage="muxer") from None
             ok = True

@@ -4,7 +4,6 @@ content-before-ready / deletion of a running job, HTTP deadline header and query
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import httpx

@@ -72,6 +72,8 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     t = t.contiguous()
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
+    if t.numel() == 0:
+        return memoryview(b"")  # numpy refuses to cast a view with a zero in its shape
     return memoryview(t.numpy()).cast("B")
 
 
@@ -81,6 +83,8 @@ def tensor_from_bytes(header: TensorHeader, data: bytes | bytearray | memoryview
         raise TransportError(f"tensor {header.name!r}: got {len(data)} bytes, header says {header.nbytes}")
     dtype = DTYPES[header.dtype]
     raw_dtype = torch.int16 if dtype == torch.bfloat16 else dtype
+    if header.nbytes == 0:
+        return torch.empty(header.shape, dtype=dtype)
     t = torch.frombuffer(bytearray(data) if isinstance(data, bytes) else data, dtype=raw_dtype)
     if dtype == torch.bfloat16:
         t = t.view(torch.bfloat16)

@@ -15,6 +15,13 @@ def test_bytes_round_trip(dtype):
     assert back.dtype == dtype and back.shape == t.shape and torch.equal(back, t)
 
 
+def test_empty_tensor_round_trip():
+    t = torch.empty(0, 3, dtype=torch.float32)
+    h = TensorHeader.of("e", t)
+    assert len(tensor_bytes(t)) == 0
+    assert tensor_from_bytes(h, b"").shape == (0, 3)
+
+
 def test_wrong_byte_count_is_refused():
     h = TensorHeader("x", "float32", (4,))
     with pytest.raises(TransportError, match="15 bytes"):

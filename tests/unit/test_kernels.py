@@ -184,3 +184,11 @@ def test_attention_module_default_is_auto():
     attn = H3Attention(32, 2, 16, 1e-5)
     assert attn.attention_fn is kernels.auto_attention
     assert isinstance(H3FeedForward(8, 4), torch.nn.Module)
+
+
+def test_modulation_rows_of_a_padded_shard_read_row_zero():
+    """A sequence-parallel shard pads its rows past the last run: those rows must index a valid table row."""
+    ctx = _ctx(6, torch.float32, runs=[(0, 2, 5), (2, 4, 3)])
+    rows = kernels.modulation_rows(ctx, "cpu")
+    assert rows.dtype == torch.int32 and rows.tolist() == [5, 5, 3, 3, 0, 0]
+    assert kernels.modulation_rows(ctx, "cpu") is rows  # cached on the context

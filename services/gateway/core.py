@@ -493,7 +493,9 @@ class GatewayCore:
         return job
 
     def list(self) -> list[Job]:
-        return sorted((j for j in self.jobs.values() if j.kind == "http"), key=lambda j: j.created_at)
+        with self.cond:
+            jobs = [j for j in self.jobs.values() if j.kind == "http"]
+        return sorted(jobs, key=lambda j: j.created_at)
 
     def busy(self) -> bool:
         return bool(self.running) or bool(self.queue)
@@ -570,6 +572,10 @@ class GatewayCore:
         self.metrics.requests.labels(outcome=outcome).inc()
         if exc is None:
             self.metrics.observe(job.timings)
+            log.info("request %s completed: %d bytes, t_client %.3fs, rtf %.3f", job.id, job.mp4_bytes,
+                     job.timings.get("t_client", 0.0), job.timings.get("rtf_client", 0.0))
+        else:
+            log.info("request %s failed: %s: %s", job.id, outcome, job.error.message)
         if job.events is not None:
             try:
                 job.events.put_nowait(_END)

@@ -6,6 +6,7 @@ Health: NOT_SERVING until every stage reports SERVING, and again while draining 
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
@@ -188,8 +189,16 @@ class GatewayServicer(StageBase):
 
         c = self.config
         model = c.model_name or {"base": "MiniMax-H3", "fasth3": "FastH3"}.get(c.profile, c.profile)
+        dtype = c.dtype
+        try:   # the dtype the DiT actually loaded
+            from h3serve._proto import common_pb2
+
+            st = self.core.stages.dit.Status(common_pb2.StatusRequest(), timeout=2.0)
+            dtype = json.loads(st.info_json or "{}").get("dtype", dtype)
+        except Exception:  # noqa: BLE001 - the stage is down: report the gateway's setting
+            pass
         return gateway_pb2.InfoResponse(
-            model=model, profile=c.profile, dtype=c.dtype, max_inflight=c.max_inflight, queue_size=c.queue_size,
+            model=model, profile=c.profile, dtype=dtype, max_inflight=c.max_inflight, queue_size=c.queue_size,
             max_sync_bytes=c.max_sync_bytes, max_message_bytes=self.max_message,
             stages=dict(self.core.stages.status), draining=self.core.draining)
 

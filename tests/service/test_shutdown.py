@@ -42,3 +42,31 @@ def test_sigterm_drains_and_exits_zero(tiny_checkpoint):
         assert stack.proc.wait(90) == 0
     finally:
         stack.stop()
+
+
+def test_sigterm_cancels_what_the_grace_period_cannot_finish(tiny_checkpoint):
+    stack = Stack(tiny_checkpoint, "--grace-s", "3", "--queue-size", "2")
+    try:
+        with Client(stack.grpc, timeout=120) as client:
+            running = client.stream(**dict(REQUEST, num_inference_steps=400))   # far longer than the grace
+            for event in running:
+                if isinstance(event, Progress) and event.stage == "dit":
+                    break
+            queued = client.stream(**REQUEST)
+            next(iter(queued))                                                   # accepted, waiting
+            t0 = time.monotonic()
+            stack.proc.send_signal(signal.SIGTERM)
+            try:
+                queued.result()
+                raise AssertionError("a queued request ran after SIGTERM")
+            except Draining:
+                assert time.monotonic() - t0 < 2.0       # not started: refused at once
+            try:
+                running.result()
+                raise AssertionError("the long request finished within a 3 s grace period")
+            except Draining:
+                assert time.monotonic() - t0 < 3.0 + 5.0   # cancelled after the grace period
+        assert stack.proc.wait(60) == 0
+        assert time.monotonic() - t0 < 30.0
+    finally:
+        stack.stop()

@@ -157,7 +157,8 @@ def _add_checkpoint(sub: argparse._SubParsersAction) -> None:
     csub = p.add_subparsers(dest="checkpoint_cmd", required=True)
 
     init = csub.add_parser("init", help="write a random checkpoint in the diffusers layout")
-    init.add_argument("--preset", default="tiny", choices=["tiny"])
+    init.add_argument("--preset", default="tiny", choices=["tiny", "tiny8"],
+                      help="tiny (2 DiT heads), or tiny8 (8 DiT heads, 8 encoder heads / KV heads: degree 8 dry runs)")
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("dir")
     init.set_defaults(func=_cmd_checkpoint_init)
@@ -178,8 +179,8 @@ def _cmd_checkpoint_init(args: argparse.Namespace) -> int:
     from h3serve.tiny import init_tiny_checkpoint
 
     t0 = time.perf_counter()
-    init_tiny_checkpoint(args.dir, seed=args.seed)
-    print(f"wrote tiny checkpoint {args.dir} in {time.perf_counter() - t0:.1f}s")
+    init_tiny_checkpoint(args.dir, seed=args.seed, preset=args.preset)
+    print(f"wrote {args.preset} checkpoint {args.dir} in {time.perf_counter() - t0:.1f}s")
     return 0
 
 

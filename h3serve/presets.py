@@ -54,13 +54,23 @@ TINY_TEXT_ENCODER_VISION = dict(
     temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=2304, deepstack_visual_indexes=[0],
 )
 
+# `tiny8`: the tiny model with head counts that allow degree 8 everywhere (DiT Ulysses 8; encoder TP 8 with one KV
+# head per rank), for dry runs of the 8-GPU layout on CPU ranks. Everything else is `tiny`.
+TINY8_TRANSFORMER = dict(TINY_TRANSFORMER, num_attention_heads=8)
+TINY8_TEXT_ENCODER_TEXT = dict(TINY_TEXT_ENCODER_TEXT, num_attention_heads=8, num_key_value_heads=8)
+
 SCHEDULER_SHIFTS = {"scheduler": 12.0, "audio_scheduler": 3.0}
 
 # Hidden state the DiT reads from the text encoder: index 50 of hidden_states (= output of decoder layer 49).
 TEXT_ENCODER_LAYER = 50
 
-PRESETS = {"tiny", "full"}
+PRESETS = {"tiny", "tiny8", "full"}
+CHECKPOINT_PRESETS = ("tiny", "tiny8")   # what `h3serve checkpoint init` builds
 
 
 def transformer_config(preset: str) -> dict:
-    return copy.deepcopy({"tiny": TINY_TRANSFORMER, "full": FULL_TRANSFORMER}[preset])
+    return copy.deepcopy({"tiny": TINY_TRANSFORMER, "tiny8": TINY8_TRANSFORMER, "full": FULL_TRANSFORMER}[preset])
+
+
+def text_encoder_text_config(preset: str) -> dict:
+    return copy.deepcopy({"tiny": TINY_TEXT_ENCODER_TEXT, "tiny8": TINY8_TEXT_ENCODER_TEXT}[preset])

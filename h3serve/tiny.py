@@ -189,11 +189,11 @@ def video_processor_config() -> dict:
     }
 
 
-def build_text_encoder(tokenizer, seed: int):
+def build_text_encoder(tokenizer, seed: int, preset: str = "tiny"):
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    text = dict(presets.TINY_TEXT_ENCODER_TEXT, vocab_size=len(tokenizer))
+    text = dict(presets.text_encoder_text_config(preset), vocab_size=len(tokenizer))
     config = Qwen3VLConfig(
         text_config=text, vision_config=dict(presets.TINY_TEXT_ENCODER_VISION),
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
@@ -211,12 +211,12 @@ def _perturb(module: torch.nn.Module, gen: torch.Generator, std: float, names=No
                 p.add_(torch.randn(p.shape, generator=gen) * std)
 
 
-def build_transformer(seed: int):
+def build_transformer(seed: int, preset: str = "tiny"):
     """The tiny DiT; every parameter perturbed by N(0, 0.02) so no zero-init path stays trivial."""
     from diffusers import MiniMaxH3Transformer3DModel
 
     torch.manual_seed(seed)
-    model = MiniMaxH3Transformer3DModel(**presets.TINY_TRANSFORMER).eval()
+    model = MiniMaxH3Transformer3DModel(**presets.transformer_config(preset)).eval()
     _perturb(model, torch.Generator().manual_seed(seed), 0.02)
     return model
 
@@ -292,7 +292,7 @@ def _quiet():
     return ctx()
 
 
-def _build_into(root: Path, seed: int) -> None:
+def _build_into(root: Path, seed: int, preset: str = "tiny") -> None:
     from diffusers import MiniMaxH3Scheduler
     from transformers import Qwen2VLImageProcessorPil
 
@@ -308,29 +308,33 @@ def _build_into(root: Path, seed: int) -> None:
     _write_json(proc / "video_preprocessor_config.json", video_processor_config())
 
     # Independent seeds per component; the two transformer partitions get different weights.
-    text_encoder = build_text_encoder(tokenizer, seed * 10 + 1)
+    text_encoder = build_text_encoder(tokenizer, seed * 10 + 1, preset)
     text_encoder.save_pretrained(str(root / "text_encoder"))
     del text_encoder
     for offset, name in ((2, "transformer"), (3, "transformer_ref")):
-        build_transformer(seed * 10 + offset).save_pretrained(str(root / name))
+        build_transformer(seed * 10 + offset, preset).save_pretrained(str(root / name))
     build_video_vae(seed * 10 + 4).save_pretrained(str(root / "vae"))
     build_audio_vae(seed * 10 + 5).save_pretrained(str(root / "audio_vae"))
     for name, shift in presets.SCHEDULER_SHIFTS.items():
         MiniMaxH3Scheduler(shift=shift).save_pretrained(str(root / name))
 
     _write_json(root / INDEX_FILE, modular_index())
-    _write_json(root / STAMP_FILE, {"recipe": TINY_RECIPE_VERSION, "seed": seed, "storage": "float32"})
+    stamp = {"recipe": TINY_RECIPE_VERSION, "seed": seed, "storage": "float32"}
+    if preset != "tiny":   # the default preset's files stay exactly as they were
+        stamp["preset"] = preset
+    _write_json(root / STAMP_FILE, stamp)
 
 
-def is_tiny_checkpoint(path: str | os.PathLike, seed: int | None = None) -> bool:
-    """Whether `path` is a complete tiny checkpoint of the current recipe (and of `seed`, if given)."""
+def is_tiny_checkpoint(path: str | os.PathLike, seed: int | None = None, preset: str = "tiny") -> bool:
+    """Whether `path` is a complete tiny checkpoint of the current recipe and `preset` (and of `seed`, if given)."""
     path = Path(path)
     try:
         stamp = json.loads((path / STAMP_FILE).read_text())
         CheckpointFolder(path)
     except (OSError, ValueError, CheckpointError):
         return False
-    return stamp.get("recipe") == TINY_RECIPE_VERSION and (seed is None or stamp.get("seed") == seed)
+    return (stamp.get("recipe") == TINY_RECIPE_VERSION and stamp.get("preset", "tiny") == preset
+            and (seed is None or stamp.get("seed") == seed))
 
 
 def _atomic_install(tmp: Path, target: Path, *, overwrite: bool) -> None:
@@ -349,8 +353,11 @@ def _atomic_install(tmp: Path, target: Path, *, overwrite: bool) -> None:
             raise CheckpointError(f"{target}: exists and is not a checkpoint; refusing to replace it") from None
 
 
-def init_tiny_checkpoint(dir: str | os.PathLike, seed: int = 0, *, overwrite: bool = False) -> Path:
+def init_tiny_checkpoint(dir: str | os.PathLike, seed: int = 0, *, overwrite: bool = False,
+                         preset: str = "tiny") -> Path:
     """Write a random tiny H3 checkpoint (diffusers modular layout, float32) to `dir` and return its path.
+
+    `preset`: "tiny", or "tiny8" (8 DiT heads, 8 encoder heads / 8 KV heads: every degree 8 is valid).
 
     Deterministic for a seed. Built in a temporary folder beside `dir` and renamed into place. An existing `dir`
     is an error unless `overwrite=True` (then it is replaced); an existing complete tiny checkpoint of the same
@@ -358,7 +365,7 @@ def init_tiny_checkpoint(dir: str | os.PathLike, seed: int = 0, *, overwrite: bo
     """
     target = Path(dir).absolute()
     if target.exists() and not overwrite:
-        if is_tiny_checkpoint(target, seed):
+        if is_tiny_checkpoint(target, seed, preset):
             return target
         if target.is_dir() and not any(target.iterdir()):
             target.rmdir()
@@ -368,7 +375,7 @@ def init_tiny_checkpoint(dir: str | os.PathLike, seed: int = 0, *, overwrite: bo
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         with _quiet(), torch.no_grad():
-            _build_into(tmp, seed)
+            _build_into(tmp, seed, preset)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

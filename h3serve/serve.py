@@ -82,6 +82,11 @@ class StageConfig:
     max_sync_bytes: int = 64 << 20
     transport: str = "grpc"
     model_name: str | None = None
+    # parallel degrees of the model stages (encoder TP, DiT Ulysses x Ring, VAE patch parallel); see stage_ranks
+    encoder_tp: int = 1
+    ulysses: int = 1
+    ring: int = 1
+    vae_pp: int = 1
     # vae
     frame_format: str = "yuv420p"    # what the VAE sends the muxer: yuv420p planes (1.5 B/px) or rgb24 (3 B/px)
     # muxer
@@ -204,6 +209,7 @@ class StageBase:
         self.last_seconds = 0.0
         self.load_seconds = 0.0
         self.ready = False
+        self.parallel = None   # h3serve.stage_ranks.ParallelStage when the stage has several ranks
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     def _init_engine_thread(self) -> None:
@@ -234,10 +240,26 @@ class StageBase:
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.parallel is not None:   # the other ranks leave their command loop
+            self.parallel.close()
+
+    def start_ranks(self):
+        """With a degree above 1 for this stage: start its world (this process = rank 0) and return the
+        `ParallelStage` (also kept as `self.parallel`); else None."""
+        from h3serve.stage_ranks import ParallelStage, degrees_of, stage_degree
+
+        degrees = degrees_of(self.config)
+        if stage_degree(degrees, self.stage) <= 1:
+            return None
+        self.parallel = ParallelStage.start(self, degrees)
+        return self.parallel
 
     def info(self) -> dict:
-        return {"load_seconds": round(self.load_seconds, 3), "profile": self.config.profile,
-                "dtype": self.config.dtype, "threads": self.config.threads}
+        out = {"load_seconds": round(self.load_seconds, 3), "profile": self.config.profile,
+               "dtype": self.config.dtype, "threads": self.config.threads}
+        if self.parallel is not None:
+            out.update(self.parallel.info())
+        return out
 
     # -- requests -------------------------------------------------------------------------------------------
     def scope(self, context, request_id: str) -> RequestScope:
@@ -475,7 +497,8 @@ def wait_serving(address: str, timeout: float, *, service: str = "", alive: Call
 
 _PASS = ("checkpoint", "profile", "adapter", "adapter_sha256", "dtype", "device", "threads", "host", "grace_s",
          "queue_size", "max_inflight", "request_timeout_s", "jobs_dir", "job_ttl_s", "max_jobs", "max_sync_bytes",
-         "transport", "model_name", "frame_format", "mux_threads", "crf", "preset", "session_ttl_s", "tmp_dir", "http_host")
+         "transport", "model_name", "frame_format", "mux_threads", "crf", "preset", "session_ttl_s", "tmp_dir", "http_host",
+         "encoder_tp", "ulysses", "ring", "vae_pp")
 
 
 def child_argv(config: StageConfig, stage: str, port: int, addresses: dict[str, str], http_port: int | None,
@@ -628,11 +651,20 @@ def config_from_args(args: argparse.Namespace, stage: str) -> StageConfig:
 
 
 def serve_main(args: argparse.Namespace) -> int:
+    from h3serve import stage_ranks
+
     stages = parse_stages(args.stages)
     if any(s in MODEL_STAGES for s in stages) and not args.checkpoint:
         raise H3Error("--checkpoint DIR is required to serve " + ", ".join(s for s in stages if s in MODEL_STAGES))
+    degrees = stage_ranks.validate_degrees(stage_ranks.degrees_of(args), args.checkpoint)
+    env = stage_ranks.dist_env() if any(stage_ranks.stage_degree(degrees, s) > 1 for s in stages) else None
+    if env is not None and len(stages) > 1:
+        raise H3Error(f"--stages {args.stages} with RANK/WORLD_SIZE of a multi-node or torchrun world: each model "
+                      "stage is its own world there; run one stage per process (--stages encoder|dit|vae)")
     if len(stages) == 1:
         config = config_from_args(args, stages[0])
+        if env is not None and env["rank"] != 0:   # a joined rank other than 0: its part of the model, no gRPC
+            return stage_ranks.run_peer(stages[0], config, degrees)
         if stages[0] == "gateway":
             missing = [s for s in MODEL_STAGES + ("muxer",) if not getattr(config, s)]
             if missing:
@@ -688,6 +720,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads per stage engine (0: default)")
     p.add_argument("--grace-s", type=float, default=d.grace_s, help="SIGTERM: seconds to finish in-flight work")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up request before SERVING")
+    for flag, what in (("--encoder-tp", "encoder tensor-parallel degree"),
+                       ("--ulysses", "DiT Ulysses degree (divides the DiT's heads)"),
+                       ("--ring", "DiT Ring degree (ulysses x ring = DiT ranks)"),
+                       ("--vae-pp", "VAE patch-parallel degree (1 or ulysses x ring)")):
+        p.add_argument(flag, type=int, default=1,
+                       help=f"{what}; >1 runs that stage as one process per rank, rank 0 serving gRPC (default 1)")
     for s in MODEL_STAGES + ("muxer",):
         p.add_argument(f"--{s}", default=None, metavar="HOST:PORT", help=f"gateway: address of the {s} stage")
     p.add_argument("--queue-size", type=int, default=d.queue_size, help="gateway: requests that may wait")
@@ -699,7 +737,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-jobs", type=int, default=d.max_jobs, help="gateway: finished jobs kept at most")
     p.add_argument("--max-sync-bytes", type=int, default=d.max_sync_bytes,
                    help="gateway: largest MP4 GenerateSync returns in one message")
-    p.add_argument("--transport", default=d.transport, help="VAE -> muxer frame transport: grpc (nixl: later)")
+    p.add_argument("--transport", default=d.transport, choices=("grpc", "nixl"),
+                   help="VAE -> muxer frame transport: grpc, or nixl (falls back to grpc with a warning when NIXL "
+                        "cannot be loaded or the peers cannot connect)")
     p.add_argument("--model-name", default=None, help="gateway: model id reported and accepted in requests")
     p.add_argument("--frame-format", default=d.frame_format, choices=("yuv420p", "rgb24"),
                    help="vae: frames to the muxer as yuv420p planes made on the device, or rgb24")

@@ -56,6 +56,18 @@ class TransportHandshake(_message.Message):
     transport_metadata: bytes
     def __init__(self, transport: _Optional[str] = ..., session_id: _Optional[str] = ..., transport_metadata: _Optional[bytes] = ...) -> None: ...
 
+class TransportInfo(_message.Message):
+    __slots__ = ("edge", "requested", "chosen", "reason")
+    EDGE_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_FIELD_NUMBER: _ClassVar[int]
+    CHOSEN_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    edge: str
+    requested: str
+    chosen: str
+    reason: str
+    def __init__(self, edge: _Optional[str] = ..., requested: _Optional[str] = ..., chosen: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class Progress(_message.Message):
     __slots__ = ("stage", "done", "total", "elapsed_s", "percent")
     STAGE_FIELD_NUMBER: _ClassVar[int]

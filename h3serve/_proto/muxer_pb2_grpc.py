@@ -114,8 +114,10 @@ class MuxerServicer:
 
     def Control(self, request_iterator, context):
         """A two-way control pipe for transports that move the bytes out of band and need messages in both directions
-        (e.g. NIXL: handshake, part headers, credits, end). Opaque to gRPC; the producer's first message names the
-        session. Answers UNIMPLEMENTED until such a transport is plugged in; "grpc" uses Push.
+        (NIXL: handshake, part headers, credits, end; see docs/nixl.md). Opaque to gRPC; the producer's first message
+        names the session (transport "nixl"), the muxer's first message is its NIXL handshake. The frames arrive by
+        NIXL WRITEs ("yuv": one clip of yuv420p planes packed y|u|v, meta {"n": frames}; or "frames"; then "pcm").
+        The response stream ends once the MP4 is closed, or with the session's error. "grpc" uses Push.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

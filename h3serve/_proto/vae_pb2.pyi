@@ -45,20 +45,22 @@ class ClipSent(_message.Message):
     def __init__(self, index: _Optional[int] = ..., first_frame: _Optional[int] = ..., frames: _Optional[int] = ..., clips: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class DecodeDone(_message.Message):
-    __slots__ = ("frames", "pcm_samples", "video_seconds", "audio_seconds", "sink_tail_seconds", "bytes_sent")
+    __slots__ = ("frames", "pcm_samples", "video_seconds", "audio_seconds", "sink_tail_seconds", "bytes_sent", "transport")
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     PCM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     VIDEO_SECONDS_FIELD_NUMBER: _ClassVar[int]
     AUDIO_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SINK_TAIL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     frames: int
     pcm_samples: int
     video_seconds: float
     audio_seconds: float
     sink_tail_seconds: float
     bytes_sent: int
-    def __init__(self, frames: _Optional[int] = ..., pcm_samples: _Optional[int] = ..., video_seconds: _Optional[float] = ..., audio_seconds: _Optional[float] = ..., sink_tail_seconds: _Optional[float] = ..., bytes_sent: _Optional[int] = ...) -> None: ...
+    transport: _common_pb2.TransportInfo
+    def __init__(self, frames: _Optional[int] = ..., pcm_samples: _Optional[int] = ..., video_seconds: _Optional[float] = ..., audio_seconds: _Optional[float] = ..., sink_tail_seconds: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., transport: _Optional[_Union[_common_pb2.TransportInfo, _Mapping]] = ...) -> None: ...
 
 class DecodeEvent(_message.Message):
     __slots__ = ("clip", "done")

@@ -388,6 +388,19 @@ class GatewayCore:
 
         self.config = config
         self.metrics = GatewayMetrics()
+        # transport per edge: requested (--transport), chosen (what the last request used), reason
+        requested = config.transport or "grpc"
+        self.transport = {
+            "vae->muxer": {"requested": requested, "chosen": requested if requested == "grpc" else "pending",
+                           "reason": "requested" if requested == "grpc" else "decided per request by the VAE and "
+                                                                              "the muxer (no request yet)"},
+            "dit->vae": {"requested": requested, "chosen": "grpc",
+                         "reason": "requested" if requested == "grpc" else
+                         "latents pass through the gateway as gRPC chunk streams (tens of MB)"},
+        }
+        self._transport_lock = threading.Lock()
+        for edge, t in self.transport.items():
+            self.metrics.set_transport(edge, t["requested"], t["chosen"], t["reason"], request=False)
         self.on_health = on_health
         self.stages = StageClients(config, on_change=self._health_changed)
         self.draining = False
@@ -402,6 +415,20 @@ class GatewayCore:
         self.workers = [threading.Thread(target=self._worker, name=f"h3serve-job-{i}", daemon=True)
                         for i in range(max(1, config.max_inflight))]
         self._sweeper = threading.Thread(target=self._sweep, name="h3serve-job-sweeper", daemon=True)
+
+    def transport_details(self) -> dict:
+        with self._transport_lock:
+            return {edge: dict(t) for edge, t in self.transport.items()}
+
+    def _record_transport(self, info) -> None:
+        edge = info.edge or "vae->muxer"
+        t = {"requested": info.requested, "chosen": info.chosen, "reason": info.reason}
+        with self._transport_lock:
+            changed = self.transport.get(edge, {}).get("chosen") != t["chosen"]
+            self.transport[edge] = t
+        self.metrics.set_transport(edge, t["requested"], t["chosen"], t["reason"])
+        if changed:
+            log.info("transport %s: requested %s, chosen %s (%s)", edge, t["requested"], t["chosen"], t["reason"])
 
     def start(self) -> None:
         self.stages.start()
@@ -705,6 +732,8 @@ class GatewayCore:
                     t["vae_s"] = d.video_seconds + d.audio_seconds
                     t["mux_tail_s"] = d.sink_tail_seconds
                     t["transfer_bytes"] = float(d.bytes_sent)
+                    if d.HasField("transport"):
+                        self._record_transport(d.transport)
             t["vae_wall_s"] = time.perf_counter() - t0
 
             # the MP4, from the muxer replica that holds the session

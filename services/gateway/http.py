@@ -309,7 +309,8 @@ def create_app(core: GatewayCore) -> FastAPI:
     @app.get("/ready", summary="Readiness: every stage SERVING and not draining")
     async def ready():
         body = {"status": "ready" if core.ready() else "not_ready", "stages": dict(core.stages.status),
-                "draining": core.draining, "queue_depth": len(core.queue), "inflight": len(core.running)}
+                "draining": core.draining, "queue_depth": len(core.queue), "inflight": len(core.running),
+                "transport": core.transport_details()}
         return JSONResponse(body, status_code=200 if core.ready() else 503)
 
     @app.get("/metrics", summary="Prometheus metrics")

@@ -25,6 +25,15 @@ class GatewayMetrics:
         self.rtf = Histogram("h3serve_rtf", "Real-time factor t_client / t_media of completed requests",
                              buckets=RTF_BUCKETS, registry=r)
         self.stage_up = Gauge("h3serve_stage_up", "1 when the stage reports SERVING", ["stage"], registry=r)
+        self.transport_info = Gauge(
+            "h3serve_transport_info", "1 for the transport the edge used last (requested = configured, chosen = "
+            "used; reason says why)", ["edge", "requested", "chosen", "reason"], registry=r)
+        self.transport_fallbacks = Counter(
+            "h3serve_transport_fallbacks", "Requests whose edge used grpc although nixl was requested", ["edge"],
+            registry=r)
+        self.transport_requests = Counter("h3serve_transport_requests", "Requests by edge and transport used",
+                                          ["edge", "chosen"], registry=r)
+        self._transport_labels: dict[str, tuple] = {}
         for outcome in ("completed", "invalid_request", "queue_full", "draining", "stage_unavailable",
                         "deadline_exceeded", "cancelled", "stage_failed", "internal"):
             self.requests.labels(outcome=outcome)
@@ -39,6 +48,22 @@ class GatewayMetrics:
             self.request_seconds.observe(timings["t_client"])
         if "rtf_client" in timings:
             self.rtf.observe(timings["rtf_client"])
+
+    def set_transport(self, edge: str, requested: str, chosen: str, reason: str, *, request: bool = True) -> None:
+        """Record the transport an edge used (one h3serve_transport_info series per edge, the latest)."""
+        labels = (edge, requested, chosen, reason)
+        old = self._transport_labels.get(edge)
+        if old is not None and old != labels:
+            try:
+                self.transport_info.remove(*old)
+            except KeyError:
+                pass
+        self._transport_labels[edge] = labels
+        self.transport_info.labels(*labels).set(1)
+        if request:
+            self.transport_requests.labels(edge=edge, chosen=chosen).inc()
+            if requested == "nixl" and chosen != "nixl":
+                self.transport_fallbacks.labels(edge=edge).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

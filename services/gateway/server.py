@@ -61,7 +61,8 @@ class GatewayServicer(StageBase):
     def load(self) -> None:
         from h3serve.transport.grpc import check_transport
 
-        check_transport(self.config.transport)
+        if self.config.transport != "nixl":   # nixl: chosen (or fallen back from) by the VAE and the muxer
+            check_transport(self.config.transport)
         self.core.start()
         if self.config.http_port is not None:
             self.start_http()
@@ -107,7 +108,8 @@ class GatewayServicer(StageBase):
         super().close()
 
     def info(self) -> dict:
-        return {**super().info(), "stages": dict(self.core.stages.status), "http_port": self.http_port}
+        return {**super().info(), "stages": dict(self.core.stages.status), "http_port": self.http_port,
+                "transport": self.core.transport_details()}
 
     # -- RPCs -----------------------------------------------------------------------------------------------
     def _timeout(self, context) -> float | None:

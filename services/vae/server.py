@@ -50,6 +50,11 @@ class VAEServicer(StageBase):
         self.audio_vae = None
         self._channels: dict[str, object] = {}
         self._channels_lock = threading.Lock()
+        # the frame edge: what this process can use (decided at load by select_transport), the last stream's info
+        self.transport_requested = config.transport or "grpc"
+        self.transport_chosen, self.transport_reason = "grpc", "requested"
+        self.last_transport: dict | None = None
+        self._warned: set[str] = set()
 
     def register(self, server) -> None:
         from h3serve._proto import vae_pb2_grpc
@@ -57,7 +62,50 @@ class VAEServicer(StageBase):
         vae_pb2_grpc.add_VAEServicer_to_server(self, server)
 
     def load(self) -> None:
+        from h3serve.transport.nixl import select_transport
+
+        if self.transport_requested in ("grpc", "nixl"):
+            self.transport_chosen, self.transport_reason = select_transport(self.transport_requested)
         self.executor.submit(self._load).result()
+
+    def info(self) -> dict:
+        return {**super().info(), "transport": {"edge": "vae->muxer", "requested": self.transport_requested,
+                                                "chosen": self.transport_chosen, "reason": self.transport_reason,
+                                                "last_stream": self.last_transport}}
+
+    def _frame_sink(self, sink, scope):
+        """The path to the muxer session for this request (NixlSink or PushSink) and its transport info."""
+        import json
+
+        from h3serve.services.vae.sink import EDGE, ControlUnavailable, NixlSink, PushSink
+
+        requested = sink.transport or "grpc"
+        stub = self._muxer(sink.address)
+        if requested != "nixl":
+            info = {"edge": EDGE, "requested": requested, "chosen": requested, "reason": "requested"}
+            return PushSink(stub, sink.session_id, scope, info, requested, sink.transport_metadata)
+        try:
+            offer = json.loads(sink.transport_metadata or b"{}")
+        except ValueError:
+            offer = {}
+        if self.transport_chosen != "nixl":
+            reason = f"vae: {self.transport_reason}"
+        elif not offer.get("nixl"):
+            reason = offer.get("reason") or "muxer: NIXL not offered for the session"
+        else:
+            try:
+                staging = "cpu"   # CUDA frames: pinned D2H staging, then NIXL
+                return NixlSink(stub, sink.session_id, scope, staging_device=staging)
+            except ControlUnavailable as e:
+                reason = str(e)
+        if reason not in self._warned:
+            self._warned.add(reason)
+            log.warning("vae->muxer: transport nixl requested, using grpc (Push): %s", reason)
+        from h3serve.transport.nixl import _count
+
+        _count("fallbacks_total")
+        info = {"edge": EDGE, "requested": "nixl", "chosen": "grpc", "reason": reason}
+        return PushSink(stub, sink.session_id, scope, info)
 
     def _load(self) -> None:
         import torch
@@ -67,7 +115,12 @@ class VAEServicer(StageBase):
         from h3serve.services.vae.video import VideoVAE
 
         device = pick_device(self.config.device)
-        self.video_vae = VideoVAE.load(self.config.checkpoint, dtype=DTYPES[self.config.dtype], device=device)
+        if self.start_ranks() is not None:   # --vae-pp: tiles decoded on every rank, stitched here (rank 0)
+            from h3serve.stage_ranks import ParallelVideoVAE
+
+            self.video_vae = ParallelVideoVAE(self.parallel)
+        else:
+            self.video_vae = VideoVAE.load(self.config.checkpoint, dtype=DTYPES[self.config.dtype], device=device)
         self.audio_vae = AudioVAE.load(self.config.checkpoint, dtype=torch.float32, device=device)
         if self.config.warmup:   # one window at the smallest size, and a short audio decode
             for _ in self.video_vae.iter_decode(torch.zeros(1, self.video_vae.latent_channels, 7, 2, 2)):
@@ -128,26 +181,21 @@ class VAEServicer(StageBase):
         """On the engine thread: decode clip by clip into the muxer session; returns DecodeDone."""
         from h3serve._proto import muxer_pb2, vae_pb2
 
-        sink = p.sink
-        transport = sink.transport or "grpc"
-        control = GrpcStreamSender(
-            _push_message, depth=SEND_DEPTH, edge="vae->muxer",
-            first=muxer_pb2.PushMessage(open=muxer_pb2.PushOpen(session_id=sink.session_id, transport=transport)))
-        push = self._muxer(sink.address).Push.future(control.requests(), timeout=scope.remaining())
-        control.attach(push)
+        from h3serve._proto import common_pb2
+
+        out = self._frame_sink(p.sink, scope)
         ok = False
         try:
-            sender = make_sender(transport, control, sink.transport_metadata)
             plan = self.video_vae.plan_windows(int(video.shape[2]))
             clips = plan.num_windows + (1 if plan.overlap_frames else 0)
             frames_done = 0
             bytes_sent = 0
             t0 = time.perf_counter()
             scope.check("before clip 0")
-            for index, (n, parts) in enumerate(self._clips(video)):
+            for index, (n, parts) in enumerate(self._clips(video, whole=out.whole_clips)):
                 clip_bytes = 0
                 for name, part in parts:
-                    self._send(sender, push, name, part, scope)
+                    out.send(name, part, scope)
                     clip_bytes += part.numel()
                 bytes_sent += clip_bytes
                 scope.unit_done()
@@ -159,41 +207,33 @@ class VAEServicer(StageBase):
                 raise RuntimeError(f"decoded {frames_done} frames, the request expects {p.num_frames}")
             t1 = time.perf_counter()
             pcm = self.audio_vae.decode(audio.to(self.audio_vae.device)).float().cpu()   # (2, N) in [-1, 1]
-            per = max(1, CHUNK_BYTES // (pcm.shape[0] * pcm.element_size()))
+            per = max(1, out.pcm_chunk_bytes // (pcm.shape[0] * pcm.element_size()))
             for s in range(0, pcm.shape[1], per):
                 part = pcm[:, s:s + per].contiguous()
-                self._send(sender, push, "pcm", part, scope)
+                out.send("pcm", part, scope)
                 bytes_sent += part.numel() * part.element_size()
             audio_s = time.perf_counter() - t1
-            try:
-                sender.close(timeout=scope.remaining())
-            except TransportError:
-                self._raise_push_error(push)
-                raise
-            t2 = time.perf_counter()
-            try:
-                push.result()
-            except Exception as exc:  # noqa: BLE001 - grpc.RpcError
-                raise from_grpc(exc, stage="muxer") from None
+            tail_s = out.finish(scope)
             ok = True
+            self.last_transport = dict(out.info)
             return vae_pb2.DecodeDone(frames=frames_done, pcm_samples=int(pcm.shape[1]), video_seconds=video_s,
-                                      audio_seconds=audio_s, sink_tail_seconds=time.perf_counter() - t2,
-                                      bytes_sent=bytes_sent)
+                                      audio_seconds=audio_s, sink_tail_seconds=tail_s, bytes_sent=bytes_sent,
+                                      transport=common_pb2.TransportInfo(**out.info))
         finally:
             if not ok:
-                control.abort()
-                push.cancel()
+                out.abort()
 
-    def _clips(self, video):
+    def _clips(self, video, whole: bool = False):
         """(frames, [(tensor name, host tensor), ...]) per decoded clip, cut into messages of whole frames:
-        "frames" (n, H, W, 3) uint8 RGB, or with frame_format yuv420p "y" (n, H, W), "u", "v" (n, H/2, W/2)."""
+        "frames" (n, H, W, 3) uint8 RGB, or with frame_format yuv420p "y" (n, H, W), "u", "v" (n, H/2, W/2).
+        `whole`: one message (one y/u/v triple) per clip instead of messages of <= 4 MiB."""
         latents = video.to(self.video_vae.device)
         if self.config.frame_format == "yuv420p":
             for (y, u, v), ready in self.video_vae.iter_decode_yuv420p(latents):
                 if ready is not None:
                     ready.synchronize()
                 n = int(y.shape[0])
-                per = max(1, CHUNK_BYTES // (y[0].numel()))
+                per = n if whole else max(1, CHUNK_BYTES // (y[0].numel()))
                 parts = []
                 for s in range(0, n, per):
                     parts += [("y", y[s:s + per]), ("u", u[s:s + per]), ("v", v[s:s + per])]
@@ -201,25 +241,8 @@ class VAEServicer(StageBase):
             return
         for clip in self.video_vae.iter_decode(latents):
             n = int(clip.shape[0])
-            per = max(1, CHUNK_BYTES // clip[0].numel())
-            yield n, [("frames", clip[s:s + per].cpu()) for s in range(0, n, per)]
-
-    def _send(self, sender, push, name, tensor, scope) -> None:
-        try:
-            sender.send(name, tensor, timeout=scope.remaining())
-        except TransportError:
-            scope.check("while sending")
-            self._raise_push_error(push)
-            raise
-
-    @staticmethod
-    def _raise_push_error(push) -> None:
-        """If the muxer ended the Push call, raise what it said (with the muxer named)."""
-        if push.done() and not push.cancelled():
-            exc = push.exception()
-            if exc is not None:
-                raise from_grpc(exc, stage="muxer") from None
-        raise StageUnavailable("muxer", "the frame stream broke")
+            per = n if whole else max(1, CHUNK_BYTES // clip[0].numel())
+            yield n, [("frames", clip[s:s + per] if whole else clip[s:s + per].cpu()) for s in range(0, n, per)]
 
     @grpc_method("vae")
     def Status(self, request, context):

@@ -285,9 +285,11 @@ def _serve_peer(runtime: Runtime, handlers: dict[str, Handler]) -> None:
 
 
 def _peer_main(rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float,
-               backend: str | None, build: Callable, build_args: tuple, env: dict, device: str | None) -> None:
+               backend: str | None, build: Callable, build_args: tuple, env: dict, device: str | None,
+               local_rank: int | None = None) -> None:
     os.environ.update(env)
-    runtime = Runtime(rank, world_size, master_addr=master_addr, master_port=master_port, local_rank=rank,
+    local_rank = rank if local_rank is None else local_rank   # a node's ranks beyond the first: its own GPU index
+    runtime = Runtime(rank, world_size, master_addr=master_addr, master_port=master_port, local_rank=local_rank,
                       timeout_s=timeout_s, backend=backend, device=device)
     try:
         handlers = build(runtime, *build_args)

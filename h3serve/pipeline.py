@@ -487,5 +487,10 @@ class _ParallelVideoVAE(_StageProxy):
     def iter_decode_float(self, latents):
         return self.stage.call("vae", (_cpu(latents), True))
 
+    def iter_decode_yuv420p(self, latents):
+        from h3serve.services.vae.video import VideoVAE
+
+        return VideoVAE.iter_decode_yuv420p(self, latents)   # the MP4 path: over the patch-parallel iter_decode
+
     def decode_float(self, latents):
         return torch.cat(list(self.iter_decode_float(latents)), dim=0)

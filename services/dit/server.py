@@ -47,11 +47,16 @@ class DiTServicer(StageBase):
 
         c = self.config
         device = pick_device(c.device)
-        adapter = Adapter.open(c.adapter, c.adapter_sha256) if c.profile == "fasth3" else None
-        self.engine = DiTEngine.load(c.checkpoint, components=("transformer",), dtype=DTYPES[c.dtype],
-                                     device=device, profile=c.profile, adapter=adapter)
-        if adapter is not None:
-            adapter.close()
+        if self.start_ranks() is not None:   # --ulysses x --ring: every rank loads (and fuses) the DiT itself
+            from h3serve.stage_ranks import ParallelDiTEngine
+
+            self.engine = ParallelDiTEngine(self.parallel)
+        else:
+            adapter = Adapter.open(c.adapter, c.adapter_sha256) if c.profile == "fasth3" else None
+            self.engine = DiTEngine.load(c.checkpoint, components=("transformer",), dtype=DTYPES[c.dtype],
+                                         device=device, profile=c.profile, adapter=adapter)
+            if adapter is not None:
+                adapter.close()
         if c.warmup:   # one forward at the smallest geometry: kernels, allocator, lazy init
             model = self.engine.models["transformer"]
             req = DiTRequest(text_states=torch.zeros(1, 4, model.config.text_dim), text_tags=torch.ones(4, dtype=torch.long),

@@ -35,7 +35,14 @@ class EncoderServicer(StageBase):
 
         def load():
             device = pick_device(self.config.device)
-            self.encoder = TextEncoder.load(self.config.checkpoint, dtype=DTYPES[self.config.dtype], device=device)
+            if self.start_ranks() is not None:   # --encoder-tp: the decoder sharded over the stage's ranks
+                from h3serve.stage_ranks import ParallelEncoder
+
+                self.encoder = ParallelEncoder(self.parallel)
+                device = self.encoder.device
+            else:
+                self.encoder = TextEncoder.load(self.config.checkpoint, dtype=DTYPES[self.config.dtype],
+                                                device=device)
             if self.config.warmup:
                 self.encoder.encode("warm-up", task="t2va")
             if device.type == "cuda":

@@ -131,7 +131,8 @@ class MuxerServicer(StageBase):
     def info(self) -> dict:
         return {**super().info(), "sessions": len(self.sessions), "writer": self.writer_options,
                 "transport": {"edge": EDGE, "requested": self.transport_requested, "chosen": self.transport_chosen,
-                              "reason": self.transport_reason, "last_stream": self.last_transport}}
+                              "reason": self.transport_reason, "last_stream": self.last_transport},
+                "nixl": _nixl_counters()}
 
     def _sweep(self) -> None:
         while not self.stopping.wait(1.0):
@@ -443,6 +444,12 @@ def _read_into(receiver, inbox: queue.Queue, scope) -> None:
         put(None)
     except BaseException as exc:  # noqa: BLE001 - handed to the encoder thread
         put(exc)
+
+
+def _nixl_counters() -> dict:
+    from h3serve.transport.nixl import counters
+
+    return counters()
 
 
 def _unlink(path: str) -> None:

@@ -71,7 +71,8 @@ class VAEServicer(StageBase):
     def info(self) -> dict:
         return {**super().info(), "transport": {"edge": "vae->muxer", "requested": self.transport_requested,
                                                 "chosen": self.transport_chosen, "reason": self.transport_reason,
-                                                "last_stream": self.last_transport}}
+                                                "last_stream": self.last_transport},
+                "nixl": __import__("h3serve.transport.nixl", fromlist=["counters"]).counters()}
 
     def _frame_sink(self, sink, scope):
         """The path to the muxer session for this request (NixlSink or PushSink) and its transport info."""

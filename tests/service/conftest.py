@@ -50,7 +50,7 @@ class Stack:
         serving = next(e for e in self.events if e["event"] == "serving")
         self.grpc = serving["gateway"]["grpc"]
         self.http = serving["gateway"]["http"]
-        self.addresses = {s: serving["stages"][s]["address"] for s in STAGES}
+        self.addresses = {s: serving["stages"][s]["address"] for s in STAGES if s in serving["stages"]}
         self._channels = {}
 
     def _read(self) -> None:

@@ -271,6 +271,10 @@ def serve_args(spec: H3DeploymentSpec, name: str, namespace: str, comp: str) -> 
             "--grace-s", str(spec.drain_seconds), "--profile", spec.profile]
     if comp in (ENGINE, *GPU_STAGES):
         args += ["--checkpoint", spec.model.path, "--device", "cuda", "--dtype", "bf16"]
+        # Every model stage gets all four degrees (they are validated together: VAE PP is 1 or the DiT group) and
+        # runs its own: encoder TP, DiT Ulysses x Ring, VAE PP ranks, one per GPU of the pod (or of the gang).
+        args += ["--encoder-tp", str(spec.encoder.tensor_parallel), "--ulysses", str(spec.dit.ulysses),
+                 "--ring", str(spec.dit.ring), "--vae-pp", str(spec.vae.patch_parallel)]
     if comp in (ENGINE, "dit") and spec.model.adapter is not None:
         args += ["--adapter", spec.model.adapter.path]
         if spec.model.adapter.sha256:

@@ -205,6 +205,8 @@ def test_rendered_commands_parse_with_the_real_cli(path):
         comp = w["metadata"]["labels"][M.LABEL_COMPONENT]
         if comp in ("engine", "encoder", "dit", "vae"):
             assert ns.checkpoint == spec.model.path
+            assert (ns.encoder_tp, ns.ulysses, ns.ring, ns.vae_pp) == (
+                spec.encoder.tensor_parallel, spec.dit.ulysses, spec.dit.ring, spec.vae.patch_parallel)
         if comp in ("engine", "dit") and spec.profile == "fasth3":
             assert (ns.adapter, ns.adapter_sha256) == (spec.model.adapter.path, spec.model.adapter.sha256)
         if comp in ("engine", "muxer"):

@@ -237,7 +237,7 @@ class USPDiT(nn.Module):
         self.model = model
         self.groups = groups
         self._shard: RowShard | None = None
-        self._cache: tuple[int, list[RowShard]] | None = None
+        self._cache: tuple[PackedLayout, list[RowShard]] | None = None
         attention = _USPAttention(self)
         for block in model.transformer_blocks:  # the refiner (text only, replicated) keeps plain attention
             block.attn.attention_fn = attention
@@ -251,8 +251,10 @@ class USPDiT(nn.Module):
         return self.model.config
 
     def shards(self, layout: PackedLayout) -> list[RowShard]:
-        if self._cache is None or self._cache[0] != id(layout):  # the loop passes one layout object per request
-            self._cache = (id(layout), row_shards(layout, self.groups.plan.world))
+        # The loop passes one layout object per request. The cache keeps that object alive: keyed by id() alone, a
+        # later request's layout could reuse the id of a freed one (e.g. a warm-up's) and get its stale shards.
+        if self._cache is None or self._cache[0] is not layout:
+            self._cache = (layout, row_shards(layout, self.groups.plan.world))
         return self._cache[1]
 
     def forward(self, video_rows: torch.Tensor, audio_rows: torch.Tensor, text_states: torch.Tensor,
@@ -260,9 +262,9 @@ class USPDiT(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         m = self.model
         device = m.context_embedder.weight.device
+        shards = self.shards(layout)  # keyed by the loop's own layout object, before any copy to the device
         layout = layout.to(device)
         timesteps = timesteps.to(device)
-        shards = self.shards(layout)
         sh = self._shard = shards[self.groups.rank]
         n, a, b = sh.rows, sh.start, sh.stop
         bsz, d = text_states.shape[0], m.config.hidden_size

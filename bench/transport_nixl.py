@@ -14,7 +14,14 @@ sender from the first byte to the receiver's acknowledgement that it holds every
 
 Also reports CPU seconds per GB on each side (user + sys of the whole process).
 
+Then (`--tail-requests N`, default 3; 0 skips) the tail of a request through the services, with each transport in the
+same run: two stacks (`h3serve serve --transport grpc` and `--transport nixl`, separate stage processes on
+loopback, the tiny checkpoint unless `--checkpoint`) serve the same request alternately; reported per transport:
+the gateway's `tail_s` (last latent in -> MP4 ready), `mux_tail_s` (last byte sent -> MP4 closed), `vae_s`,
+`fetch_s`, frame-edge bytes, and whether the MP4s are byte-identical.
+
     python bench/transport_nixl.py --clips 20 --repeats 3
+    python bench/transport_nixl.py --methods "" --tail-requests 5 --size 640x384 --seconds 5   # the tail only
 """
 
 from __future__ import annotations
@@ -175,6 +182,85 @@ def sender_main(port: int, result_q, opts: dict) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# The tail through the services: one stack per transport, same requests
+
+
+class _Stack:
+    def __init__(self, checkpoint: str, transport: str, threads: int):
+        import subprocess
+        import sys
+
+        argv = [sys.executable, "-m", "h3serve.cli", "--log-level", "WARNING", "serve", "--checkpoint", checkpoint,
+                "--port", "0", "--http-port", "0", "--threads", str(threads), "--json", "--transport", transport]
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
+        for line in self.proc.stdout:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if event.get("event") == "serving":
+                self.grpc = event["gateway"]["grpc"]
+                break
+        else:
+            raise RuntimeError(f"the {transport} stack did not start")
+        threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
+
+    def stop(self) -> None:
+        import signal
+
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(60)
+
+
+def services_tail(args) -> dict:
+    import hashlib
+    import tempfile
+
+    from h3serve.client import Client
+
+    checkpoint = args.checkpoint
+    tmp = None
+    if checkpoint is None:
+        from h3serve.tiny import init_tiny_checkpoint
+
+        tmp = tempfile.TemporaryDirectory(prefix="h3bench-ckpt-")
+        checkpoint = str(init_tiny_checkpoint(os.path.join(tmp.name, "tiny")))
+    request = dict(prompt="a kite over the sea", seconds=args.seconds, size=args.size, seed=0,
+                   num_inference_steps=args.steps)
+    stacks = {}
+    try:
+        for t in ("grpc", "nixl"):
+            stacks[t] = _Stack(checkpoint, t, args.threads)
+        keys = ("tail_s", "mux_tail_s", "vae_s", "vae_video_s", "vae_audio_s", "fetch_s", "transfer_bytes")
+        samples: dict = {t: [] for t in stacks}
+        digests: dict = {t: set() for t in stacks}
+        for i in range(args.tail_requests + 1):         # request 0 of each stack is a warm-up, not reported
+            for t, st in stacks.items():
+                with Client(st.grpc, timeout=600) as client:
+                    r = client.generate(**request)
+                digests[t].add(hashlib.sha256(r.mp4).hexdigest())
+                if i:
+                    samples[t].append({k: r.timings[k] for k in keys if k in r.timings})
+        out = {"checkpoint": "tiny" if tmp else checkpoint, "request": request, "threads": args.threads,
+               "requests": args.tail_requests, "mp4_identical": len(digests["grpc"] | digests["nixl"]) == 1,
+               "transports": {}}
+        for t, rs in samples.items():
+            out["transports"][t] = {f"{k}_median": round(statistics.median(r[k] for r in rs), 4)
+                                    for k in keys if k != "transfer_bytes"}
+            out["transports"][t]["tail_s_runs"] = [round(r["tail_s"], 4) for r in rs]
+            out["transports"][t]["frame_edge_bytes"] = int(rs[0].get("transfer_bytes", 0))
+        g, n = out["transports"]["grpc"], out["transports"]["nixl"]
+        out["tail_nixl_vs_grpc"] = round(n["tail_s_median"] / g["tail_s_median"], 3)
+        return out
+    finally:
+        for st in stacks.values():
+            st.stop()
+        if tmp is not None:
+            tmp.cleanup()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clips", type=int, default=20, help="clips per run (20 x 52.6 MB = 1.05 GB)")
@@ -182,21 +268,29 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=3, help="K: receiver pool slots (parts in flight)")
     ap.add_argument("--slot-mib", type=int, default=64, help="B: slot size in MiB")
     ap.add_argument("--methods", default="nixl_zero_copy,nixl_copy,grpc,nixl_fallback")
+    ap.add_argument("--tail-requests", type=int, default=3, help="services tail: requests per transport (0: skip)")
+    ap.add_argument("--checkpoint", default=None, help="services tail: checkpoint (default a fresh tiny one)")
+    ap.add_argument("--size", default="640x384", help="services tail: WxH")
+    ap.add_argument("--seconds", type=float, default=5)
+    ap.add_argument("--steps", type=int, default=4, help="services tail: num_inference_steps")
+    ap.add_argument("--threads", type=int, default=1, help="services tail: torch threads per stage")
     args = ap.parse_args()
     opts = {"clips": args.clips, "repeats": args.repeats, "slots": args.slots, "slot_bytes": args.slot_mib << 20,
             "methods": [m for m in args.methods.split(",") if m]}
 
-    ctx = mp.get_context("spawn")
-    port_q, result_q = ctx.Queue(), ctx.Queue()
-    rx = ctx.Process(target=receiver_main, args=(port_q, opts), daemon=True)
-    rx.start()
-    port = port_q.get(timeout=120)
-    tx = ctx.Process(target=sender_main, args=(port, result_q, opts))
-    tx.start()
-    runs = result_q.get(timeout=3600)
-    tx.join()
-    rx.kill()
-    rx.join()
+    runs = {}
+    if opts["methods"]:
+        ctx = mp.get_context("spawn")
+        port_q, result_q = ctx.Queue(), ctx.Queue()
+        rx = ctx.Process(target=receiver_main, args=(port_q, opts), daemon=True)
+        rx.start()
+        port = port_q.get(timeout=120)
+        tx = ctx.Process(target=sender_main, args=(port, result_q, opts))
+        tx.start()
+        runs = result_q.get(timeout=3600)
+        tx.join()
+        rx.kill()
+        rx.join()
 
     from h3serve.transport.nixl import _nixl_version
 
@@ -225,6 +319,8 @@ def main() -> None:
         for m in ("nixl_zero_copy", "nixl_copy", "nixl_fallback"):
             if m in meth:
                 meth[m]["vs_grpc"] = round(meth[m]["MBps_median"] / meth["grpc"]["MBps_median"], 2)
+    if args.tail_requests > 0:
+        out["services_tail"] = services_tail(args)
     print(json.dumps(out, indent=1))
 
 

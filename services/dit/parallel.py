@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from h3serve.distributed import ParallelDegrees, Runtime
 
 from .layout import NUM_TAGS, PackedLayout
+from .kernels import chosen_attention, fa3_attention_with_lse
 from .model import BlockContext, H3DiT, timestep_sinusoid
 
 __all__ = ["USPPlan", "USPGroups", "USPDiT", "parallelize_dit", "ring_attention", "attention_with_lse",
@@ -96,6 +97,8 @@ class USPGroups:
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Unmasked attention (B, H, Nq, D) x (B, H, Nk, D) -> out (B, H, Nq, D), log-sum-exp (B, H, Nq) fp32."""
     nq = q.shape[-2]
+    if q.device.type == "cuda" and chosen_attention(q.device)[0] == "fa3":
+        return fa3_attention_with_lse(q, k, v)  # the fastest kernel on Hopper, LSE included
     try:
         if q.device.type == "cpu":
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)[:2]
@@ -223,7 +226,7 @@ class _USPAttention:
             o = ring_attention(q, k, v, group=g.ring, ring_ranks=g.ring_ranks, ring_index=g.ring_index, valid=valid)
         else:
             nv = valid[0]
-            o = F.scaled_dot_product_attention(q, k[:, :, :nv], v[:, :, :nv])
+            o = chosen_attention(q.device)[1](q, k[:, :, :nv], v[:, :, :nv])  # same kernel as one GPU
         if u > 1:
             o = ulysses_heads_to_rows(o, g.ulysses, u)
         return o

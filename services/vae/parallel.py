@@ -53,16 +53,16 @@ class PatchParallelVAE:
         mine = assign_tiles(tiles, self.size)
         if self.rank != 0:
             reqs, keep = [], []
-            for k in mine[self.rank]:
-                t = vae.decode_tile(z_window, tiles[k]).contiguous()
+            for k, t in vae.decode_tiles(z_window, tiles, mine[self.rank]).items():
+                t = t.contiguous()
                 keep.append(t)
                 reqs.append(dist.isend(t, dst=0, group=self.group))
             for req in reqs:
                 req.wait()
             return None
         decoded: list[torch.Tensor | None] = [None] * len(tiles)
-        for k in mine[0]:
-            decoded[k] = vae.decode_tile(z_window, tiles[k])
+        for k, t in vae.decode_tiles(z_window, tiles, mine[0]).items():
+            decoded[k] = t
         ref = decoded[0]  # tile 0 is rank 0's: frames and dtype of every tile
         reqs = []
         for r in range(1, self.size):

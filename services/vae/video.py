@@ -171,18 +171,19 @@ class VideoVAE:
         return self.model.decoder(self.model.post_quant_conv(part))
 
     @torch.no_grad()
-    def decode_window(self, z_window: torch.Tensor) -> torch.Tensor:
-        """Decode one latent window (denormalized), all tiles, stitched: (1, 3, frames, H, W) in VAE pixel space."""
-        h, w = z_window.shape[-2] * self.spatial_ratio, z_window.shape[-1] * self.spatial_ratio
-        tiles = self.plan_tiles(h, w)
-        batch = self.tile_batch or (len(tiles) if z_window.is_cuda else 1)
+    def decode_tiles(self, z_window: torch.Tensor, tiles: list[Tile], which: list[int] | None = None
+                     ) -> dict[int, torch.Tensor]:
+        """Decode tiles `which` (default all) of one window: {index: (1, 3, frames, th, tw)}. On CUDA, tiles of one
+        shape go through the decoder as one batch (one launch sequence instead of one per tile)."""
+        which = list(range(len(tiles))) if which is None else list(which)
+        batch = self.tile_batch or (len(which) if z_window.is_cuda else 1)
         if batch <= 1 or z_window.shape[0] != 1:
-            return stitch_tiles(tiles, [self.decode_tile(z_window, t) for t in tiles])
+            return {i: self.decode_tile(z_window, tiles[i]) for i in which}
         r = self.spatial_ratio
-        decoded: list[torch.Tensor | None] = [None] * len(tiles)
+        decoded: dict[int, torch.Tensor] = {}
         by_shape: dict[tuple[int, int], list[int]] = {}
-        for i, t in enumerate(tiles):
-            by_shape.setdefault((t.height, t.width), []).append(i)
+        for i in which:
+            by_shape.setdefault((tiles[i].height, tiles[i].width), []).append(i)
         for idx in by_shape.values():
             for k in range(0, len(idx), batch):
                 part = idx[k:k + batch]
@@ -191,7 +192,14 @@ class VideoVAE:
                 out = self.model.decoder(self.model.post_quant_conv(z))
                 for j, i in enumerate(part):
                     decoded[i] = out[j:j + 1]
-        return stitch_tiles(tiles, decoded)
+        return decoded
+
+    def decode_window(self, z_window: torch.Tensor) -> torch.Tensor:
+        """Decode one latent window (denormalized), all tiles, stitched: (1, 3, frames, H, W) in VAE pixel space."""
+        h, w = z_window.shape[-2] * self.spatial_ratio, z_window.shape[-1] * self.spatial_ratio
+        tiles = self.plan_tiles(h, w)
+        decoded = self.decode_tiles(z_window, tiles)
+        return stitch_tiles(tiles, [decoded[i] for i in range(len(tiles))])
 
     def _postprocess(self, clip: torch.Tensor) -> torch.Tensor:
         """(1, 3, F, H, W) VAE pixel space → (F, H, W, 3) float32 in [0, 1] (ImageNet de-normalize, clamp)."""

@@ -224,6 +224,14 @@ class Pipeline:
         return cls(checkpoint=root, profile=profile, dtype=dtype, device=dev, encoder=encoder, dit=dit,
                    video_vae=video_vae, audio_vae=audio_vae, load_seconds=time.perf_counter() - t0)
 
+    @property
+    def reference_short_edge(self) -> int:
+        """ref2va image references are encoded at this short edge (the checkpoint's pipeline config; 2048 released)."""
+        from h3serve.checkpoint import CheckpointFolder
+
+        config = CheckpointFolder(self.checkpoint, components=[]).pipeline_config
+        return int(config.get("reference_image_short_edge", 2048))
+
     # -- stages -------------------------------------------------------------------------------------------------
 
     def _conditions(self, req: GenerationRequest):
@@ -249,7 +257,8 @@ class Pipeline:
             max_samples = int(req.num_frames / req.fps * SAMPLE_RATE)  # as the reference truncates
             for spec in req.references:
                 if spec.kind == "image":
-                    img = pres.resize_reference_image(Image.open(spec.path).convert("RGB"))
+                    img = pres.resize_reference_image(Image.open(spec.path).convert("RGB"),
+                                                      short_edge=self.reference_short_edge)
                     z = self.video_vae.encode_keyframe(img)
                     refs.append(pres.Reference(kind="image", image=img))
                     cond_latents.append(z)

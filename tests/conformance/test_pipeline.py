@@ -130,11 +130,23 @@ def _write_wav(path, pcm, rate=32000):
             out.mux(packet)
 
 
-def test_ref2va_latents_match_reference(tiny_checkpoint, tmp_path):
-    """An image reference (encoded at its own 2048-short-edge canvas) and a mono 32 kHz voice reference."""
+def test_ref2va_latents_match_reference(copy_checkpoint, tmp_path):
+    """An image reference (encoded at its own short-edge canvas) and a mono 32 kHz voice reference.
+
+    The checkpoint's pipeline config sets the reference short edge (2048 released); this copy says 512, which both
+    sides read, so the test exercises the same rule at a CPU-friendly size.
+    """
+    import json
+
     from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3AudioReference, MiniMaxH3ImageReference
 
     from h3serve.pipeline import Pipeline
+
+    tiny_checkpoint = copy_checkpoint()
+    index_path = tiny_checkpoint / "modular_model_index.json"
+    index = json.loads(index_path.read_text())
+    index["reference_image_short_edge"] = 512
+    index_path.write_text(json.dumps(index))
 
     rng = np.random.default_rng(5)
     Image.fromarray(rng.integers(0, 255, (64, 96, 3), dtype=np.uint8)).save(tmp_path / "subject.png")

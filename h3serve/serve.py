@@ -205,6 +205,9 @@ class StageBase:
         self.cancelled_total = 0
         self.work_units_total = 0
         self.active: dict[int, RequestScope] = {}
+        # The request whose work is on the engine thread right now. A cancelled RPC can return before the engine
+        # finishes its current step; the stage is busy until then (its counters still move).
+        self.engine_scope: RequestScope | None = None
         self.last: RequestScope | None = None
         self.last_seconds = 0.0
         self.load_seconds = 0.0
@@ -231,7 +234,15 @@ class StageBase:
         """Stop admitting new requests (the gateway); stages rely on the gateway and on health."""
 
     def busy(self) -> bool:
-        return bool(self.active)
+        return bool(self.active) or self.engine_scope is not None
+
+    def _on_engine(self, scope: RequestScope, fn: Callable[[], Any]) -> Any:
+        self.engine_scope = scope
+        try:
+            scope.check("before start")
+            return fn()
+        finally:
+            self.engine_scope = None
 
     def cancel_all(self) -> None:
         self.stopping.set()
@@ -290,11 +301,7 @@ class StageBase:
     def run_engine(self, scope: RequestScope, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the stage's engine thread (one request at a time), giving up if the request stops while it
         waits for its turn. Exceptions propagate."""
-        def job():
-            scope.check("before start")
-            return fn()
-
-        future = self.executor.submit(job)
+        future = self.executor.submit(self._on_engine, scope, fn)
         while True:
             try:
                 return future.result(timeout=0.1)
@@ -315,8 +322,7 @@ class StageBase:
 
         def job():
             try:
-                scope.check("before start")
-                return work(events.put)
+                return self._on_engine(scope, lambda: work(events.put))
             finally:
                 events.put(done)
 
@@ -340,7 +346,7 @@ class StageBase:
     def status(self):
         from h3serve._proto import common_pb2
 
-        current = next(iter(self.active.values()), None)
+        current = next(iter(self.active.values()), None) or self.engine_scope
         last = self.last
         msg = common_pb2.StageStatus(
             stage=self.stage, ready=self.ready, pid=os.getpid(), requests_total=self.requests_total,

@@ -107,7 +107,7 @@ def test_tiny_init_is_deterministic_and_atomic(tiny_checkpoint, tmp_path):
 
 
 def test_tiny_init_interrupted_leaves_nothing(tmp_path, monkeypatch):
-    def half_build(root, seed):
+    def half_build(root, seed, preset="tiny"):
         (root / "transformer").mkdir()
         (root / "modular_model_index.json").write_text("{}")
         raise KeyboardInterrupt

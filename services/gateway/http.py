@@ -90,8 +90,8 @@ def normalize_fields(body: Any) -> tuple[dict[str, Any], dict[str, str]]:
     fields: dict[str, Any] = {}
     names: dict[str, str] = {}
     for key, value in body.items():
-        if not isinstance(key, str):
-            raise RequestError("body", _short(key), "string keys")
+        if not isinstance(key, str) or not key:
+            raise RequestError("body", _short(key), "non-empty string field names")
         if key in UNSUPPORTED:
             if value is None or value == "" or value == []:
                 continue

@@ -157,8 +157,11 @@ def _add_checkpoint(sub: argparse._SubParsersAction) -> None:
     csub = p.add_subparsers(dest="checkpoint_cmd", required=True)
 
     init = csub.add_parser("init", help="write a random checkpoint in the diffusers layout")
-    init.add_argument("--preset", default="tiny", choices=["tiny", "tiny8"],
-                      help="tiny (2 DiT heads), or tiny8 (8 DiT heads, 8 encoder heads / KV heads: degree 8 dry runs)")
+    init.add_argument("--preset", default="tiny", choices=["tiny", "tiny8", "full"],
+                      help="tiny (2 DiT heads), tiny8 (8 DiT heads, 8 encoder heads / KV heads: degree 8 dry runs), "
+                           "or full (released geometry and stored dtypes, random values, ~143 GB: GPU benchmarks)")
+    init.add_argument("--with-ref", action="store_true",
+                      help="full: also write transformer_ref/ (another 66 GB; needed only for ref2va)")
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("dir")
     init.set_defaults(func=_cmd_checkpoint_init)
@@ -176,9 +179,21 @@ def _add_checkpoint(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_checkpoint_init(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    if args.preset == "full":
+        from h3serve.fullsize import init_full_checkpoint
+
+        def progress(component: str, seconds: float, nbytes: int) -> None:
+            rate = nbytes / 1e6 / max(seconds, 1e-9)
+            print(f"  {component}: {nbytes / 1e9:.1f} GB in {seconds:.0f}s ({rate:.0f} MB/s)", flush=True)
+
+        init_full_checkpoint(args.dir, seed=args.seed, with_ref=args.with_ref, progress=progress)
+        print(f"wrote {args.preset} checkpoint {args.dir} in {time.perf_counter() - t0:.1f}s")
+        return 0
+    if args.with_ref:
+        raise H3Error("--with-ref is only used with --preset full (tiny checkpoints always have transformer_ref/)")
     from h3serve.tiny import init_tiny_checkpoint
 
-    t0 = time.perf_counter()
     init_tiny_checkpoint(args.dir, seed=args.seed, preset=args.preset)
     print(f"wrote {args.preset} checkpoint {args.dir} in {time.perf_counter() - t0:.1f}s")
     return 0

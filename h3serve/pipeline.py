@@ -199,8 +199,10 @@ class Pipeline:
             degrees.validate(dit_heads=int(folder.config("transformer")["num_attention_heads"]),
                              encoder_heads=int(text["num_attention_heads"]),
                              encoder_kv_heads=int(text["num_key_value_heads"]),
-                             encoder_intermediate=int(text["intermediate_size"]))  # rank 0 here, ranks 1..N-1 spawned; every rank loads its part (_parallel_rank)
+                             encoder_intermediate=int(text["intermediate_size"]))
             from h3serve.distributed import launch
+
+            # This process is rank 0; ranks 1..N-1 are spawned, and every rank loads its own part (_parallel_rank).
 
             handle = launch(degrees.world_size, _parallel_rank, (str(root), profile, adapter, adapter_sha256, dtype,
                             tuple(tasks), degrees), device=dev.type)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DiTParams(_message.Message):
-    __slots__ = ("request_id", "latent_frames", "latent_height", "latent_width", "audio_latents", "seed", "task", "profile", "steps")
+    __slots__ = ("request_id", "latent_frames", "latent_height", "latent_width", "audio_latents", "seed", "task", "profile", "steps", "latents_sink")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LATENT_FRAMES_FIELD_NUMBER: _ClassVar[int]
     LATENT_HEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class DiTParams(_message.Message):
     TASK_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    LATENTS_SINK_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     latent_frames: int
     latent_height: int
@@ -27,7 +28,8 @@ class DiTParams(_message.Message):
     task: str
     profile: str
     steps: int
-    def __init__(self, request_id: _Optional[str] = ..., latent_frames: _Optional[int] = ..., latent_height: _Optional[int] = ..., latent_width: _Optional[int] = ..., audio_latents: _Optional[int] = ..., seed: _Optional[int] = ..., task: _Optional[str] = ..., profile: _Optional[str] = ..., steps: _Optional[int] = ...) -> None: ...
+    latents_sink: _common_pb2.Sink
+    def __init__(self, request_id: _Optional[str] = ..., latent_frames: _Optional[int] = ..., latent_height: _Optional[int] = ..., latent_width: _Optional[int] = ..., audio_latents: _Optional[int] = ..., seed: _Optional[int] = ..., task: _Optional[str] = ..., profile: _Optional[str] = ..., steps: _Optional[int] = ..., latents_sink: _Optional[_Union[_common_pb2.Sink, _Mapping]] = ...) -> None: ...
 
 class DiTInput(_message.Message):
     __slots__ = ("params", "chunk", "end")
@@ -50,11 +52,13 @@ class DiTEvent(_message.Message):
     def __init__(self, progress: _Optional[_Union[_common_pb2.Progress, _Mapping]] = ..., chunk: _Optional[_Union[_common_pb2.TensorChunk, _Mapping]] = ..., done: _Optional[_Union[DiTDone, _Mapping]] = ...) -> None: ...
 
 class DiTDone(_message.Message):
-    __slots__ = ("steps", "seconds", "step_seconds")
+    __slots__ = ("steps", "seconds", "step_seconds", "transport")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     steps: int
     seconds: float
     step_seconds: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, steps: _Optional[int] = ..., seconds: _Optional[float] = ..., step_seconds: _Optional[_Iterable[float]] = ...) -> None: ...
+    transport: _common_pb2.TransportInfo
+    def __init__(self, steps: _Optional[int] = ..., seconds: _Optional[float] = ..., step_seconds: _Optional[_Iterable[float]] = ..., transport: _Optional[_Union[_common_pb2.TransportInfo, _Mapping]] = ...) -> None: ...

@@ -25,23 +25,27 @@ _sym_db = _symbol_database.Default()
 from h3serve._proto import common_pb2 as h3serve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14h3serve/v1/vae.proto\x12\nh3serve.v1\x1a\x17h3serve/v1/common.proto\"u\n\x0c\x44\x65\x63odeParams\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1e\n\x04sink\x18\x02 \x01(\x0b\x32\x10.h3serve.v1.Sink\x12\x12\n\nnum_frames\x18\x03 \x01(\x05\x12\r\n\x05width\x18\x04 \x01(\x05\x12\x0e\n\x06height\x18\x05 \x01(\x05\"\x92\x01\n\x0b\x44\x65\x63odeInput\x12*\n\x06params\x18\x01 \x01(\x0b\x32\x18.h3serve.v1.DecodeParamsH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.h3serve.v1.TensorChunkH\x00\x12$\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x15.h3serve.v1.StreamEndH\x00\x42\x07\n\x05input\"\\\n\x08\x43lipSent\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x13\n\x0b\x66irst_frame\x18\x02 \x01(\x05\x12\x0e\n\x06\x66rames\x18\x03 \x01(\x05\x12\r\n\x05\x63lips\x18\x04 \x01(\x05\x12\r\n\x05\x62ytes\x18\x05 \x01(\x03\"\xbc\x01\n\nDecodeDone\x12\x0e\n\x06\x66rames\x18\x01 \x01(\x05\x12\x13\n\x0bpcm_samples\x18\x02 \x01(\x03\x12\x15\n\rvideo_seconds\x18\x03 \x01(\x01\x12\x15\n\raudio_seconds\x18\x04 \x01(\x01\x12\x19\n\x11sink_tail_seconds\x18\x05 \x01(\x01\x12\x12\n\nbytes_sent\x18\x06 \x01(\x03\x12,\n\ttransport\x18\x07 \x01(\x0b\x32\x19.h3serve.v1.TransportInfo\"d\n\x0b\x44\x65\x63odeEvent\x12$\n\x04\x63lip\x18\x01 \x01(\x0b\x32\x14.h3serve.v1.ClipSentH\x00\x12&\n\x04\x64one\x18\x02 \x01(\x0b\x32\x16.h3serve.v1.DecodeDoneH\x00\x42\x07\n\x05\x65vent2\xd0\x01\n\x03VAE\x12>\n\x06\x44\x65\x63ode\x12\x17.h3serve.v1.DecodeInput\x1a\x17.h3serve.v1.DecodeEvent(\x01\x30\x01\x12K\n\tHandshake\x12\x1e.h3serve.v1.TransportHandshake\x1a\x1e.h3serve.v1.TransportHandshake\x12<\n\x06Status\x12\x19.h3serve.v1.StatusRequest\x1a\x17.h3serve.v1.StageStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14h3serve/v1/vae.proto\x12\nh3serve.v1\x1a\x17h3serve/v1/common.proto\"\x90\x01\n\x0c\x44\x65\x63odeParams\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1e\n\x04sink\x18\x02 \x01(\x0b\x32\x10.h3serve.v1.Sink\x12\x12\n\nnum_frames\x18\x03 \x01(\x05\x12\r\n\x05width\x18\x04 \x01(\x05\x12\x0e\n\x06height\x18\x05 \x01(\x05\x12\x19\n\x11latents_transport\x18\x06 \x01(\t\"5\n\x0eLatentsSession\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\"E\n\x0eLatentsControl\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttransport\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x92\x01\n\x0b\x44\x65\x63odeInput\x12*\n\x06params\x18\x01 \x01(\x0b\x32\x18.h3serve.v1.DecodeParamsH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.h3serve.v1.TensorChunkH\x00\x12$\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x15.h3serve.v1.StreamEndH\x00\x42\x07\n\x05input\"\\\n\x08\x43lipSent\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x13\n\x0b\x66irst_frame\x18\x02 \x01(\x05\x12\x0e\n\x06\x66rames\x18\x03 \x01(\x05\x12\r\n\x05\x63lips\x18\x04 \x01(\x05\x12\r\n\x05\x62ytes\x18\x05 \x01(\x03\"\xf2\x01\n\nDecodeDone\x12\x0e\n\x06\x66rames\x18\x01 \x01(\x05\x12\x13\n\x0bpcm_samples\x18\x02 \x01(\x03\x12\x15\n\rvideo_seconds\x18\x03 \x01(\x01\x12\x15\n\raudio_seconds\x18\x04 \x01(\x01\x12\x19\n\x11sink_tail_seconds\x18\x05 \x01(\x01\x12\x12\n\nbytes_sent\x18\x06 \x01(\x03\x12,\n\ttransport\x18\x07 \x01(\x0b\x32\x19.h3serve.v1.TransportInfo\x12\x34\n\x11latents_transport\x18\x08 \x01(\x0b\x32\x19.h3serve.v1.TransportInfo\"\x93\x01\n\x0b\x44\x65\x63odeEvent\x12$\n\x04\x63lip\x18\x01 \x01(\x0b\x32\x14.h3serve.v1.ClipSentH\x00\x12&\n\x04\x64one\x18\x02 \x01(\x0b\x32\x16.h3serve.v1.DecodeDoneH\x00\x12-\n\x07latents\x18\x03 \x01(\x0b\x32\x1a.h3serve.v1.LatentsSessionH\x00\x42\x07\n\x05\x65vent2\x97\x02\n\x03VAE\x12>\n\x06\x44\x65\x63ode\x12\x17.h3serve.v1.DecodeInput\x1a\x17.h3serve.v1.DecodeEvent(\x01\x30\x01\x12K\n\tHandshake\x12\x1e.h3serve.v1.TransportHandshake\x1a\x1e.h3serve.v1.TransportHandshake\x12\x45\n\x07\x43ontrol\x12\x1a.h3serve.v1.LatentsControl\x1a\x1a.h3serve.v1.LatentsControl(\x01\x30\x01\x12<\n\x06Status\x12\x19.h3serve.v1.StatusRequest\x1a\x17.h3serve.v1.StageStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'h3serve.v1.vae_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DECODEPARAMS']._serialized_start=61
-  _globals['_DECODEPARAMS']._serialized_end=178
-  _globals['_DECODEINPUT']._serialized_start=181
-  _globals['_DECODEINPUT']._serialized_end=327
-  _globals['_CLIPSENT']._serialized_start=329
-  _globals['_CLIPSENT']._serialized_end=421
-  _globals['_DECODEDONE']._serialized_start=424
-  _globals['_DECODEDONE']._serialized_end=612
-  _globals['_DECODEEVENT']._serialized_start=614
-  _globals['_DECODEEVENT']._serialized_end=714
-  _globals['_VAE']._serialized_start=717
-  _globals['_VAE']._serialized_end=925
+  _globals['_DECODEPARAMS']._serialized_start=62
+  _globals['_DECODEPARAMS']._serialized_end=206
+  _globals['_LATENTSSESSION']._serialized_start=208
+  _globals['_LATENTSSESSION']._serialized_end=261
+  _globals['_LATENTSCONTROL']._serialized_start=263
+  _globals['_LATENTSCONTROL']._serialized_end=332
+  _globals['_DECODEINPUT']._serialized_start=335
+  _globals['_DECODEINPUT']._serialized_end=481
+  _globals['_CLIPSENT']._serialized_start=483
+  _globals['_CLIPSENT']._serialized_end=575
+  _globals['_DECODEDONE']._serialized_start=578
+  _globals['_DECODEDONE']._serialized_end=820
+  _globals['_DECODEEVENT']._serialized_start=823
+  _globals['_DECODEEVENT']._serialized_end=970
+  _globals['_VAE']._serialized_start=973
+  _globals['_VAE']._serialized_end=1252
 # @@protoc_insertion_point(module_scope)

@@ -7,18 +7,38 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DecodeParams(_message.Message):
-    __slots__ = ("request_id", "sink", "num_frames", "width", "height")
+    __slots__ = ("request_id", "sink", "num_frames", "width", "height", "latents_transport")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SINK_FIELD_NUMBER: _ClassVar[int]
     NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    LATENTS_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sink: _common_pb2.Sink
     num_frames: int
     width: int
     height: int
-    def __init__(self, request_id: _Optional[str] = ..., sink: _Optional[_Union[_common_pb2.Sink, _Mapping]] = ..., num_frames: _Optional[int] = ..., width: _Optional[int] = ..., height: _Optional[int] = ...) -> None: ...
+    latents_transport: str
+    def __init__(self, request_id: _Optional[str] = ..., sink: _Optional[_Union[_common_pb2.Sink, _Mapping]] = ..., num_frames: _Optional[int] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., latents_transport: _Optional[str] = ...) -> None: ...
+
+class LatentsSession(_message.Message):
+    __slots__ = ("address", "session_id")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    session_id: str
+    def __init__(self, address: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class LatentsControl(_message.Message):
+    __slots__ = ("session_id", "transport", "data")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    transport: str
+    data: bytes
+    def __init__(self, session_id: _Optional[str] = ..., transport: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class DecodeInput(_message.Message):
     __slots__ = ("params", "chunk", "end")
@@ -45,7 +65,7 @@ class ClipSent(_message.Message):
     def __init__(self, index: _Optional[int] = ..., first_frame: _Optional[int] = ..., frames: _Optional[int] = ..., clips: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class DecodeDone(_message.Message):
-    __slots__ = ("frames", "pcm_samples", "video_seconds", "audio_seconds", "sink_tail_seconds", "bytes_sent", "transport")
+    __slots__ = ("frames", "pcm_samples", "video_seconds", "audio_seconds", "sink_tail_seconds", "bytes_sent", "transport", "latents_transport")
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     PCM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     VIDEO_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +73,7 @@ class DecodeDone(_message.Message):
     SINK_TAIL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    LATENTS_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     frames: int
     pcm_samples: int
     video_seconds: float
@@ -60,12 +81,15 @@ class DecodeDone(_message.Message):
     sink_tail_seconds: float
     bytes_sent: int
     transport: _common_pb2.TransportInfo
-    def __init__(self, frames: _Optional[int] = ..., pcm_samples: _Optional[int] = ..., video_seconds: _Optional[float] = ..., audio_seconds: _Optional[float] = ..., sink_tail_seconds: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., transport: _Optional[_Union[_common_pb2.TransportInfo, _Mapping]] = ...) -> None: ...
+    latents_transport: _common_pb2.TransportInfo
+    def __init__(self, frames: _Optional[int] = ..., pcm_samples: _Optional[int] = ..., video_seconds: _Optional[float] = ..., audio_seconds: _Optional[float] = ..., sink_tail_seconds: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., transport: _Optional[_Union[_common_pb2.TransportInfo, _Mapping]] = ..., latents_transport: _Optional[_Union[_common_pb2.TransportInfo, _Mapping]] = ...) -> None: ...
 
 class DecodeEvent(_message.Message):
-    __slots__ = ("clip", "done")
+    __slots__ = ("clip", "done", "latents")
     CLIP_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    LATENTS_FIELD_NUMBER: _ClassVar[int]
     clip: ClipSent
     done: DecodeDone
-    def __init__(self, clip: _Optional[_Union[ClipSent, _Mapping]] = ..., done: _Optional[_Union[DecodeDone, _Mapping]] = ...) -> None: ...
+    latents: LatentsSession
+    def __init__(self, clip: _Optional[_Union[ClipSent, _Mapping]] = ..., done: _Optional[_Union[DecodeDone, _Mapping]] = ..., latents: _Optional[_Union[LatentsSession, _Mapping]] = ...) -> None: ...

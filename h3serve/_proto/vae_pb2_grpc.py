@@ -45,6 +45,11 @@ class VAEStub:
                 request_serializer=h3serve_dot_v1_dot_common__pb2.TransportHandshake.SerializeToString,
                 response_deserializer=h3serve_dot_v1_dot_common__pb2.TransportHandshake.FromString,
                 _registered_method=True)
+        self.Control = channel.stream_stream(
+                '/h3serve.v1.VAE/Control',
+                request_serializer=h3serve_dot_v1_dot_vae__pb2.LatentsControl.SerializeToString,
+                response_deserializer=h3serve_dot_v1_dot_vae__pb2.LatentsControl.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/h3serve.v1.VAE/Status',
                 request_serializer=h3serve_dot_v1_dot_common__pb2.StatusRequest.SerializeToString,
@@ -71,6 +76,16 @@ class VAEServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Control(self, request_iterator, context):
+        """The control pipe of the latents edge (DiT -> VAE) for a Decode whose params set latents_transport "nixl":
+        the DiT's first message names the latents session (DecodeEvent.latents), the VAE's first message is its NIXL
+        handshake; then "video_latents" and "audio_latents" arrive by NIXL WRITEs (or inline in this stream when NIXL
+        cannot be used). The response stream ends once both tensors are in, or with the error.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Status(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -89,6 +104,11 @@ def add_VAEServicer_to_server(servicer, server):
                     servicer.Handshake,
                     request_deserializer=h3serve_dot_v1_dot_common__pb2.TransportHandshake.FromString,
                     response_serializer=h3serve_dot_v1_dot_common__pb2.TransportHandshake.SerializeToString,
+            ),
+            'Control': grpc.stream_stream_rpc_method_handler(
+                    servicer.Control,
+                    request_deserializer=h3serve_dot_v1_dot_vae__pb2.LatentsControl.FromString,
+                    response_serializer=h3serve_dot_v1_dot_vae__pb2.LatentsControl.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -150,6 +170,33 @@ class VAE:
             '/h3serve.v1.VAE/Handshake',
             h3serve_dot_v1_dot_common__pb2.TransportHandshake.SerializeToString,
             h3serve_dot_v1_dot_common__pb2.TransportHandshake.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Control(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/h3serve.v1.VAE/Control',
+            h3serve_dot_v1_dot_vae__pb2.LatentsControl.SerializeToString,
+            h3serve_dot_v1_dot_vae__pb2.LatentsControl.FromString,
             options,
             channel_credentials,
             insecure,

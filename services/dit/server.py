@@ -8,6 +8,7 @@ progress event per denoising step, then the latents.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 from h3serve.errors import RequestError
@@ -16,6 +17,8 @@ from h3serve.serve import StageBase, StageConfig
 from h3serve.transport.grpc import GrpcStreamReceiver, iter_tensor_chunks
 
 log = logging.getLogger("h3serve.dit")
+
+LATENTS_EDGE = "dit->vae"
 
 
 def _unwrap(msg):
@@ -29,6 +32,12 @@ class DiTServicer(StageBase):
     def __init__(self, config: StageConfig, health=None):
         super().__init__(config, health)
         self.engine = None
+        # the latents edge (dit->vae): what this process can use (decided at load), the last stream's info
+        self.transport_requested = config.transport or "grpc"
+        self.transport_chosen, self.transport_reason = "grpc", "requested"
+        self.last_transport: dict | None = None
+        self._channels: dict[str, object] = {}
+        self._channels_lock = threading.Lock()
 
     def register(self, server) -> None:
         from h3serve._proto import dit_pb2_grpc
@@ -36,7 +45,16 @@ class DiTServicer(StageBase):
         dit_pb2_grpc.add_DiTServicer_to_server(self, server)
 
     def load(self) -> None:
+        from h3serve.transport.nixl import select_transport
+
+        if self.transport_requested in ("grpc", "nixl"):
+            self.transport_chosen, self.transport_reason = select_transport(self.transport_requested)
         self.executor.submit(self._load).result()
+
+    def close(self) -> None:
+        super().close()
+        for channel in self._channels.values():
+            channel.close()
 
     def _load(self) -> None:
         import torch
@@ -65,7 +83,10 @@ class DiTServicer(StageBase):
             self.engine.generate(req)
 
     def info(self) -> dict:
-        return {**super().info(), "tasks": ["t2va", "fl2va"]}
+        return {**super().info(), "tasks": ["t2va", "fl2va"],
+                "transport": {"edge": LATENTS_EDGE, "requested": self.transport_requested,
+                              "chosen": self.transport_chosen, "reason": self.transport_reason,
+                              "last_stream": self.last_transport}}
 
     @grpc_method("dit")
     def Generate(self, request_iterator, context):
@@ -99,17 +120,99 @@ class DiTServicer(StageBase):
 
                 return self.engine.generate(req, on_step=on_step, should_stop=scope.should_stop)
 
+            sink = p.latents_sink
             result = yield from self.engine_events(scope, work, lambda p: dit_pb2.DiTEvent(progress=p))
-            for chunk in iter_tensor_chunks("video_latents", result.video):
-                yield dit_pb2.DiTEvent(chunk=chunk)
-            for chunk in iter_tensor_chunks("audio_latents", result.audio):
-                yield dit_pb2.DiTEvent(chunk=chunk)
-            yield dit_pb2.DiTEvent(done=dit_pb2.DiTDone(steps=result.steps, seconds=result.seconds,
-                                                        step_seconds=result.step_seconds))
+            done = dit_pb2.DiTDone(steps=result.steps, seconds=result.seconds, step_seconds=result.step_seconds)
+            if sink.address and sink.session_id:   # the latents go straight to the VAE (dit->vae over Control)
+                info = self._send_latents(scope, sink, result)
+                done.transport.CopyFrom(common_pb2.TransportInfo(**info))
+            else:
+                for chunk in iter_tensor_chunks("video_latents", result.video):
+                    yield dit_pb2.DiTEvent(chunk=chunk)
+                for chunk in iter_tensor_chunks("audio_latents", result.audio):
+                    yield dit_pb2.DiTEvent(chunk=chunk)
+            yield dit_pb2.DiTEvent(done=done)
         except BaseException as exc:
             self.finish(scope, exc)
             raise
         self.finish(scope)
+
+    def _send_latents(self, scope, sink, result) -> dict:
+        """Send the latents to the VAE's latents session: `VAE.Control` carries a NixlSender's control pipe (the
+        bytes by NIXL WRITE, or inline in the stream when NIXL cannot be used). Returns the edge's transport info.
+        A broken stream raises StageUnavailable naming the VAE (or what the VAE said)."""
+        from h3serve._proto import vae_pb2, vae_pb2_grpc
+        from h3serve.errortable import StageUnavailable
+        from h3serve.errortable import from_grpc
+        from h3serve.services.vae.sink import CONNECT_S, wait_s
+        from h3serve.transport.base import TransportError
+        from h3serve.transport.grpc import insecure_channel
+        from h3serve.transport.nixl import NixlSender, QueuePipe
+
+        def call_error(call, wait: float = 2.0):
+            end = time.monotonic() + wait
+            while not call.done() and time.monotonic() < end:
+                time.sleep(0.01)
+            if call.done() and not call.cancelled():
+                exc = call.exception()
+                if exc is not None:
+                    return from_grpc(exc, stage="vae")
+            return None
+
+        with self._channels_lock:
+            channel = self._channels.get(sink.address)
+            if channel is None:
+                channel = self._channels[sink.address] = insecure_channel(sink.address)
+        pipe = QueuePipe()
+        first = vae_pb2.LatentsControl(session_id=sink.session_id, transport="nixl")
+
+        def requests():
+            yield first
+            for data in pipe.outgoing():
+                yield vae_pb2.LatentsControl(data=data)
+
+        call = vae_pb2_grpc.VAEStub(channel).Control(requests(), timeout=scope.remaining())
+        pump = pipe.pump(m.data for m in call)
+        tx = None
+        ok = False
+        try:
+            try:
+                handshake = pipe.recv(wait_s(scope))
+            except (TimeoutError, EOFError) as e:
+                err = call_error(call)
+                if err is not None:
+                    raise err from None
+                raise StageUnavailable("vae", f"no NIXL handshake on {LATENTS_EDGE}: {e}") from None
+            tx = NixlSender(LATENTS_EDGE, pipe, timeout=wait_s(scope), connect_timeout=min(CONNECT_S, wait_s(scope)),
+                            transport=self.transport_chosen)
+            try:
+                tx.connect(handshake)
+                tx.send("video_latents", result.video.float().contiguous(), timeout=wait_s(scope))
+                tx.send("audio_latents", result.audio.float().contiguous(), timeout=wait_s(scope))
+                tx.close(timeout=wait_s(scope))
+            except TransportError as e:
+                scope.check("while sending the latents")
+                err = call_error(call)
+                if err is not None:
+                    raise err from None
+                raise StageUnavailable("vae", f"the latents stream ({LATENTS_EDGE}) broke: {e}") from None
+            pipe.close()
+            pump.join(wait_s(scope))
+            err = call_error(call) if call.done() else None
+            if err is not None:
+                raise err
+            ok = True
+            info = {"edge": LATENTS_EDGE, **tx.transport_info, "requested": "nixl"}
+            if info["chosen"] != "nixl" and self.transport_chosen != "nixl":
+                info["reason"] = f"dit: {self.transport_reason}"
+            self.last_transport = dict(info)
+            return info
+        finally:
+            if not ok:
+                if tx is not None:
+                    tx.abort("the DiT gave up on the request")
+                pipe.close()
+                call.cancel()
 
     @grpc_method("dit")
     def Status(self, request, context):

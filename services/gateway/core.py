@@ -394,9 +394,9 @@ class GatewayCore:
             "vae->muxer": {"requested": requested, "chosen": requested if requested == "grpc" else "pending",
                            "reason": "requested" if requested == "grpc" else "decided per request by the VAE and "
                                                                               "the muxer (no request yet)"},
-            "dit->vae": {"requested": requested, "chosen": "grpc",
-                         "reason": "requested" if requested == "grpc" else
-                         "latents pass through the gateway as gRPC chunk streams (tens of MB)"},
+            "dit->vae": {"requested": requested, "chosen": requested if requested == "grpc" else "pending",
+                         "reason": "requested" if requested == "grpc" else "decided per request by the DiT and "
+                                                                            "the VAE (no request yet)"},
         }
         self._transport_lock = threading.Lock()
         for edge, t in self.transport.items():
@@ -670,34 +670,51 @@ class GatewayCore:
         t["encoder_s"] = time.perf_counter() - t0
         self._progress(job, "encoder", 1, 1, t["encoder_s"], P_ENCODER)
 
-        # dit: conditions + geometry + seed -> latents, one progress event per step
+        # dit: conditions + geometry + seed -> latents, one progress event per step. Under --transport nixl the
+        # latents go from the DiT straight to the VAE (dit->vae over VAE.Control): the muxer session and the VAE's
+        # Decode (which announces a latents session) are opened first, the DiT is told where to send the latents.
+        direct = self.config.transport == "nixl"
         t0 = time.perf_counter()
         params = dit_pb2.DiTParams(
             request_id=job.id, latent_frames=req.latent_frames, latent_height=req.latent_height,
             latent_width=req.latent_width, audio_latents=req.audio_latents, seed=req.seed, task=req.task,
             profile=req.profile, steps=0 if req.profile == "fasth3" else req.steps)
-        inputs = itertools.chain(
-            [dit_pb2.DiTInput(params=params)],
-            (dit_pb2.DiTInput(chunk=c) for c in iter_tensor_chunks("text_states", text["text_states"])),
-            (dit_pb2.DiTInput(chunk=c) for c in iter_tensor_chunks("text_tags", text["text_tags"])),
-            [dit_pb2.DiTInput(end=common_pb2.StreamEnd(tensors=2))])
-        chunks = []
-        for ev in self._call(job, "dit", lambda: self.stages.dit.Generate(inputs, timeout=job.remaining())):
-            kind = ev.WhichOneof("event")
-            if kind == "progress":
-                p = ev.progress
-                self._progress(job, "dit", p.done, p.total, p.elapsed_s, P_ENCODER + P_DIT * p.done / max(1, p.total))
-            elif kind == "chunk":
-                chunks.append(ev.chunk)
-            elif kind == "done":
-                t["dit_steps"] = float(ev.done.steps)
-        latents = collect_tensors(chunks, edge="dit->gateway")
-        t["dit_s"] = time.perf_counter() - t0
-        t_latents = time.perf_counter()   # the tail starts: last latent in -> MP4 ready
+        latents = None
+        t_latents = None
+
+        def run_dit():
+            nonlocal latents, t_latents
+            chunks = []
+            inputs = itertools.chain(   # built here: params may have gained the latents sink
+                [dit_pb2.DiTInput(params=params)],
+                (dit_pb2.DiTInput(chunk=c) for c in iter_tensor_chunks("text_states", text["text_states"])),
+                (dit_pb2.DiTInput(chunk=c) for c in iter_tensor_chunks("text_tags", text["text_tags"])),
+                [dit_pb2.DiTInput(end=common_pb2.StreamEnd(tensors=2))])
+            for ev in self._call(job, "dit", lambda: self.stages.dit.Generate(inputs, timeout=job.remaining())):
+                kind = ev.WhichOneof("event")
+                if kind == "progress":
+                    p = ev.progress
+                    self._progress(job, "dit", p.done, p.total, p.elapsed_s,
+                                   P_ENCODER + P_DIT * p.done / max(1, p.total))
+                elif kind == "chunk":
+                    chunks.append(ev.chunk)
+                    self.metrics.latents_relayed_bytes.inc(len(ev.chunk.data))
+                elif kind == "done":
+                    t["dit_steps"] = float(ev.done.steps)
+                    if ev.done.HasField("transport"):
+                        self._record_transport(ev.done.transport)
+            if not direct:
+                latents = collect_tensors(chunks, edge="dit->gateway")
+            t["dit_s"] = time.perf_counter() - t0
+            t_latents = time.perf_counter()   # the tail starts: last latent out of the DiT -> MP4 ready
+
+        if not direct:
+            run_dit()
 
         # muxer session, then the VAE decodes into it
         session = None
         fetched = False
+        decode = None
         mux = self.stages.muxer
         try:
             try:
@@ -714,26 +731,50 @@ class GatewayCore:
             sink = common_pb2.Sink(address=where,
                                    session_id=session.session_id, transport=self.config.transport,
                                    transport_metadata=session.transport_metadata)
-            inputs = itertools.chain(
-                [vae_pb2.DecodeInput(params=vae_pb2.DecodeParams(
-                    request_id=job.id, sink=sink, num_frames=req.num_frames, width=req.width, height=req.height))],
-                (vae_pb2.DecodeInput(chunk=c) for c in iter_tensor_chunks("video_latents", latents["video_latents"])),
-                (vae_pb2.DecodeInput(chunk=c) for c in iter_tensor_chunks("audio_latents", latents["audio_latents"])),
-                [vae_pb2.DecodeInput(end=common_pb2.StreamEnd(tensors=2))])
+            decode_params = vae_pb2.DecodeParams(request_id=job.id, sink=sink, num_frames=req.num_frames,
+                                                 width=req.width, height=req.height)
+            if direct:
+                decode_params.latents_transport = "nixl"
+                inputs_vae = iter([vae_pb2.DecodeInput(params=decode_params),
+                                   vae_pb2.DecodeInput(end=common_pb2.StreamEnd(tensors=0))])
+            else:
+                inputs_vae = itertools.chain(
+                    [vae_pb2.DecodeInput(params=decode_params)],
+                    (vae_pb2.DecodeInput(chunk=c) for c in iter_tensor_chunks("video_latents",
+                                                                              latents["video_latents"])),
+                    (vae_pb2.DecodeInput(chunk=c) for c in iter_tensor_chunks("audio_latents",
+                                                                              latents["audio_latents"])),
+                    [vae_pb2.DecodeInput(end=common_pb2.StreamEnd(tensors=2))])
+            decode = self.stages.vae.Decode(inputs_vae, timeout=job.remaining())
+            events = _mapped(job, "vae", decode)
+            if direct:
+                first = next(events, None)
+                if first is None or first.WhichOneof("event") != "latents":
+                    raise StageUnavailable("vae", "the VAE did not open a latents session")
+                vae_at = first.latents.address
+                if not vae_at or vae_at.rsplit(":", 1)[0] in ("0.0.0.0", "[::]"):
+                    vae_at = self.stages.addresses["vae"]
+                params.latents_sink.CopyFrom(common_pb2.Sink(address=vae_at, session_id=first.latents.session_id,
+                                                             transport="nixl"))
+                run_dit()
             t0 = time.perf_counter()
-            for ev in self._call(job, "vae", lambda: self.stages.vae.Decode(inputs, timeout=job.remaining())):
-                if ev.WhichOneof("event") == "clip":
-                    c = ev.clip
-                    self._progress(job, "vae", c.index + 1, c.clips, time.perf_counter() - t0,
-                                   P_ENCODER + P_DIT + P_VAE * (c.index + 1) / max(1, c.clips))
-                else:
-                    d = ev.done
-                    t["vae_video_s"], t["vae_audio_s"] = d.video_seconds, d.audio_seconds
-                    t["vae_s"] = d.video_seconds + d.audio_seconds
-                    t["mux_tail_s"] = d.sink_tail_seconds
-                    t["transfer_bytes"] = float(d.bytes_sent)
-                    if d.HasField("transport"):
-                        self._record_transport(d.transport)
+            job.attach(decode)
+            try:
+                for ev in events:
+                    if ev.WhichOneof("event") == "clip":
+                        c = ev.clip
+                        self._progress(job, "vae", c.index + 1, c.clips, time.perf_counter() - t0,
+                                       P_ENCODER + P_DIT + P_VAE * (c.index + 1) / max(1, c.clips))
+                    elif ev.WhichOneof("event") == "done":
+                        d = ev.done
+                        t["vae_video_s"], t["vae_audio_s"] = d.video_seconds, d.audio_seconds
+                        t["vae_s"] = d.video_seconds + d.audio_seconds
+                        t["mux_tail_s"] = d.sink_tail_seconds
+                        t["transfer_bytes"] = float(d.bytes_sent)
+                        if d.HasField("transport"):
+                            self._record_transport(d.transport)
+            finally:
+                job.detach()
             t["vae_wall_s"] = time.perf_counter() - t0
 
             # the MP4, from the muxer replica that holds the session
@@ -752,6 +793,8 @@ class GatewayCore:
             fetched = True
             t["fetch_s"] = time.perf_counter() - t0
         finally:
+            if decode is not None and not fetched:
+                decode.cancel()
             if session is not None and not fetched:
                 try:
                     mux.Abort(muxer_pb2.AbortRequest(session_id=session.session_id, reason="request failed"),
@@ -765,6 +808,16 @@ class GatewayCore:
         t["t_client"] = t_end - job.t_admitted
         t["t_media"] = req.num_frames / req.fps
         t["rtf_client"] = t["t_client"] / t["t_media"]
+
+
+def _mapped(job: Job, stage: str, call) -> Iterable:
+    """Iterate a stage call's responses, errors mapped to domain errors naming `stage`."""
+    try:
+        yield from call
+    except grpc.RpcError as err:
+        if job.cancel_requested.is_set():
+            raise Cancelled(job.cancel_reason or "cancelled") from None
+        raise from_grpc(err, stage=stage) from None
 
 
 def _unlink(path: str) -> None:

@@ -33,6 +33,9 @@ class GatewayMetrics:
             registry=r)
         self.transport_requests = Counter("h3serve_transport_requests", "Requests by edge and transport used",
                                           ["edge", "chosen"], registry=r)
+        self.latents_relayed_bytes = Counter(
+            "h3serve_gateway_latents_bytes", "Latent bytes the gateway carried from the DiT to the VAE (0 while the "
+            "dit->vae edge goes direct)", registry=r)
         self._transport_labels: dict[str, tuple] = {}
         for outcome in ("completed", "invalid_request", "queue_full", "draining", "stage_unavailable",
                         "deadline_exceeded", "cancelled", "stage_failed", "internal"):

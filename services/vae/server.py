@@ -28,6 +28,8 @@ from h3serve.transport.grpc import (
 log = logging.getLogger("h3serve.vae")
 
 SEND_DEPTH = 4   # frame messages the VAE may run ahead of the muxer (<= 16 MiB in flight)
+LATENTS_EDGE = "dit->vae"
+LATENTS_SLOT_BYTES = 32 << 20   # one slot holds the full-size video latents (27.9 MB with the audio)
 
 
 def _unwrap(msg):
@@ -54,7 +56,11 @@ class VAEServicer(StageBase):
         self.transport_requested = config.transport or "grpc"
         self.transport_chosen, self.transport_reason = "grpc", "requested"
         self.last_transport: dict | None = None
+        self.last_latents_transport: dict | None = None
         self._warned: set[str] = set()
+        # latents sessions (dit->vae over Control): id -> {"done": Event, "tensors", "error", "info", "taken"}
+        self._latents: dict[str, dict] = {}
+        self._latents_lock = threading.Lock()
 
     def register(self, server) -> None:
         from h3serve._proto import vae_pb2_grpc
@@ -72,6 +78,9 @@ class VAEServicer(StageBase):
         return {**super().info(), "transport": {"edge": "vae->muxer", "requested": self.transport_requested,
                                                 "chosen": self.transport_chosen, "reason": self.transport_reason,
                                                 "last_stream": self.last_transport},
+                "latents_transport": {"edge": LATENTS_EDGE, "requested": self.transport_requested,
+                                      "chosen": self.transport_chosen, "reason": self.transport_reason,
+                                      "last_stream": self.last_latents_transport},
                 "nixl": __import__("h3serve.transport.nixl", fromlist=["counters"]).counters()}
 
     def _frame_sink(self, sink, scope):
@@ -159,9 +168,13 @@ class VAEServicer(StageBase):
             raise RequestError("params", None, "the first message of a Decode stream carries the parameters")
         p = first.params
         scope = self.scope(context, p.request_id)
+        latents_info = None
         try:
-            tensors = {m.header.name: m.tensor for m in GrpcStreamReceiver(request_iterator, _unwrap,
-                                                                           edge="gateway->vae")}
+            if p.latents_transport == "nixl":   # the DiT sends the latents to a session here over Control
+                tensors, latents_info = yield from self._latents_session(scope, context)
+            else:
+                tensors = {m.header.name: m.tensor for m in GrpcStreamReceiver(request_iterator, _unwrap,
+                                                                               edge="gateway->vae")}
             video, audio = tensors.get("video_latents"), tensors.get("audio_latents")
             if video is None or video.ndim != 5 or video.shape[0] != 1:
                 raise RequestError("video_latents", None if video is None else tuple(video.shape),
@@ -172,11 +185,98 @@ class VAEServicer(StageBase):
                 raise RequestError("sink", p.sink.address, "a muxer address and session id")
             done = yield from self.engine_events(scope, lambda emit: self._decode(scope, p, video, audio, emit),
                                                  lambda clip: vae_pb2.DecodeEvent(clip=clip))
+            if latents_info is not None:
+                from h3serve._proto import common_pb2
+
+                done.latents_transport.CopyFrom(common_pb2.TransportInfo(**latents_info))
             yield vae_pb2.DecodeEvent(done=done)
         except BaseException as exc:
             self.finish(scope, exc)
             raise
         self.finish(scope)
+
+    def _latents_session(self, scope, context):
+        """Open a latents session, announce it (DecodeEvent.latents), wait for the DiT's Control stream to deliver
+        both tensors; returns (tensors, transport info of the dit->vae edge)."""
+        import uuid
+
+        from h3serve._proto import vae_pb2
+        from h3serve.services.vae.sink import wait_s
+
+        sid = uuid.uuid4().hex
+        entry = {"done": threading.Event(), "tensors": None, "error": None, "info": None, "taken": False,
+                 "request_id": scope.request_id if hasattr(scope, "request_id") else ""}
+        with self._latents_lock:
+            self._latents[sid] = entry
+        try:
+            yield vae_pb2.DecodeEvent(latents=vae_pb2.LatentsSession(address=self.config.address, session_id=sid))
+            while not entry["done"].wait(0.1):
+                scope.check("while waiting for the latents")
+                if not context.is_active():
+                    raise StageUnavailable("vae", "the Decode call ended while waiting for the latents")
+        finally:
+            with self._latents_lock:
+                self._latents.pop(sid, None)
+        if entry["error"] is not None:
+            raise entry["error"]
+        return entry["tensors"], entry["info"]
+
+    @grpc_method("vae")
+    def Control(self, request_iterator, context):
+        """The control pipe of the latents edge: a NixlReceiver (copies out of its pool) gets "video_latents" and
+        "audio_latents" for the session the DiT's first message names, and hands them to the waiting Decode."""
+        from h3serve._proto import vae_pb2
+        from h3serve.transport.nixl import NixlReceiver, QueuePipe
+
+        first = next(request_iterator, None)
+        if first is None or not first.session_id:
+            raise RequestError("session_id", None, "the first message of a Control stream names the latents session")
+        with self._latents_lock:
+            entry = self._latents.get(first.session_id)
+            if entry is not None and entry["taken"]:
+                entry = None
+            if entry is not None:
+                entry["taken"] = True
+        if entry is None:
+            from h3serve.errortable import NotFound
+
+            raise NotFound(f"vae: no latents session {first.session_id!r}", stage="vae")
+        pipe = QueuePipe()
+        if first.data:
+            pipe.feed(first.data)
+        pipe.pump(m.data for m in request_iterator)
+        context.add_callback(lambda: pipe.feed_eof("gRPC call ended"))
+        remaining = context.time_remaining()
+        wait = 60.0 if remaining is None else max(0.1, min(60.0, remaining))
+
+        def receive():
+            try:
+                with NixlReceiver(LATENTS_EDGE, pipe, pool_buffers=2, buffer_bytes=LATENTS_SLOT_BYTES,
+                                  transport=self.transport_chosen, timeout=wait) as rx:
+                    pipe.send(rx.handshake(), timeout=wait)
+                    tensors = {}
+                    while (msg := rx.recv(timeout=wait)) is not None:
+                        tensors[msg.header.name] = msg.tensor
+                    info = rx.transport_info
+                entry["info"] = {"edge": LATENTS_EDGE, "requested": "nixl", "chosen": info.get("chosen", "grpc"),
+                                 "reason": info.get("reason", "")}
+                self.last_latents_transport = dict(entry["info"])
+                entry["tensors"] = tensors
+            except BaseException as exc:  # noqa: BLE001 - handed to the Decode
+                if isinstance(exc, TransportError):
+                    exc = StageUnavailable("dit", f"the latents stream ({LATENTS_EDGE}, nixl) broke: {exc}")
+                entry["error"] = exc if isinstance(exc, Exception) else StageUnavailable("vae", "interrupted")
+            finally:
+                entry["done"].set()
+                pipe.close()
+
+        worker = threading.Thread(target=receive, daemon=True, name=f"h3serve-vae-latents-{first.session_id[:6]}")
+        worker.start()
+        for data in pipe.outgoing():
+            yield vae_pb2.LatentsControl(data=data)
+        worker.join(5.0)
+        if entry["error"] is not None:
+            raise entry["error"]
 
     def _decode(self, scope, p, video, audio, emit):
         """On the engine thread: decode clip by clip into the muxer session; returns DecodeDone."""

@@ -1,9 +1,11 @@
-"""`--transport nixl` through the real services: the VAE streams frames + PCM to the muxer by NIXL (real agents in
+"""`--transport nixl` through the real services: the DiT sends the latents to the VAE and the VAE streams frames +
+PCM to the muxer by NIXL (real agents in
 separate stage processes, loopback), `Muxer.Control` carrying the control pipe.
 
 * the MP4 is byte-identical to the one `--transport grpc` makes for the same request;
-* NIXL disabled on one stage (`H3SERVE_NIXL_DISABLE=1` on the muxer): the request goes over gRPC (Push) and
-  succeeds, the Status details, /ready and the metrics say chosen=grpc and why;
+* the latents go DiT -> VAE by NIXL (`VAE.Control`), the gateway carries none of them;
+* NIXL disabled on the DiT and the muxer (`H3SERVE_NIXL_DISABLE=1`): the request goes over gRPC (frames by Push,
+  latents inline in `VAE.Control`) and succeeds, the Status details, /ready and the metrics say chosen=grpc and why;
 * the VAE killed mid-stream: the caller gets UNAVAILABLE naming the VAE within its deadline, the muxer released its
   NIXL agent and pool, and the next request is served over NIXL.
 
@@ -70,8 +72,17 @@ def test_mp4_over_nixl_is_byte_identical_to_grpc(nixl_stack, grpc_mp4):
     assert _nixl_counters(nixl_stack, "muxer")["regions_registered"] == 0
     ready = httpx.get(f"{nixl_stack.http}/ready", timeout=5).json()
     assert ready["transport"]["vae->muxer"]["chosen"] == "nixl"
-    assert ready["transport"]["dit->vae"]["chosen"] == "grpc"       # latents pass through the gateway
+    assert ready["transport"]["dit->vae"]["chosen"] == "nixl"       # latents go DiT -> VAE directly
+    for stage in ("dit", "vae"):
+        t = json.loads(nixl_stack.status(stage).info_json)
+        t = t["latents_transport" if stage == "vae" else "transport"]
+        assert (t["last_stream"]["requested"], t["last_stream"]["chosen"]) == ("nixl", "nixl"), t
     metrics = _metrics(nixl_stack)
+    assert any(m.startswith("h3serve_transport_info") and 'edge="dit->vae"' in m and 'chosen="nixl"' in m
+               for m in metrics), metrics
+    relayed = [line for line in httpx.get(f"{nixl_stack.http}/metrics", timeout=5).text.splitlines()
+               if line.startswith("h3serve_gateway_latents_bytes_total")]
+    assert relayed == ["h3serve_gateway_latents_bytes_total 0.0"], relayed   # the gateway carried no latents
     assert any('edge="vae->muxer"' in m and 'chosen="nixl"' in m and 'requested="nixl"' in m and
                m.startswith("h3serve_transport_info") and m.endswith(" 1.0") for m in metrics), metrics
 
@@ -145,10 +156,14 @@ class _LoneStage:
 
 
 def test_nixl_disabled_on_the_muxer_falls_back_to_grpc_and_says_why(tiny_checkpoint, grpc_mp4):
+    # the DiT and the muxer in one process with NIXL disabled: both NIXL edges fall back, each saying why
     muxer = _LoneStage("muxer", "--transport", "nixl", env={"H3SERVE_NIXL_DISABLE": "1"})
+    dit = None
     try:
-        s = Stack(tiny_checkpoint, "--stages", "encoder,dit,vae,gateway", "--muxer", muxer.address,
-                  "--transport", "nixl")
+        dit = _LoneStage("dit", "--transport", "nixl", "--checkpoint", str(tiny_checkpoint),
+                         env={"H3SERVE_NIXL_DISABLE": "1"})
+        s = Stack(tiny_checkpoint, "--stages", "encoder,vae,gateway", "--muxer", muxer.address,
+                  "--dit", dit.address, "--transport", "nixl")
         try:
             with Client(s.grpc, timeout=120) as client:
                 result = client.generate(**REQUEST)
@@ -173,7 +188,13 @@ def test_nixl_disabled_on_the_muxer_falls_back_to_grpc_and_says_why(tiny_checkpo
             assert any(m.startswith("h3serve_transport_info") and 'chosen="grpc"' in m and 'edge="vae->muxer"' in m
                        and "H3SERVE_NIXL_DISABLE" in m for m in metrics), metrics
             assert 'h3serve_transport_fallbacks_total{edge="vae->muxer"} 1.0' in metrics, metrics
+            latents = httpx.get(f"{s.http}/ready", timeout=5).json()["transport"]["dit->vae"]
+            assert (latents["requested"], latents["chosen"]) == ("nixl", "grpc"), latents
+            assert latents["reason"].startswith("dit: ") and "H3SERVE_NIXL_DISABLE" in latents["reason"], latents
+            assert 'h3serve_transport_fallbacks_total{edge="dit->vae"} 1.0' in metrics, metrics
         finally:
             assert s.stop() == 0
     finally:
+        if dit is not None:
+            dit.stop()
         muxer.stop()

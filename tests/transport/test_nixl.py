@@ -228,8 +228,8 @@ def test_select_transport_reports_the_reason(ctx):
 
 @needs_nixl
 @pytest.mark.timeout(200)
-# Known open problem: in 2 of the 3 long runs so far (the whole suite; tests/service + tests/transport), though never
-# when run alone (6 runs) or right after the service NIXL tests (1 run), the survivor of a killed *sender* stayed
+# Known open problem: in 3 of the 4 long runs so far (the whole suite; tests/service + tests/transport), though never
+# when run alone (9 runs) or right after the service NIXL tests (1 run), the survivor of a killed *sender* stayed
 # alive without reporting for 60 s: a native NIXL/UCX call that does not return after its peer vanished mid-WRITE is
 # the suspect. Re-run (a fresh pair of processes) while that is investigated; three misses in a row still fail.
 @pytest.mark.flaky(reruns=2)

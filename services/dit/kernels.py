@@ -39,6 +39,7 @@ log = logging.getLogger("h3serve.dit.kernels")
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 ATTENTION_NAMES = ("sdpa", "cudnn", "flash", "fa3")
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Attention
@@ -55,6 +56,8 @@ def _pinned_sdpa(backend_name: str) -> AttentionFn:
     backend = getattr(SDPBackend, backend_name)
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if q.dtype not in HALF_DTYPES:  # cuDNN / flash have no fp32 kernel: PyTorch's own choice then
+            return F.scaled_dot_product_attention(q, k, v)
         with sdpa_kernel([backend]):
             return F.scaled_dot_product_attention(q, k, v)
 
@@ -74,6 +77,8 @@ def _fa3_func():
 
 def fa3_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """FlashAttention-3 on (B, H, N, Dh) views of (B, N, H, Dh) buffers: the transposes are free."""
+    if q.dtype not in HALF_DTYPES:  # FA3 is bf16 / fp16 only
+        return F.scaled_dot_product_attention(q, k, v)
     out = _fa3_func()(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
     if isinstance(out, tuple):
         out = out[0]

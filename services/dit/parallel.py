@@ -97,7 +97,8 @@ class USPGroups:
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Unmasked attention (B, H, Nq, D) x (B, H, Nk, D) -> out (B, H, Nq, D), log-sum-exp (B, H, Nq) fp32."""
     nq = q.shape[-2]
-    if q.device.type == "cuda" and chosen_attention(q.device)[0] == "fa3":
+    half = q.dtype in (torch.bfloat16, torch.float16)
+    if q.device.type == "cuda" and half and chosen_attention(q.device)[0] == "fa3":
         return fa3_attention_with_lse(q, k, v)  # the fastest kernel on Hopper, LSE included
     try:
         if q.device.type == "cpu":

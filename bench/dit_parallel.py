@@ -42,6 +42,9 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also profile one forward of each baseline and plan (torch.profiler) and report its N kernels "
+                        "with the most device time, per rank 0")
     return p.parse_args()
 
 
@@ -118,6 +121,8 @@ def _worker(rank: int, a: argparse.Namespace, port: int, queue) -> None:
                 out, ms = timed_local(model, args, a, dev)
                 refs[name] = out
                 res["baselines"][name] = {"forward_ms": round(ms, 4), "peak_hbm_gib": _peak(dev)}
+                if a.profile:
+                    res["baselines"][name]["profile"] = _profile(lambda: model(*args), a.profile, dev)
             torch.distributed.barrier()
         os.environ.pop("H3SERVE_ATTENTION", None)
         kernels.reset_attention_choice()
@@ -159,6 +164,10 @@ def _worker(rank: int, a: argparse.Namespace, port: int, queue) -> None:
                                                      "video_output_max_abs": rv.abs().max().item()}
                 for name, base in res["baselines"].items():
                     entry[f"scaling_efficiency_vs_{name}"] = round(base["forward_ms"] / (a.world * ms), 4)
+            if a.profile:
+                prof = _profile(lambda: usp(*args), a.profile, dev)  # every rank runs it (collectives)
+                if rank == 0:
+                    entry["profile_rank0"] = prof
             res["plans"][spec] = entry
     if rank == 0:
         queue.put(res)
@@ -179,6 +188,37 @@ def timed_local(model, args, a, dev):
         if i >= a.warmup:
             times.append(time.perf_counter() - t0)
     return out, statistics.median(times) * 1e3
+
+
+def _profile(fn, top: int, dev) -> dict:
+    """One call of `fn` under torch.profiler: total device ms per kernel family and the `top` kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "self_device_time_total", None)
+        if t is None:
+            t = getattr(ev, "self_cuda_time_total", 0)
+        if dev.type != "cuda":
+            t = ev.self_cpu_time_total
+        if t > 0:
+            rows.append((t / 1e3, ev.count, ev.key))
+    rows.sort(reverse=True)
+    families = {"attention": ("flash", "fmha", "attn"), "nccl": ("nccl",), "gemm": ("gemm", "nvjet", "cutlass", "xmma"),
+                "triton": ("triton",), "copy": ("copy", "elementwise", "cat", "index")}
+    fam = {k: 0.0 for k in families}
+    fam["other"] = 0.0
+    for ms, _, key in rows:
+        low = key.lower()
+        name = next((k for k, subs in families.items() if any(x in low for x in subs)), "other")
+        fam[name] += ms
+    return {"family_ms": {k: round(v, 3) for k, v in fam.items()},
+            "top": [{"ms": round(ms, 3), "count": c, "kernel": key[:120]} for ms, c, key in rows[:top]]}
 
 
 def _peak(dev) -> float | None:

@@ -2,8 +2,9 @@
 # The GPU benchmark suite, run from the repository root on a CUDA machine whose Python has torch but neither
 # diffusers nor h3serve installed. Wheels / zips carried in .whl/ are installed into /tmp/site; h3serve is made
 # importable from a copy of the package with `services` linked in. Every bench prints one JSON line; all output
-# goes to $OUT (default ./out). Steps: env | layer | vae | full50 | tail | parallel
-# (default: env,layer,vae,full50).
+# goes to $OUT (default ./out). Steps: env | layer | vae | full50 | tail | parallel | parallel6 | pipeline | gputest
+# (default: env,layer,vae,full50). `pipeline` runs `h3serve generate` on a tiny checkpoint under each parallel
+# layout; `gputest` runs the NCCL tests (tests/parallel/test_gpu.py; pytest carried in .whl/ when missing).
 #
 #   bash bench/gpu_suite.sh                       # everything
 #   STEPS=env,layer bash bench/gpu_suite.sh
@@ -57,6 +58,25 @@ if has tail; then
 fi
 if has parallel; then
   run dit_parallel 300 python3 bench/dit_parallel.py $GEO --layers 2 --world 2 --plans ${PLANS:-2x1,1x2} \
-      --baseline-attention sdpa,fa3 --iters 3 --warmup 1
+      --baseline-attention ${BASELINES:-sdpa,fa3} --iters 3 --warmup 1 --profile ${PROFILE:-0}
+fi
+if has parallel6; then  # per layer = (T6 - T2) / 4 with the 2-layer run above
+  run dit_parallel6 300 python3 bench/dit_parallel.py $GEO --layers 6 --world 2 --plans ${PLANS:-2x1,1x2} \
+      --baseline-attention ${BASELINES:-fa3} --iters 3 --warmup 1
+fi
+REPO=$PWD
+if has pipeline; then  # from /tmp: the repository root must not be on sys.path (operator/ is a package there)
+  (cd /tmp && python3 -m h3serve.cli checkpoint init --preset tiny /tmp/h3-tiny) > "$OUT/pipeline_init.log" 2>&1
+  i=0
+  while IFS= read -r deg; do
+    i=$((i + 1))
+    (cd /tmp && run pipeline_$i 240 env H3SERVE_DEBUG=1 python3 -m h3serve.cli generate --checkpoint /tmp/h3-tiny \
+        --device cuda --dtype bf16 --size 320x256 --seconds 5 --steps 5 --prompt "a kite over the sea" --json \
+        --no-progress -o /tmp/pipeline_$i.mp4 $deg)
+  done <<< "${PIPELINE_DEGREES:-$'\n--ulysses 2\n--encoder-tp 2 --ulysses 2 --vae-pp 2\n--ring 2'}"
+fi
+if has gputest; then
+  (cd /tmp && run gputest 600 env H3SERVE_TEST_CACHE=/tmp/h3-test-cache python3 -m pytest -p no:cacheprovider -q -x \
+      "$REPO/tests/parallel/test_gpu.py")
 fi
 echo "=== done" | tee -a "$OUT/suite.log"

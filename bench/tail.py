@@ -72,7 +72,8 @@ def synthetic_clips(vae, latents):
 
 def stream_to_mp4(vae, latents, pcm: np.ndarray, out_path: str, width: int, height: int, *, threads: int = 8,
                   preset: str = "veryfast", thread_type: str = "frame", faststart: bool = True,
-                  depth: int = 3, workers: int = 0, segment_frames: int = 0, content: str = "decoded") -> dict:
+                  depth: int = 3, workers: int = 0, segment_frames: int = 0, content: str = "decoded",
+                  x264_params: str | None = None) -> dict:
     """Decode -> yuv420p on the device -> pinned D2H -> x264 on a writer thread; returns timings (s from start).
 
     thread_type 'seg': segment-parallel writer (`workers` segments at once, `threads` x264 threads each, segments of
@@ -88,7 +89,7 @@ def stream_to_mp4(vae, latents, pcm: np.ndarray, out_path: str, width: int, heig
                                     segment_frames=segment_frames or None, faststart=faststart)
     else:
         writer = Mp4Writer(out_path, width, height, threads=threads, preset=preset, thread_type=thread_type,
-                           faststart=faststart)
+                           faststart=faststart, x264_params=x264_params)
     q: queue.Queue = queue.Queue(maxsize=depth)
     err: list[BaseException] = []
     busy = [0.0]
@@ -146,17 +147,22 @@ def check_mp4(path: str) -> dict:
 
 def parse_variants(spec: str) -> list[dict]:
     """'THREADS:frame|slice:FASTSTART(1|0)' or 'THREADS:seg:WORKERS:SEGMENT_FRAMES', each optionally followed by
-    ':synthetic' (smooth stand-in pixels), comma separated -> stream_to_mp4 keyword dicts."""
+    ':synthetic' (smooth stand-in pixels), ':p=PRESET' (x264 preset) and ':x=K=V+K=V' (x264-params, '+' for ':'),
+    comma separated -> stream_to_mp4 keyword dicts."""
     out = []
     for v in spec.split(","):
         f = v.split(":")
+        extra = {}
+        for tok in [t for t in f if t.startswith(("p=", "x="))]:
+            extra["preset" if tok[0] == "p" else "x264_params"] = tok[2:].replace("+", ":")
+        f = [t for t in f if not t.startswith(("p=", "x="))]
         content = "synthetic" if f[-1] == "synthetic" else "decoded"
         f = f[:-1] if content == "synthetic" else f
         if f[1] == "seg":
             out.append(dict(threads=int(f[0]), thread_type="seg", workers=int(f[2]), segment_frames=int(f[3]),
-                            faststart=True, content=content))
+                            faststart=True, content=content, **extra))
         else:
-            out.append(dict(threads=int(f[0]), thread_type=f[1], faststart=f[2] == "1", content=content))
+            out.append(dict(threads=int(f[0]), thread_type=f[1], faststart=f[2] == "1", content=content, **extra))
     return out
 
 
@@ -177,7 +183,7 @@ def run(vae, latents, *, threads: int, preset: str, repeats: int = 1, variants: 
         check = check_mp4(out)
         more = []
         for kw in parse_variants(variants) if variants else []:
-            r = stream_to_mp4(vae, latents, pcm, out, width, height, preset=preset, **kw)
+            r = stream_to_mp4(vae, latents, pcm, out, width, height, **{"preset": preset, **kw})
             more.append({**kw, **r, "overhead_s": round(r["mp4_ready_s"] - min(d_times), 4), "mp4": check_mp4(out)})
     d = min(d_times)
     s = min(s_runs, key=lambda r: r["mp4_ready_s"])

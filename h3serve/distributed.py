@@ -167,8 +167,12 @@ class Runtime:
         timeout = timedelta(seconds=timeout_s)
         self.store = dist.TCPStore(master_addr, master_port, world_size, is_master=(rank == 0), timeout=timeout,
                                    wait_for_workers=False)
-        dist.init_process_group(self.backend, store=self.store, rank=rank, world_size=world_size, timeout=timeout,
-                                device_id=self.device if self.backend == "nccl" else None)
+        # No `device_id`: binding one makes torch create every later subgroup by ncclCommSplit, where a rank outside
+        # the new group must join the split too. torch does that on every non-member `new_group` call, even for a
+        # gloo group, while members split only for NCCL groups; the counts then differ and a non-member blocks
+        # forever (seen with the stage's single-rank encoder / VAE groups next to Ulysses 2 on 2 GPUs). Unbound, each
+        # NCCL communicator is created on its group's first collective, by its members only.
+        dist.init_process_group(self.backend, store=self.store, rank=rank, world_size=world_size, timeout=timeout)
         # Commands and stop flags travel on gloo whatever the tensor backend is.
         self.control = dist.new_group(backend="gloo", timeout=timeout) if self.backend != "gloo" else dist.group.WORLD
         self._stop_heartbeat = threading.Event()

@@ -157,23 +157,43 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, 
     return out.to(q.dtype)
 
 
-def ulysses_rows_to_heads(x: torch.Tensor, group, u: int) -> torch.Tensor:
-    """(..., H, n, D) rows of this rank, all heads -> (..., H/U, U*n, D) all rows of the ulysses group, H/U heads."""
-    *lead, h, n, d = x.shape
-    send = x.reshape(*lead, u, h // u, n, d).movedim(-4, 0).contiguous()  # (U, ..., H/U, n, D)
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)  # recv[j] = rows of rank j, my heads
-    return recv.movedim(0, -3).reshape(*lead, h // u, u * n, d)
+def ulysses_rows_to_heads(xs: Sequence[torch.Tensor], group, u: int) -> list[torch.Tensor]:
+    """Each (B, H, n, D) of this rank's rows, all heads -> (B, H/U, U*n, D): all rows of the group, H/U heads.
+
+    One all-to-all per tensor, each launched as soon as its send buffer is packed, so that packing the next tensor
+    overlaps the previous exchange. Send buffers are (U, B, n, H/U, D) (head chunk j goes to rank j), so the receive
+    buffer of rank i is (U, B, n, H/U, D) = rows of rank 0, 1, ... for heads chunk i. At B = 1 that already is the
+    (B, N, H/U, D) layout attention reads: returned as a (B, H/U, N, D) view, nothing is copied after the exchange.
+    """
+    works, recvs = [], []
+    for x in xs:
+        b, h, n, d = x.shape
+        send = torch.empty(u, b, n, h // u, d, dtype=x.dtype, device=x.device)
+        send.copy_(x.transpose(1, 2).reshape(b, n, u, h // u, d).permute(2, 0, 1, 3, 4))  # the one copy
+        recv = torch.empty_like(send)
+        works.append(dist.all_to_all_single(recv, send, group=group, async_op=True))
+        recvs.append(recv)
+    out = []
+    for work, recv in zip(works, recvs):
+        work.wait()
+        _, b, n, hu, d = recv.shape
+        rows = recv.view(b, u * n, hu, d) if b == 1 else recv.transpose(0, 1).reshape(b, u * n, hu, d)
+        out.append(rows.transpose(1, 2))  # (B, H/U, N, D) view of (B, N, H/U, D)
+    return out
 
 
 def ulysses_heads_to_rows(x: torch.Tensor, group, u: int) -> torch.Tensor:
-    """Inverse of `ulysses_rows_to_heads`: (..., H/U, U*n, D) -> (..., H, n, D)."""
-    *lead, hu, un, d = x.shape
+    """Inverse of `ulysses_rows_to_heads`: (B, H/U, U*n, D) -> (B, H, n, D), a view of a (B, n, H, D) buffer.
+
+    Attention writes (B, N, H/U, D); at B = 1 that is the (U, B, n, H/U, D) send buffer as it stands.
+    """
+    b, hu, un, d = x.shape
     n = un // u
-    send = x.reshape(*lead, hu, u, n, d).movedim(-3, 0).contiguous()  # (U, ..., H/U, n, D)
+    send = x.transpose(1, 2).reshape(b, u, n, hu, d).transpose(0, 1).contiguous()  # (U, B, n, H/U, D); free at B = 1
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)  # recv[j] = head chunk j of my rows
-    return recv.movedim(0, -4).reshape(*lead, u * hu, n, d)
+    rows = recv.permute(1, 2, 0, 3, 4).reshape(b, n, u * hu, d)  # (B, n, H, D): the one copy
+    return rows.transpose(1, 2)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -219,8 +239,8 @@ class _USPAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         g, shard = self.owner.groups, self.owner._shard
         u, r = g.plan.ulysses, g.plan.ring
-        if u > 1:  # one all-to-all for q, k and v together
-            q, k, v = ulysses_rows_to_heads(torch.stack([q, k, v]), g.ulysses, u).unbind(0)
+        if u > 1:
+            q, k, v = ulysses_rows_to_heads((q, k, v), g.ulysses, u)
         chunk = u * shard.rows  # rows of one ring chunk
         valid = [max(0, min(chunk, shard.seq_len - j * chunk)) for j in range(r)]
         if r > 1:

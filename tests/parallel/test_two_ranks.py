@@ -96,5 +96,3 @@ def vae_reference(tiny_checkpoint):
 def test_vae_pp2_frames_equal_pp1(stage2, vae_reference):
     latents, ref = vae_reference
     assert torch.equal(stage2.call("vae_decode", (2, latents)), ref)
-
-

@@ -172,3 +172,50 @@ def dit_request(steps=6, seed=3):
     g = torch.Generator().manual_seed(seed)
     return DiTRequest(text_states=torch.randn(1, 7, 24, generator=g), text_tags=torch.ones(7, dtype=torch.long),
                       latent_frames=2, latent_h=4, latent_w=6, audio_latents=3, seed=seed, steps=steps)
+
+
+def build_subgroups(runtime: Runtime):
+    """The group pattern of the embedded pipeline with ulysses 2 on 2 ranks: single-rank (non-member on the other
+    rank) NCCL + gloo groups around a whole-world group, then collectives on each."""
+    import torch.distributed as dist
+
+    from h3serve.distributed import check_identical
+
+    solo_a, _ = runtime.new_group([0])
+    both, both_control = runtime.new_group(range(runtime.world_size))
+    solo_b, _ = runtime.new_group([1])
+
+    def reduce(payload, local):
+        x = torch.full((4,), float(runtime.rank + 1), device=runtime.device)
+        dist.all_reduce(x, group=both)
+        for g in (solo_a, solo_b):
+            if g is not None:  # a one-rank group: a no-op reduce, but the communicator must exist and work
+                dist.all_reduce(x, group=g)
+        check_identical(runtime, str(x.sum().item()), "reduced", control=both_control)
+        return x.cpu()
+
+    return {"reduce": reduce}
+
+
+def build_exchange(runtime: Runtime):
+    """The Ulysses exchange on its own: for batch sizes 1 and 2, every rank's heads view and the round trip."""
+    from h3serve.services.dit.parallel import ulysses_heads_to_rows, ulysses_rows_to_heads
+
+    u = runtime.world_size
+
+    def exchange(payload, local):
+        b, h, n, d = payload
+        g = torch.Generator().manual_seed(3)
+        full = [torch.randn(b, h, u * n, d, generator=g) for _ in range(3)]  # (B, H, N, D), the same on every rank
+        mine = [x[:, :, runtime.rank * n:(runtime.rank + 1) * n] for x in full]  # this rank's rows
+        # as the model hands them over: (B, H, n, D) views of (B, n, H, D) buffers
+        mine = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in mine]
+        heads = ulysses_rows_to_heads(mine, None, u)
+        hu = h // u
+        expect = [x[:, runtime.rank * hu:(runtime.rank + 1) * hu] for x in full]
+        back = ulysses_heads_to_rows(heads[0], None, u)
+        if not (all(torch.equal(a, e) for a, e in zip(heads, expect)) and torch.equal(back, mine[0])):
+            raise ValueError(f"rank {runtime.rank}: the exchange moved the wrong rows or heads")  # reaches rank 0
+        return True
+
+    return {"exchange": exchange}

@@ -199,7 +199,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--latents", default=None, help="T x h x w (default 12x4x6 tiny, 72x48x84 full)")
-    ap.add_argument("--x264-threads", type=int, default=8)
+    ap.add_argument("--x264-threads", type=int, default=16)
     ap.add_argument("--x264-preset", default="veryfast")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--compile", action="store_true", help="torch.compile the decoder blocks first")

@@ -34,6 +34,11 @@ class Latents:
     timings: dict = field(default_factory=dict)
 
 
+# x264 frame threads: fixed (the MP4 bytes depend on it), sized for a GPU host's cores; the 10 s 1344x768 clip's
+# tail after the decode was measured with 16 (bench/RESULTS.md).
+X264_THREADS = 16
+
+
 @dataclass
 class GenerationResult:
     path: Path
@@ -332,7 +337,8 @@ class Pipeline:
         t0 = time.perf_counter()
         timings = {}
         frames = 0
-        with Mp4Writer(out_path, req.width, req.height, fps=req.fps, sample_rate=SAMPLE_RATE) as writer:
+        with Mp4Writer(out_path, req.width, req.height, fps=req.fps, sample_rate=SAMPLE_RATE,
+                       threads=X264_THREADS) as writer:
             mux = _MuxThread(writer)
             try:
                 pcm = self.decode_audio(latents.audio)

@@ -90,7 +90,7 @@ class StageConfig:
     # vae
     frame_format: str = "yuv420p"    # what the VAE sends the muxer: yuv420p planes (1.5 B/px) or rgb24 (3 B/px)
     # muxer
-    mux_threads: int = 4
+    mux_threads: int = 16  # x264 frame threads (fixed: the MP4 bytes depend on it)
     crf: int = 18
     preset: str = "veryfast"
     session_ttl_s: float = 600.0

@@ -179,6 +179,12 @@ def _cleanup(container: Any, tmp_path: str) -> None:
         pass
 
 
+# x264 without lookahead or B-frames: each frame is encoded as soon as it arrives, so the MP4 is ready right after the
+# last clip decodes (the tail of a request). Measured on 2 H200 + 32 cores, 10 s 1344x768 (bench/RESULTS.md): the tail
+# after the decode fell from 0.59 s to 0.25 s at veryfast / CRF 18, and the file got smaller on that content.
+LOW_LATENCY_X264 = "rc-lookahead=0:sync-lookahead=0:bframes=0"
+
+
 class Mp4Writer:
     """Streams uint8 frames and float PCM into an MP4 (H.264 yuv420p + AAC-LC).
 
@@ -186,14 +192,15 @@ class Mp4Writer:
     (written via a temporary file in tmp_dir, copied into it on success; nothing is written to it before).
     Not thread-safe: one writer per output, fed from one thread.
     width/height: even; fps: 24 for H3; sample_rate/channels: 32000/2 for H3.
-    crf/preset/threads/thread_type: x264 settings; the output bytes depend on them (threads is fixed, never
-    'auto', so that the bytes do not depend on the machine's core count).
+    crf/preset/threads/thread_type/x264_params: x264 settings; the output bytes depend on them (threads is fixed,
+    never 'auto', so that the bytes do not depend on the machine's core count). x264_params default: low latency
+    (LOW_LATENCY_X264); None = x264's own lookahead and B-frames for the preset.
     """
 
     def __init__(self, dst: str | os.PathLike | BinaryIO, width: int, height: int, *, fps: int = 24,
                  sample_rate: int = 32000, channels: int = 2, crf: int = 18, preset: str = "veryfast",
                  threads: int = 4, thread_type: str = "frame", audio_bitrate: int = 128_000,
-                 faststart: bool = True, x264_params: str | None = None, tmp_dir: str | None = None):
+                 faststart: bool = True, x264_params: str | None = LOW_LATENCY_X264, tmp_dir: str | None = None):
         if width <= 0 or height <= 0 or width % 2 or height % 2:
             raise ValueError(f"width and height must be positive and even for yuv420p, got {width}x{height}")
         if channels not in (1, 2):

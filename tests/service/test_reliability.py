@@ -68,8 +68,10 @@ def test_every_stage_call_carries_the_remaining_deadline(stack):
     remaining = {}
     for stage in ("encoder", "dit", "vae", "muxer"):
         remaining[stage] = stack.status(stage).last.deadline_remaining_s
-        # grpc-timeout is sent with at most 8 digits, so a value near 100 s can be rounded up to whole seconds
-        assert 0 < remaining[stage] <= 101.0, (stage, remaining[stage])
+        # grpc-timeout is sent with at most 8 digits, so a value near 100 s can be rounded up to whole seconds, and
+        # gRPC core stamps a deadline from its cached clock, which lags under CPU load (101.999 s seen once on 2
+        # busy cores): a stage that got no deadline, or its own default, still fails this.
+        assert 0 < remaining[stage] <= 103.0, (stage, remaining[stage])
     # what is left of it: the VAE is called after the DiT has run (grpc-timeout has coarse units, so only
     # stages far apart in time are ordered)
     assert remaining["vae"] < remaining["encoder"]

@@ -119,41 +119,47 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tup
 
 
 def _merge(out, lse, o_b, lse_b):
-    """Merge two partial softmax attentions over disjoint key sets, in fp32."""
-    o_b = o_b.float()
+    """Merge two partial softmax attentions over disjoint key sets, in fp32 (out is updated in place).
+
+    With new = logaddexp(lse, lse_b): out * exp(lse - new) + o_b * exp(lse_b - new) = lerp(out, o_b, w) where
+    w = exp(lse_b - new) = sigmoid(lse_b - lse); one pass over the block instead of three.
+    """
     if out is None:
-        return o_b, lse_b
-    new = torch.logaddexp(lse, lse_b)
-    return out * torch.exp(lse - new)[..., None] + o_b * torch.exp(lse_b - new)[..., None], new
+        return o_b.float(), lse_b
+    out.lerp_(o_b.float(), torch.sigmoid(lse_b - lse)[..., None])
+    return out, torch.logaddexp(lse, lse_b)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, ring_ranks: Sequence[int],
                    ring_index: int, valid: Sequence[int]) -> torch.Tensor:
     """Attention of the local query chunk over every ring rank's key/value chunk.
 
-    q, k, v (B, H, c, D): this rank's chunk; `valid[j]` = how many leading rows of chunk j are real (the rest is
-    padding and is cut out of the keys). K/V travel around the ring (send to the next, receive from the previous,
-    overlapped with the current block's attention); partial results are merged by log-sum-exp in fp32.
+    q, k, v (B, H, c, D): this rank's chunk (k, v: views of (B, c, H, D) buffers, as the projections and the Ulysses
+    exchange leave them; those buffers travel as they are); `valid[j]` = how many leading rows of chunk j are real
+    (the rest is padding and is cut out of the keys). K/V travel around the ring (send to the next, receive from the
+    previous, overlapped with the current block's attention); partial results are merged by log-sum-exp in fp32.
     """
     r = len(ring_ranks)
-    kv = torch.stack([k, v]).contiguous()  # (2, B, H, c, D)
+    kb, vb = (x.transpose(1, 2).contiguous() for x in (k, v))  # (B, c, H, D); no copy when already so laid out
     nxt, prv = ring_ranks[(ring_index + 1) % r], ring_ranks[(ring_index - 1) % r]
     out = lse = None
     for step in range(r):
         src = (ring_index - step) % r
         reqs = []
         if step < r - 1:
-            buf = torch.empty_like(kv)
-            reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, kv, nxt, group),
-                                           dist.P2POp(dist.irecv, buf, prv, group)])
+            nk, nv_ = torch.empty_like(kb), torch.empty_like(vb)
+            reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, kb, nxt, group),
+                                           dist.P2POp(dist.isend, vb, nxt, group),
+                                           dist.P2POp(dist.irecv, nk, prv, group),
+                                           dist.P2POp(dist.irecv, nv_, prv, group)])
         nv = valid[src]
         if nv > 0:
-            o_b, lse_b = attention_with_lse(q, kv[0, :, :, :nv], kv[1, :, :, :nv])
+            o_b, lse_b = attention_with_lse(q, kb[:, :nv].transpose(1, 2), vb[:, :nv].transpose(1, 2))
             out, lse = _merge(out, lse, o_b, lse_b)
         for req in reqs:
             req.wait()
         if step < r - 1:
-            kv = buf
+            kb, vb = nk, nv_
     return out.to(q.dtype)
 
 

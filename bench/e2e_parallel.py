@@ -574,7 +574,9 @@ def _parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--diffusers-encoder-gib", type=int, default=64,
                     help="split: the text encoder's cap per GPU in GiB for device_map='balanced' (default 64)")
     ap.add_argument("--repeats", type=int, default=1, help="timed requests per side after one warm-up (median)")
-    ap.add_argument("--skip-ours", action="store_true")
+    ap.add_argument("--skip-ours", action="store_true",
+                    help="run diffusers only; ours' result is then read from --out/ours_result.json if an earlier "
+                         "--skip-diffusers run left it there (the two sides in two commands, same machine)")
     ap.add_argument("--skip-diffusers", action="store_true")
     ap.add_argument("--timeout-s", type=int, default=3600, help="collective / process-group timeout")
     ap.add_argument("--out", default=None, help="where MP4s, latents and per-side results go (default: a temp dir)")
@@ -682,6 +684,9 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         result["ours"] = _run_ours(cfg)
         log(f"ours: done in {time.perf_counter() - t0:.1f} s wall")
+    elif (Path(cfg["out"]) / "ours_result.json").exists():  # a --skip-diffusers run into the same --out
+        result["ours"] = {**json.loads((Path(cfg["out"]) / "ours_result.json").read_text()),
+                          "reused": "ours_result.json of an earlier run into the same --out"}
     if not args.skip_diffusers:
         t0 = time.perf_counter()
         result["diffusers"] = _run_diffusers(cfg)

@@ -75,6 +75,25 @@ if has pipeline; then  # from /tmp: the repository root must not be on sys.path 
         --no-progress -o /tmp/pipeline_$i.mp4 $deg)
   done <<< "${PIPELINE_DEGREES:-$'\n--ulysses 2\n--encoder-tp 2 --ulysses 2 --vae-pp 2\n--ring 2'}"
 fi
+# End to end FastH3 (bench/e2e_parallel.py) on the full-size random checkpoint, in three steps that may be three
+# commands on one machine: fullckpt writes it (DiT on /dev/shm when it has room: the disk cannot hold 131 GB),
+# e2e_ours runs our pipeline, e2e_diffusers runs diffusers and compares with ours' saved result.
+CKPT=/tmp/h3-full ADAPTER=/tmp/h3-full-adapter.safetensors E2E_OUT=/tmp/e2e
+if has fullckpt; then
+  df -B1 --output=target,avail / /tmp /dev/shm | tee -a "$OUT/suite.log"
+  shm=$(df -B1 --output=avail /dev/shm | tail -1)
+  if [ "$shm" -gt 70000000000 ]; then DIT_ROOT=/dev/shm/h3-dit; else DIT_ROOT=/tmp/h3-dit; fi
+  run full_checkpoint 590 python3 bench/full_checkpoint.py --root $CKPT --dit-root $DIT_ROOT \
+      --threads ${THREADS:-24} --adapter $ADAPTER
+  df -B1 --output=target,avail / /tmp /dev/shm | tee -a "$OUT/suite.log"
+fi
+E2E_ARGS="--checkpoint $CKPT --adapter $ADAPTER --world 2 --device cuda --dtype bf16 --out $E2E_OUT ${E2E_EXTRA:-}"
+if has e2e_ours; then
+  run e2e_ours 590 python3 bench/e2e_parallel.py $E2E_ARGS --skip-diffusers
+fi
+if has e2e_diffusers; then
+  run e2e_diffusers 590 python3 bench/e2e_parallel.py $E2E_ARGS --skip-ours
+fi
 if has gputest; then
   (cd /tmp && run gputest 600 env H3SERVE_TEST_CACHE=/tmp/h3-test-cache python3 -m pytest -p no:cacheprovider -q -x \
       "$REPO/tests/parallel/test_gpu.py")

@@ -68,6 +68,9 @@ FULL_AUDIO_VAE = dict(
     encoder_dim=64, encoder_rates=(2, 4, 4, 5, 5), latent_dim=2048, latent_channels=32, num_attention_heads=8,
     decoder_dim=1024, decoder_rates=(5, 5, 2, 2, 2, 2, 2), decoder_kernel_sizes=(9, 9, 4, 4, 4, 4, 4),
     resblock_kernel_sizes=(3, 7, 11), resblock_dilation_sizes=((1, 3, 5), (1, 3, 5), (1, 3, 5)), sampling_rate=32000,
+    # The class default is None, which neither the reference pipeline nor ours can decode with; the released values
+    # are unknown here, so the random checkpoint uses the identity normalization.
+    latents_mean=[0.0] * 32, latents_std=[1.0] * 32,
 )
 
 # Qwen3-VL-32B. `vocab_size` is the release's (151,936 embedding rows); the vision token ids still come from the

@@ -450,7 +450,9 @@ def _diffusers_run(rank: int, dev, ctrl, cfg: dict) -> None:
             embeds = (e["prompt_embeds"], e["text_token_tags"])
         if placement != "replicated" and world > 1:
             embeds = broadcast(None if embeds is None else tuple(t.cpu() for t in embeds))
-        prompt_embeds, tags = (t.to(dev) for t in embeds)
+        # The embeddings go to this rank's GPU; the tags stay on the host, where diffusers' layout step builds the
+        # packed sequence (its encoder step returns them there too).
+        prompt_embeds, tags = embeds[0].to(dev), embeds[1].cpu()
         _sync(dev)
         t1 = time.perf_counter()
         lat = den(prompt_embeds=prompt_embeds, text_token_tags=tags, height=req.height, width=req.width,

@@ -548,10 +548,12 @@ def launch(world_size: int, build: Callable, build_args: tuple = (), *, timeout_
 
 
 def join_from_env(build: Callable, build_args: tuple = (), *, timeout_s: float = 600.0,
-                  degrees: ParallelDegrees | None = None) -> StageHandle | None:
+                  degrees: ParallelDegrees | None = None,
+                  on_ready: Callable[[], None] | None = None) -> StageHandle | None:
     """Join the world described by RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (default 29500), LOCAL_RANK.
 
-    Rank 0 gets the `StageHandle`; any other rank serves rank 0's commands until shutdown and returns None.
+    Rank 0 gets the `StageHandle`; any other rank serves rank 0's commands until shutdown and returns None (calling
+    `on_ready` once its part is built and it is in the world).
     """
     try:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -568,6 +570,8 @@ def join_from_env(build: Callable, build_args: tuple = (), *, timeout_s: float =
         try:
             handlers = build(runtime, *build_args)
             runtime.store.set(f"h3/ready/{rank}", "1")
+            if on_ready is not None:
+                on_ready()
             _serve_peer(runtime, handlers)
         finally:
             runtime.close()

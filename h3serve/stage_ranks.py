@@ -17,9 +17,10 @@ How the ranks start (`start_stage`):
   replica's GPUs; it sets WORLD_SIZE with NNODES=1, which needs no rendezvous).
 * joined (`torchrun`-style: LOCAL_RANK set, or NNODES > 1 as the operator's gang StatefulSets set it): RANK /
   WORLD_SIZE / MASTER_ADDR / MASTER_PORT say where this process stands. WORLD_SIZE must equal the stage's degree.
-  Rank 0 serves gRPC; any other rank joins, runs its part and serves no gRPC (`run_peer`). With NNODES > 1 and no
-  LOCAL_RANK (one pod per node, NPROC_PER_NODE GPUs each), the pod's process is its node's first rank (RANK) and
-  spawns the node's other ranks RANK+1 .. RANK+NPROC_PER_NODE-1 on cuda:1 .. cuda:NPROC_PER_NODE-1.
+  Rank 0 serves gRPC; any other rank joins and runs its part (`run_peer`); of those, the process that stands for a
+  pod (its node's first rank) answers gRPC health only, for the kubelet's probes of gang followers. With NNODES > 1
+  and no LOCAL_RANK (one pod per node, NPROC_PER_NODE GPUs each), the pod's process is its node's first rank (RANK)
+  and spawns the node's other ranks RANK+1 .. RANK+NPROC_PER_NODE-1 on cuda:1 .. cuda:NPROC_PER_NODE-1.
 
 Failure: when a rank dies, the call in flight raises `StageUnavailable(<stage>)` (gRPC UNAVAILABLE naming the stage),
 the stage's health turns NOT_SERVING at once, and, once no request is left in it, the process exits with
@@ -223,8 +224,41 @@ def start_stage(stage: str, config, degrees: ParallelDegrees, *, timeout_s: floa
     return handle
 
 
+class FollowerHealth:
+    """gRPC health (service "") of a pod whose process is a rank other than 0 (a gang follower): the kubelet probes
+    every pod of the gang's StatefulSet, and its rollout counts them. NOT_SERVING while this rank's part loads,
+    SERVING once it is in the world, NOT_SERVING and then gone when it leaves. No stage service is served here."""
+
+    def __init__(self, host: str, port: int):
+        from concurrent import futures
+
+        import grpc
+        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+        self._pb = health_pb2
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="h3-follower-health"))
+        self.servicer = health.HealthServicer(experimental_non_blocking=True)
+        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, self.server)
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if not self.port:
+            raise H3Error(f"cannot bind the health port {host}:{port} of this rank's pod")
+        self.set(False)
+        self.server.start()
+
+    def set(self, serving: bool) -> None:
+        r = self._pb.HealthCheckResponse
+        self.servicer.set("", r.SERVING if serving else r.NOT_SERVING)
+
+    def stop(self) -> None:
+        self.set(False)
+        self.server.stop(grace=1.0)
+
+
 def run_peer(stage: str, config, degrees: ParallelDegrees, *, timeout_s: float = 600.0) -> int:
-    """A rank other than 0 of a joined world: build its part, run rank 0's commands until shutdown; no gRPC."""
+    """A rank other than 0 of a joined world: build its part, run rank 0's commands until shutdown.
+
+    It serves no stage over gRPC; the process that stands for its pod (the node's first rank: no LOCAL_RANK, or
+    LOCAL_RANK 0) answers gRPC health on the stage's port, so that a gang follower pod's probes see it."""
     from h3serve.distributed import join_from_env
     from h3serve.pipeline import pick_device
 
@@ -232,12 +266,18 @@ def run_peer(stage: str, config, degrees: ParallelDegrees, *, timeout_s: float =
     assert env is not None and env["rank"] != 0
     check_joinable(stage, degrees, env)
     build, args = _build_args(stage, config, degrees)
-    procs = [] if env["torchrun"] or env["nproc"] <= 1 else \
-        _spawn_node_peers(env, build, args, timeout_s, pick_device(config.device).type)
-    log.info("%s: rank %d of %d joined (no gRPC on this rank)", stage, env["rank"], env["world"])
-    join_from_env(build, args, timeout_s=timeout_s)
-    for p in procs:
-        p.join()
+    health = FollowerHealth(config.host, config.port) if int(os.environ.get("LOCAL_RANK", "0") or 0) == 0 else None
+    try:
+        procs = [] if env["torchrun"] or env["nproc"] <= 1 else \
+            _spawn_node_peers(env, build, args, timeout_s, pick_device(config.device).type)
+        log.info("%s: rank %d of %d joined (gRPC health only on this rank)", stage, env["rank"], env["world"])
+        join_from_env(build, args, timeout_s=timeout_s,
+                      on_ready=(lambda: health.set(True)) if health is not None else None)
+        for p in procs:
+            p.join()
+    finally:
+        if health is not None:
+            health.stop()
     return 0
 
 

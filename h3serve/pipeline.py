@@ -384,17 +384,20 @@ class Pipeline:
     def generate(self, req: GenerationRequest, out_path: str | Path, *,
                  progress: bool | Callable[[int, int], None] = False,
                  should_stop: Callable[[], bool] | None = None) -> GenerationResult:
+        from h3serve.memory import PeakMemory
+
         t0 = time.perf_counter()
         out_path = Path(out_path)
         out_path.parent.mkdir(parents=True, exist_ok=True)
-        latents = self.generate_latents(req, progress=progress, should_stop=should_stop)
-        tail = self.write_mp4(req, latents, out_path)
+        with PeakMemory(self.device) as peak:   # this process (rank 0 under parallel degrees)
+            latents = self.generate_latents(req, progress=progress, should_stop=should_stop)
+            tail = self.write_mp4(req, latents, out_path)
         t_client = time.perf_counter() - t0
         t_video = req.num_frames / req.fps
         t_audio = tail.pop("pcm_samples") / SAMPLE_RATE
         t_media = max(t_video, t_audio)
         timings = {**latents.timings, **tail, "t_client": t_client, "t_media": t_media,
-                   "rtf_client": t_client / t_media}
+                   "rtf_client": t_client / t_media, "peak_memory_mb": peak.mb}
         size = out_path.stat().st_size
         return GenerationResult(path=out_path, num_frames=req.num_frames, size=f"{req.width}x{req.height}",
                                 bytes=size, timings=timings)

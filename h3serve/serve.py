@@ -145,6 +145,7 @@ class RequestScope:
         self.deadline_remaining_s = -1.0 if self.deadline is None else float(remaining)
         self.active = True
         self.outcome = "ok"
+        self.peak_memory_mb = 0.0   # this process's peak over the request's engine work (h3serve.memory)
         if context is not None:
             context.add_callback(self._terminated)
 
@@ -237,11 +238,18 @@ class StageBase:
         return bool(self.active) or self.engine_scope is not None
 
     def _on_engine(self, scope: RequestScope, fn: Callable[[], Any]) -> Any:
+        import torch
+
+        from h3serve.memory import PeakMemory
+
         self.engine_scope = scope
+        peak = PeakMemory(self.config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         try:
             scope.check("before start")
-            return fn()
+            with peak:
+                return fn()
         finally:
+            scope.peak_memory_mb = max(scope.peak_memory_mb, peak.mb)
             self.engine_scope = None
 
     def cancel_all(self) -> None:

@@ -52,13 +52,15 @@ class DiTEvent(_message.Message):
     def __init__(self, progress: _Optional[_Union[_common_pb2.Progress, _Mapping]] = ..., chunk: _Optional[_Union[_common_pb2.TensorChunk, _Mapping]] = ..., done: _Optional[_Union[DiTDone, _Mapping]] = ...) -> None: ...
 
 class DiTDone(_message.Message):
-    __slots__ = ("steps", "seconds", "step_seconds", "transport")
+    __slots__ = ("steps", "seconds", "step_seconds", "transport", "peak_memory_mb")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    PEAK_MEMORY_MB_FIELD_NUMBER: _ClassVar[int]
     steps: int
     seconds: float
     step_seconds: _containers.RepeatedScalarFieldContainer[float]
     transport: _common_pb2.TransportInfo
-    def __init__(self, steps: _Optional[int] = ..., seconds: _Optional[float] = ..., step_seconds: _Optional[_Iterable[float]] = ..., transport: _Optional[_Union[_common_pb2.TransportInfo, _Mapping]] = ...) -> None: ...
+    peak_memory_mb: float
+    def __init__(self, steps: _Optional[int] = ..., seconds: _Optional[float] = ..., step_seconds: _Optional[_Iterable[float]] = ..., transport: _Optional[_Union[_common_pb2.TransportInfo, _Mapping]] = ..., peak_memory_mb: _Optional[float] = ...) -> None: ...

@@ -25,9 +25,11 @@ class EncodeEvent(_message.Message):
     def __init__(self, chunk: _Optional[_Union[_common_pb2.TensorChunk, _Mapping]] = ..., done: _Optional[_Union[EncodeDone, _Mapping]] = ...) -> None: ...
 
 class EncodeDone(_message.Message):
-    __slots__ = ("tokens", "seconds")
+    __slots__ = ("tokens", "seconds", "peak_memory_mb")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PEAK_MEMORY_MB_FIELD_NUMBER: _ClassVar[int]
     tokens: int
     seconds: float
-    def __init__(self, tokens: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    peak_memory_mb: float
+    def __init__(self, tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., peak_memory_mb: _Optional[float] = ...) -> None: ...

@@ -65,7 +65,7 @@ class ClipSent(_message.Message):
     def __init__(self, index: _Optional[int] = ..., first_frame: _Optional[int] = ..., frames: _Optional[int] = ..., clips: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class DecodeDone(_message.Message):
-    __slots__ = ("frames", "pcm_samples", "video_seconds", "audio_seconds", "sink_tail_seconds", "bytes_sent", "transport", "latents_transport")
+    __slots__ = ("frames", "pcm_samples", "video_seconds", "audio_seconds", "sink_tail_seconds", "bytes_sent", "transport", "latents_transport", "peak_memory_mb")
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     PCM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     VIDEO_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,7 @@ class DecodeDone(_message.Message):
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     LATENTS_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    PEAK_MEMORY_MB_FIELD_NUMBER: _ClassVar[int]
     frames: int
     pcm_samples: int
     video_seconds: float
@@ -82,7 +83,8 @@ class DecodeDone(_message.Message):
     bytes_sent: int
     transport: _common_pb2.TransportInfo
     latents_transport: _common_pb2.TransportInfo
-    def __init__(self, frames: _Optional[int] = ..., pcm_samples: _Optional[int] = ..., video_seconds: _Optional[float] = ..., audio_seconds: _Optional[float] = ..., sink_tail_seconds: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., transport: _Optional[_Union[_common_pb2.TransportInfo, _Mapping]] = ..., latents_transport: _Optional[_Union[_common_pb2.TransportInfo, _Mapping]] = ...) -> None: ...
+    peak_memory_mb: float
+    def __init__(self, frames: _Optional[int] = ..., pcm_samples: _Optional[int] = ..., video_seconds: _Optional[float] = ..., audio_seconds: _Optional[float] = ..., sink_tail_seconds: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., transport: _Optional[_Union[_common_pb2.TransportInfo, _Mapping]] = ..., latents_transport: _Optional[_Union[_common_pb2.TransportInfo, _Mapping]] = ..., peak_memory_mb: _Optional[float] = ...) -> None: ...
 
 class DecodeEvent(_message.Message):
     __slots__ = ("clip", "done", "latents")

@@ -122,7 +122,8 @@ class DiTServicer(StageBase):
 
             sink = p.latents_sink
             result = yield from self.engine_events(scope, work, lambda p: dit_pb2.DiTEvent(progress=p))
-            done = dit_pb2.DiTDone(steps=result.steps, seconds=result.seconds, step_seconds=result.step_seconds)
+            done = dit_pb2.DiTDone(steps=result.steps, seconds=result.seconds, step_seconds=result.step_seconds,
+                                   peak_memory_mb=scope.peak_memory_mb)
             if sink.address and sink.session_id:   # the latents go straight to the VAE (dit->vae over Control)
                 info = self._send_latents(scope, sink, result)
                 done.transport.CopyFrom(common_pb2.TransportInfo(**info))

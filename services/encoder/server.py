@@ -69,7 +69,8 @@ class EncoderServicer(StageBase):
             for chunk in iter_tensor_chunks("text_tags", encoded.tags):
                 yield encoder_pb2.EncodeEvent(chunk=chunk)
             yield encoder_pb2.EncodeEvent(done=encoder_pb2.EncodeDone(tokens=int(encoded.tags.shape[0]),
-                                                                      seconds=seconds))
+                                                                      seconds=seconds,
+                                                                      peak_memory_mb=scope.peak_memory_mb))
         except BaseException as exc:
             self.finish(scope, exc)
             raise

@@ -420,6 +420,12 @@ class GatewayCore:
         with self._transport_lock:
             return {edge: dict(t) for edge, t in self.transport.items()}
 
+    @staticmethod
+    def _peak(t: dict, mb: float) -> None:
+        """The request's peak_memory_mb: the largest of the stages' own peaks (each stage is its own process)."""
+        if mb > 0:
+            t["peak_memory_mb"] = max(t.get("peak_memory_mb", 0.0), float(mb))
+
     def _record_transport(self, info) -> None:
         edge = info.edge or "vae->muxer"
         t = {"requested": info.requested, "chosen": info.chosen, "reason": info.reason}
@@ -666,6 +672,8 @@ class GatewayCore:
         for ev in events:
             if ev.WhichOneof("event") == "chunk":
                 chunks.append(ev.chunk)
+            elif ev.WhichOneof("event") == "done":
+                self._peak(t, ev.done.peak_memory_mb)
         text = collect_tensors(chunks, edge="encoder->gateway")
         t["encoder_s"] = time.perf_counter() - t0
         self._progress(job, "encoder", 1, 1, t["encoder_s"], P_ENCODER)
@@ -701,6 +709,7 @@ class GatewayCore:
                     self.metrics.latents_relayed_bytes.inc(len(ev.chunk.data))
                 elif kind == "done":
                     t["dit_steps"] = float(ev.done.steps)
+                    self._peak(t, ev.done.peak_memory_mb)
                     if ev.done.HasField("transport"):
                         self._record_transport(ev.done.transport)
             if not direct:
@@ -771,6 +780,7 @@ class GatewayCore:
                         t["vae_s"] = d.video_seconds + d.audio_seconds
                         t["mux_tail_s"] = d.sink_tail_seconds
                         t["transfer_bytes"] = float(d.bytes_sent)
+                        self._peak(t, d.peak_memory_mb)
                         if d.HasField("transport"):
                             self._record_transport(d.transport)
             finally:

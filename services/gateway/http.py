@@ -188,7 +188,8 @@ def job_object(job: Job, core: GatewayCore) -> dict:
         "inference_time_s": round(t["t_client"], 6) if job.status == "completed" and "t_client" in t else None,
         "stage_durations": durations, "rtf": round(t["rtf_client"], 6) if "rtf_client" in t else None,
         "mp4_bytes": job.mp4_bytes or None, "sha256": job.sha256 or None,
-        "peak_memory_mb": None,   # not measured on this path (stages run in other processes)
+        # the largest of the stages' peaks (device allocator on a GPU, RSS on the CPU; each stage is a process)
+        "peak_memory_mb": round(t["peak_memory_mb"], 1) if t.get("peak_memory_mb") else None,
     }
 
 

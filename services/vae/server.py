@@ -189,6 +189,7 @@ class VAEServicer(StageBase):
                 from h3serve._proto import common_pb2
 
                 done.latents_transport.CopyFrom(common_pb2.TransportInfo(**latents_info))
+            done.peak_memory_mb = scope.peak_memory_mb   # known once the engine work has returned
             yield vae_pb2.DecodeEvent(done=done)
         except BaseException as exc:
             self.finish(scope, exc)

@@ -44,6 +44,7 @@ def test_grpc_stream_same_bytes_and_one_progress_event_per_step(stack, embedded)
                 "t_client", "t_media", "rtf_client"):
         assert t[key] >= 0, key
     assert abs(t["t_media"] - 124 / 24) < 1e-6
+    assert t["peak_memory_mb"] > 100   # the largest stage process's peak RSS here (CPU stages; weights, torch)
     assert result.sha256 == __import__("hashlib").sha256(expected).hexdigest()
 
 
@@ -96,6 +97,7 @@ def test_http_async_job_same_bytes(stack, embedded):
         for key in ("encoder_s", "dit_s", "vae_video_s", "fetch_s", "t_client"):
             assert job["stage_durations"][key] >= 0, key
         assert job["inference_time_s"] > 0 and job["completed_at"] >= job["created_at"]
+        assert job["peak_memory_mb"] > 100
         content = http.get(f"/v1/videos/{job['id']}/content")
         assert content.status_code == 200 and content.headers["content-type"] == "video/mp4"
         assert content.content == expected

@@ -3,7 +3,7 @@
 Spawns --world ranks itself (NCCL on CUDA, gloo on CPU). Rank 0 first times the plain model on its own GPU (the
 1-GPU baseline, with each --baseline-attention), then every rank times the USP forward for each plan in --plans
 (ulysses x ring). Scaling efficiency = T_1gpu / (world * T_world). max|delta| is against the 1-GPU outputs computed
-with the same attention backend the plan uses locally (PyTorch's SDPA default).
+with the attention kernel the plan uses locally (the process's choice, e.g. FA3 on Hopper, or the plan's ':NAME').
 
     python bench/dit_parallel.py --preset tiny --device cpu                                   # CPU smoke run
     python bench/dit_parallel.py --preset full --dtype bf16 --device cuda --layers 2 \\
@@ -34,9 +34,9 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--plans", default="2x1,1x2",
-                   help="ulysses x ring plans, comma separated; a ':fa3' suffix runs the plan with its local attention "
-                        "(Ulysses: the SDPA call; Ring: attention_with_lse) replaced by FlashAttention-3 in this "
-                        "process (services.dit.kernels), e.g. 2x1:fa3")
+                   help="ulysses x ring plans, comma separated; a ':NAME' suffix runs the plan with H3SERVE_ATTENTION="
+                        "NAME (the local attention kernel, services.dit.kernels), e.g. 2x1:cudnn; default: the "
+                        "process's own choice (FA3 on Hopper when installed)")
     p.add_argument("--baseline-attention", default="sdpa,fa3",
                    help="1-GPU baselines (H3SERVE_ATTENTION values; unavailable ones are skipped)")
     p.add_argument("--iters", type=int, default=3)
@@ -124,24 +124,16 @@ def _worker(rank: int, a: argparse.Namespace, port: int, queue) -> None:
                 if a.profile:
                     res["baselines"][name]["profile"] = _profile(lambda: model(*args), a.profile, dev)
             torch.distributed.barrier()
-        os.environ.pop("H3SERVE_ATTENTION", None)
-        kernels.reset_attention_choice()
-        import types
-
-        import h3serve.services.dit.parallel as par
-
-        orig_f, orig_lse = par.F, par.attention_with_lse
         for spec in [p for p in a.plans.split(",") if p]:
             geo, _, local = spec.partition(":")
             u, r = (int(x) for x in geo.split("x"))
-            if local == "fa3":
-                if not (cuda and kernels.fa3_available(dev)):
-                    continue
-                shim = types.SimpleNamespace(**{k: getattr(orig_f, k) for k in dir(orig_f) if not k.startswith("__")})
-                shim.scaled_dot_product_attention = kernels.fa3_attention
-                par.F, par.attention_with_lse = shim, kernels.fa3_attention_with_lse
+            if local == "fa3" and not (cuda and kernels.fa3_available(dev)):
+                continue
+            if local:
+                os.environ["H3SERVE_ATTENTION"] = local
             else:
-                par.F, par.attention_with_lse = orig_f, orig_lse
+                os.environ.pop("H3SERVE_ATTENTION", None)
+            kernels.reset_attention_choice()
             usp = parallelize_dit(model, rt, USPPlan(ulysses=u, ring=r))
             if cuda:
                 torch.cuda.reset_peak_memory_stats(dev)
@@ -152,10 +144,11 @@ def _worker(rank: int, a: argparse.Namespace, port: int, queue) -> None:
                 continue
             peaks = [None] * a.world
             torch.distributed.all_gather_object(peaks, _peak(dev))
-            entry = {"ulysses": u, "ring": r, "local_attention": local or "parallel.py default",
+            entry = {"ulysses": u, "ring": r, "local_attention": local or "process default",
                      "forward_ms": round(ms, 4), "peak_hbm_gib_per_gpu": peaks}
             if rank == 0:
-                ref_name = local if local in refs else "sdpa" if "sdpa" in refs else next(iter(refs), None)
+                used = local or kernels.chosen_attention(dev)[0]   # the kernel this plan ran locally
+                ref_name = used if used in refs else "sdpa" if "sdpa" in refs else next(iter(refs), None)
                 if ref_name is not None:
                     rv, ra = refs[ref_name]
                     entry["max_abs_diff_vs_1gpu"] = {"baseline": ref_name,

@@ -19,6 +19,7 @@ from h3serve.transport.grpc import GrpcStreamReceiver, iter_tensor_chunks
 log = logging.getLogger("h3serve.dit")
 
 LATENTS_EDGE = "dit->vae"
+SERVED_TASKS = ("t2va",)  # what this RPC carries: text states only (no keyframe or reference latents)
 
 
 def _unwrap(msg):
@@ -83,7 +84,7 @@ class DiTServicer(StageBase):
             self.engine.generate(req)
 
     def info(self) -> dict:
-        return {**super().info(), "tasks": ["t2va", "fl2va"],
+        return {**super().info(), "tasks": list(SERVED_TASKS),
                 "transport": {"edge": LATENTS_EDGE, "requested": self.transport_requested,
                               "chosen": self.transport_chosen, "reason": self.transport_reason,
                               "last_stream": self.last_transport}}
@@ -97,6 +98,9 @@ class DiTServicer(StageBase):
         if first is None or first.WhichOneof("input") != "params":
             raise RequestError("params", None, "the first message of a DiT stream carries the parameters")
         p = first.params
+        if (p.task or "t2va") not in SERVED_TASKS:   # no keyframe / reference latents travel on this RPC yet
+            raise RequestError("task", p.task, "the DiT service runs t2va (fl2va / ref2va run in the embedded "
+                                               "pipeline)")
         scope = self.scope(context, p.request_id)
         try:
             tensors = {}

@@ -103,3 +103,20 @@ def test_http_deadline_header_and_query_validation(stack):
         assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded", r.text
         assert time.monotonic() - t0 < 4.0
     stack.wait_idle("dit")
+
+
+def test_dit_refuses_tasks_its_rpc_cannot_carry(stack):
+    """fl2va needs keyframe latents, which the DiT RPC does not carry: a clear error naming `task`, not a t2va run."""
+    import grpc
+
+    from h3serve._proto import common_pb2, dit_pb2, dit_pb2_grpc
+
+    params = dit_pb2.DiTParams(request_id="fl2va-direct", latent_frames=37, latent_height=8, latent_width=10,
+                               audio_latents=207, seed=0, task="fl2va", profile="base", steps=4)
+    inputs = [dit_pb2.DiTInput(params=params), dit_pb2.DiTInput(end=common_pb2.StreamEnd(tensors=0))]
+    with grpc.insecure_channel(stack.addresses["dit"]) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in dit_pb2_grpc.DiTStub(ch).Generate(iter(inputs), timeout=30):
+                pass
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "task" in err.value.details() and "fl2va" in err.value.details()

@@ -239,9 +239,13 @@ class FollowerHealth:
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="h3-follower-health"))
         self.servicer = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self.servicer, self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        try:
+            self.port = self.server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError:   # grpcio raises on a port in use
+            self.port = 0
         if not self.port:
-            raise H3Error(f"cannot bind the health port {host}:{port} of this rank's pod")
+            raise H3Error(f"--port {port}: cannot bind {host}:{port} for this rank's gRPC health (in use?); give "
+                          "the pod's stage port")
         self.set(False)
         self.server.start()
 

@@ -76,3 +76,19 @@ def test_follower_pod_answers_health_and_leaves_with_rank0(tiny_checkpoint):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_follower_health_port_in_use_is_a_clear_error():
+    import socket
+
+    import pytest
+
+    from h3serve.errors import H3Error
+    from h3serve.stage_ranks import FollowerHealth
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(H3Error, match=rf"--port {port}: cannot bind 127.0.0.1:{port}"):
+            FollowerHealth("127.0.0.1", port)

@@ -171,7 +171,8 @@ def _ours_run(cfg: dict) -> dict:
     import torch
 
     from h3serve.checkpoint import sha256_file
-    from h3serve.pipeline import Pipeline, peak_memory
+    from h3serve.memory import process_memory
+    from h3serve.pipeline import Pipeline
 
     out = Path(cfg["out"])
     req = _request(cfg)
@@ -188,7 +189,7 @@ def _ours_run(cfg: dict) -> dict:
             timings, latents = _ours_once(pipe, req, out / "ours.mp4")
             log(f"ours: run {i + 1}: t_client {timings['t_client']:.3f} s")
             runs.append(timings)
-        memory = pipe.stage.call("memory") if pipe.stage is not None else [{"rank": 0, **peak_memory(pipe.device)}]
+        memory = pipe.stage.call("memory") if pipe.stage is not None else [{"rank": 0, **process_memory(pipe.device)}]
     finally:
         pipe.close()
     torch.save({"video": latents.video.float().cpu(), "audio": latents.audio.float().cpu()},
@@ -331,7 +332,7 @@ def _diffusers_run(rank: int, dev, ctrl, cfg: dict) -> None:
     from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 
     from h3serve.checkpoint import load_processor
-    from h3serve.pipeline import peak_memory
+    from h3serve.memory import process_memory
     from h3serve.services.muxer.mux import Mp4Writer
 
     world, cuda, out = cfg["world"], dev.type == "cuda", Path(cfg["out"])
@@ -482,7 +483,7 @@ def _diffusers_run(rank: int, dev, ctrl, cfg: dict) -> None:
             log(f"diffusers: run {i + 1}: t_client {timings['t_client']:.3f} s")
         runs.append(timings)
 
-    mine = [{"rank": rank, **peak_memory(d)} for d in sorted(used_devices)]
+    mine = [{"rank": rank, **process_memory(d)} for d in sorted(used_devices)]
     gathered: list = [None] * world
     dist.all_gather_object(gathered, mine, group=ctrl)
     if rank != 0:

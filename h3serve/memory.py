@@ -2,14 +2,17 @@
 
 On a CUDA device: the caching allocator's peak of allocated bytes on that device (weights included), reset when the
 work starts. On the CPU: the process's peak resident set (VmHWM, weights included), reset by writing "5" to
-/proc/self/clear_refs (Linux). 0.0 where neither can be read.
+/proc/self/clear_refs (Linux). 0.0 where neither can be read. `process_memory`: the same numbers over the process's
+whole life, for benchmarks.
 """
 
 from __future__ import annotations
 
+import resource
+
 import torch
 
-__all__ = ["PeakMemory"]
+__all__ = ["PeakMemory", "process_memory"]
 
 MIB = float(1 << 20)
 
@@ -48,3 +51,18 @@ class PeakMemory:
             self.mb = torch.cuda.max_memory_allocated(self.device) / MIB
         else:
             self.mb = _rss_hwm_mb()
+
+
+def process_memory(device: torch.device | str) -> dict:
+    """This process's memory over its whole life, read-only (nothing is reset): the CUDA caching allocator's peaks
+    on `device` (None on the CPU), the device's used bytes now (all processes), and the process's peak RSS."""
+    device = torch.device(device)
+    stats = {"device": str(device), "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+             "max_allocated_bytes": None, "max_reserved_bytes": None, "device_used_bytes": None,
+             "device_total_bytes": None}
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        stats.update(max_allocated_bytes=int(torch.cuda.max_memory_allocated(device)),
+                     max_reserved_bytes=int(torch.cuda.max_memory_reserved(device)),
+                     device_used_bytes=int(total - free), device_total_bytes=int(total))
+    return stats

@@ -62,23 +62,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def peak_memory(device: torch.device | str) -> dict:
-    """This process's peak memory, read-only: the CUDA caching allocator's peaks on `device` (None on the CPU), the
-    device's used bytes now (all processes), and the process's peak resident set size."""
-    import resource
-
-    device = torch.device(device)
-    stats = {"device": str(device), "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-             "max_allocated_bytes": None, "max_reserved_bytes": None, "device_used_bytes": None,
-             "device_total_bytes": None}
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        stats.update(max_allocated_bytes=int(torch.cuda.max_memory_allocated(device)),
-                     max_reserved_bytes=int(torch.cuda.max_memory_reserved(device)),
-                     device_used_bytes=int(total - free), device_total_bytes=int(total))
-    return stats
-
-
 def _read_audio_32k(path: str, max_samples: int) -> torch.Tensor:
     """An audio reference as (2, N) float32 at 32 kHz, truncated to the generated duration (mono duplicated).
 
@@ -469,11 +452,13 @@ def _parallel_rank(runtime, checkpoint: str, profile: str, adapter: str | None, 
         return video_vae.iter_decode_float(latents) if as_float else video_vae.iter_decode(latents)
 
     def memory(payload, local: Local | None):
-        """Every rank's `peak_memory` (read-only), gathered on the control group; rank 0 gets the list by rank."""
+        """Every rank's `process_memory` (read-only), gathered on the control group; rank 0 gets the list by rank."""
         import torch.distributed as dist
 
         stats: list = [None] * runtime.world_size
-        dist.all_gather_object(stats, {"rank": rank, **peak_memory(dev)}, group=runtime.control)
+        from h3serve.memory import process_memory
+
+        dist.all_gather_object(stats, {"rank": rank, **process_memory(dev)}, group=runtime.control)
         return stats
 
     handlers = {"encode": encode, "dit": generate, "vae": decode, "memory": memory}

@@ -47,7 +47,7 @@ def synthetic_clips(vae, latents):
     """The decode stream with its pixels replaced by a smooth moving picture (same shapes, same device work plus a
     few element-wise ops), as yuv420p planes in pinned memory with their copy events: a stand-in for natural video,
     whose encode cost differs from the random-weight decoder's noise."""
-    from h3serve.services.muxer.mux import rgb_to_yuv420p
+    from h3serve.services.vae.video import yuv420p_to_host
 
     done = 0
     for clip in vae.iter_decode(latents):
@@ -58,16 +58,7 @@ def synthetic_clips(vae, latents):
         chans = [torch.sin((xx + 3 * t) / (40 + 9 * c)) * torch.cos((yy - 2 * t) / (31 + 7 * c)) for c in range(3)]
         rgb = ((torch.stack(chans, -1) * 0.5 + 0.5) * 255).round().to(torch.uint8)
         done += n
-        planes = rgb_to_yuv420p(rgb)
-        if not rgb.is_cuda:
-            yield planes, None
-            continue
-        host = tuple(torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for p in planes)
-        for hp, p in zip(host, planes):
-            hp.copy_(p, non_blocking=True)
-        ev = torch.cuda.Event()
-        ev.record()
-        yield host, ev
+        yield yuv420p_to_host(rgb)
 
 
 def stream_to_mp4(vae, latents, pcm: np.ndarray, out_path: str, width: int, height: int, *, threads: int = 8,

@@ -31,7 +31,7 @@ import torch
 
 from .tiling import Tile, blend, plan_tiles, stitch_tiles
 
-__all__ = ["VideoVAE", "WindowPlan", "plan_windows", "to_uint8", "PIXEL_MEAN", "PIXEL_STD", "KEYFRAME_ENCODE_SEED"]
+__all__ = ["VideoVAE", "WindowPlan", "plan_windows", "to_uint8", "yuv420p_to_host", "PIXEL_MEAN", "PIXEL_STD", "KEYFRAME_ENCODE_SEED"]
 
 log = logging.getLogger("h3serve.vae")
 
@@ -100,6 +100,24 @@ def _pil_or_array_to_uint8(image) -> np.ndarray:
         raise ValueError(f"expected a uint8 (H, W, 3) RGB image, got {arr.dtype} {tuple(arr.shape)}")
     return arr
 
+
+
+def yuv420p_to_host(rgb: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], object]:
+    """uint8 (F, H, W, 3) RGB -> (yuv420p planes in pinned host memory, the CUDA event that marks their copy done).
+
+    The colour conversion runs where the frames are; the device-to-host copy is asynchronous. Off CUDA: the planes
+    and None."""
+    from h3serve.services.muxer.mux import rgb_to_yuv420p
+
+    planes = rgb_to_yuv420p(rgb)
+    if not rgb.is_cuda:
+        return planes, None
+    host = tuple(torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for p in planes)
+    for h, p in zip(host, planes):
+        h.copy_(p, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
 
 class VideoVAE:
     """The video VAE behind our interface. Build with ``VideoVAE.load`` or wrap an ``AutoencoderKLMiniMaxH3``."""
@@ -244,19 +262,8 @@ class VideoVAE:
         CUDA event that marks its copy done (None off CUDA): uint8 and the colour conversion run on the device, the
         device-to-host copy is asynchronous, so the consumer (an encoder thread) waits on the event, not the stream.
         """
-        from h3serve.services.muxer.mux import rgb_to_yuv420p
-
         for clip in self.iter_decode(latents):
-            planes = rgb_to_yuv420p(clip)
-            if not clip.is_cuda:
-                yield planes, None
-                continue
-            host = tuple(torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for p in planes)
-            for h, p in zip(host, planes):
-                h.copy_(p, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            yield host, event
+            yield yuv420p_to_host(clip)
 
     @torch.no_grad()
     def decode_float(self, latents: torch.Tensor) -> torch.Tensor:

@@ -392,10 +392,9 @@ class Pipeline:
 def _parallel_rank(runtime, checkpoint: str, profile: str, adapter: str | None, adapter_sha256: str | None,
                    dtype: str, tasks: tuple, degrees: ParallelDegrees) -> dict:
     """Every rank: load its part (encoder shard, DiT under USP, VAE tiles), return the ops rank 0 calls."""
-    from h3serve.adapter import Adapter
-    from h3serve.distributed import Local, check_identical, weights_digest
-    from h3serve.services.dit.engine import COMPONENT_FOR_TASK, DiTEngine
-    from h3serve.services.dit.parallel import USPDiT, USPGroups, USPPlan
+    from h3serve.distributed import Local
+    from h3serve.services.dit.engine import COMPONENT_FOR_TASK
+    from h3serve.services.dit.parallel import USPGroups, USPPlan, load_usp_engine
     from h3serve.services.encoder.model import TextEncoder
     from h3serve.services.encoder.parallel import parallelize_encoder
     from h3serve.services.vae.audio import AudioVAE
@@ -410,17 +409,8 @@ def _parallel_rank(runtime, checkpoint: str, profile: str, adapter: str | None, 
 
     dit = encoder = video_vae = audio_vae = None
     if usp is not None:
-        # FastH3: each process fuses the adapter into the weights it streams, before any sharding.
-        fused = Adapter.open(adapter, adapter_sha256) if profile == "fasth3" else None
-        components = sorted({COMPONENT_FOR_TASK[t] for t in tasks})
-        dit = DiTEngine.load(checkpoint, components=components, dtype=torch_dtype, device=dev, profile=profile,
-                             adapter=fused)
-        if fused is not None:
-            fused.close()
-        for name, model in sorted(dit.models.items()):
-            check_identical(runtime, weights_digest(model.state_dict().items()), f"DiT {name} weights",
-                            control=usp.control)
-            dit.models[name] = USPDiT(model, usp)
+        dit = load_usp_engine(runtime, usp, checkpoint, components=sorted({COMPONENT_FOR_TASK[t] for t in tasks}),
+                              dtype=torch_dtype, profile=profile, adapter=adapter, adapter_sha256=adapter_sha256)
     if rank < degrees.encoder_tp:
         encoder = parallelize_encoder(TextEncoder.load(checkpoint, dtype=torch_dtype, device=dev), enc_group, rank,
                                       degrees.encoder_tp)

@@ -130,23 +130,13 @@ def build_encoder(runtime, checkpoint: str, dtype: str, threads: int, tp: int) -
 
 def build_dit(runtime, checkpoint: str, profile: str, adapter: str | None, adapter_sha256: str | None, dtype: str,
               threads: int, ulysses: int, ring: int) -> dict:
-    from h3serve.adapter import Adapter
-    from h3serve.distributed import check_identical, weights_digest
     from h3serve.pipeline import DTYPES
-    from h3serve.services.dit.engine import DiTEngine
-    from h3serve.services.dit.parallel import USPDiT, USPGroups, USPPlan
+    from h3serve.services.dit.parallel import USPGroups, USPPlan, load_usp_engine
 
     _threads(threads)
     usp = USPGroups.build(runtime, USPPlan(ulysses, ring))
-    fused = Adapter.open(adapter, adapter_sha256) if profile == "fasth3" else None  # fused per rank, before sharding
-    engine = DiTEngine.load(checkpoint, components=("transformer",), dtype=DTYPES[dtype], device=runtime.device,
-                            profile=profile, adapter=fused)
-    if fused is not None:
-        fused.close()
-    for name, model in sorted(engine.models.items()):
-        check_identical(runtime, weights_digest(model.state_dict().items()), f"DiT {name} weights",
-                        control=usp.control)
-        engine.models[name] = USPDiT(model, usp)
+    engine = load_usp_engine(runtime, usp, checkpoint, components=("transformer",), dtype=DTYPES[dtype],
+                             profile=profile, adapter=adapter, adapter_sha256=adapter_sha256)
 
     def generate(req, local):
         should_stop = runtime.agreed_stop(local.should_stop if local else None, usp.control)

@@ -36,8 +36,8 @@ from .layout import NUM_TAGS, PackedLayout
 from .kernels import chosen_attention, fa3_attention_with_lse
 from .model import BlockContext, H3DiT, timestep_sinusoid
 
-__all__ = ["USPPlan", "USPGroups", "USPDiT", "parallelize_dit", "ring_attention", "attention_with_lse",
-           "ulysses_rows_to_heads", "ulysses_heads_to_rows", "RowShard", "row_shards"]
+__all__ = ["USPPlan", "USPGroups", "USPDiT", "parallelize_dit", "load_usp_engine", "ring_attention",
+           "attention_with_lse", "ulysses_rows_to_heads", "ulysses_heads_to_rows", "RowShard", "row_shards"]
 
 
 @dataclass(frozen=True)
@@ -383,3 +383,26 @@ def parallelize_dit(model: H3DiT, runtime: Runtime, plan: USPPlan) -> USPDiT | N
                          f"{runtime.world_size}")
     groups = USPGroups.build(runtime, plan)
     return None if groups is None else USPDiT(model, groups)
+
+
+def load_usp_engine(runtime: Runtime, usp: USPGroups, checkpoint: str, *, components, dtype: torch.dtype,
+                    profile: str, adapter: str | None, adapter_sha256: str | None):
+    """This DiT rank's engine: weights streamed (FastH3: the adapter fused into them, before any sharding), checked
+    identical on every rank of the DiT group by digest, then each model wrapped in the USP plan."""
+    from h3serve.adapter import Adapter
+    from h3serve.distributed import check_identical, weights_digest
+
+    from .engine import DiTEngine
+
+    fused = Adapter.open(adapter, adapter_sha256) if profile == "fasth3" else None
+    try:
+        engine = DiTEngine.load(checkpoint, components=components, dtype=dtype, device=runtime.device,
+                                profile=profile, adapter=fused)
+    finally:
+        if fused is not None:
+            fused.close()
+    for name, model in sorted(engine.models.items()):
+        check_identical(runtime, weights_digest(model.state_dict().items()), f"DiT {name} weights",
+                        control=usp.control)
+        engine.models[name] = USPDiT(model, usp)
+    return engine

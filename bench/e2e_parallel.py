@@ -73,6 +73,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -174,7 +175,7 @@ def _ours_run(cfg: dict) -> dict:
     from h3serve.memory import process_memory
     from h3serve.pipeline import Pipeline
 
-    out = Path(cfg["out"])
+    out, stem = Path(cfg["out"]), _ours_stem(cfg)
     req = _request(cfg)
     sha = sha256_file(cfg["adapter"])
     degrees = dict(encoder_tp=cfg["encoder_tp"], ulysses=cfg["ulysses"], ring=cfg["ring"], vae_pp=cfg["vae_pp"])
@@ -182,21 +183,23 @@ def _ours_run(cfg: dict) -> dict:
     pipe = Pipeline.load(cfg["checkpoint"], profile="fasth3", adapter=cfg["adapter"], adapter_sha256=sha,
                          dtype=cfg["dtype"], device=cfg["device"], **degrees)
     try:
-        log(f"ours: loaded in {pipe.load_seconds:.2f} s; warm-up")
-        warm, _ = _ours_once(pipe, req, out / "ours_warmup.mp4")
+        log(f"ours: loaded in {pipe.load_seconds:.2f} s; {cfg['warmups']} warm-up request(s)")
+        warm = [_ours_once(pipe, req, out / f"{stem}_warmup.mp4")[0] for _ in range(cfg["warmups"])]
         runs, latents = [], None
         for i in range(cfg["repeats"]):
-            timings, latents = _ours_once(pipe, req, out / "ours.mp4")
+            timings, latents = _ours_once(pipe, req, out / f"{stem}.mp4")
             log(f"ours: run {i + 1}: t_client {timings['t_client']:.3f} s")
             runs.append(timings)
         memory = pipe.stage.call("memory") if pipe.stage is not None else [{"rank": 0, **process_memory(pipe.device)}]
     finally:
         pipe.close()
     torch.save({"video": latents.video.float().cpu(), "audio": latents.audio.float().cpu()},
-               out / "ours_latents.pt")
+               out / f"{stem}_latents.pt")
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0] if isinstance(runs[0][k], (int, float))}
     t_video = req.num_frames / req.fps
     return {
+        "tag": cfg["tag"],
+        "attention": os.environ.get("H3SERVE_ATTENTION") or "auto (FA3 on compute capability 9.x)",
         "degrees": degrees,
         "load_s": pipe.load_seconds,
         "stages": {"encoder_s": med["encoder_s"], "dit_s": med["dit_s"], "vae_decode_s": med["vae_s"],
@@ -206,14 +209,19 @@ def _ours_run(cfg: dict) -> dict:
         "timings": med,
         "t_client": med["t_client"],
         "t_client_runs": [r["t_client"] for r in runs],
-        "warmup_t_client": warm["t_client"],
+        "warmup_t_client": warm[0]["t_client"] if warm else None,
         "rtf": med["t_client"] / t_video,
-        "mp4": str(out / "ours.mp4"),
-        "latents_path": str(out / "ours_latents.pt"),
+        "mp4": str(out / f"{stem}.mp4"),
+        "latents_path": str(out / f"{stem}_latents.pt"),
         "memory_per_rank": memory,
         "peak_memory_per_gpu": _per_gpu(memory),
         "device_info": _device_info(cfg["device"]),
     }
+
+
+def _ours_stem(cfg: dict) -> str:
+    """File stem of ours' MP4 / latents / result: "ours", or "ours-TAG" for a tagged variant run."""
+    return f"ours-{cfg['tag']}" if cfg["tag"] else "ours"
 
 
 def _ours_child(cfg: dict, result_path: str) -> None:
@@ -475,7 +483,7 @@ def _diffusers_run(rank: int, dev, ctrl, cfg: dict) -> None:
         stages = {"encoder_s": t1 - t0, "dit_s": t2 - t1, "vae_decode_s": t3 - t2, "mux_s": t4 - t3}
         return {**stages, "t_client": t4 - t0}, lat
 
-    warm, _ = once(out / "diffusers_warmup.mp4" if rank == 0 else None)
+    warm = [once(out / "diffusers_warmup.mp4" if rank == 0 else None)[0] for _ in range(cfg["warmups"])]
     runs, lat = [], None
     for i in range(cfg["repeats"]):
         timings, lat = once(out / "diffusers.mp4" if rank == 0 else None)
@@ -503,7 +511,7 @@ def _diffusers_run(rank: int, dev, ctrl, cfg: dict) -> None:
                        "then uint8 + mux",
         "t_client": med["t_client"],
         "t_client_runs": [r["t_client"] for r in runs],
-        "warmup_t_client": warm["t_client"],
+        "warmup_t_client": warm[0]["t_client"] if warm else None,
         "rtf": med["t_client"] / (req.num_frames / req.fps),
         "mp4": str(out / "diffusers.mp4"),
         "latents_path": str(out / "diffusers_latents.pt"),
@@ -548,6 +556,31 @@ def compare_latents(ours: dict, theirs: dict, dtype: str) -> dict:
     return out
 
 
+def latents_pairs(out: Path) -> dict:
+    """rel L2 and max|Δ| between every two final latents saved in `out` (ours, ours-TAG variants, diffusers).
+
+    Variants of one implementation (another attention kernel, another layout) bound how far bf16 rounding alone
+    moves the result through 4 forwards of random weights: the yardstick for ours vs diffusers."""
+    import torch
+
+    saved = {f.name[: -len("_latents.pt")]: torch.load(f) for f in sorted(out.glob("*_latents.pt"))}
+    pairs = {}
+    names = sorted(saved)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            pair = {}
+            for key in ("video", "audio"):
+                x, y = saved[a][key].double(), saved[b][key].double()
+                if x.shape != y.shape:
+                    pair = None
+                    break
+                pair[key] = {"rel_l2": float((x - y).norm() / y.norm().clamp_min(1e-30)),
+                             "max_abs_diff": float((x - y).abs().max())}
+            if pair is not None:
+                pairs[f"{a} vs {b}"] = pair
+    return pairs
+
+
 def _parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -576,7 +609,13 @@ def _parse(argv=None) -> argparse.Namespace:
                     help="where diffusers' text encoder lives (see the module docstring; default split)")
     ap.add_argument("--diffusers-encoder-gib", type=int, default=64,
                     help="split: the text encoder's cap per GPU in GiB for device_map='balanced' (default 64)")
-    ap.add_argument("--repeats", type=int, default=1, help="timed requests per side after one warm-up (median)")
+    ap.add_argument("--repeats", type=int, default=1, help="timed requests per side after the warm-ups (median)")
+    ap.add_argument("--warmups", type=int, default=1,
+                    help="untimed requests per side first (default 1; compiled diffusers compiles in the first)")
+    ap.add_argument("--tag", default="", help="ours: a variant run; its files are ours-TAG_* in --out, so that an "
+                                              "untagged run and the diffusers run there are kept")
+    ap.add_argument("--ours-attention", default=None, choices=["sdpa", "cudnn", "flash", "fa3"],
+                    help="ours: H3SERVE_ATTENTION for every rank (default: the automatic choice, FA3 on H100/H200)")
     ap.add_argument("--skip-ours", action="store_true",
                     help="run diffusers only; ours' result is then read from --out/ours_result.json if an earlier "
                          "--skip-diffusers run left it there (the two sides in two commands, same machine)")
@@ -594,6 +633,8 @@ def _config(args: argparse.Namespace) -> dict:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.world < 1:
         raise SystemExit("--world must be >= 1")
+    if args.tag and not re.fullmatch(r"[A-Za-z0-9.-]{1,32}", args.tag):
+        raise SystemExit(f"--tag {args.tag!r}: 1..32 of [A-Za-z0-9.-] (it names files in --out)")
     ulysses = args.ulysses or max(1, args.world // args.ring)
     degrees = ParallelDegrees(encoder_tp=args.encoder_tp or args.world, ulysses=ulysses, ring=args.ring,
                               vae_pp=args.vae_pp or ulysses * args.ring)
@@ -620,14 +661,15 @@ def _config(args: argparse.Namespace) -> dict:
         "ring": args.ring, "vae_pp": degrees.vae_pp, "diffusers_ulysses": d_ulysses, "diffusers_ring": d_ring,
         "diffusers_attention": attention, "diffusers_compile": bool(compile_),
         "diffusers_encoder": args.diffusers_encoder, "diffusers_encoder_gib": args.diffusers_encoder_gib,
-        "repeats": max(1, args.repeats), "timeout_s": args.timeout_s, "out": str(out.resolve()),
+        "repeats": max(1, args.repeats), "warmups": max(0, args.warmups), "tag": args.tag,
+        "timeout_s": args.timeout_s, "out": str(out.resolve()),
     }
 
 
 def _run_ours(cfg: dict) -> dict:
     import torch.multiprocessing as mp
 
-    result_path = Path(cfg["out"]) / "ours_result.json"
+    result_path = Path(cfg["out"]) / f"{_ours_stem(cfg)}_result.json"
     result_path.unlink(missing_ok=True)
     proc = mp.get_context("spawn").Process(target=_ours_child, args=(cfg, str(result_path)), name="e2e-ours")
     proc.start()
@@ -683,6 +725,8 @@ def main(argv=None) -> int:
                        "over each process's life (load, warm-up, timed runs); device_used_bytes: used at the end",
     }
     log(f"config: {json.dumps({k: v for k, v in cfg.items() if k != 'prompt'})}")
+    if args.ours_attention:  # inherited by ours' child and every rank it starts
+        os.environ["H3SERVE_ATTENTION"] = args.ours_attention
     if not args.skip_ours:
         t0 = time.perf_counter()
         result["ours"] = _run_ours(cfg)
@@ -716,6 +760,7 @@ def main(argv=None) -> int:
         if not lat["within_tolerance"]:
             log(f"final latents diverge beyond the tolerance: {json.dumps(lat)}")
             status = 3
+    result["latents_pairs"] = latents_pairs(Path(cfg["out"]))
     result["target"] = TARGET
     os.write(real_stdout, (json.dumps(result) + "\n").encode())
     os.close(real_stdout)

@@ -2,8 +2,8 @@
 # The GPU benchmark suite, run from the repository root on a CUDA machine whose Python has torch but neither
 # diffusers nor h3serve installed. Wheels / zips carried in .whl/ are installed into /tmp/site; h3serve is made
 # importable from a copy of the package with `services` linked in. Every bench prints one JSON line; all output
-# goes to $OUT (default ./out). Steps: env | layer | vae | full50 | tail | parallel | parallel6 | pipeline | gputest
-# (default: env,layer,vae,full50). `pipeline` runs `h3serve generate` on a tiny checkpoint under each parallel
+# goes to $OUT (default ./out). Steps: env | layer | vae | full50 | tail | parallel | parallel6 | pipeline | gputest |
+# fullckpt | e2e_ours | e2e_variants | e2e_diffusers (default: env,layer,vae,full50). `pipeline` runs `h3serve generate` on a tiny checkpoint under each parallel
 # layout; `gputest` runs the NCCL tests (tests/parallel/test_gpu.py; pytest carried in .whl/ when missing).
 #
 #   bash bench/gpu_suite.sh                       # everything
@@ -14,6 +14,11 @@ STEPS=${STEPS:-env,layer,vae,full50}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# .whl/site.tar.xz: the same packages already unpacked, xz-compressed (one carry fits all of them); unpacked once per
+# machine, so that calls on one warm machine reuse it.
+if [ -e .whl/site.tar.xz ] && [ ! -e /tmp/site/.from-site-tar ]; then
+  mkdir -p /tmp/site && tar -C /tmp/site -xJf .whl/site.tar.xz && touch /tmp/site/.from-site-tar
+fi
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
 fi
@@ -90,6 +95,17 @@ fi
 E2E_ARGS="--checkpoint $CKPT --adapter $ADAPTER --world 2 --device cuda --dtype bf16 --out $E2E_OUT ${E2E_EXTRA:-}"
 if has e2e_ours; then
   run e2e_ours 590 python3 bench/e2e_parallel.py $E2E_ARGS --skip-diffusers
+fi
+# Variants of ours alone into the same --out (one per line of E2E_VARIANTS, extra e2e_parallel.py arguments): another
+# attention kernel, or one GPU. Their latents are compared with every other run's there (latents_pairs).
+if has e2e_variants; then
+  i=0
+  while IFS= read -r extra; do
+    [ -z "$extra" ] && continue
+    i=$((i + 1))
+    run e2e_variant_$i 590 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+        python3 bench/e2e_parallel.py $E2E_ARGS --skip-diffusers $extra
+  done <<< "${E2E_VARIANTS:-$'--tag cudnn --ours-attention cudnn --warmups 0\n--tag gpu1 --world 1'}"
 fi
 if has e2e_diffusers; then
   run e2e_diffusers 590 python3 bench/e2e_parallel.py $E2E_ARGS --skip-ours

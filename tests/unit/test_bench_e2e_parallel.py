@@ -135,3 +135,40 @@ def test_compare_latents_flags_divergence():
     assert not wrong_shape["within_tolerance"]
     nan = bench.compare_latents(ours, dict(ours, video=ours["video"] * float("nan")), "bf16")
     assert not nan["within_tolerance"]
+
+
+def test_latents_pairs_compares_every_saved_run(tmp_path):
+    bench = _bench()
+    gen = torch.Generator().manual_seed(1)
+    base = {"video": torch.randn(1, 24, 4, 2, 2, generator=gen), "audio": torch.randn(2, 32, 5, generator=gen)}
+    torch.save(base, tmp_path / "ours_latents.pt")
+    torch.save({k: v * 1.01 for k, v in base.items()}, tmp_path / "ours-cudnn_latents.pt")
+    torch.save(dict(base, audio=base["audio"][:, :, :4]), tmp_path / "diffusers_latents.pt")  # other geometry
+    pairs = bench.latents_pairs(tmp_path)
+    assert set(pairs) == {"ours vs ours-cudnn"}  # a pair of different shapes is left out, not compared
+    assert pairs["ours vs ours-cudnn"]["video"]["rel_l2"] == pytest.approx(0.01 / 1.01, rel=1e-5)
+    moved = (base["audio"] * 1.01).double() - base["audio"].double()
+    assert pairs["ours vs ours-cudnn"]["audio"]["max_abs_diff"] == pytest.approx(moved.abs().max().item(), rel=1e-12)
+
+
+def test_tagged_ours_run_keeps_the_untagged_files(tiny_checkpoint, tiny_adapter, default_run):
+    _, report, _ = default_run
+    out = Path(report["out"])
+    rc, tagged, stderr = _run(tiny_checkpoint, tiny_adapter.path, out, "--skip-diffusers", "--tag", "sdpa",
+                              "--ours-attention", "sdpa", "--warmups", "0")
+    assert rc == 0, stderr[-3000:]
+    assert tagged["ours"]["tag"] == "sdpa" and tagged["ours"]["attention"] == "sdpa"
+    assert tagged["ours"]["warmup_t_client"] is None
+    assert Path(tagged["ours"]["latents_path"]).name == "ours-sdpa_latents.pt"
+    assert (out / "ours_latents.pt").is_file() and (out / "ours_result.json").is_file()
+    pairs = tagged["latents_pairs"]
+    assert {"diffusers vs ours", "diffusers vs ours-sdpa", "ours vs ours-sdpa"} <= set(pairs)
+    # the same kernels on the CPU: the tagged run repeats the untagged one bit for bit
+    assert pairs["ours vs ours-sdpa"]["video"]["max_abs_diff"] == 0.0
+
+
+def test_bad_tag_is_refused(tiny_checkpoint, tiny_adapter, tmp_path):
+    cmd = [sys.executable, str(SCRIPT), "--checkpoint", str(tiny_checkpoint), "--adapter", str(tiny_adapter.path),
+           "--device", "cpu", "--out", str(tmp_path), "--tag", "../x"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "--tag '../x'" in proc.stderr

@@ -172,3 +172,25 @@ def test_bad_tag_is_refused(tiny_checkpoint, tiny_adapter, tmp_path):
            "--device", "cpu", "--out", str(tmp_path), "--tag", "../x"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "--tag '../x'" in proc.stderr
+
+
+def test_bf16_judged_against_the_spread_of_ours_variants():
+    bench = _bench()
+    gen = torch.Generator().manual_seed(2)
+    theirs = {"video": torch.randn(1, 24, 4, 2, 2, generator=gen), "audio": torch.randn(2, 32, 5, generator=gen)}
+    noise = {k: torch.randn(v.shape, generator=gen) for k, v in theirs.items()}
+    ours = {k: v + 0.07 * noise[k] * v.norm() / noise[k].norm() for k, v in theirs.items()}  # rel L2 0.07
+    assert not bench.compare_latents(ours, theirs, "bf16")["within_tolerance"]  # fixed 0.05
+    pairs = {"ours vs ours-cudnn": {"video": {"rel_l2": 0.06}, "audio": {"rel_l2": 0.05}},
+             "ours vs ours-gpu1": {"video": {"rel_l2": 0.05}, "audio": {"rel_l2": 0.02}},
+             "diffusers vs ours": {"video": {"rel_l2": 0.9}, "audio": {"rel_l2": 0.9}}}  # not a variant of ours
+    floor = bench.noise_floor(pairs)
+    assert floor == {"video": 0.06, "audio": 0.05}
+    judged = bench.compare_latents(ours, theirs, "bf16", floor=floor)
+    assert judged["within_tolerance"], judged
+    assert judged["tolerance"]["rel_l2_per_key"] == pytest.approx({"video": 0.09, "audio": 0.075})
+    # beyond 1.5x the variants' spread is still a divergence, and fp32 ignores the floor
+    far = {k: v + 0.2 * noise[k] * v.norm() / noise[k].norm() for k, v in theirs.items()}
+    assert not bench.compare_latents(far, theirs, "bf16", floor=floor)["within_tolerance"]
+    assert not bench.compare_latents(ours, theirs, "fp32", floor=floor)["within_tolerance"]
+    assert bench.noise_floor({"diffusers vs ours": pairs["diffusers vs ours"]}) is None

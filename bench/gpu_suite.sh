@@ -3,7 +3,7 @@
 # diffusers nor h3serve installed. Wheels / zips carried in .whl/ are installed into /tmp/site; h3serve is made
 # importable from a copy of the package with `services` linked in. Every bench prints one JSON line; all output
 # goes to $OUT (default ./out). Steps: env | layer | vae | full50 | tail | parallel | parallel6 | pipeline | gputest |
-# fullckpt | e2e_ours | e2e_variants | e2e_diffusers (default: env,layer,vae,full50). `pipeline` runs `h3serve generate` on a tiny checkpoint under each parallel
+# fullckpt | e2e_ours | e2e_variants | e2e_diffusers | attention (default: env,layer,vae,full50). `pipeline` runs `h3serve generate` on a tiny checkpoint under each parallel
 # layout; `gputest` runs the NCCL tests (tests/parallel/test_gpu.py; pytest carried in .whl/ when missing).
 #
 #   bash bench/gpu_suite.sh                       # everything
@@ -14,17 +14,21 @@ STEPS=${STEPS:-env,layer,vae,full50}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-# .whl/site.tar.xz: the same packages already unpacked, xz-compressed (one carry fits all of them); unpacked once per
-# machine, so that calls on one warm machine reuse it.
-if [ -e .whl/site.tar.xz ] && [ ! -e /tmp/site/.from-site-tar ]; then
-  mkdir -p /tmp/site && tar -C /tmp/site -xJf .whl/site.tar.xz && touch /tmp/site/.from-site-tar
-fi
+# .whl/*.tar.xz: packages already unpacked, xz-compressed (site.tar.xz: av, fa3-fwd, diffusers; fa4-a/-b.tar.xz:
+# flash-attn-4 with its CuTe DSL, split in two because one carry holds 64 MiB). Each is unpacked into /tmp/site once
+# per machine, so the calls on one warm machine can bring them one by one. The CuTe DSL's own modules sit under
+# nvidia_cutlass_dsl/dsl_packages (a .pth adds them in site-packages; here PYTHONPATH does).
+for t in .whl/*.tar.xz; do
+  [ -e "$t" ] || continue
+  mark=/tmp/site/.from-$(basename "$t")
+  if [ ! -e "$mark" ]; then mkdir -p /tmp/site && tar -C /tmp/site -xJf "$t" && touch "$mark"; fi
+done
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
 fi
 for z in .whl/*.zip; do [ -e "$z" ] && python3 -m zipfile -e "$z" /tmp/site; done
 rm -rf /tmp/pkg && mkdir -p /tmp/pkg && cp -r h3serve /tmp/pkg/ && ln -s "$PWD/services" /tmp/pkg/h3serve/services
-export PYTHONPATH=/tmp/pkg:/tmp/site
+export PYTHONPATH=/tmp/pkg:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
 
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
 run() {  # name timeout_s command...
@@ -49,6 +53,9 @@ GEO="--preset full --dtype bf16 --device cuda --seq-video-frames 243 --height 76
 if has layer; then
   run dit_layer 200 python3 bench/dit_layer.py $GEO --layers 2 --iters 5 --warmup 2 \
       --variants fa3:1,fa3:0,cudnn:1,cudnn:0,flash:1
+fi
+if has attention; then
+  run attention 300 python3 bench/attention.py --device cuda --kernels ${KERNELS:-cudnn,fa3,fa4} --iters 5 --warmup 2
 fi
 if has vae; then
   run vae 300 python3 bench/vae.py --preset full --device cuda --dtype bf16 --latents 72x48x84 --iters 1 \

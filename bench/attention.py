@@ -47,6 +47,8 @@ def main(argv=None) -> int:
     from h3serve.services.dit import kernels
 
     dev = torch.device(args.device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator(dev).manual_seed(0)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
@@ -56,7 +58,7 @@ def main(argv=None) -> int:
     result: dict = {"bench": "attention", "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                     "torch": torch.__version__, "shape_bnhd": list(shape), "flop": flops, "kernels": {}}
     ref, ref_name = None, None
-    for name in [n for n in args.kernels.split(",") if n]:
+    for name in dict.fromkeys(n for n in args.kernels.split(",") if n):  # each once, in the order given
         try:
             fn = _fa4() if name == "fa4" else kernels.resolve_attention(dev, name)[1]
             t0 = time.perf_counter()

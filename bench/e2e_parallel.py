@@ -14,6 +14,10 @@ disk), rtf = t_client / video seconds, the MP4 it wrote, its final latents (.pt 
 Exit status: 0 ok; 1 a side failed (its "error" says why; the JSON is still printed); 3 the final latents diverge
 beyond the tolerance stated in "latents.tolerance".
 
+Variant runs of ours (`--skip-diffusers --tag NAME`, with `--ours-attention cudnn`, `--world 1`, ...) write
+ours-NAME_* files into the same --out. "latents_pairs" compares every two final latents found there, and in bf16 the
+spread between ours' variants (rounding alone) sets the bound for ours vs diffusers (see NOISE_FACTOR).
+
     # 2 H200 (the target run; see docs/parallelism.md)
     python bench/e2e_parallel.py --checkpoint /models/h3 --adapter /models/fasth3/adapter_model.safetensors \\
         --world 2 --device cuda --dtype bf16 --out /tmp/e2e_parallel

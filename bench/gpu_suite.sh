@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU benchmark suite, run from the repository root on a CUDA machine whose Python has torch but neither
 # diffusers nor h3serve installed. Wheels / zips / tarballs carried in .whl/ (built by bench/pack_wheels.sh) are
-# installed into /tmp/site; h3serve is made
-# importable from a copy of the package with `services` linked in. Every bench prints one JSON line; all output
-# goes to $OUT (default ./out). Steps: env | layer | vae | full50 | tail | parallel | parallel6 | pipeline | gputest |
-# fullckpt | e2e_ours | e2e_variants | e2e_diffusers | attention (default: env,layer,vae,full50). `pipeline` runs `h3serve generate` on a tiny checkpoint under each parallel
-# layout; `gputest` runs the NCCL tests (tests/parallel/test_gpu.py; pytest carried in .whl/ when missing).
+# installed into /tmp/site; h3serve is made importable from a copy of the package with `services` linked in. Every
+# bench prints one JSON line; all output goes to $OUT (default ./out).
+# Steps: env | layer | attention | vae | full50 | tail | parallel | parallel6 | pipeline | gputest | fullckpt |
+# e2e_ours | e2e_variants | e2e_diffusers (default: env,layer,vae,full50). `pipeline` runs `h3serve generate` on a
+# tiny checkpoint under each parallel layout; `gputest` runs the NCCL tests (tests/parallel/test_gpu.py; pytest
+# carried in .whl/ when missing).
 #
 #   bash bench/gpu_suite.sh                       # everything
 #   STEPS=env,layer bash bench/gpu_suite.sh

@@ -172,7 +172,14 @@ def _payload(opts: dict):
         raise ValueError(kind)
 
 
-def sender_main(pipe, q, opts: dict) -> None:
+def sender_main(pipe, q, opts: dict, progress=None) -> None:
+    """`progress` (a Connection) gets n once `progress_at` messages are sent: the signal to SIGKILL this process.
+
+    Not sent on `q`: a Queue writes from a feeder thread that holds the queue's cross-process lock meanwhile, so a
+    process killed just after `put` can die holding it, and the survivor's `q.put` of its result then never lands
+    (its feeder blocks on that lock, and its exit waits on the feeder). `Connection.send` returns once the bytes are
+    written, with no lock held.
+    """
     from h3serve.transport import nixl as nx
 
     cap = _setup(opts)
@@ -190,7 +197,7 @@ def sender_main(pipe, q, opts: dict) -> None:
             if opts.get("stall_after") is not None and n == opts["stall_after"]:
                 time.sleep(opts.get("stall_s", 30))
             if opts.get("progress_at") is not None and n == opts["progress_at"]:
-                q.put({"role": "progress", "n": n})
+                progress.send(n)
             t0 = time.monotonic()
             tx.send(name, tensor, meta if tensor is not None else {**meta, "_name": name},
                     timeout=opts.get("send_timeout"))

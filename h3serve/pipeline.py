@@ -445,9 +445,9 @@ def _parallel_rank(runtime, checkpoint: str, profile: str, adapter: str | None, 
         """Every rank's `process_memory` (read-only), gathered on the control group; rank 0 gets the list by rank."""
         import torch.distributed as dist
 
-        stats: list = [None] * runtime.world_size
         from h3serve.memory import process_memory
 
+        stats: list = [None] * runtime.world_size
         dist.all_gather_object(stats, {"rank": rank, **process_memory(dev)}, group=runtime.control)
         return stats
 

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from h3serve.distributed import ParallelDegrees, Runtime
 
 from .layout import NUM_TAGS, PackedLayout
-from .kernels import chosen_attention, fa3_attention_with_lse
+from .kernels import HALF_DTYPES, chosen_attention, fa3_attention_with_lse
 from .model import BlockContext, H3DiT, timestep_sinusoid
 
 __all__ = ["USPPlan", "USPGroups", "USPDiT", "parallelize_dit", "load_usp_engine", "ring_attention",
@@ -97,8 +97,7 @@ class USPGroups:
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Unmasked attention (B, H, Nq, D) x (B, H, Nk, D) -> out (B, H, Nq, D), log-sum-exp (B, H, Nq) fp32."""
     nq = q.shape[-2]
-    half = q.dtype in (torch.bfloat16, torch.float16)
-    if q.device.type == "cuda" and half and chosen_attention(q.device)[0] == "fa3":
+    if q.device.type == "cuda" and q.dtype in HALF_DTYPES and chosen_attention(q.device)[0] == "fa3":
         return fa3_attention_with_lse(q, k, v)  # the fastest kernel on Hopper, LSE included
     try:
         if q.device.type == "cpu":
@@ -147,19 +146,19 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, 
         src = (ring_index - step) % r
         reqs = []
         if step < r - 1:
-            nk, nv_ = torch.empty_like(kb), torch.empty_like(vb)
+            next_k, next_v = torch.empty_like(kb), torch.empty_like(vb)
             reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, kb, nxt, group),
                                            dist.P2POp(dist.isend, vb, nxt, group),
-                                           dist.P2POp(dist.irecv, nk, prv, group),
-                                           dist.P2POp(dist.irecv, nv_, prv, group)])
-        nv = valid[src]
-        if nv > 0:
-            o_b, lse_b = attention_with_lse(q, kb[:, :nv].transpose(1, 2), vb[:, :nv].transpose(1, 2))
+                                           dist.P2POp(dist.irecv, next_k, prv, group),
+                                           dist.P2POp(dist.irecv, next_v, prv, group)])
+        n_valid = valid[src]
+        if n_valid > 0:
+            o_b, lse_b = attention_with_lse(q, kb[:, :n_valid].transpose(1, 2), vb[:, :n_valid].transpose(1, 2))
             out, lse = _merge(out, lse, o_b, lse_b)
         for req in reqs:
             req.wait()
         if step < r - 1:
-            kb, vb = nk, nv_
+            kb, vb = next_k, next_v
     return out.to(q.dtype)
 
 

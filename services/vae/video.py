@@ -31,7 +31,8 @@ import torch
 
 from .tiling import Tile, blend, plan_tiles, stitch_tiles
 
-__all__ = ["VideoVAE", "WindowPlan", "plan_windows", "to_uint8", "yuv420p_to_host", "PIXEL_MEAN", "PIXEL_STD", "KEYFRAME_ENCODE_SEED"]
+__all__ = ["VideoVAE", "WindowPlan", "plan_windows", "to_uint8", "yuv420p_to_host", "PIXEL_MEAN", "PIXEL_STD",
+           "KEYFRAME_ENCODE_SEED"]
 
 log = logging.getLogger("h3serve.vae")
 
@@ -101,7 +102,6 @@ def _pil_or_array_to_uint8(image) -> np.ndarray:
     return arr
 
 
-
 def yuv420p_to_host(rgb: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], object]:
     """uint8 (F, H, W, 3) RGB -> (yuv420p planes in pinned host memory, the CUDA event that marks their copy done).
 
@@ -118,6 +118,7 @@ def yuv420p_to_host(rgb: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], object
     event = torch.cuda.Event()
     event.record()
     return host, event
+
 
 class VideoVAE:
     """The video VAE behind our interface. Build with ``VideoVAE.load`` or wrap an ``AutoencoderKLMiniMaxH3``."""

@@ -203,7 +203,7 @@ def _ours_run(cfg: dict) -> dict:
         memory = pipe.stage.call("memory") if pipe.stage is not None else [{"rank": 0, **process_memory(pipe.device)}]
     finally:
         pipe.close()
-    torch.save({"video": latents.video.float().cpu(), "audio": latents.audio.float().cpu()},
+    torch.save({"video": latents.video.float().cpu(), "audio": latents.audio.float().cpu(), "run": _run_key(cfg)},
                out / f"{stem}_latents.pt")
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0] if isinstance(runs[0][k], (int, float))}
     t_video = req.num_frames / req.fps
@@ -227,6 +227,11 @@ def _ours_run(cfg: dict) -> dict:
         "peak_memory_per_gpu": _per_gpu(memory),
         "device_info": _device_info(cfg["device"]),
     }
+
+
+def _run_key(cfg: dict) -> dict:
+    """What must match for two saved latents to be compared: same checkpoint, adapter, request and dtype."""
+    return {k: cfg[k] for k in ("checkpoint", "adapter", "size", "seconds", "seed", "prompt", "dtype")}
 
 
 def _ours_stem(cfg: dict) -> str:
@@ -507,7 +512,8 @@ def _diffusers_run(rank: int, dev, ctrl, cfg: dict) -> None:
     if rank != 0:
         return
     memory = [s for per_rank in gathered for s in per_rank]
-    torch.save({"video": lat["latents"].float().cpu(), "audio": lat["audio_latents"].float().cpu()},
+    torch.save({"video": lat["latents"].float().cpu(), "audio": lat["audio_latents"].float().cpu(),
+                "run": _run_key(cfg)},
                out / "diffusers_latents.pt")
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     result = {
@@ -584,7 +590,8 @@ def compare_latents(ours: dict, theirs: dict, dtype: str, floor: dict | None = N
 
 
 def latents_pairs(out: Path) -> dict:
-    """rel L2 and max|Δ| between every two final latents saved in `out` (ours, ours-TAG variants, diffusers).
+    """rel L2 and max|Δ| between every two final latents saved in `out` (ours, ours-TAG variants, diffusers) of the
+    same run key (checkpoint, adapter, request, dtype): latents left there by another request are never paired.
 
     Variants of one implementation (another attention kernel, another layout) bound how far bf16 rounding alone
     moves the result through 4 forwards of random weights: the yardstick for ours vs diffusers."""
@@ -595,6 +602,8 @@ def latents_pairs(out: Path) -> dict:
     names = sorted(saved)
     for i, a in enumerate(names):
         for b in names[i + 1:]:
+            if saved[a].get("run") != saved[b].get("run"):
+                continue
             pair = {}
             for key in ("video", "audio"):
                 x, y = saved[a][key].double(), saved[b][key].double()

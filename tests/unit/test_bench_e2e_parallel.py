@@ -144,8 +144,9 @@ def test_latents_pairs_compares_every_saved_run(tmp_path):
     torch.save(base, tmp_path / "ours_latents.pt")
     torch.save({k: v * 1.01 for k, v in base.items()}, tmp_path / "ours-cudnn_latents.pt")
     torch.save(dict(base, audio=base["audio"][:, :, :4]), tmp_path / "diffusers_latents.pt")  # other geometry
+    torch.save(dict(base, run={"seed": 1}), tmp_path / "ours-seed1_latents.pt")  # another request's, same shapes
     pairs = bench.latents_pairs(tmp_path)
-    assert set(pairs) == {"ours vs ours-cudnn"}  # a pair of different shapes is left out, not compared
+    assert set(pairs) == {"ours vs ours-cudnn"}  # other shapes or another run key: left out, not compared
     assert pairs["ours vs ours-cudnn"]["video"]["rel_l2"] == pytest.approx(0.01 / 1.01, rel=1e-5)
     moved = (base["audio"] * 1.01).double() - base["audio"].double()
     assert pairs["ours vs ours-cudnn"]["audio"]["max_abs_diff"] == pytest.approx(moved.abs().max().item(), rel=1e-12)

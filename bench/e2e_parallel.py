@@ -344,6 +344,9 @@ def _diffusers_rank(rank: int, cfg: dict, port: int) -> None:
     ctrl = dist.new_group(backend="gloo") if cuda else dist.group.WORLD  # objects and barriers
     try:
         _diffusers_run(rank, dev, ctrl, cfg)
+        # Leave together: rank 1 used to tear its group down while rank 0 was still writing the result, and once
+        # (1 run in ~10 on the CPU) died in that teardown with "terminate called without an active exception".
+        dist.barrier(group=ctrl)
     finally:
         dist.destroy_process_group()
 

@@ -2,7 +2,7 @@
 
 One call = softmax(q kᵀ / sqrt(Dh)) v over the whole packed sequence, no mask, bf16, q/k/v as the model holds them:
 (B, N, H, Dh) buffers (the project's kernels see them as (B, H, N, Dh) transposed views). FLOPs = 4·B·N²·H·Dh.
-Kernels: the project's (`services/dit/kernels.py`: cudnn, flash, fa3, sdpa) and, when importable, FlashAttention-4
+Kernels: the project's (`h3serve/models/dit/kernels.py`: cudnn, flash, fa3, sdpa) and, when importable, FlashAttention-4
 (`flash-attn-4`, CuTe DSL; its Hopper path JIT-compiles on first call, timed separately as compile_s).
 
 Prints one JSON line: per kernel ms (median of --iters after --warmup), TFLOP/s, max|Δ| against the first kernel.
@@ -44,7 +44,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from h3serve.services.dit import kernels
+    from h3serve.models.dit import kernels
 
     dev = torch.device(args.device)
     if dev.type == "cuda" and dev.index is None:

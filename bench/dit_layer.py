@@ -20,9 +20,9 @@ import time
 
 import torch
 
-from h3serve.presets import transformer_config
-from h3serve.services.dit import layout as L
-from h3serve.services.dit.model import FP32_MODULES, H3DiT, H3DiTConfig
+from h3serve.testing.presets import transformer_config
+from h3serve.models.dit import layout as L
+from h3serve.models.dit.model import FP32_MODULES, H3DiT, H3DiTConfig
 
 
 def _parse() -> argparse.Namespace:
@@ -133,7 +133,7 @@ def main() -> None:
 
     import os
 
-    from h3serve.services.dit import kernels
+    from h3serve.models.dit import kernels
 
     variants = [tuple(v.split(":")) for v in a.variants.split(",") if v] or [(None, None)]
 

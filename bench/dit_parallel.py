@@ -1,4 +1,4 @@
-"""Sequence-parallel DiT forward (services/dit/parallel.py) vs one GPU, same weights and inputs. Prints one JSON line.
+"""Sequence-parallel DiT forward (h3serve/models/dit/parallel.py) vs one GPU, same weights and inputs. Prints one JSON line.
 
 Spawns --world ranks itself (NCCL on CUDA, gloo on CPU). Rank 0 first times the plain model on its own GPU (the
 1-GPU baseline, with each --baseline-attention), then every rank times the USP forward for each plan in --plans
@@ -35,7 +35,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--plans", default="2x1,1x2",
                    help="ulysses x ring plans, comma separated; a ':NAME' suffix runs the plan with H3SERVE_ATTENTION="
-                        "NAME (the local attention kernel, services.dit.kernels), e.g. 2x1:cudnn; default: the "
+                        "NAME (the local attention kernel, h3serve.models.dit.kernels), e.g. 2x1:cudnn; default: the "
                         "process's own choice (FA3 on Hopper when installed)")
     p.add_argument("--baseline-attention", default="sdpa,fa3",
                    help="1-GPU baselines (H3SERVE_ATTENTION values; unavailable ones are skipped)")
@@ -58,12 +58,12 @@ def _geometry(a) -> tuple[int, int, int, int, int]:
 
 
 def _worker(rank: int, a: argparse.Namespace, port: int, queue) -> None:
-    from h3serve.distributed import Runtime
-    from h3serve.presets import transformer_config
-    from h3serve.services.dit import kernels
-    from h3serve.services.dit import layout as L
-    from h3serve.services.dit.model import H3DiT, H3DiTConfig
-    from h3serve.services.dit.parallel import USPPlan, parallelize_dit
+    from h3serve.distributed.world import Runtime
+    from h3serve.testing.presets import transformer_config
+    from h3serve.models.dit import kernels
+    from h3serve.models.dit import layout as L
+    from h3serve.models.dit.model import H3DiT, H3DiTConfig
+    from h3serve.models.dit.parallel import USPPlan, parallelize_dit
 
     rt = Runtime(rank, a.world, master_addr="127.0.0.1", master_port=port, local_rank=rank, timeout_s=600,
                  device=a.device)
@@ -220,7 +220,7 @@ def _peak(dev) -> float | None:
 
 def main() -> None:
     a = _parse()
-    from h3serve.distributed import free_port
+    from h3serve.distributed.world import free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -232,7 +232,7 @@ def main() -> None:
     for p in procs:
         p.join(timeout=120)
     text_len, frames, lh, lw, audio_latents = _geometry(a)
-    from h3serve.services.dit import layout as L
+    from h3serve.models.dit import layout as L
 
     s = L.build_t2va_layout(text_len, frames, lh, lw, audio_latents).seq_len
     out = {"bench": "dit_parallel", "device": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu",

@@ -39,9 +39,10 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     from h3serve.pipeline import Pipeline, pick_device
-    from h3serve.request import validate_request
-    from h3serve.services.muxer.mux import Mp4Writer
-    from h3serve.tiny import init_tiny_checkpoint
+    from h3serve.config.request import validate_request
+    from h3serve.media.mux import Mp4Writer
+    from h3serve.models.vae.yuv import rgb_to_yuv420p
+    from h3serve.testing.tiny import init_tiny_checkpoint
 
     if not Path(args.checkpoint, "modular_model_index.json").exists():
         init_tiny_checkpoint(args.checkpoint)
@@ -61,7 +62,7 @@ def main() -> None:
     }
 
     if not args.no_diffusers:
-        from h3serve.tiny import reference_pipeline
+        from h3serve.testing.tiny import reference_pipeline
 
         ref = reference_pipeline(args.checkpoint, "t2va", dtype={"fp32": torch.float32,
                                                                  "bf16": torch.bfloat16}[args.dtype])
@@ -76,7 +77,7 @@ def main() -> None:
             t1 = time.perf_counter()
             frames = (torch.as_tensor(state["videos"][0]) * 255).round().to(torch.uint8)
             with Mp4Writer(out.with_suffix(".ref.mp4"), req.width, req.height) as w:
-                w.add_frames(frames)
+                w.add_frames(rgb_to_yuv420p(frames))
                 w.add_audio(state["audio"][0].float().cpu().numpy())
             return {"pipeline_s": t1 - t0, "t_client": time.perf_counter() - t0}
 

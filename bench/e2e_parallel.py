@@ -38,7 +38,7 @@ How each side runs
   form diffusers' Ulysses-anything size exchange expects). Each rank builds the t2va modular pipeline from the same
   folder as three sub-pipelines (text_encoder / denoise.* / decode.* blocks of the workflow, so each stage is
   timed), fuses the same FastH3 adapter into `transformer` (W += B@A, += diff, b += diff_b in fp32, cast back;
-  h3serve.adapter's reader), sets its attention backend, enables its native context parallel
+  h3serve.weights.adapter's reader), sets its attention backend, enables its native context parallel
   (`transformer.enable_parallelism(ContextParallelConfig(ulysses_degree=..., ring_degree=...))`, with
   `ulysses_anything` / `ring_anything` when the packed length is not a multiple of the degree) and, on CUDA, compiles
   its repeated blocks (`transformer.compile_repeated_blocks(fullgraph=True)`). The FastH3 rung schedule
@@ -130,7 +130,7 @@ def _sync(device) -> None:
 
 
 def _request(cfg: dict):
-    from h3serve.request import validate_request
+    from h3serve.config.request import validate_request
 
     return validate_request(prompt=cfg["prompt"], seconds=cfg["seconds"], size=cfg["size"], seed=cfg["seed"],
                             profile="fasth3", dtype=cfg["dtype"])
@@ -181,8 +181,8 @@ def _ours_once(pipe, req, path: Path) -> tuple[dict, object]:
 def _ours_run(cfg: dict) -> dict:
     import torch
 
-    from h3serve.checkpoint import sha256_file
-    from h3serve.memory import process_memory
+    from h3serve.weights.folder import sha256_file
+    from h3serve.runtime.device import process_memory
     from h3serve.pipeline import Pipeline
 
     out, stem = Path(cfg["out"]), _ours_stem(cfg)
@@ -256,7 +256,7 @@ def _ours_child(cfg: dict, result_path: str) -> None:
 
 def _fasth3_schedulers(pipe) -> None:
     """FastH3 rung grid (§4.2 convention a): both schedulers' set_timesteps take the shifted positions as sigmas."""
-    from h3serve.services.dit.scheduler import fasth3_grid
+    from h3serve.models.dit.scheduler import fasth3_grid
 
     for sched, shift in ((pipe.scheduler, 12.0), (pipe.audio_scheduler, 3.0)):
         sigmas = fasth3_grid(shift)
@@ -268,8 +268,8 @@ def _fuse_adapter(transformer, path: str) -> int:
     """W += B@A (+ diff), b += diff_b in fp32, cast back to each parameter's dtype; returns the tensors patched."""
     import torch
 
-    from h3serve.adapter import Adapter
-    from h3serve.checkpoint import sha256_file
+    from h3serve.weights.adapter import Adapter
+    from h3serve.weights.folder import sha256_file
 
     with Adapter.open(path, sha256_file(path)) as adapter:
         adapter.check_targets(transformer.state_dict(), component="transformer")
@@ -357,9 +357,10 @@ def _diffusers_run(rank: int, dev, ctrl, cfg: dict) -> None:
     from diffusers import ContextParallelConfig
     from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 
-    from h3serve.checkpoint import load_processor
-    from h3serve.memory import process_memory
-    from h3serve.services.muxer.mux import Mp4Writer
+    from h3serve.weights.folder import load_processor
+    from h3serve.runtime.device import process_memory
+    from h3serve.media.mux import Mp4Writer
+    from h3serve.models.vae.yuv import rgb_to_yuv420p
 
     world, cuda, out = cfg["world"], dev.type == "cuda", Path(cfg["out"])
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg["dtype"]]
@@ -495,7 +496,7 @@ def _diffusers_run(rank: int, dev, ctrl, cfg: dict) -> None:
             videos = media["videos"][0]  # (F, 3, H, W) float in [0, 1]
             frames = (videos * 255).round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
             with Mp4Writer(path, req.width, req.height, fps=req.fps, sample_rate=32000) as writer:
-                writer.add_frames(frames)
+                writer.add_frames(rgb_to_yuv420p(frames))
                 writer.add_audio(media["audio"][0].float().cpu().numpy())
         t4 = time.perf_counter()
         stages = {"encoder_s": t1 - t0, "dit_s": t2 - t1, "vae_decode_s": t3 - t2, "mux_s": t4 - t3}
@@ -667,7 +668,7 @@ def _parse(argv=None) -> argparse.Namespace:
 def _config(args: argparse.Namespace) -> dict:
     import torch
 
-    from h3serve.distributed import ParallelDegrees
+    from h3serve.distributed.world import ParallelDegrees
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.world < 1:
@@ -721,7 +722,7 @@ def _run_ours(cfg: dict) -> dict:
 def _run_diffusers(cfg: dict) -> dict:
     import torch.multiprocessing as mp
 
-    from h3serve.distributed import free_port
+    from h3serve.distributed.world import free_port
 
     result_path = Path(cfg["out"]) / "diffusers_result.json"
     result_path.unlink(missing_ok=True)
@@ -746,7 +747,7 @@ def main(argv=None) -> int:
     import torch
 
     import diffusers
-    from h3serve.request import validate_request
+    from h3serve.config.request import validate_request
 
     req = validate_request(prompt=cfg["prompt"], seconds=cfg["seconds"], size=cfg["size"], seed=cfg["seed"],
                            profile="fasth3", dtype=cfg["dtype"])

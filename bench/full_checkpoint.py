@@ -28,9 +28,9 @@ def main() -> None:
     ap.add_argument("--adapter", default=None, help="also write a synthetic FastH3 adapter (rank 64) here")
     a = ap.parse_args()
 
-    from h3serve.adapter import init_adapter
-    from h3serve.checkpoint import INDEX_FILE
-    from h3serve.fullsize import init_full_checkpoint
+    from h3serve.weights.adapter import init_adapter
+    from h3serve.weights.folder import INDEX_FILE
+    from h3serve.testing.fullsize import init_full_checkpoint
 
     override = {"text_encoder": {"num_hidden_layers": a.text_layers}}
     times, sizes = {}, {}

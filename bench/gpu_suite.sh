@@ -48,7 +48,7 @@ if has env; then
   { nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv
     python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
     python3 -c "import diffusers, av; print('diffusers', diffusers.__version__, 'av', av.__version__)"
-    (cd /tmp && python3 -c "from h3serve.services.dit import kernels as k; print('fa3', k.fa3_available('cuda'))")
+    (cd /tmp && python3 -c "from h3serve.models.dit import kernels as k; print('fa3', k.fa3_available('cuda'))")
     nproc; } 2>&1 | tee "$OUT/env.txt"
 fi
 GEO="--preset full --dtype bf16 --device cuda --seq-video-frames 243 --height 768 --width-px 1344"

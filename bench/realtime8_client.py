@@ -59,7 +59,7 @@ def main() -> None:
     a = ap.parse_args()
 
     from h3serve.client import Client
-    from h3serve.media import check_mp4
+    from h3serve.testing.mp4check import check_mp4
 
     a.out.mkdir(parents=True, exist_ok=True)
     sampler = HbmSampler() if a.gpus else None

@@ -36,9 +36,9 @@ def main() -> None:
     ap.add_argument("mp4", nargs="+", type=Path, help="the degree-1 MP4 first, then the ones to compare with it")
     a = ap.parse_args()
 
-    from h3serve.media import check_mp4
+    from h3serve.testing.mp4check import check_mp4
     from h3serve.pipeline import Pipeline
-    from h3serve.request import validate_request
+    from h3serve.config.request import validate_request
 
     req = validate_request(prompt="a kite over the sea at dusk", seconds=a.seconds, size=a.size, seed="7",
                            profile="fasth3")

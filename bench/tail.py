@@ -47,7 +47,7 @@ def synthetic_clips(vae, latents):
     """The decode stream with its pixels replaced by a smooth moving picture (same shapes, same device work plus a
     few element-wise ops), as yuv420p planes in pinned memory with their copy events: a stand-in for natural video,
     whose encode cost differs from the random-weight decoder's noise."""
-    from h3serve.services.vae.video import yuv420p_to_host
+    from h3serve.models.vae.video import yuv420p_to_host
 
     done = 0
     for clip in vae.iter_decode(latents):
@@ -69,8 +69,8 @@ def stream_to_mp4(vae, latents, pcm: np.ndarray, out_path: str, width: int, heig
 
     thread_type 'seg': segment-parallel writer (`workers` segments at once, `threads` x264 threads each, segments of
     at most `segment_frames` frames, 0 = one per clip)."""
-    from h3serve.services.muxer.mux import Mp4Writer
-    from h3serve.services.muxer.segments import SegmentedMp4Writer
+    from h3serve.media.mux import Mp4Writer
+    from h3serve.media.segments import SegmentedMp4Writer
 
     dev = vae.device
     _sync(dev)
@@ -202,7 +202,7 @@ def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from vae import build_vae  # bench/vae.py
 
-    from h3serve.services.vae.video import VideoVAE
+    from h3serve.models.vae.video import VideoVAE
 
     device = torch.device(a.device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype]

@@ -82,7 +82,7 @@ def throughput(width: int, height: int, clips: int, repeats: int) -> dict:
     import grpc
 
     from h3serve._proto import muxer_pb2, muxer_pb2_grpc
-    from h3serve.services.muxer.mux import rgb_to_yuv420p
+    from h3serve.models.vae.yuv import rgb_to_yuv420p
     from h3serve.transport.grpc import GrpcStreamSender, channel_options
 
     port_file = tempfile.mktemp()
@@ -178,7 +178,7 @@ def services_tail(addresses: dict, req, latents) -> tuple[float, bytes, dict]:
 
 def tail(checkpoint: str, size: str, seconds: str, threads: int, repeats: int, frame_format: str) -> dict:
     from h3serve.pipeline import Pipeline
-    from h3serve.request import validate_request
+    from h3serve.config.request import validate_request
 
     torch.set_num_threads(threads)
     req = validate_request(prompt="a red kite over a windy beach", seconds=seconds, size=size, seed=0, steps=3,
@@ -228,7 +228,7 @@ def main() -> None:
     if args.sink:
         run_sink(args.sink)
         return
-    from h3serve.tiny import init_tiny_checkpoint
+    from h3serve.testing.tiny import init_tiny_checkpoint
 
     if not Path(args.checkpoint, "modular_model_index.json").exists():
         init_tiny_checkpoint(args.checkpoint)

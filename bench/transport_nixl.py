@@ -223,7 +223,7 @@ def services_tail(args) -> dict:
     checkpoint = args.checkpoint
     tmp = None
     if checkpoint is None:
-        from h3serve.tiny import init_tiny_checkpoint
+        from h3serve.testing.tiny import init_tiny_checkpoint
 
         tmp = tempfile.TemporaryDirectory(prefix="h3bench-ckpt-")
         checkpoint = str(init_tiny_checkpoint(os.path.join(tmp.name, "tiny")))

@@ -27,8 +27,8 @@ def _sync(device: torch.device) -> None:
 def build_vae(preset: str, dtype: torch.dtype, device: torch.device, seed: int = 0):
     from diffusers import AutoencoderKLMiniMaxH3
 
-    from h3serve import presets
-    from h3serve.checkpoint import KEEP_FP32, name_matches
+    from h3serve.testing import presets
+    from h3serve.weights.folder import KEEP_FP32, name_matches
 
     cfg = dict(presets.TINY_VIDEO_VAE) if preset == "tiny" else {}
     torch.manual_seed(seed)
@@ -63,7 +63,7 @@ def main() -> None:
 
     from diffusers.utils import logging as diffusers_logging
 
-    from h3serve.services.vae.video import VideoVAE
+    from h3serve.models.vae.video import VideoVAE
 
     diffusers_logging.set_verbosity_error()
     device = torch.device(a.device)

@@ -1,4 +1,4 @@
-"""Video VAE patch parallel (services/vae/parallel.py) over --world ranks vs one rank, same weights and latents.
+"""Video VAE patch parallel (h3serve/models/vae/parallel.py) over --world ranks vs one rank, same weights and latents.
 
 Prints one JSON line. Spawns the ranks itself (NCCL on CUDA, gloo on CPU). Rank 0 first times the 1-rank tiled decode
 (VideoVAE.iter_decode, clip by clip), then all ranks time PatchParallelVAE.iter_decode; frames are compared bitwise.
@@ -35,8 +35,8 @@ def _rank(rank: int, args, port: int) -> None:
     spec.loader.exec_module(bench_vae)
     build_vae = bench_vae.build_vae
 
-    from h3serve.services.vae.parallel import PatchParallelVAE
-    from h3serve.services.vae.video import VideoVAE
+    from h3serve.models.vae.parallel import PatchParallelVAE
+    from h3serve.models.vae.video import VideoVAE
 
     cuda = args.device == "cuda"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")

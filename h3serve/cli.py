@@ -10,8 +10,9 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
+from h3serve.config.stage import StageConfig
+from h3serve.config.vocab import MODEL_STAGES
 from h3serve.errors import H3Error
 
 EXIT_USER_ERROR = 2
@@ -52,7 +53,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from h3serve.request import validate_request
+    from h3serve.config.request import validate_request
 
     t0 = time.perf_counter()
     raw = dict(prompt=args.prompt, seconds=args.seconds, size=args.size, seed=args.seed, task=args.task,
@@ -139,17 +140,74 @@ def _generate_remote(args: argparse.Namespace, t0: float) -> int:
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
-    from h3serve.serve import add_arguments
-
     p = sub.add_parser("serve", help="run the stages as gRPC services (and the gateway's HTTP API)")
-    add_arguments(p)
+    _serve_arguments(p)
     p.set_defaults(func=_cmd_serve)
 
 
-def _cmd_serve(args: argparse.Namespace) -> int:
-    from h3serve.serve import main_from_args
+def _serve_arguments(p: argparse.ArgumentParser) -> None:
+    """`h3serve serve`'s flags; each --NAME fills StageConfig.NAME (defaults shown are StageConfig's)."""
+    d = StageConfig()
+    p.add_argument("--checkpoint", default=None, help="diffusers-format H3 folder (encoder, dit, vae stages)")
+    p.add_argument("--stages", default="all", help="all, or a comma list of encoder,dit,vae,muxer,gateway")
+    p.add_argument("--port", type=int, default=50051,
+                   help="gRPC port: of the one stage, or of the gateway with stages at +1..+4 (0: free ports)")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="HTTP API port of the gateway (0: a free port; default 8000 with the gateway, else none)")
+    p.add_argument("--host", default=d.host, help="bind address (default loopback)")
+    p.add_argument("--http-host", default=d.http_host)
+    p.add_argument("--advertise", default=None, help="address peers use to reach this stage (default host:port)")
+    p.add_argument("--profile", default=d.profile, help="base | fasth3")
+    p.add_argument("--adapter", default=None, help="FastH3 adapter (profile fasth3)")
+    p.add_argument("--adapter-sha256", default=None)
+    p.add_argument("--dtype", default=d.dtype, help="fp32 | bf16")
+    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N")
+    p.add_argument("--threads", type=int, default=d.threads, help="torch threads per stage engine (0: default)")
+    p.add_argument("--grace-s", type=float, default=d.grace_s, help="SIGTERM: seconds to finish in-flight work")
+    p.add_argument("--no-warmup", action="store_true", help="skip the warm-up request before SERVING")
+    for flag, what in (("--encoder-tp", "encoder tensor-parallel degree"),
+                       ("--ulysses", "DiT Ulysses degree (divides the DiT's heads)"),
+                       ("--ring", "DiT Ring degree (ulysses x ring = DiT ranks)"),
+                       ("--vae-pp", "VAE patch-parallel degree (1 or ulysses x ring)")):
+        p.add_argument(flag, type=int, default=1,
+                       help=f"{what}; >1 runs that stage as one process per rank, rank 0 serving gRPC (default 1)")
+    for s in MODEL_STAGES + ("muxer",):
+        p.add_argument(f"--{s}", default=None, metavar="HOST:PORT", help=f"gateway: address of the {s} stage")
+    p.add_argument("--queue-size", type=int, default=d.queue_size, help="gateway: requests that may wait")
+    p.add_argument("--max-inflight", type=int, default=d.max_inflight, help="gateway: requests run at once")
+    p.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s,
+                   help="gateway: deadline of a request whose caller set none")
+    p.add_argument("--jobs-dir", default=None, help="gateway: where HTTP job MP4s are kept (default a temp dir)")
+    p.add_argument("--job-ttl-s", type=float, default=d.job_ttl_s, help="gateway: finished jobs kept this long")
+    p.add_argument("--max-jobs", type=int, default=d.max_jobs, help="gateway: finished jobs kept at most")
+    p.add_argument("--max-sync-bytes", type=int, default=d.max_sync_bytes,
+                   help="gateway: largest MP4 GenerateSync returns in one message")
+    p.add_argument("--transport", default=d.transport, choices=("grpc", "nixl"),
+                   help="VAE -> muxer frame transport: grpc, or nixl (falls back to grpc with a warning when NIXL "
+                        "cannot be loaded or the peers cannot connect)")
+    p.add_argument("--model-name", default=None, help="gateway: model id reported and accepted in requests")
+    p.add_argument("--frame-format", default=d.frame_format, choices=("yuv420p", "rgb24"),
+                   help="vae: frames to the muxer as yuv420p planes made on the device, or rgb24")
+    p.add_argument("--mux-threads", type=int, default=d.mux_threads, help="muxer: x264 threads (fixed)")
+    p.add_argument("--crf", type=int, default=d.crf)
+    p.add_argument("--preset", default=d.preset)
+    p.add_argument("--session-ttl-s", type=float, default=d.session_ttl_s,
+                   help="muxer: an unfetched session is dropped after this long")
+    p.add_argument("--tmp-dir", default=None, help="muxer: where MP4s are assembled")
+    p.add_argument("--start-timeout", type=float, default=600.0, help="launcher: seconds to wait for health")
+    p.add_argument("--no-restart", action="store_true", help="launcher: stop everything when a stage dies")
+    p.add_argument("--json", action="store_true", help="launcher: print endpoints and events as JSON lines")
 
-    return main_from_args(args)
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    # lazy: torch, grpc and the models load only for the command that runs
+    from h3serve.runtime.launcher import serve_main
+    from h3serve.services import dit, encoder, muxer, vae
+    from h3serve.services.gateway import server as gateway
+
+    servicers = {"encoder": encoder.create, "dit": dit.create, "vae": vae.create, "muxer": muxer.create,
+                 "gateway": gateway.create}
+    return serve_main(args, servicers)
 
 
 def _add_checkpoint(sub: argparse._SubParsersAction) -> None:
@@ -181,7 +239,7 @@ def _add_checkpoint(sub: argparse._SubParsersAction) -> None:
 def _cmd_checkpoint_init(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     if args.preset == "full":
-        from h3serve.fullsize import init_full_checkpoint
+        from h3serve.testing.fullsize import init_full_checkpoint
 
         def progress(component: str, seconds: float, nbytes: int) -> None:
             rate = nbytes / 1e6 / max(seconds, 1e-9)
@@ -192,7 +250,7 @@ def _cmd_checkpoint_init(args: argparse.Namespace) -> int:
         return 0
     if args.with_ref:
         raise H3Error("--with-ref is only used with --preset full (tiny checkpoints always have transformer_ref/)")
-    from h3serve.tiny import init_tiny_checkpoint
+    from h3serve.testing.tiny import init_tiny_checkpoint
 
     init_tiny_checkpoint(args.dir, seed=args.seed, preset=args.preset)
     print(f"wrote {args.preset} checkpoint {args.dir} in {time.perf_counter() - t0:.1f}s")
@@ -200,7 +258,7 @@ def _cmd_checkpoint_init(args: argparse.Namespace) -> int:
 
 
 def _cmd_checkpoint_init_adapter(args: argparse.Namespace) -> int:
-    from h3serve.adapter import init_adapter
+    from h3serve.weights.adapter import init_adapter
 
     digest = init_adapter(args.checkpoint, args.output, rank=args.rank, seed=args.seed)
     print(f"wrote {args.output}\nsha256 {digest}")
@@ -208,7 +266,7 @@ def _cmd_checkpoint_init_adapter(args: argparse.Namespace) -> int:
 
 
 def _cmd_checkpoint_info(args: argparse.Namespace) -> int:
-    from h3serve.checkpoint import describe
+    from h3serve.weights.folder import describe
 
     print(json.dumps(describe(args.dir), indent=2, default=str))
     return 0

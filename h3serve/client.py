@@ -317,7 +317,7 @@ class Client:
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Block until the gateway's health check says SERVING (every stage ready)."""
-        from h3serve.serve import wait_serving
+        from h3serve.transport.grpc import wait_serving
 
         if not wait_serving(self.target, timeout):
             raise StageUnavailable("gateway", f"not SERVING within {timeout:g}s")

@@ -17,9 +17,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from h3serve.distributed import ParallelDegrees
+from h3serve.distributed.world import ParallelDegrees
 from h3serve.errors import CheckpointError, H3Error, ProfileError
-from h3serve.request import GenerationRequest
+from h3serve.config.request import GenerationRequest
 
 log = logging.getLogger("h3serve.pipeline")
 
@@ -173,12 +173,12 @@ class Pipeline:
         ring: int = 1,
         vae_pp: int = 1,
     ) -> "Pipeline":
-        from h3serve.adapter import Adapter
-        from h3serve.checkpoint import CheckpointFolder
-        from h3serve.services.dit.engine import COMPONENT_FOR_TASK, DiTEngine
-        from h3serve.services.encoder.model import TextEncoder
-        from h3serve.services.vae.audio import AudioVAE
-        from h3serve.services.vae.video import VideoVAE
+        from h3serve.weights.adapter import Adapter
+        from h3serve.weights.folder import CheckpointFolder
+        from h3serve.models.dit.engine import COMPONENT_FOR_TASK, DiTEngine
+        from h3serve.models.encoder.model import TextEncoder
+        from h3serve.models.vae.audio import AudioVAE
+        from h3serve.models.vae.video import VideoVAE
 
         t0 = time.perf_counter()
         if dtype not in DTYPES:
@@ -205,7 +205,7 @@ class Pipeline:
                              encoder_heads=int(text["num_attention_heads"]),
                              encoder_kv_heads=int(text["num_key_value_heads"]),
                              encoder_intermediate=int(text["intermediate_size"]))
-            from h3serve.distributed import launch
+            from h3serve.distributed.world import launch
 
             # This process is rank 0; ranks 1..N-1 are spawned, and every rank loads its own part (_parallel_rank).
 
@@ -234,7 +234,7 @@ class Pipeline:
     @property
     def reference_short_edge(self) -> int:
         """ref2va image references are encoded at this short edge (the checkpoint's pipeline config; 2048 released)."""
-        from h3serve.checkpoint import CheckpointFolder
+        from h3serve.weights.folder import CheckpointFolder
 
         config = CheckpointFolder(self.checkpoint, components=[]).pipeline_config
         return int(config.get("reference_image_short_edge", 2048))
@@ -245,8 +245,8 @@ class Pipeline:
         """Encoder inputs and DiT conditions for fl2va / ref2va (images resized, encoded by the VAE encoder)."""
         from PIL import Image
 
-        from h3serve.services.dit.layout import AudioRef, ImageRef
-        from h3serve.services.encoder import presentation as pres
+        from h3serve.models.dit.layout import AudioRef, ImageRef
+        from h3serve.models.encoder import presentation as pres
 
         images, refs, cond_latents, layout_refs, ref_audio, anchors = [], None, [], [], [], ()
         if req.task == "fl2va":
@@ -282,7 +282,7 @@ class Pipeline:
 
     def generate_latents(self, req: GenerationRequest, *, progress: bool | Callable[[int, int], None] = False,
                          should_stop: Callable[[], bool] | None = None) -> Latents:
-        from h3serve.services.dit.engine import DiTRequest
+        from h3serve.models.dit.engine import DiTRequest
 
         if req.profile != self.profile:
             raise ProfileError(f"this pipeline is loaded for profile={self.profile!r}, the request asks "
@@ -332,7 +332,7 @@ class Pipeline:
     def write_mp4(self, req: GenerationRequest, latents: Latents, out_path: str | Path) -> dict:
         """Decode clip by clip into the MP4 writer (encoding overlaps decoding); audio first (it is short and then
         encodes while the video decodes; the file does not depend on the order). Returns timings."""
-        from h3serve.services.muxer.mux import Mp4Writer
+        from h3serve.media.mux import Mp4Writer
 
         t0 = time.perf_counter()
         timings = {}
@@ -367,7 +367,7 @@ class Pipeline:
     def generate(self, req: GenerationRequest, out_path: str | Path, *,
                  progress: bool | Callable[[int, int], None] = False,
                  should_stop: Callable[[], bool] | None = None) -> GenerationResult:
-        from h3serve.memory import PeakMemory
+        from h3serve.runtime.device import PeakMemory
 
         t0 = time.perf_counter()
         out_path = Path(out_path)
@@ -392,14 +392,14 @@ class Pipeline:
 def _parallel_rank(runtime, checkpoint: str, profile: str, adapter: str | None, adapter_sha256: str | None,
                    dtype: str, tasks: tuple, degrees: ParallelDegrees) -> dict:
     """Every rank: load its part (encoder shard, DiT under USP, VAE tiles), return the ops rank 0 calls."""
-    from h3serve.distributed import Local
-    from h3serve.services.dit.engine import COMPONENT_FOR_TASK
-    from h3serve.services.dit.parallel import USPGroups, USPPlan, load_usp_engine
-    from h3serve.services.encoder.model import TextEncoder
-    from h3serve.services.encoder.parallel import parallelize_encoder
-    from h3serve.services.vae.audio import AudioVAE
-    from h3serve.services.vae.parallel import PatchParallelVAE
-    from h3serve.services.vae.video import VideoVAE
+    from h3serve.distributed.world import Local
+    from h3serve.models.dit.engine import COMPONENT_FOR_TASK
+    from h3serve.models.dit.parallel import USPGroups, USPPlan, load_usp_engine
+    from h3serve.models.encoder.model import TextEncoder
+    from h3serve.models.encoder.parallel import parallelize_encoder
+    from h3serve.models.vae.audio import AudioVAE
+    from h3serve.models.vae.parallel import PatchParallelVAE
+    from h3serve.models.vae.video import VideoVAE
 
     rank, dev, torch_dtype = runtime.rank, runtime.device, DTYPES[dtype]
     # Groups first, in the same order on every rank.
@@ -445,7 +445,7 @@ def _parallel_rank(runtime, checkpoint: str, profile: str, adapter: str | None, 
         """Every rank's `process_memory` (read-only), gathered on the control group; rank 0 gets the list by rank."""
         import torch.distributed as dist
 
-        from h3serve.memory import process_memory
+        from h3serve.runtime.device import process_memory
 
         stats: list = [None] * runtime.world_size
         dist.all_gather_object(stats, {"rank": rank, **process_memory(dev)}, group=runtime.control)
@@ -508,7 +508,7 @@ class _ParallelVideoVAE(_StageProxy):
         return self.stage.call("vae", (_cpu(latents), True))
 
     def iter_decode_yuv420p(self, latents):
-        from h3serve.services.vae.video import VideoVAE
+        from h3serve.models.vae.video import VideoVAE
 
         return VideoVAE.iter_decode_yuv420p(self, latents)   # the MP4 path: over the patch-parallel iter_decode
 

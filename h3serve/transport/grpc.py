@@ -32,8 +32,11 @@ import queue
 import time
 from typing import Any, Callable, Iterable, Iterator
 
+import grpc
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from h3serve._proto import common_pb2
 from h3serve.transport.base import (
     DTYPES,
     Message,
@@ -86,8 +89,6 @@ def channel_options(max_message: int = MESSAGE_LIMIT) -> list[tuple[str, Any]]:
 
 
 def insecure_channel(address: str, max_message: int = MESSAGE_LIMIT):
-    import grpc
-
     return grpc.insecure_channel(address, options=channel_options(max_message))
 
 
@@ -97,8 +98,6 @@ def insecure_channel(address: str, max_message: int = MESSAGE_LIMIT):
 def iter_tensor_chunks(name: str, tensor: torch.Tensor | None, meta: dict | None = None, *,
                        chunk_bytes: int = CHUNK_BYTES) -> Iterator[Any]:
     """The `TensorChunk` messages of one tensor (one empty chunk for `tensor=None`, a control-only item)."""
-    from h3serve._proto import common_pb2
-
     if not 0 < chunk_bytes <= CHUNK_BYTES:
         raise ValueError(f"chunk_bytes must be in (0, {CHUNK_BYTES}], got {chunk_bytes}")
     meta_json = json.dumps(meta, separators=(",", ":")) if meta else ""
@@ -299,8 +298,6 @@ class GrpcStreamSender(TensorSender):
     def close(self, timeout: float | None = None) -> None:
         if self._closed:
             return
-        from h3serve._proto import common_pb2
-
         self._put(self.wrap(end=common_pb2.StreamEnd(tensors=self.tensors)), timeout)
         self._put(_END, timeout)
         self._closed = True
@@ -426,3 +423,21 @@ def handshake(transport: str, session_id: str, metadata: bytes) -> bytes:
     if not hasattr(plugin, "handshake"):
         raise TransportError(f"transport {transport!r} has no handshake")
     return plugin.handshake(session_id, metadata)
+
+
+def wait_serving(address: str, timeout: float, *, service: str = "", alive: Callable[[], bool] = lambda: True) -> bool:
+    """Poll gRPC health at `address` until it reports SERVING (True), `timeout` passes or `alive()` fails (False)."""
+    end = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < end:
+            if not alive():
+                return False
+            try:
+                r = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    return True
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+    return False

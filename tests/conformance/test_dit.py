@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from h3serve.errors import Cancelled, H3Error
-from h3serve.presets import FULL_TRANSFORMER, TINY_TRANSFORMER
-from h3serve.services.dit import layout as L
-from h3serve.services.dit import model as M
-from h3serve.services.dit.loop import denoise, noise_condition_rows, prepare_noise
-from h3serve.services.dit.model import FP32_MODULES, H3DiT, H3DiTConfig
-from h3serve.services.dit.scheduler import FlowSchedule, fasth3_grid, schedules_for
+from h3serve.testing.presets import FULL_TRANSFORMER, TINY_TRANSFORMER
+from h3serve.models.dit import layout as L
+from h3serve.models.dit import model as M
+from h3serve.models.dit.loop import denoise, noise_condition_rows, prepare_noise
+from h3serve.models.dit.model import FP32_MODULES, H3DiT, H3DiTConfig
+from h3serve.models.dit.scheduler import FlowSchedule, fasth3_grid, schedules_for
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers import MiniMaxH3Scheduler, MiniMaxH3Transformer3DModel  # noqa: E402

@@ -17,8 +17,8 @@ import torch
 from PIL import Image
 
 from h3serve.errors import CheckpointError
-from h3serve.services.encoder import presentation as pres
-from h3serve.services.encoder.model import TextEncoder
+from h3serve.models.encoder import presentation as pres
+from h3serve.models.encoder.model import TextEncoder
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
@@ -35,7 +35,7 @@ def ckpt(tiny_checkpoint) -> Path:
 def ref_components(ckpt):
     from transformers import Qwen2TokenizerFast, Qwen3VLForConditionalGeneration
 
-    from h3serve.checkpoint import load_processor
+    from h3serve.weights.folder import load_processor
 
     te = Qwen3VLForConditionalGeneration.from_pretrained(ckpt / "text_encoder", dtype=torch.float32).eval()
     return dict(text_encoder=te, tokenizer=Qwen2TokenizerFast.from_pretrained(ckpt / "tokenizer"),

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from h3serve.services.dit import layout as L
-from h3serve.services.dit.scheduler import fasth3_grid, sigma_grid
+from h3serve.models.dit import layout as L
+from h3serve.models.dit.scheduler import fasth3_grid, sigma_grid
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers.modular_pipelines.minimax_h3 import before_denoise as bd  # noqa: E402

@@ -11,20 +11,20 @@ import pytest
 import torch
 from PIL import Image
 
-from h3serve.request import validate_request
+from h3serve.config.request import validate_request
 
 STEPS = 4  # grid points incl. the terminal 0 -> 3 forwards; enough to exercise every schedule path
 W, H = 320, 256  # deliberately non-square: two VAE tiles across the width
 
 
 def reference_pipeline(ckpt, workflow):
-    from h3serve.tiny import reference_pipeline as build
+    from h3serve.testing.tiny import reference_pipeline as build
 
     return build(ckpt, workflow=workflow)
 
 
 def reference_fuse_into(transformer, adapter_path):
-    """W + B.A + diff, b + diff_b in fp32, written independently of h3serve.adapter."""
+    """W + B.A + diff, b + diff_b in fp32, written independently of h3serve.weights.adapter."""
     from safetensors.torch import load_file
 
     tensors = load_file(str(adapter_path))
@@ -97,7 +97,7 @@ def test_fl2va_latents_match_reference(tiny_checkpoint, ours_base, tmp_path):
 
 def test_fasth3_latents_match_reference(tiny_checkpoint, tiny_adapter):
     from h3serve.pipeline import Pipeline
-    from h3serve.services.dit.scheduler import fasth3_grid
+    from h3serve.models.dit.scheduler import fasth3_grid
 
     adapter_path, sha = tiny_adapter.path, tiny_adapter.sha256
     ours = Pipeline.load(tiny_checkpoint, profile="fasth3", adapter=adapter_path, adapter_sha256=sha,

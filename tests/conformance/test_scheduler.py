@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from h3serve.errors import ProfileError
-from h3serve.services.dit.scheduler import (
+from h3serve.models.dit.scheduler import (
     AUDIO_SHIFT,
     VIDEO_SHIFT,
     FlowSchedule,

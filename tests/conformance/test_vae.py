@@ -14,8 +14,8 @@ import pytest
 import torch
 from PIL import Image
 
-from h3serve.services.vae.tiling import plan_tiles, split_axis, stitch_tiles
-from h3serve.services.vae.video import VideoVAE, plan_windows
+from h3serve.models.vae.tiling import plan_tiles, split_axis, stitch_tiles
+from h3serve.models.vae.video import VideoVAE, plan_windows
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
@@ -47,7 +47,7 @@ def vae(ckpt):
 
 @pytest.fixture(scope="module")
 def audio_vae(ckpt):
-    from h3serve.services.vae.audio import AudioVAE
+    from h3serve.models.vae.audio import AudioVAE
 
     return AudioVAE.load(ckpt, dtype=torch.float32, device="cpu")
 

@@ -1,4 +1,4 @@
-"""The CLI end to end: real subprocesses, MP4s checked by PyAV (h3serve.media) and Debian's ffprobe."""
+"""The CLI end to end: real subprocesses, MP4s checked by PyAV (h3serve.testing.mp4check) and Debian's ffprobe."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from h3serve.media import check_mp4
+from h3serve.testing.mp4check import check_mp4
 
 REPO = Path(__file__).resolve().parents[2]
 

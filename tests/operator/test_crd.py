@@ -1,4 +1,4 @@
-"""The CRD is generated from h3serve.spec; the chart ships exactly that file."""
+"""The CRD is generated from h3serve.config.spec; the chart ships exactly that file."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from h3serve import spec as S
+from h3serve.config import spec as S
 from h3serve.operator import crd
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

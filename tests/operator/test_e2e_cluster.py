@@ -22,7 +22,7 @@ from kubernetes.dynamic.exceptions import ApiException, NotFoundError
 
 from h3serve.operator import manifests as M
 from h3serve.operator.status import expected_workloads
-from h3serve.spec import CEL_RULES, H3DeploymentSpec, validate
+from h3serve.config.spec import CEL_RULES, H3DeploymentSpec, validate
 
 pytestmark = pytest.mark.cluster
 

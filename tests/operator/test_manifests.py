@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from h3serve.operator import manifests as M
-from h3serve.spec import H3DeploymentSpec, ServiceConfig, parse_and_validate
+from h3serve.config.spec import H3DeploymentSpec, ServiceConfig, parse_and_validate
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "golden"

@@ -8,7 +8,7 @@ import yaml
 
 from h3serve.operator import manifests as M
 from h3serve.operator import status as S
-from h3serve.spec import parse_and_validate
+from h3serve.config.spec import parse_and_validate
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"

@@ -1,10 +1,10 @@
-"""The Ulysses exchange (services/dit/parallel.py) on its own, over 2 gloo ranks: rows <-> heads, exactly."""
+"""The Ulysses exchange (h3serve/models/dit/parallel.py) on its own, over 2 gloo ranks: rows <-> heads, exactly."""
 
 from __future__ import annotations
 
 import pytest
 
-from h3serve.distributed import launch
+from h3serve.distributed.world import launch
 
 from .workers import build_exchange
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from h3serve.distributed import DegreeError, ParallelDegrees, StageFailed, launch
+from h3serve.distributed.world import DegreeError, ParallelDegrees, StageFailed, launch
 
 from .workers import build_suite, dit_inputs, dit_request
 
@@ -63,9 +63,9 @@ def test_degrees_are_validated_with_a_message_that_says_what_to_change():
 
 
 def test_row_shards_and_tile_assignment_are_pure_and_cover_everything():
-    from h3serve.services.dit.parallel import row_shards
-    from h3serve.services.vae.parallel import assign_tiles
-    from h3serve.services.vae.tiling import plan_tiles
+    from h3serve.models.dit.parallel import row_shards
+    from h3serve.models.vae.parallel import assign_tiles
+    from h3serve.models.vae.tiling import plan_tiles
 
     layout = dit_inputs(*GEOMETRIES["S25"][0])[-1]
     shards = row_shards(layout, 4)

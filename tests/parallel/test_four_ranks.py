@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h3serve.distributed import launch
+from h3serve.distributed.world import launch
 
 from .workers import build_suite, dit_inputs, load_vae, tiny_dit
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h3serve.distributed import launch
+from h3serve.distributed.world import launch
 from h3serve.pipeline import Pipeline
-from h3serve.request import validate_request
+from h3serve.config.request import validate_request
 from . import workers
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL)")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from h3serve.pipeline import Pipeline
-from h3serve.request import validate_request
+from h3serve.config.request import validate_request
 
 TOL = 1e-5
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h3serve.distributed import launch
+from h3serve.distributed.world import launch
 from h3serve.errors import Cancelled
 
 from .workers import build_suite, dit_inputs, dit_request, load_vae, qwen_text_states, tiny_dit, tiny_qwen_text
@@ -50,7 +50,7 @@ def test_dit_two_ranks_match_one(stage2, plan, geometry):
 
 
 def test_cancel_stops_every_rank_at_the_same_step_then_serves_the_next(stage2):
-    from h3serve.services.dit.engine import DiTEngine
+    from h3serve.models.dit.engine import DiTEngine
 
     done = []
     with pytest.raises(Cancelled) as info:
@@ -70,7 +70,7 @@ def test_cancel_stops_every_rank_at_the_same_step_then_serves_the_next(stage2):
 
 def test_encoder_tp2_matches_tp1(stage2, tiny_checkpoint):
     """The tiny checkpoint's encoder: 2 heads / 1 KV head, so TP 2 replicates the KV head on both ranks."""
-    from h3serve.services.encoder.model import TextEncoder
+    from h3serve.models.encoder.model import TextEncoder
 
     prompt = "a kite over the sea at dusk"
     ref = TextEncoder.load(tiny_checkpoint, dtype=torch.float32).encode(prompt).states

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from h3serve.distributed import Runtime
+from h3serve.distributed.world import Runtime
 
 TINY_DIT = dict(num_attention_heads=4, attention_head_dim=16, hidden_size=32, num_layers=2, num_refiner_layers=1,
                 ffn_dim=64, text_dim=24, freq_dim=16, time_embed_hidden_dim=32, time_embed_dim=16, rope_freq_dim=2)
@@ -12,7 +12,7 @@ TINY_DIT = dict(num_attention_heads=4, attention_head_dim=16, hidden_size=32, nu
 
 def tiny_dit(seed: int = 0, **overrides):
     """A 4-head H3DiT with random weights, the same on every rank for a seed."""
-    from h3serve.services.dit.model import H3DiT, H3DiTConfig
+    from h3serve.models.dit.model import H3DiT, H3DiTConfig
 
     torch.manual_seed(seed)
     model = H3DiT(H3DiTConfig(**{**TINY_DIT, **overrides})).eval().requires_grad_(False)
@@ -25,7 +25,7 @@ def tiny_dit(seed: int = 0, **overrides):
 def dit_inputs(text_len: int, frames: int, h: int, w: int, audio_latents: int, *, seed: int = 1,
                anchors=(), per_row_timesteps: bool = False):
     """(video_rows, audio_rows, text_states, timesteps, timestep_indices, layout) for one forward."""
-    from h3serve.services.dit.layout import build_t2va_layout, row_timesteps
+    from h3serve.models.dit.layout import build_t2va_layout, row_timesteps
 
     layout = build_t2va_layout(text_len, frames, h, w, audio_latents, anchors=tuple(anchors))
     g = torch.Generator().manual_seed(seed)
@@ -40,8 +40,8 @@ def dit_inputs(text_len: int, frames: int, h: int, w: int, audio_latents: int, *
 
 def build_dit(runtime: Runtime, plans):
     """Ops over tiny DiTs under each (ulysses, ring) plan in `plans`."""
-    from h3serve.services.dit.engine import DiTEngine
-    from h3serve.services.dit.parallel import USPDiT, USPGroups, USPPlan
+    from h3serve.models.dit.engine import DiTEngine
+    from h3serve.models.dit.parallel import USPDiT, USPGroups, USPPlan
 
     groups = {tuple(p): USPGroups.build(runtime, USPPlan(*p)) for p in plans}
 
@@ -86,7 +86,7 @@ VAE_TILE, VAE_OVERLAP = 128, 32  # smaller than the release's 256 / 64 so that a
 
 
 def load_vae(checkpoint, tile=VAE_TILE, overlap=VAE_OVERLAP):
-    from h3serve.services.vae.video import VideoVAE
+    from h3serve.models.vae.video import VideoVAE
 
     vae = VideoVAE.load(checkpoint)
     vae.tile, vae.min_overlap = tile, overlap
@@ -95,7 +95,7 @@ def load_vae(checkpoint, tile=VAE_TILE, overlap=VAE_OVERLAP):
 
 def build_vae(runtime: Runtime, checkpoint, sizes):
     """Op `vae_decode` (payload: (pp, latents)) for each patch-parallel size in `sizes`."""
-    from h3serve.services.vae.parallel import PatchParallelVAE
+    from h3serve.models.vae.parallel import PatchParallelVAE
 
     vae = load_vae(checkpoint)
     groups = {pp: runtime.new_group(range(pp))[0] for pp in sizes}
@@ -135,8 +135,8 @@ def qwen_text_states(model, seed: int = 3, length: int = 11):
 
 def build_encoder(runtime: Runtime, checkpoint, tp):
     """Ops `encode` (the tiny checkpoint's encoder, KV head replicated) and `qwen_text` (4 heads / 2 KV heads)."""
-    from h3serve.services.encoder.model import TextEncoder
-    from h3serve.services.encoder.parallel import parallelize_encoder, parallelize_text_decoder
+    from h3serve.models.encoder.model import TextEncoder
+    from h3serve.models.encoder.parallel import parallelize_encoder, parallelize_text_decoder
 
     group = runtime.new_group(range(tp))[0]
     member = runtime.rank < tp
@@ -167,7 +167,7 @@ def build_suite(runtime: Runtime, checkpoint, plans=(), vae_sizes=(), tp=None):
 
 
 def dit_request(steps=6, seed=3):
-    from h3serve.services.dit.engine import DiTRequest
+    from h3serve.models.dit.engine import DiTRequest
 
     g = torch.Generator().manual_seed(seed)
     return DiTRequest(text_states=torch.randn(1, 7, 24, generator=g), text_tags=torch.ones(7, dtype=torch.long),
@@ -179,7 +179,7 @@ def build_subgroups(runtime: Runtime):
     rank) NCCL + gloo groups around a whole-world group, then collectives on each."""
     import torch.distributed as dist
 
-    from h3serve.distributed import check_identical
+    from h3serve.distributed.world import check_identical
 
     solo_a, _ = runtime.new_group([0])
     both, both_control = runtime.new_group(range(runtime.world_size))
@@ -199,7 +199,7 @@ def build_subgroups(runtime: Runtime):
 
 def build_exchange(runtime: Runtime):
     """The Ulysses exchange on its own: for batch sizes 1 and 2, every rank's heads view and the round trip."""
-    from h3serve.services.dit.parallel import ulysses_heads_to_rows, ulysses_rows_to_heads
+    from h3serve.models.dit.parallel import ulysses_heads_to_rows, ulysses_rows_to_heads
 
     u = runtime.world_size
 

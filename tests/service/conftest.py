@@ -125,7 +125,7 @@ def embedded(tiny_checkpoint, tmp_path_factory):
     import torch
 
     from h3serve.pipeline import Pipeline
-    from h3serve.request import validate_request
+    from h3serve.config.request import validate_request
 
     cache: dict = {}
     out = tmp_path_factory.mktemp("embedded")

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from h3serve.client import Accepted, AsyncClient, Client, Progress
-from h3serve.media import check_mp4
+from h3serve.testing.mp4check import check_mp4
 
 from .conftest import REPO, REQUEST, STAGES
 

@@ -13,7 +13,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from h3serve.distributed import free_port
+from h3serve.distributed.world import free_port
 
 from .conftest import REPO, THREADS
 
@@ -84,7 +84,7 @@ def test_follower_health_port_in_use_is_a_clear_error():
     import pytest
 
     from h3serve.errors import H3Error
-    from h3serve.stage_ranks import FollowerHealth
+    from h3serve.runtime.ranks import FollowerHealth
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

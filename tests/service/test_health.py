@@ -12,7 +12,9 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from h3serve.serve import StageConfig, StageProcess
+from h3serve.config.stage import StageConfig
+from h3serve.runtime.process import StageProcess
+from h3serve.services import dit
 
 
 def _health(address: str, service: str = "") -> int:
@@ -21,7 +23,7 @@ def _health(address: str, service: str = "") -> int:
 
 
 def test_not_serving_until_loaded_and_warmed_up():
-    from h3serve.services.muxer.server import MuxerServicer
+    from h3serve.services.muxer import MuxerServicer
 
     release = threading.Event()
 
@@ -52,7 +54,7 @@ def test_stop_cancels_inflight_work_after_the_grace_period(tiny_checkpoint):
     from h3serve.transport.grpc import iter_tensor_chunks
 
     cfg = StageConfig(stage="dit", checkpoint=str(tiny_checkpoint), threads=1, port=0, warmup=False)
-    proc = StageProcess(cfg)
+    proc = StageProcess(cfg, dit.create)
     proc.load()
     params = dit_pb2.DiTParams(request_id="long", latent_frames=37, latent_height=16, latent_width=20,
                                audio_latents=207, seed=0, task="t2va", profile="base", steps=400)

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from h3serve.client import Accepted, Cancelled, Client, DeadlineExceeded, Progress, QueueFull, StageUnavailable
-from h3serve.media import check_mp4
+from h3serve.testing.mp4check import check_mp4
 
 from .conftest import REQUEST
 

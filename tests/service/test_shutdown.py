@@ -9,7 +9,7 @@ import time
 import httpx
 
 from h3serve.client import Client, Draining, Progress
-from h3serve.media import check_mp4
+from h3serve.testing.mp4check import check_mp4
 
 from .conftest import REQUEST, Stack
 

@@ -9,10 +9,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-import h3serve.adapter as adapter_mod
-from h3serve import presets, tiny
-from h3serve.adapter import Adapter, init_adapter, split_key
-from h3serve.checkpoint import KEEP_FP32, load_module_weights, sha256_file
+import h3serve.weights.adapter as adapter_mod
+from h3serve.testing import presets, tiny
+from h3serve.weights.adapter import Adapter, init_adapter, split_key
+from h3serve.weights.folder import KEEP_FP32, load_module_weights, sha256_file
 from h3serve.errors import AdapterError, CheckpointError
 
 DIT_FILE = "transformer/diffusion_pytorch_model.safetensors"

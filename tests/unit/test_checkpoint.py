@@ -12,8 +12,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from h3serve import presets, tiny
-from h3serve.checkpoint import (
+from h3serve.testing import presets, tiny
+from h3serve.weights.folder import (
     KEEP_FP32,
     CheckpointFolder,
     DtypePolicy,

@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from h3serve.services.dit import kernels
-from h3serve.services.dit.model import (BlockContext, H3Attention, H3Block, H3DiTConfig, H3FeedForward, _add_gated_,
+from h3serve.models.dit import kernels
+from h3serve.models.dit.model import (BlockContext, H3Attention, H3Block, H3DiTConfig, H3FeedForward, _add_gated_,
                                         _modulate_, apply_rope_)
 
 pytestmark = pytest.mark.skipif(not kernels.HAVE_TRITON, reason="triton is not installed")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from h3serve.errors import MediaError
-from h3serve.media import check_mp4, ffprobe_report, have_ffprobe, probe_mp4
+from h3serve.testing.mp4check import check_mp4, ffprobe_report, have_ffprobe, probe_mp4
 
 SIDE = 64
 

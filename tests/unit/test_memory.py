@@ -1,10 +1,10 @@
-"""h3serve.memory.PeakMemory on the CPU: the process's peak RSS over a piece of work, reset at its start."""
+"""h3serve.runtime.device.PeakMemory on the CPU: the process's peak RSS over a piece of work, reset at its start."""
 
 from __future__ import annotations
 
 import torch
 
-from h3serve.memory import PeakMemory, _rss_hwm_mb
+from h3serve.runtime.device import PeakMemory, _rss_hwm_mb
 
 
 def test_peak_covers_the_work_and_restarts_for_the_next():

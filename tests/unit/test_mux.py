@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 
 from h3serve.errors import MediaError
-from h3serve.media import check_mp4, ffprobe_report, have_ffprobe
-from h3serve.services.muxer import mux
-from h3serve.services.muxer.mux import Mp4Writer, mux_to_bytes, rgb_to_yuv420p
+from h3serve.testing.mp4check import check_mp4, ffprobe_report, have_ffprobe
+from h3serve.media.mux import Mp4Writer
+from h3serve.models.vae import yuv
+from h3serve.models.vae.yuv import rgb_to_yuv420p
+from h3serve.testing.clips import mux_to_bytes
 
 N_FRAMES, HEIGHT, WIDTH = 124, 256, 256
 N_SAMPLES = round(N_FRAMES / 24 * 40) * 800      # A * 800 = 207 * 800, what the audio VAE decodes for 124 frames
@@ -39,7 +41,7 @@ def reference_mp4(frames, pcm, tmp_path_factory) -> tuple[str, bytes]:
     """One-shot write: all frames, then all audio."""
     path = str(tmp_path_factory.mktemp("mux") / "one_shot.mp4")
     with Mp4Writer(path, WIDTH, HEIGHT) as writer:
-        writer.add_frames(frames)
+        writer.add_frames(rgb_to_yuv420p(frames))
         writer.add_audio(pcm)
         stats = writer.close()
     assert (stats.frames, stats.audio_samples, stats.bytes) == (N_FRAMES, N_SAMPLES, os.path.getsize(path))
@@ -78,7 +80,7 @@ def test_chunked_equals_one_shot(frames, pcm, reference_mp4, tmp_path):
     audio_chunks = np.array_split(pcm, 7, axis=1)
     with Mp4Writer(path, WIDTH, HEIGHT) as writer:
         for i, start in enumerate(range(0, N_FRAMES, 17)):
-            writer.add_frames(frames[start:start + 17])
+            writer.add_frames(rgb_to_yuv420p(frames[start:start + 17]))
             if i < len(audio_chunks):
                 writer.add_audio(audio_chunks[i])
     assert path.read_bytes() == reference_mp4[1]
@@ -105,7 +107,7 @@ def test_failure_inside_with_leaves_no_file(frames, tmp_path):
     dst = tmp_path / "out.mp4"
     with pytest.raises(RuntimeError, match="decoder died"):
         with Mp4Writer(dst, WIDTH, HEIGHT) as writer:
-            writer.add_frames(frames[:17])
+            writer.add_frames(rgb_to_yuv420p(frames[:17]))
             assert len(os.listdir(tmp_path)) == 1 and not dst.exists()   # only the hidden temporary file
             raise RuntimeError("decoder died")
     assert os.listdir(tmp_path) == []
@@ -114,7 +116,7 @@ def test_failure_inside_with_leaves_no_file(frames, tmp_path):
 def test_close_without_audio_fails_and_leaves_no_file(frames, tmp_path):
     dst = tmp_path / "out.mp4"
     writer = Mp4Writer(dst, WIDTH, HEIGHT)
-    writer.add_frames(frames[:17])
+    writer.add_frames(rgb_to_yuv420p(frames[:17]))
     with pytest.raises(MediaError, match="no audio"):
         writer.close()
     assert os.listdir(tmp_path) == []
@@ -122,10 +124,12 @@ def test_close_without_audio_fails_and_leaves_no_file(frames, tmp_path):
 
 def test_bad_inputs_are_refused(frames, tmp_path):
     with Mp4Writer(io.BytesIO(), WIDTH, HEIGHT) as writer:
+        with pytest.raises(TypeError, match="rgb_to_yuv420p"):
+            writer.add_frames(frames[:2])
         with pytest.raises(ValueError, match="planes"):
-            writer.add_frames(frames[:2, :128])
+            writer.add_frames(rgb_to_yuv420p(frames[:2, :128]))
         with pytest.raises(TypeError, match="uint8"):
-            writer.add_frames(frames[:2].astype(np.float32))
+            rgb_to_yuv420p(frames[:2].astype(np.float32))
         with pytest.raises(ValueError, match="PCM"):
             writer.add_audio(np.zeros((1, 100), np.float32))
         with pytest.raises(ValueError, match="NaN"):
@@ -141,7 +145,7 @@ def test_bad_inputs_are_refused(frames, tmp_path):
 def _reference_yuv420p(rgb: np.ndarray):
     """The same fixed-point BT.601 limited-range formula in plain int64 arithmetic."""
     x = rgb.astype(np.int64)
-    cy, cu, cv = (np.array(c, np.int64) for c in (mux.COEF_Y, mux.COEF_U, mux.COEF_V))
+    cy, cu, cv = (np.array(c, np.int64) for c in (yuv.COEF_Y, yuv.COEF_U, yuv.COEF_V))
     y = (x @ cy + (16 << 16) + (1 << 15)) >> 16
     s = x[:, 0::2, 0::2] + x[:, 1::2, 0::2] + x[:, 0::2, 1::2] + x[:, 1::2, 1::2]
     u = (s @ cu + (128 << 16) + (1 << 15)) >> 16
@@ -164,7 +168,7 @@ def test_conversion_is_exact_integer_math():
 def test_torch_elementwise_conversion_matches_numpy():
     torch = pytest.importorskip("torch")
     rgb = np.random.default_rng(4).integers(0, 256, (2, 32, 48, 3), dtype=np.uint8)
-    for a, b in zip(mux._rgb_to_yuv420p_torch(torch.from_numpy(rgb)), rgb_to_yuv420p(rgb)):
+    for a, b in zip(yuv._rgb_to_yuv420p_torch(torch.from_numpy(rgb)), rgb_to_yuv420p(rgb)):
         assert np.array_equal(a.numpy(), b)
 
 

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from h3serve.errors import ProfileError, RequestError
-from h3serve.request import (
+from h3serve.config.request import (
     CANVAS_MAX_PIXELS,
     Canvas,
     GenerationRequest,

@@ -9,7 +9,8 @@ import av
 import numpy as np
 import pytest
 
-from h3serve.services.muxer.segments import SegmentedMp4Writer, encode_segment
+from h3serve.models.vae.yuv import rgb_to_yuv420p
+from h3serve.media.segments import SegmentedMp4Writer, encode_segment
 
 W, H, FPS = 64, 48, 24
 
@@ -35,12 +36,10 @@ def test_joined_mp4_is_the_segments_in_order(tmp_path, segment_frames):
     with SegmentedMp4Writer(out, W, H, workers=3, threads=2, segment_frames=segment_frames) as w:
         w.add_audio(pcm)
         for c in clips:
-            w.add_frames(c)
+            w.add_frames(rgb_to_yuv420p(c))
     got = _decode(str(out))
     assert len(got) == 39
     # the same segments encoded on their own and decoded
-    from h3serve.services.muxer.mux import rgb_to_yuv420p
-
     want = []
     for c in clips:
         step = segment_frames or c.shape[0]
@@ -66,7 +65,7 @@ def test_deterministic_bytes(tmp_path):
         out = tmp_path / f"o{k}.mp4"
         with SegmentedMp4Writer(out, W, H, workers=2, threads=1) as w:
             for c in clips:
-                w.add_frames(c)
+                w.add_frames(rgb_to_yuv420p(c))
             w.add_audio(np.zeros((2, 4000), np.float32))
         outs.append(out.read_bytes())
     assert outs[0] == outs[1]
@@ -76,6 +75,6 @@ def test_failure_leaves_no_file(tmp_path):
     out = tmp_path / "x.mp4"
     with pytest.raises(RuntimeError):
         with SegmentedMp4Writer(out, W, H) as w:
-            w.add_frames(_frames(3, 0))
+            w.add_frames(rgb_to_yuv420p(_frames(3, 0)))
             raise RuntimeError("boom")
     assert list(tmp_path.iterdir()) == []

@@ -8,7 +8,7 @@ import pathlib
 import pytest
 import yaml
 
-from h3serve.spec import (
+from h3serve.config.spec import (
     CEL_RULES, DIT_SP_CHOICES, ENCODER_TP_CHOICES, H3DeploymentSpec, ServiceConfig, SpecError, parse_and_validate,
     validate,
 )
@@ -218,7 +218,7 @@ def test_spec_module_imports_no_serving_stack():
     import subprocess
     import sys
 
-    code = ("import sys, h3serve.spec; bad = [m for m in ('kopf', 'grpc', 'av', 'torch', 'kubernetes') "
+    code = ("import sys, h3serve.config.spec; bad = [m for m in ('kopf', 'grpc', 'av', 'torch', 'kubernetes') "
             "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr

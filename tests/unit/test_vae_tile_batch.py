@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from h3serve.services.muxer.mux import rgb_to_yuv420p
-from h3serve.services.vae.video import VideoVAE
-from h3serve.tiny import build_video_vae
+from h3serve.models.vae.yuv import rgb_to_yuv420p
+from h3serve.models.vae.video import VideoVAE
+from h3serve.testing.tiny import build_video_vae
 
 
 def _vae(tile_batch):

@@ -1,0 +1,615 @@
+"""The runtime of a stage with N parallel ranks: one process per rank, one `torch.distributed` world.
+
+    rank 0 (owns the request; in services, the gRPC server)         ranks 1..N-1 (peers)
+    ───────────────────────────────────────────────────────         ─────────────────────────────────
+    handle.call(op, payload) ──store: h3/cmd/<seq> = op──────────►  wait for h3/cmd/<seq> (polled, never times out)
+                             ──broadcast_object_list(payload)────►  receive the payload
+    handlers[op](payload, Local(should_stop, on_step))              handlers[op](payload, None)
+       └── collectives inside the handler (all ranks, same order) ──┘
+    collect h3/done/<seq>/<rank> ◄──────────────────────────────────  post "ok" or "<Error>: message"
+
+* Every rank runs the same `build(runtime, *args) -> {op: handler}` (SPMD): it loads its part of the model and creates
+  its process groups in the same order on every rank.
+* Cancellation: `Runtime.agreed_stop(local_fn, control)` is a collective: every rank calls it at the same step
+  boundary, rank 0 contributes its caller's flag, and all ranks stop at the same step (an all_reduce(MAX) of a flag
+  on a gloo group). No rank is ever left waiting in a collective for a peer that stopped.
+* Failure: every rank writes a heartbeat to the store; a watchdog on rank 0 watches them (and the processes it
+  spawned). A dead peer makes the request in flight fail with an `H3Error` naming the rank, the stage reports
+  unhealthy (`handle.healthy`) and refuses further requests; collectives also carry a timeout (`timeout_s`), so
+  nothing hangs past it. On NCCL the watchdog aborts the process group to unblock a collective that would wait.
+* Two ways in: `launch(world_size, build, ...)` makes the calling process rank 0 and spawns ranks 1..N-1
+  (`h3serve generate`, tests), or `join_from_env(build, ...)` reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT /
+  LOCAL_RANK (what torchrun or the operator set in pods): rank 0 gets the handle, the other ranks serve until shutdown.
+* Devices: rank r uses cuda:LOCAL_RANK when CUDA is present (NCCL for tensors), else the CPU (gloo). Control traffic
+  (commands, stop flags) always goes over a gloo group so that it never touches the accelerator.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from h3serve.errors import Cancelled, H3Error
+
+log = logging.getLogger("h3serve.distributed.world")
+
+__all__ = [
+    "ParallelDegrees", "DegreeError", "Runtime", "StageHandle", "Local", "StageFailed",
+    "launch", "join_from_env", "free_port", "weights_digest", "check_identical",
+]
+
+HEARTBEAT_S = 0.5
+_CMD, _DONE, _HB, _SHUTDOWN = "h3/cmd/", "h3/done/", "h3/hb/", "__shutdown__"
+
+
+class DegreeError(H3Error, ValueError):
+    """A parallel degree cannot work with this model or this number of ranks; the message says what to change."""
+
+
+class StageFailed(H3Error):
+    """A rank of the stage died or stopped answering; the stage is unhealthy until restarted."""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Degrees: validated in one place
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class ParallelDegrees:
+    """How the stages of one replica are split: encoder TP, DiT Ulysses x Ring, VAE patch parallel.
+
+    Every stage uses ranks [0, degree) of one world of `world_size` = max of the stage sizes processes.
+    """
+
+    encoder_tp: int = 1
+    ulysses: int = 1
+    ring: int = 1
+    vae_pp: int = 1
+
+    @property
+    def dit_world(self) -> int:
+        return self.ulysses * self.ring
+
+    @property
+    def world_size(self) -> int:
+        return max(self.encoder_tp, self.dit_world, self.vae_pp)
+
+    @property
+    def trivial(self) -> bool:
+        return self.world_size == 1
+
+    def validate(self, *, dit_heads: int = 56, encoder_heads: int = 64, encoder_kv_heads: int = 8,
+                 encoder_intermediate: int | None = None, world_size: int | None = None) -> "ParallelDegrees":
+        """Check every degree against the model's head counts (release defaults) and, if given, the world size.
+
+        Raises `DegreeError` with the allowed values. Encoder TP may exceed the KV head count only as a multiple of
+        it (each rank then holds a replica of the one KV head its query heads read: exact, at the cost of
+        recomputing that KV projection on several ranks).
+        """
+        for name in ("encoder_tp", "ulysses", "ring", "vae_pp"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise DegreeError(f"{name}={v!r} is invalid: a parallel degree is a positive integer (1 = off)")
+        if dit_heads % self.ulysses:
+            raise DegreeError(
+                f"ulysses={self.ulysses} does not divide the DiT's {dit_heads} attention heads (Ulysses gives each "
+                f"rank whole heads). Use ulysses in {_divisors(dit_heads)} and put the remaining factor of the DiT's "
+                f"GPUs into ring (ulysses x ring = GPUs of the DiT), e.g. 16 GPUs = ulysses 8 x ring 2.")
+        tp, h, kv = self.encoder_tp, encoder_heads, encoder_kv_heads
+        if h % tp or (kv % tp and tp % kv):
+            ok = [d for d in _divisors(h) if kv % d == 0 or d % kv == 0]
+            raise DegreeError(
+                f"encoder_tp={tp} cannot split the text encoder's {h} attention heads / {kv} KV heads: TP must "
+                f"divide the heads, and divide the KV heads or be a multiple of them. Use encoder_tp in {ok}.")
+        if encoder_intermediate is not None and encoder_intermediate % tp:
+            raise DegreeError(f"encoder_tp={tp} does not divide the encoder MLP width {encoder_intermediate}; "
+                              f"use a divisor of it")
+        if self.vae_pp not in (1, self.dit_world):
+            raise DegreeError(
+                f"vae_pp={self.vae_pp} is invalid: the VAE patch-parallel group is 1 or the whole DiT group "
+                f"(ulysses x ring = {self.dit_world}); set vae_pp to 1 or {self.dit_world}.")
+        if world_size is not None and world_size != self.world_size:
+            raise DegreeError(
+                f"WORLD_SIZE={world_size} but these degrees (encoder_tp={self.encoder_tp}, ulysses={self.ulysses}, "
+                f"ring={self.ring}, vae_pp={self.vae_pp}) need max(encoder_tp, ulysses x ring, vae_pp) = "
+                f"{self.world_size} ranks; start that many ranks or change the degrees.")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Per-process runtime
+
+
+@dataclass
+class Local:
+    """What only rank 0 has for a call: the caller's cancellation flag and progress callback."""
+
+    should_stop: Callable[[], bool] | None = None
+    on_step: Callable[[int, int], None] | None = None
+
+
+Handler = Callable[[Any, "Local | None"], Any]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class Runtime:
+    """This process's place in the stage: rank, device, the store, the world and control groups."""
+
+    def __init__(self, rank: int, world_size: int, *, master_addr: str, master_port: int, local_rank: int,
+                 timeout_s: float, backend: str | None = None, device: str | None = None):
+        self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
+        self.master_addr, self.master_port, self.timeout_s = master_addr, master_port, timeout_s
+        # device: None (cuda:LOCAL_RANK when CUDA is present, else cpu), "cpu", "cuda" (= cuda:LOCAL_RANK).
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(f"cuda:{local_rank}" if device == "cuda" else device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        timeout = timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(master_addr, master_port, world_size, is_master=(rank == 0), timeout=timeout,
+                                   wait_for_workers=False)
+        # No `device_id`: binding one makes torch create every later subgroup by ncclCommSplit, where a rank outside
+        # the new group must join the split too. torch does that on every non-member `new_group` call, even for a
+        # gloo group, while members split only for NCCL groups; the counts then differ and a non-member blocks
+        # forever (seen with the stage's single-rank encoder / VAE groups next to Ulysses 2 on 2 GPUs). Unbound, each
+        # NCCL communicator is created on its group's first collective, by its members only.
+        dist.init_process_group(self.backend, store=self.store, rank=rank, world_size=world_size, timeout=timeout)
+        # Commands and stop flags travel on gloo whatever the tensor backend is.
+        self.control = dist.new_group(backend="gloo", timeout=timeout) if self.backend != "gloo" else dist.group.WORLD
+        self._stop_heartbeat = threading.Event()
+        self._hb_thread = threading.Thread(target=self._heartbeat, name=f"h3-heartbeat-{rank}", daemon=True)
+        self._hb_thread.start()
+
+    # -- groups -------------------------------------------------------------------------------------------------
+
+    def new_group(self, ranks: Sequence[int]) -> tuple[Any, Any]:
+        """(tensor group, gloo control group) over `ranks`; every rank of the world must call this, in the same order.
+
+        Non-members get (None, None).
+        """
+        ranks = sorted(int(r) for r in ranks)
+        timeout = timedelta(seconds=self.timeout_s)
+        if ranks == list(range(self.world_size)):
+            data = dist.group.WORLD
+            control = self.control
+        else:
+            data = dist.new_group(ranks, timeout=timeout)
+            control = dist.new_group(ranks, backend="gloo", timeout=timeout) if self.backend != "gloo" else data
+        if self.rank not in ranks:
+            return None, None
+        return data, control
+
+    # -- collectives the stages share ---------------------------------------------------------------------------
+
+    def agreed_stop(self, local: Callable[[], bool] | None, control=None) -> Callable[[], bool]:
+        """A `should_stop` that every rank of `control` must poll at the same step boundary: True on all of them as
+        soon as one (in practice rank 0, from its caller) says stop."""
+        group = control if control is not None else self.control
+
+        def should_stop() -> bool:
+            flag = torch.tensor([1 if (local is not None and local()) else 0], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            return bool(flag.item())
+
+        return should_stop
+
+    def broadcast_object(self, obj: Any, src: int = 0, control=None) -> Any:
+        box = [obj if self.rank == src else None]
+        dist.broadcast_object_list(box, src=src, group=control if control is not None else self.control)
+        return box[0]
+
+    # -- liveness -----------------------------------------------------------------------------------------------
+
+    def _heartbeat(self) -> None:
+        try:
+            store = dist.TCPStore(self.master_addr, self.master_port, is_master=False,
+                                  timeout=timedelta(seconds=max(5.0, self.timeout_s)))
+        except Exception:  # noqa: BLE001 - rank 0 already gone
+            return
+        while not self._stop_heartbeat.is_set():
+            try:
+                store.set(f"{_HB}{self.rank}", repr(time.time()))
+            except Exception:  # noqa: BLE001 - the store (rank 0) is gone; the command loop notices too
+                return
+            self._stop_heartbeat.wait(HEARTBEAT_S)
+
+    def last_heartbeat(self, rank: int) -> float | None:
+        try:
+            if not self.store.check([f"{_HB}{rank}"]):
+                return None
+            return float(self.store.get(f"{_HB}{rank}").decode())
+        except Exception:  # noqa: BLE001
+            return None
+
+    def close(self) -> None:
+        self._stop_heartbeat.set()
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - best effort on a broken group
+            pass
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Peers: the command loop
+
+
+def _serve_peer(runtime: Runtime, handlers: dict[str, Handler]) -> None:
+    """Ranks 1..N-1: execute rank 0's commands until shutdown, or exit when rank 0 (the store) disappears."""
+    # A client of its own that may block forever: an idle stage waits for requests without polling or timing out;
+    # if rank 0 (the store's server) dies, the connection breaks and the wait raises.
+    waiter = dist.TCPStore(runtime.master_addr, runtime.master_port, is_master=False,
+                           timeout=timedelta(days=3650))
+    seq = 0
+    while True:
+        seq += 1
+        key = f"{_CMD}{seq}"
+        try:
+            waiter.wait([key])
+        except Exception as exc:  # noqa: BLE001
+            log.error("rank %d: lost rank 0 (%s); exiting", runtime.rank, exc)
+            return
+        op = runtime.store.get(key).decode()
+        if op == _SHUTDOWN:
+            return
+        status = "ok"
+        try:
+            payload = runtime.broadcast_object(None)
+            result = handlers[op](payload, None)
+            if isinstance(result, Iterator):
+                for _ in result:  # a streaming op: rank 0 consumes it, peers just run it
+                    pass
+        except BaseException as exc:  # noqa: BLE001 - reported to rank 0, the loop goes on
+            status = f"{type(exc).__name__}: {exc}"
+            if not isinstance(exc, (H3Error, ValueError)):
+                log.exception("rank %d: %s failed", runtime.rank, op)
+        try:
+            runtime.store.set(f"{_DONE}{seq}/{runtime.rank}", status)
+        except Exception:  # noqa: BLE001
+            return
+
+
+def _peer_main(rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float,
+               backend: str | None, build: Callable, build_args: tuple, env: dict, device: str | None,
+               local_rank: int | None = None) -> None:
+    os.environ.update(env)
+    local_rank = rank if local_rank is None else local_rank   # a node's ranks beyond the first: its own GPU index
+    runtime = Runtime(rank, world_size, master_addr=master_addr, master_port=master_port, local_rank=local_rank,
+                      timeout_s=timeout_s, backend=backend, device=device)
+    try:
+        handlers = build(runtime, *build_args)
+        runtime.store.set(f"h3/ready/{rank}", "1")
+        _serve_peer(runtime, handlers)
+    finally:
+        runtime.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Rank 0: the handle
+
+
+class StageHandle:
+    """Rank 0's view of the stage: `call` one op on every rank, `healthy`, `close`."""
+
+    def __init__(self, runtime: Runtime, handlers: dict[str, Handler], processes: Sequence = ()):
+        self.runtime = runtime
+        self.handlers = handlers
+        self.processes = list(processes)  # spawned peers (index i = rank i+1); empty when joined from env
+        self.world_size = runtime.world_size
+        self.last_outcomes: dict[int, str] = {}
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._dead: tuple[int, str] | None = None
+        self._closed = False
+        self._watch_stop = threading.Event()
+        self._started = time.time()
+        self._watchdog = threading.Thread(target=self._watch, name="h3-watchdog", daemon=True)
+        self._watchdog.start()
+
+    # -- health -------------------------------------------------------------------------------------------------
+
+    @property
+    def healthy(self) -> bool:
+        return self._dead is None and not self._closed
+
+    @property
+    def failure(self) -> str | None:
+        return None if self._dead is None else f"rank {self._dead[0]} {self._dead[1]}"
+
+    def _check_peers(self) -> tuple[int, str] | None:
+        for i, p in enumerate(self.processes):
+            if not p.is_alive():
+                return i + 1, f"exited (exit code {p.exitcode})"
+        limit = max(5.0, 10 * HEARTBEAT_S)
+        now = time.time()
+        for r in range(1, self.world_size):
+            hb = self.runtime.last_heartbeat(r)
+            if hb is None:
+                if now - self._started > self.runtime.timeout_s:
+                    return r, f"never sent a heartbeat in {self.runtime.timeout_s:.0f} s"
+            elif now - hb > limit:
+                return r, f"sent no heartbeat for {now - hb:.1f} s"
+        return None
+
+    def _watch(self) -> None:
+        while not self._watch_stop.wait(HEARTBEAT_S / 2):
+            if self._dead is not None or self._closed:
+                continue
+            found = self._check_peers()
+            if found is not None:
+                self._dead = found
+                log.error("stage unhealthy: rank %d %s", *found)
+                if self.runtime.backend == "nccl":  # a NCCL collective would otherwise wait for its timeout
+                    try:
+                        dist.distributed_c10d._abort_process_group()
+                    except Exception:  # noqa: BLE001
+                        pass
+
+    def _failed(self, op: str, exc: BaseException | None) -> StageFailed:
+        # Give the watchdog a moment to name the culprit: a collective fails as soon as a peer's socket closes.
+        deadline = time.time() + 4 * HEARTBEAT_S + 1.0
+        while self._dead is None and time.time() < deadline:
+            found = self._check_peers()
+            if found is not None:
+                self._dead = found
+                break
+            time.sleep(HEARTBEAT_S / 4)
+        if self._dead is None:
+            self._dead = (-1, f"a collective failed ({type(exc).__name__}: {exc})")
+        r, why = self._dead
+        who = f"rank {r} of {self.world_size} {why}" if r >= 0 else why
+        return StageFailed(f"{op} failed: {who}; the stage is unhealthy and must be restarted")
+
+    # -- calls --------------------------------------------------------------------------------------------------
+
+    def call(self, op: str, payload: Any = None, *, should_stop: Callable[[], bool] | None = None,
+             on_step: Callable[[int, int], None] | None = None) -> Any:
+        """Run `op` on every rank with the same `payload`; returns rank 0's result (an iterator for streaming ops,
+        which the caller must exhaust). Raises `StageFailed` if a rank died, `Cancelled` if stopped."""
+        if self._closed:
+            raise H3Error("this parallel stage is closed")
+        if self._dead is not None:
+            raise StageFailed(f"{op} refused: the stage is unhealthy (rank {self._dead[0]} {self._dead[1]}); "
+                              "restart it")
+        self._lock.acquire()
+        release = True
+        try:
+            self._seq += 1
+            seq = self._seq
+            self.runtime.store.set(f"{_CMD}{seq}", op)
+            self.runtime.broadcast_object(payload)
+            result = self.handlers[op](payload, Local(should_stop, on_step))
+            if isinstance(result, Iterator):
+                release = False
+                return self._stream(seq, op, result)
+            self._collect(seq, op)
+            return result
+        except StageFailed:
+            raise
+        except (Cancelled, H3Error):
+            self._collect(seq, op)  # the peers stopped at the same boundary; learn their outcome
+            raise
+        except BaseException as exc:
+            if self._dead is not None or self._check_peers() is not None or _is_comm_error(exc):
+                raise self._failed(op, exc) from exc
+            raise
+        finally:
+            if release:
+                self._lock.release()
+
+    def _stream(self, seq: int, op: str, it: Iterator) -> Iterator:
+        try:
+            yield from it
+        except (Cancelled, H3Error):
+            self._collect(seq, op)
+            raise
+        except BaseException as exc:
+            if self._dead is not None or self._check_peers() is not None or _is_comm_error(exc):
+                raise self._failed(op, exc) from exc
+            raise
+        else:
+            self._collect(seq, op)
+        finally:
+            self._lock.release()
+
+    def _collect(self, seq: int, op: str) -> None:
+        """Each peer's outcome of call `seq` ("ok" or "<Error>: message") into `last_outcomes`."""
+        outcomes = {}
+        for r in range(1, self.world_size):
+            key = f"{_DONE}{seq}/{r}"
+            deadline = time.time() + self.runtime.timeout_s
+            while True:
+                exc = None
+                try:
+                    if self.runtime.store.check([key]):
+                        outcomes[r] = self.runtime.store.get(key).decode()
+                        break
+                except Exception as e:  # noqa: BLE001
+                    exc = e
+                if exc is not None or self._dead is not None or self._check_peers() is not None \
+                        or time.time() > deadline:
+                    raise self._failed(op, exc or TimeoutError(f"no outcome from rank {r}")) from None
+                time.sleep(0.005)
+        self.last_outcomes = outcomes
+
+    def close(self) -> None:
+        """Shut the peers down (they exit their loop), then this rank's process group."""
+        if self._closed:
+            return
+        self._watch_stop.set()
+        try:
+            if self._dead is None:
+                self.runtime.store.set(f"{_CMD}{self._seq + 1}", _SHUTDOWN)
+        except Exception:  # noqa: BLE001
+            pass
+        for p in self.processes:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self._closed = True
+        self.runtime.close()
+
+    def __enter__(self) -> "StageHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _is_comm_error(exc: BaseException) -> bool:
+    dist_error = getattr(dist, "DistError", ())
+    if dist_error and isinstance(exc, dist_error):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(
+        s in text for s in ("gloo", "nccl", "connection", "timed out", "timeout", "peer", "broken pipe"))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Entry points
+
+
+def _wait_ready(handle: StageHandle, deadline_s: float) -> None:
+    t0 = time.time()
+    for r in range(1, handle.world_size):
+        while True:
+            if handle.runtime.store.check([f"h3/ready/{r}"]):
+                break
+            found = handle._check_peers()
+            if found is not None or time.time() - t0 > deadline_s:
+                why = found[1] if found else f"not ready after {deadline_s:.0f} s"
+                handle._dead = (r, why)
+                handle.close()
+                raise StageFailed(f"starting the stage failed: rank {r} {why}")
+            time.sleep(0.05)
+
+
+def launch(world_size: int, build: Callable, build_args: tuple = (), *, timeout_s: float = 600.0,
+           backend: str | None = None, master_port: int | None = None, start_timeout_s: float = 600.0,
+           device: str | None = None) -> StageHandle:
+    """Make this process rank 0 of a new `world_size` world and spawn ranks 1..N-1 on this host (rank r on
+    cuda:r with `device` "cuda" or None when CUDA is present; every rank on the CPU with "cpu").
+
+    `build(runtime, *build_args) -> {op: handler}` runs on every rank (it must be importable: spawned processes
+    import it by name). Returns once every rank has built its handlers.
+    """
+    import torch.multiprocessing as mp
+
+    if world_size < 1:
+        raise DegreeError(f"world_size={world_size} is invalid: at least 1 rank")
+    if dist.is_initialized():
+        raise H3Error("this process already is a rank of a parallel stage (one per process); close that stage "
+                      "(StageHandle.close / Pipeline.close) before launching another")
+    addr = "127.0.0.1"
+    port = master_port or free_port(addr)
+    ctx = mp.get_context("spawn")
+    env = {k: v for k, v in os.environ.items() if k.startswith(("H3SERVE", "HF_", "TRANSFORMERS", "OMP_"))}
+    procs = []
+    for r in range(1, world_size):
+        p = ctx.Process(target=_peer_main, name=f"h3-rank-{r}", daemon=True,
+                        args=(r, world_size, addr, port, timeout_s, backend, build, build_args, env, device))
+        p.start()
+        procs.append(p)
+    try:
+        runtime = Runtime(0, world_size, master_addr=addr, master_port=port, local_rank=0, timeout_s=timeout_s,
+                          backend=backend, device=device)
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    handle = StageHandle(runtime, {}, procs)
+    try:
+        handle.handlers = build(runtime, *build_args)
+    except BaseException:
+        handle.close()
+        raise
+    _wait_ready(handle, start_timeout_s)
+    return handle
+
+
+def join_from_env(build: Callable, build_args: tuple = (), *, timeout_s: float = 600.0,
+                  degrees: ParallelDegrees | None = None,
+                  on_ready: Callable[[], None] | None = None) -> StageHandle | None:
+    """Join the world described by RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (default 29500), LOCAL_RANK.
+
+    Rank 0 gets the `StageHandle`; any other rank serves rank 0's commands until shutdown and returns None (calling
+    `on_ready` once its part is built and it is in the world).
+    """
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        addr = os.environ["MASTER_ADDR"]
+    except KeyError as exc:
+        raise H3Error(f"joining a parallel stage needs RANK, WORLD_SIZE and MASTER_ADDR in the environment; "
+                      f"{exc.args[0]} is missing") from None
+    port = int(os.environ.get("MASTER_PORT", "29500"))
+    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    if degrees is not None:
+        degrees.validate(world_size=world)
+    runtime = Runtime(rank, world, master_addr=addr, master_port=port, local_rank=local_rank, timeout_s=timeout_s)
+    if rank != 0:
+        try:
+            handlers = build(runtime, *build_args)
+            runtime.store.set(f"h3/ready/{rank}", "1")
+            if on_ready is not None:
+                on_ready()
+            _serve_peer(runtime, handlers)
+        finally:
+            runtime.close()
+        return None
+    handle = StageHandle(runtime, build(runtime, *build_args))
+    _wait_ready(handle, timeout_s)
+    return handle
+
+
+def weights_digest(named_tensors) -> str:
+    """A fingerprint of (name, dtype, shape, every bit) of each tensor, computed where the tensors live.
+
+    Per tensor, an exact int64 sum of its bytes weighted by position (mod 65521) on its own device, so a multi-GB
+    model is fingerprinted without copying it to the host; the per-tensor numbers are then hashed with sha256.
+    """
+    import hashlib
+
+    h = hashlib.sha256()
+    chunk = 1 << 24
+    for name, t in named_tensors:
+        t = t.detach().contiguous()
+        data = t.reshape(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
+        acc = torch.zeros((), dtype=torch.int64, device=t.device)
+        for off in range(0, data.numel(), chunk):
+            part = data[off:off + chunk].to(torch.int64)
+            pos = torch.arange(off, off + part.numel(), device=t.device, dtype=torch.int64) % 65521 + 1
+            acc += (part * pos).sum()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|{int(acc)};".encode())
+    return h.hexdigest()
+
+
+def check_identical(runtime: Runtime, digest: str, what: str, control=None) -> None:
+    """All ranks of `control` must hold the same `digest` (e.g. of the fused weights); raises on every rank if not."""
+    group = control if control is not None else runtime.control
+    size = dist.get_world_size(group)
+    digests: list = [None] * size
+    dist.all_gather_object(digests, digest, group=group)
+    if len(set(digests)) != 1:
+        raise H3Error(f"{what} differ between ranks (sha256 per rank: {digests}); every rank must load the same "
+                      "checkpoint and adapter")
+

@@ -1,0 +1,170 @@
+"""The DiT stage engine: one request's conditions + geometry + seed -> final video and audio latents.
+
+Used in-process by the embedded pipeline and, behind a servicer, by the DiT service. It owns the model (loaded
+once, the FastH3 adapter fused while the weights stream in), the noise draw order and the denoising loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from h3serve.errors import ProfileError
+from h3serve.models.dit.layout import (
+    AudioRef,
+    ImageRef,
+    PackedLayout,
+    build_ref2va_layout,
+    build_t2va_layout,
+    rows_to_audio,
+    unpatchify,
+)
+from h3serve.models.dit.loop import denoise, noise_condition_rows, prepare_noise
+from h3serve.models.dit.model import FP32_MODULES, H3DiT, H3DiTConfig
+from h3serve.models.dit.scheduler import schedules_for
+
+log = logging.getLogger("h3serve.dit")
+
+# Which checkpoint partition serves which task (H3_REFERENCE §1.1).
+COMPONENT_FOR_TASK = {"t2va": "transformer", "fl2va": "transformer", "ref2va": "transformer_ref"}
+
+
+@dataclass
+class DiTRequest:
+    """Everything the DiT needs for one request; tensors on any device (moved once).
+
+    text_states (1, L, text_dim) and text_tags (L,) come from the encoder. condition_latents: visual conditions
+    (normalized, each (1, 24, t_i, h_i, w_i)) in packed order - fl2va keyframes, or ref2va visual references.
+    reference_audio_rows: ref2va clean audio rows (2*A_ref, 32) per audio reference, in request order.
+    references: ref2va geometry in request order (ImageRef / AudioRef), matching the two lists above.
+    """
+
+    text_states: torch.Tensor
+    text_tags: torch.Tensor
+    latent_frames: int
+    latent_h: int
+    latent_w: int
+    audio_latents: int
+    seed: int
+    task: str = "t2va"
+    profile: str = "base"
+    steps: int | None = 50
+    anchors: tuple[str, ...] = ()
+    condition_latents: Sequence[torch.Tensor] = ()
+    references: Sequence[ImageRef | AudioRef] = ()
+    reference_audio_rows: Sequence[torch.Tensor] = ()
+
+
+@dataclass
+class DiTResult:
+    video: torch.Tensor  # (1, 24, T, h, w) float32, normalized latents
+    audio: torch.Tensor  # (2, 32, A) float32, normalized latents
+    seconds: float = 0.0
+    steps: int = 0
+    step_seconds: list[float] = field(default_factory=list)
+
+
+class DiTEngine:
+    """One DiT partition (or two: t2va/fl2va and ref2va) on one device."""
+
+    def __init__(self, models: dict[str, H3DiT], *, device: torch.device, profile: str):
+        self.models = models
+        self.device = device
+        self.profile = profile
+
+    @classmethod
+    def load(
+        cls,
+        checkpoint: str | Path,
+        *,
+        components: Sequence[str] = ("transformer",),
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        profile: str = "base",
+        adapter=None,
+    ) -> "DiTEngine":
+        """Build each partition on the meta device and stream its weights in; the adapter (FastH3) is fused tensor
+        by tensor before the cast, i.e. before any later sharding sees the weights."""
+        from h3serve.weights.folder import CheckpointFolder, load_module_weights
+
+        device = torch.device(device)
+        folder = CheckpointFolder(Path(checkpoint), components=list(components))
+        models = {}
+        for component in components:
+            config = H3DiTConfig.from_dict(folder.config(component))
+            with torch.device("meta"):
+                model = H3DiT(config)
+            report = load_module_weights(
+                model, folder, component, adapter=adapter if component == "transformer" else None,
+                dtype=dtype, keep_fp32=FP32_MODULES, device=device,
+            )
+            model.init_buffers(device).eval().requires_grad_(False)
+            log.info("%s: %s", component, report.summary())
+            models[component] = model
+        return cls(models, device=device, profile=profile)
+
+    def layout_for(self, req: DiTRequest) -> PackedLayout:
+        text_len = int(req.text_states.shape[1])
+        if req.task == "ref2va":
+            return build_ref2va_layout(text_len, list(req.references), req.latent_frames, req.latent_h,
+                                       req.latent_w, req.audio_latents, text_token_tags=req.text_tags)
+        return build_t2va_layout(text_len, req.latent_frames, req.latent_h, req.latent_w, req.audio_latents,
+                                 anchors=tuple(req.anchors), text_token_tags=req.text_tags)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        req: DiTRequest,
+        *,
+        on_step: Callable[[int, int], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> DiTResult:
+        if req.profile != self.profile:
+            raise ProfileError(f"this DiT is loaded for profile={self.profile!r}, the request asks {req.profile!r}")
+        component = COMPONENT_FOR_TASK[req.task]
+        if component not in self.models:
+            raise ProfileError(f"task={req.task!r} needs the {component}/ partition, which this DiT did not load")
+        model = self.models[component]
+        t0 = time.perf_counter()
+        layout = self.layout_for(req)
+        video_schedule, audio_schedule = schedules_for(req.profile, req.steps)
+
+        # Draw order is part of what a seed reproduces: each visual condition, then video noise, then audio noise.
+        generator = torch.Generator("cpu").manual_seed(req.seed)
+        condition_rows = noise_condition_rows(generator, list(req.condition_latents), device=self.device)
+        video_noise, audio_noise = prepare_noise(generator, req.latent_frames, req.latent_h, req.latent_w,
+                                                 req.audio_latents, device=self.device)
+        video_rows = torch.cat([condition_rows, video_noise])
+        ref_audio = [r.to(self.device, torch.float32) for r in req.reference_audio_rows]
+        audio_rows = torch.cat([*ref_audio, audio_noise]) if ref_audio else audio_noise
+
+        step_times: list[float] = []
+        last = [time.perf_counter()]
+
+        def _on_step(done: int, total: int) -> None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            now = time.perf_counter()
+            step_times.append(now - last[0])
+            last[0] = now
+            if on_step is not None:
+                on_step(done, total)
+
+        text_states = req.text_states.to(self.device, model.dtype)
+        video_out, audio_out = denoise(
+            model, video_rows=video_rows, audio_rows=audio_rows, text_states=text_states, layout=layout,
+            video_schedule=video_schedule, audio_schedule=audio_schedule,
+            num_condition_video_rows=layout.num_condition_video_rows,
+            num_condition_audio_rows=layout.num_condition_audio_rows,
+            on_step=_on_step, should_stop=should_stop,
+        )
+        video = unpatchify(video_out[layout.num_condition_video_rows:], req.latent_frames, req.latent_h,
+                           req.latent_w)
+        audio = rows_to_audio(audio_out[layout.num_condition_audio_rows:])
+        return DiTResult(video=video, audio=audio, seconds=time.perf_counter() - t0,
+                         steps=video_schedule.num_steps, step_seconds=step_times)

@@ -1,0 +1,431 @@
+"""The pure renderer: an H3Deployment spec + its metadata -> the Kubernetes objects that should exist.
+
+No I/O, no clock, no randomness: the same input gives the same list, in the same order (golden tests rely on it).
+
+What it renders for an H3Deployment `<name>`:
+- ServiceAccount `<name>` (no API token mounted: the pods never call the API server).
+- ConfigMap `<name>-config` holding the service config (`h3serve.config.spec.ServiceConfig`) every process reads.
+- Workloads. `colocated`: component `engine`, one pod per replica running every stage (gateway included) on the
+  same GPUs (`h3serve serve --stages all`: the stages talk over loopback inside the pod). `disaggregated`: one
+  workload per stage (`encoder`, `dit`, `vae`, `muxer`) plus the gateway Deployment. A replica whose GPUs fit one
+  node is one pod with N GPUs and N ranks (a Deployment); a replica larger than a node is a gang: a StatefulSet per
+  replica `<name>-<component>-<r>` with one pod per node, a headless Service of the same name, leader = ordinal 0.
+- A Service per component, selecting leaders only: `<name>-<stage>` and the front door `<name>-gateway` (which
+  selects the gateway pods, or the engine pods when colocated).
+- A PodDisruptionBudget per component; NetworkPolicies: the front door takes traffic from anywhere on its gRPC and
+  HTTP ports, everything else only from pods of the same H3Deployment.
+
+Every container runs `h3serve serve` with flags rendered from the spec; the whole spec is also mounted as the
+service config (`$H3SERVE_CONFIG`), and torch.distributed is wired by environment (MASTER_ADDR, MASTER_PORT,
+WORLD_SIZE, NNODES, NPROC_PER_NODE, NODE_RANK, RANK = the first global rank of the pod).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from h3serve.config.spec import (
+    API_VERSION, COLOCATED_PORT_OFFSETS, DIST_PORT, GPU_STAGES, GRPC_PORT, HEALTH_SERVICE, HTTP_PORT, KIND, STAGES,
+    H3DeploymentSpec, ServiceConfig,
+)
+
+MANAGER = "h3serve-operator"
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_PART_OF = "app.kubernetes.io/part-of"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_ROLE = "h3serve.io/role"  # "leader" on single-pod replicas; gang leaders are pod-index 0
+LABEL_POD_INDEX = "apps.kubernetes.io/pod-index"  # set by the StatefulSet controller on every pod
+ANN_CONFIG_HASH = "h3serve.io/config-hash"
+ANN_GANG = "h3serve.io/gang-size"
+CONFIG_PATH = "/etc/h3serve/h3serve.yaml"
+RUN_AS = 65532
+GATEWAY = "gateway"
+ENGINE = "engine"
+
+# Kinds the renderer may emit, with the API path pieces the operator applies and prunes them by.
+KINDS: dict[str, tuple[str, str]] = {  # kind -> (apiVersion, plural)
+    "ServiceAccount": ("v1", "serviceaccounts"),
+    "ConfigMap": ("v1", "configmaps"),
+    "Service": ("v1", "services"),
+    "Deployment": ("apps/v1", "deployments"),
+    "StatefulSet": ("apps/v1", "statefulsets"),
+    "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),
+    "NetworkPolicy": ("networking.k8s.io/v1", "networkpolicies"),
+}
+
+
+def labels(name: str, component: str | None = None) -> dict[str, str]:
+    out = {LABEL_NAME: "h3serve", LABEL_INSTANCE: name, LABEL_PART_OF: "h3serve", LABEL_MANAGED_BY: MANAGER}
+    if component:
+        out[LABEL_COMPONENT] = component
+    return out
+
+
+def selector(name: str, component: str) -> dict[str, str]:
+    return {LABEL_NAME: "h3serve", LABEL_INSTANCE: name, LABEL_COMPONENT: component}
+
+
+def components(spec: H3DeploymentSpec) -> list[str]:
+    """The workload components of a spec: the engine (colocated), or each stage then the gateway."""
+    return [ENGINE] if spec.placement == "colocated" else [*STAGES, GATEWAY]
+
+
+def component_gpus(spec: H3DeploymentSpec, component: str) -> int:
+    """GPUs (= ranks) of one replica of a component."""
+    if component == ENGINE:
+        return spec.dit.sp
+    if component in GPU_STAGES:
+        return spec.stage_gpus(component)
+    return 0
+
+
+def component_replicas(spec: H3DeploymentSpec, component: str) -> int:
+    if component == ENGINE:
+        return spec.stage_replicas("dit")
+    return spec.stage_replicas(component)
+
+
+def gang_size(spec: H3DeploymentSpec, component: str) -> int:
+    """Pods per replica: 1, or one pod per node when a replica needs more GPUs than a node has."""
+    return spec.pods_per_replica(component_gpus(spec, component))
+
+
+def workload_names(spec: H3DeploymentSpec, name: str, component: str) -> list[tuple[str, str]]:
+    """(kind, name) of each workload object of a component."""
+    if gang_size(spec, component) > 1:
+        return [("StatefulSet", f"{name}-{component}-{r}") for r in range(component_replicas(spec, component))]
+    return [("Deployment", f"{name}-{component}")]
+
+
+def endpoints(spec: H3DeploymentSpec, name: str, namespace: str) -> dict[str, str]:
+    """stage -> "host:port": a stage's Service, or (colocated) the stage's loopback port inside the replica pod."""
+    host = lambda comp: f"{name}-{comp}.{namespace}.svc:{GRPC_PORT}"  # noqa: E731
+    if spec.placement == "colocated":
+        out = {st: f"127.0.0.1:{GRPC_PORT + COLOCATED_PORT_OFFSETS[st]}" for st in STAGES}
+    else:
+        out = {st: host(st) for st in STAGES}
+    out[GATEWAY] = host(GATEWAY)
+    return out
+
+
+def public_endpoints(name: str, namespace: str) -> dict[str, str]:
+    return {"grpc": f"{name}-{GATEWAY}.{namespace}.svc:{GRPC_PORT}",
+            "http": f"http://{name}-{GATEWAY}.{namespace}.svc:{HTTP_PORT}"}
+
+
+def service_config(spec: H3DeploymentSpec, name: str, namespace: str) -> ServiceConfig:
+    return ServiceConfig(name=name, namespace=namespace, spec=spec, endpoints=endpoints(spec, name, namespace))
+
+
+def _dump_yaml_like(d: Any) -> str:
+    # JSON is YAML; sorted keys make the ConfigMap (and its hash) stable.
+    return json.dumps(d, indent=2, sort_keys=True) + "\n"
+
+
+def render(spec: H3DeploymentSpec, name: str, namespace: str, owner: dict | None = None) -> list[dict]:
+    """All desired objects, in apply order. `owner` = the H3Deployment's metadata (needs `uid`) -> ownerReferences."""
+    objs: list[dict] = []
+    cfg_text = _dump_yaml_like(service_config(spec, name, namespace).to_dict())
+    cfg_hash = hashlib.sha256(cfg_text.encode()).hexdigest()[:16]
+
+    objs.append(_meta({"apiVersion": "v1", "kind": "ServiceAccount", "automountServiceAccountToken": False},
+                      name, name, namespace, None))
+    objs.append(_meta({"apiVersion": "v1", "kind": "ConfigMap", "data": {"h3serve.yaml": cfg_text}},
+                      f"{name}-config", name, namespace, None))
+    for comp in components(spec):
+        objs += _component(spec, name, namespace, comp, cfg_hash)
+    objs += _network_policies(spec, name, namespace)
+    if owner is not None:
+        ref = {"apiVersion": API_VERSION, "kind": KIND, "name": owner["name"], "uid": owner["uid"],
+               "controller": True, "blockOwnerDeletion": True}
+        for o in objs:
+            o["metadata"]["ownerReferences"] = [dict(ref)]
+    return objs
+
+
+def _meta(obj: dict, obj_name: str, name: str, namespace: str, component: str | None) -> dict:
+    md = {"name": obj_name, "namespace": namespace, "labels": labels(name, component)}
+    return {"apiVersion": obj.pop("apiVersion"), "kind": obj.pop("kind"), "metadata": md, **obj}
+
+
+# ---- one component: workloads + Service + PDB --------------------------------------------------------------------
+
+def front(comp: str) -> bool:
+    """The component that takes client traffic: the gateway, or the engine (its in-pod gateway) when colocated."""
+    return comp in (GATEWAY, ENGINE)
+
+
+def _component(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, cfg_hash: str) -> list[dict]:
+    objs: list[dict] = []
+    replicas = component_replicas(spec, comp)
+    gang = gang_size(spec, comp)
+    gpus = component_gpus(spec, comp)
+    svc_name = f"{name}-{GATEWAY}" if comp == ENGINE else f"{name}-{comp}"
+    ports = [{"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "protocol": "TCP", "appProtocol": "grpc"}]
+    if front(comp):
+        ports.append({"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP",
+                      "appProtocol": "http"})
+    svc_selector = {**selector(name, comp), LABEL_ROLE: "leader"}
+    if gang > 1:
+        svc_selector = {**selector(name, comp), LABEL_POD_INDEX: "0"}
+    svc_spec: dict = {"selector": svc_selector, "ports": ports}
+    if front(comp):
+        svc_spec["type"] = spec.gateway.service_type
+    objs.append(_meta({"apiVersion": "v1", "kind": "Service", "spec": svc_spec}, svc_name, name, namespace, comp))
+
+    if gang == 1:
+        objs.append(_deployment(spec, name, namespace, comp, replicas, gpus, cfg_hash))
+    else:
+        per_pod = spec.gpus_per_node
+        for r in range(replicas):
+            gname = f"{name}-{comp}-{r}"
+            gsel = {**selector(name, comp), "h3serve.io/gang": gname}
+            objs.append(_meta({"apiVersion": "v1", "kind": "Service", "spec": {
+                "clusterIP": "None", "publishNotReadyAddresses": True, "selector": gsel,
+                "ports": [{"name": "dist", "port": DIST_PORT, "targetPort": "dist", "protocol": "TCP"}]}},
+                gname, name, namespace, comp))
+            objs.append(_statefulset(spec, name, namespace, comp, gname, gang, per_pod, gpus, cfg_hash))
+
+    pdb = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "spec": {
+        "maxUnavailable": 1, "selector": {"matchLabels": selector(name, comp)},
+        "unhealthyPodEvictionPolicy": "AlwaysAllow"}}
+    objs.append(_meta(pdb, f"{name}-{comp}", name, namespace, comp))
+    return objs
+
+
+def _stage_opts(spec: H3DeploymentSpec, comp: str):
+    sub = spec.gateway if comp == GATEWAY else (spec.dit if comp == ENGINE else getattr(spec, comp))
+    node_selector = sub.node_selector if sub.node_selector is not None else spec.node_selector
+    tolerations = sub.tolerations if sub.tolerations is not None else spec.tolerations
+    resources = sub.resources
+    if comp == ENGINE:  # the engine pod runs every stage: take the DiT's resources (the largest stage)
+        resources = spec.dit.resources
+    return node_selector, tolerations, resources
+
+
+def _resources(spec: H3DeploymentSpec, base: dict | None, gpus: int) -> dict:
+    out: dict = {}
+    for kind in ("requests", "limits"):
+        d = dict((base or {}).get(kind) or {})
+        if gpus:
+            d[spec.gpu_resource_name] = gpus
+        if d:
+            out[kind] = {k: d[k] for k in sorted(d)}
+    if gpus:  # extended resources: the request must equal the limit
+        out["requests"][spec.gpu_resource_name] = gpus
+    return out
+
+
+def _security_context() -> dict:
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def _pod_security_context() -> dict:
+    return {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def _grpc_probe(period: int, failures: int, timeout: int = 5) -> dict:
+    return {"grpc": {"port": GRPC_PORT, "service": HEALTH_SERVICE}, "periodSeconds": period,
+            "timeoutSeconds": timeout, "failureThreshold": failures}
+
+
+def _env(spec: H3DeploymentSpec, comp: str) -> list[dict]:
+    env = [
+        {"name": "H3SERVE_CONFIG", "value": CONFIG_PATH},
+        {"name": "H3SERVE_COMPONENT", "value": comp},
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
+        {"name": "HOME", "value": "/tmp"},  # the root filesystem is read-only
+    ]
+    return env
+
+
+def _dist_env(world: int, per_pod: int, nnodes: int, master: str, gang: bool) -> list[dict]:
+    env = [
+        {"name": "MASTER_ADDR", "value": master},
+        {"name": "MASTER_PORT", "value": str(DIST_PORT)},
+        {"name": "WORLD_SIZE", "value": str(world)},
+        {"name": "NNODES", "value": str(nnodes)},
+        {"name": "NPROC_PER_NODE", "value": str(per_pod)},
+    ]
+    if gang:
+        env.append({"name": "NODE_RANK",
+                    "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{LABEL_POD_INDEX}']"}}})
+    else:
+        env += [{"name": "NODE_RANK", "value": "0"}, {"name": "RANK", "value": "0"}]
+    return env
+
+
+def serve_args(spec: H3DeploymentSpec, name: str, namespace: str, comp: str) -> list[str]:
+    """The `h3serve serve` command line of a component."""
+    stages = "all" if comp == ENGINE else comp
+    args = ["h3serve", "serve", "--stages", stages, "--host", "0.0.0.0", "--port", str(GRPC_PORT),
+            "--grace-s", str(spec.drain_seconds), "--profile", spec.profile]
+    if comp in (ENGINE, *GPU_STAGES):
+        args += ["--checkpoint", spec.model.path, "--device", "cuda", "--dtype", "bf16"]
+        # Every model stage gets all four degrees (they are validated together: VAE PP is 1 or the DiT group) and
+        # runs its own: encoder TP, DiT Ulysses x Ring, VAE PP ranks, one per GPU of the pod (or of the gang).
+        args += ["--encoder-tp", str(spec.encoder.tensor_parallel), "--ulysses", str(spec.dit.ulysses),
+                 "--ring", str(spec.dit.ring), "--vae-pp", str(spec.vae.patch_parallel)]
+    if comp in (ENGINE, "dit") and spec.model.adapter is not None:
+        args += ["--adapter", spec.model.adapter.path]
+        if spec.model.adapter.sha256:
+            args += ["--adapter-sha256", spec.model.adapter.sha256]
+    if comp in (ENGINE, "vae", GATEWAY):
+        args += ["--transport", spec.transport]
+    if comp in (ENGINE, "muxer"):
+        args += ["--mux-threads", str(spec.muxer.workers)]
+    if front(comp):
+        args += ["--http-host", "0.0.0.0", "--http-port", str(HTTP_PORT), "--queue-size", str(spec.gateway.queue_size)]
+    if comp == GATEWAY:
+        for st, addr in endpoints(spec, name, namespace).items():
+            if st != GATEWAY:
+                args += [f"--{st}", addr]
+    if comp in STAGES:  # peers (the VAE streaming to a muxer) reach this very pod
+        args += ["--advertise", f"$(POD_IP):{GRPC_PORT}"]
+    return args
+
+
+def _command(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, gang: bool) -> tuple[list[str], list[str]]:
+    serve = serve_args(spec, name, namespace, comp)
+    if not gang:
+        return serve, []
+    # RANK = the global rank of this pod's first process (its local ranks follow); the leader (ordinal 0) is rank 0.
+    return ["/bin/sh", "-c", 'export RANK=$((NODE_RANK * NPROC_PER_NODE)); exec "$@"', "--"], serve
+
+
+def _pod_template(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, gpus_per_pod: int,
+                  cfg_hash: str, extra_labels: dict, dist_env: list[dict], gang: bool) -> dict:
+    node_selector, tolerations, base_res = _stage_opts(spec, comp)
+    gpu = gpus_per_pod > 0
+    ports = [{"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"}]
+    if front(comp):
+        ports.append({"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"})
+    if gang:
+        ports.append({"name": "dist", "containerPort": DIST_PORT, "protocol": "TCP"})
+    mounts = [{"name": "config", "mountPath": "/etc/h3serve", "readOnly": True},
+              {"name": "tmp", "mountPath": "/tmp"}]
+    volumes: list[dict] = [{"name": "config", "configMap": {"name": f"{name}-config"}},
+                           {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}]
+    if gpu or comp in (ENGINE, "muxer"):
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.shm_size}})
+    if comp != GATEWAY and comp != "muxer" and spec.model.volume is not None:
+        mounts.append({"name": "model", "mountPath": spec.model.mount_path, "readOnly": True})
+        volumes.append({"name": "model", **_readonly_volume(spec.model.volume)})
+    command, args = _command(spec, name, namespace, comp, gang)
+    container = {
+        "name": comp,
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": command,
+        "ports": ports,
+        "env": _env(spec, comp) + dist_env,
+        "resources": _resources(spec, base_res, gpus_per_pod),
+        "securityContext": _security_context(),
+        "volumeMounts": mounts,
+        # Startup: gRPC health SERVING = weights loaded and one warm-up pass done. Loading ~100 GB of weights from
+        # a network volume can take long: allow up to an hour (the gateway only waits for its channels).
+        "startupProbe": _grpc_probe(10, 360) if comp != GATEWAY else _grpc_probe(5, 60),
+        # Readiness: NOT_SERVING again while draining, so endpoints drop the pod before it stops.
+        "readinessProbe": _grpc_probe(5, 3),
+        # Liveness: the server still accepts connections (a draining server reports NOT_SERVING, on purpose not a
+        # liveness failure: it must be allowed to finish its requests).
+        "livenessProbe": {"tcpSocket": {"port": GRPC_PORT}, "periodSeconds": 20, "timeoutSeconds": 10,
+                          "failureThreshold": 6},
+        # Let endpoints drop the pod before SIGTERM starts the drain.
+        "lifecycle": {"preStop": {"sleep": {"seconds": 5}}},
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    if args:
+        container["args"] = args
+    pod: dict = {
+        "serviceAccountName": name,
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": _pod_security_context(),
+        # Drain: the server stops admitting, finishes what it admitted (drainSeconds), then exits.
+        "terminationGracePeriodSeconds": spec.drain_seconds + 30,
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if node_selector:
+        pod["nodeSelector"] = dict(node_selector)
+    if tolerations:
+        pod["tolerations"] = [dict(t) for t in tolerations]
+    if spec.priority_class_name:
+        pod["priorityClassName"] = spec.priority_class_name
+    if spec.image_pull_secrets:
+        pod["imagePullSecrets"] = [{"name": s} for s in spec.image_pull_secrets]
+    tmpl_labels = {**labels(name, comp), **extra_labels}
+    return {"metadata": {"labels": tmpl_labels, "annotations": {ANN_CONFIG_HASH: cfg_hash}}, "spec": pod}
+
+
+def _readonly_volume(source: dict) -> dict:
+    src = json.loads(json.dumps(source))
+    for k in ("persistentVolumeClaim", "nfs", "csi", "iscsi", "rbd", "cephfs", "azureFile", "fc"):
+        if isinstance(src.get(k), dict):
+            src[k]["readOnly"] = True
+    return src
+
+
+def _deployment(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, replicas: int, gpus: int,
+                cfg_hash: str) -> dict:
+    dist = _dist_env(gpus, gpus, 1, "127.0.0.1", False) if gpus else []
+    tmpl = _pod_template(spec, name, namespace, comp, gpus, cfg_hash, {LABEL_ROLE: "leader"}, dist, False)
+    # GPU workloads roll one pod at a time without a surge (a surge pod would need spare GPUs that rarely exist);
+    # CPU workloads surge so that they never drop below their replica count.
+    strategy = ({"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}} if gpus else
+                {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": 0}})
+    dep = {"apiVersion": "apps/v1", "kind": "Deployment", "spec": {
+        "replicas": replicas, "revisionHistoryLimit": 5, "strategy": strategy,
+        "selector": {"matchLabels": selector(name, comp)}, "template": tmpl}}
+    return _meta(dep, f"{name}-{comp}", name, namespace, comp)
+
+
+def _statefulset(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, gname: str, gang: int,
+                 per_pod: int, gpus: int, cfg_hash: str) -> dict:
+    master = f"{gname}-0.{gname}.{namespace}.svc"
+    dist = _dist_env(gpus, per_pod, gang, master, True)
+    tmpl = _pod_template(spec, name, namespace, comp, per_pod, cfg_hash, {"h3serve.io/gang": gname}, dist, True)
+    tmpl["metadata"]["annotations"][ANN_GANG] = str(gang)
+    sts = {"apiVersion": "apps/v1", "kind": "StatefulSet", "spec": {
+        "replicas": gang, "serviceName": gname, "podManagementPolicy": "Parallel", "revisionHistoryLimit": 5,
+        "updateStrategy": {"type": "RollingUpdate"},
+        "persistentVolumeClaimRetentionPolicy": {"whenDeleted": "Delete", "whenScaled": "Delete"},
+        "selector": {"matchLabels": {**selector(name, comp), "h3serve.io/gang": gname}}, "template": tmpl}}
+    return _meta(sts, gname, name, namespace, comp)
+
+
+def _network_policies(spec: H3DeploymentSpec, name: str, namespace: str) -> list[dict]:
+    same_instance = {"podSelector": {"matchLabels": {LABEL_NAME: "h3serve", LABEL_INSTANCE: name}}}
+    mine = [{"key": LABEL_INSTANCE, "operator": "In", "values": [name]},
+            {"key": LABEL_NAME, "operator": "In", "values": ["h3serve"]}]
+    stages = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "spec": {
+        "podSelector": {"matchExpressions": [
+            *mine, {"key": LABEL_COMPONENT, "operator": "NotIn", "values": [GATEWAY, ENGINE]}]},
+        "policyTypes": ["Ingress"],
+        # Any port: gRPC, torch.distributed / NCCL and UCX pick ports of their own between peers.
+        "ingress": [{"from": [same_instance]}]}}
+    gateway = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "spec": {
+        "podSelector": {"matchExpressions": [
+            *mine, {"key": LABEL_COMPONENT, "operator": "In", "values": [GATEWAY, ENGINE]}]},
+        "policyTypes": ["Ingress"],
+        "ingress": [{"ports": [{"port": GRPC_PORT, "protocol": "TCP"}, {"port": HTTP_PORT, "protocol": "TCP"}]},
+                    {"from": [same_instance]}]}}
+    return [_meta(stages, f"{name}-stages", name, namespace, None),
+            _meta(gateway, f"{name}-gateway", name, namespace, None)]
+
+
+def to_yaml(objs: list[dict]) -> str:
+    import yaml
+
+    return "".join("---\n" + yaml.safe_dump(o, sort_keys=False, width=120) for o in objs)

@@ -1,0 +1,198 @@
+"""Pure status computation: what the operator writes into an H3Deployment's `.status`.
+
+Input: the generation being reconciled, the validation result, the live workloads (Deployments / StatefulSets
+with their `.status`), the previous status and the time. Output: the new status. No I/O.
+
+Conditions (reasons are CamelCase):
+- SpecValid    True  SpecAccepted | False InvalidSpec (message: every problem, with what to change)
+- Progressing  True  RollingOut (message: the workloads still rolling out) | False RolloutComplete | False InvalidSpec
+- Ready        True  AllStagesReady | False StagesNotReady | False ScaledToZero | False InvalidSpec
+- Degraded     True  ApplyFailed | PodsUnschedulable | PodsFailing | RolloutStalled | StagesUnavailable
+               False AsExpected
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from h3serve.operator import manifests as M
+from h3serve.config.spec import STAGES, H3DeploymentSpec
+
+
+@dataclass(frozen=True)
+class Expected:
+    component: str
+    kind: str  # Deployment | StatefulSet
+    name: str
+    pods: int  # Deployment: replicas; StatefulSet: the gang size
+
+
+def expected_workloads(spec: H3DeploymentSpec, name: str) -> list[Expected]:
+    out = []
+    for comp in M.components(spec):
+        for kind, wname in M.workload_names(spec, name, comp):
+            pods = M.component_replicas(spec, comp) if kind == "Deployment" else M.gang_size(spec, comp)
+            out.append(Expected(comp, kind, wname, pods))
+    return out
+
+
+def expected_from_live(workloads: list[dict]) -> list[Expected]:
+    """When the spec is invalid the operator keeps the children it has: describe them by themselves."""
+    out = []
+    for w in workloads:
+        comp = (w["metadata"].get("labels") or {}).get(M.LABEL_COMPONENT, "?")
+        out.append(Expected(comp, w["kind"], w["metadata"]["name"], int((w.get("spec") or {}).get("replicas", 1))))
+    return sorted(out, key=lambda e: (e.component, e.name))
+
+
+def _rolled_out(w: dict | None, pods: int) -> tuple[bool, bool, int]:
+    """(rolled out, stalled, ready pods) of one live workload."""
+    if w is None:
+        return False, False, 0
+    md, st = w["metadata"], w.get("status") or {}
+    ready = int(st.get("readyReplicas") or 0)
+    current = int(st.get("observedGeneration") or 0) >= int(md.get("generation") or 0)
+    updated = int(st.get("updatedReplicas") or 0)
+    total = int(st.get("replicas") or 0)
+    if w["kind"] == "Deployment":
+        stalled = any(c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded"
+                      for c in st.get("conditions") or [])
+        done = current and updated >= pods and total <= pods and int(st.get("availableReplicas") or 0) >= pods
+        return done, stalled, ready
+    same_rev = st.get("currentRevision") == st.get("updateRevision") or updated >= pods
+    done = current and same_rev and updated >= pods and ready >= pods and total <= pods
+    return done, False, ready
+
+
+_FAILING = ("ImagePullBackOff", "ErrImagePull", "CrashLoopBackOff", "CreateContainerConfigError",
+            "CreateContainerError", "InvalidImageName", "RunContainerError")
+
+
+def pod_problems(pods: list[dict]) -> list[tuple[str, str]]:
+    """(reason, "pod: what") for pods that cannot make progress on their own: unschedulable or failing."""
+    out = []
+    for p in sorted(pods, key=lambda p: p["metadata"]["name"]):
+        name, st = p["metadata"]["name"], p.get("status") or {}
+        if p["metadata"].get("deletionTimestamp"):
+            continue
+        for c in st.get("conditions") or []:
+            if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
+                out.append(("PodsUnschedulable", f"{name}: {c.get('message', 'unschedulable')}"))
+        for cs in (st.get("initContainerStatuses") or []) + (st.get("containerStatuses") or []):
+            w = (cs.get("state") or {}).get("waiting") or {}
+            if w.get("reason") in _FAILING:
+                out.append(("PodsFailing", f"{name}: {w['reason']}: {w.get('message', '')}".rstrip(": ")))
+    return out
+
+
+def _condition(ctype: str, ok: bool, reason: str, message: str, generation: int, previous: dict, now: str) -> dict:
+    status = "True" if ok else "False"
+    prev = next((c for c in previous.get("conditions") or [] if c.get("type") == ctype), None)
+    since = prev["lastTransitionTime"] if prev and prev.get("status") == status and prev.get("lastTransitionTime") else now
+    return {"type": ctype, "status": status, "reason": reason, "message": message,
+            "observedGeneration": generation, "lastTransitionTime": since}
+
+
+def compute(*, name: str, namespace: str, generation: int, spec: H3DeploymentSpec | None,
+            issues: list[tuple[str, str]], workloads: list[dict], previous: dict | None, now: str,
+            apply_error: str | None = None, pods: list[dict] | None = None) -> dict:
+    previous = previous or {}
+    live = {(w["kind"], w["metadata"]["name"]): w for w in workloads}
+    expected = expected_workloads(spec, name) if spec is not None else expected_from_live(workloads)
+
+    # per component: desired / ready replicas (a gang counts once, when all its pods are ready)
+    comp_desired: dict[str, int] = {}
+    comp_ready: dict[str, int] = {}
+    rolling, stalled = [], []
+    for e in expected:
+        w = live.get((e.kind, e.name))
+        done, stall, ready_pods = _rolled_out(w, e.pods)
+        if e.kind == "Deployment":
+            comp_desired[e.component] = comp_desired.get(e.component, 0) + e.pods
+            comp_ready[e.component] = comp_ready.get(e.component, 0) + min(ready_pods, e.pods)
+        else:
+            comp_desired[e.component] = comp_desired.get(e.component, 0) + 1
+            comp_ready[e.component] = comp_ready.get(e.component, 0) + int(ready_pods >= e.pods and e.pods > 0)
+        if not done:
+            rolling.append(e.name)
+        if stall:
+            stalled.append(e.name)
+
+    stages: dict[str, dict] = {}
+    for comp in sorted(comp_desired, key=_order):
+        entry = {"ready": comp_ready[comp], "desired": comp_desired[comp]}
+        for st in ((*STAGES, M.GATEWAY) if comp == M.ENGINE else (comp,)):
+            stages[st] = dict(entry)
+
+    valid = spec is not None and not issues
+    conds = []
+    if valid:
+        conds.append(_condition("SpecValid", True, "SpecAccepted", "the spec is valid", generation, previous, now))
+    else:
+        msg = "; ".join(f"{f}: {m}" for f, m in issues)
+        conds.append(_condition("SpecValid", False, "InvalidSpec", msg, generation, previous, now))
+
+    not_ready = [f"{s} {v['ready']}/{v['desired']}" for s, v in stages.items() if v["ready"] < v["desired"]]
+    all_counts = ", ".join(f"{s} {v['ready']}/{v['desired']}" for s, v in stages.items())
+    if not stages:
+        ready = (False, "InvalidSpec" if not valid else "StagesNotReady", "no workloads exist yet")
+    elif any(v["desired"] == 0 for v in stages.values()):
+        zero = [s for s, v in stages.items() if v["desired"] == 0]
+        ready = (False, "ScaledToZero", f"scaled to zero: {', '.join(zero)}")
+    elif not_ready:
+        problems = pod_problems(pods or [])
+        why = "; ".join(t for _, t in problems[:3])
+        ready = (False, "StagesNotReady", "waiting for " + ", ".join(not_ready) + (f" ({why})" if why else ""))
+    else:
+        ready = (True, "AllStagesReady", all_counts)
+    conds.append(_condition("Ready", ready[0], ready[1], ready[2], generation, previous, now))
+
+    if not valid:
+        prog = (False, "InvalidSpec", f"generation {generation} is not rolled out until the spec is fixed "
+                                      f"(see SpecValid); the previous workloads keep serving")
+    elif rolling:
+        prog = (True, "RollingOut", "rolling out " + ", ".join(rolling))
+    else:
+        prog = (False, "RolloutComplete", f"generation {generation} is rolled out")
+    conds.append(_condition("Progressing", prog[0], prog[1], prog[2], generation, previous, now))
+
+    problems = pod_problems(pods or []) if not_ready else []
+    if apply_error:
+        deg = (True, "ApplyFailed", apply_error)
+    elif problems:
+        deg = (True, problems[0][0], "; ".join(t for _, t in problems[:5]))
+    elif stalled:
+        deg = (True, "RolloutStalled", "progress deadline exceeded: " + ", ".join(stalled))
+    elif valid and not rolling and not_ready:
+        deg = (True, "StagesUnavailable", "rolled out but not ready: " + ", ".join(not_ready))
+    else:
+        deg = (False, "AsExpected", "no problem detected")
+    conds.append(_condition("Degraded", deg[0], deg[1], deg[2], generation, previous, now))
+
+    scale_comp = M.ENGINE if (spec is not None and spec.placement == "colocated") else "dit"
+    if spec is None and M.ENGINE in comp_desired:
+        scale_comp = M.ENGINE
+    ready_stages = sum(1 for v in stages.values() if v["ready"] >= v["desired"] > 0)
+    return {
+        "observedGeneration": generation,
+        "conditions": conds,
+        "stages": stages,
+        "endpoint": M.public_endpoints(name, namespace),
+        "replicas": comp_ready.get(scale_comp, 0),
+        "selector": ",".join(f"{k}={v}" for k, v in M.selector(name, scale_comp).items()),
+        "summary": f"{ready_stages}/{len(stages)}",
+    }
+
+
+def _order(comp: str) -> int:
+    order = [M.ENGINE, *STAGES, M.GATEWAY]
+    return order.index(comp) if comp in order else len(order)
+
+
+def same(a: dict | None, b: dict | None) -> bool:
+    """Equal apart from timestamps (so an unchanged status is not written again)."""
+    def strip(s):
+        s = dict(s or {})
+        s["conditions"] = [{k: v for k, v in c.items() if k != "lastTransitionTime"} for c in s.get("conditions") or []]
+        return s
+    return strip(a) == strip(b)

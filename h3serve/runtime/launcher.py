@@ -1,0 +1,248 @@
+"""`h3serve serve`: run stage servers, one per process, and supervise them on one host.
+
+    h3serve serve --checkpoint DIR --stages all --port 50051 --http-port 8000
+        launcher: starts encoder, dit, vae, muxer and gateway as separate processes on loopback, waits until each
+        reports SERVING on gRPC health checking, prints the endpoints, restarts a stage that dies, and on SIGTERM
+        drains the gateway first, then stops the stages; exits 0.
+    h3serve serve --checkpoint DIR --stages dit --port 50053
+        one stage in this process (what a container of the disaggregated layout runs).
+
+Ports with `--stages all`: gateway gRPC = --port, then encoder, dit, vae, muxer = --port + 1 .. + 4 (or free
+ports when --port is 0); HTTP = --http-port (a free port when 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import fields
+
+from h3serve.config.stage import StageConfig, connect_host
+from h3serve.config.vocab import MODEL_STAGES, PORT_OFFSETS, STAGES, START_ORDER
+from h3serve.distributed.world import free_port
+from h3serve.errors import H3Error, RequestError
+from h3serve.runtime import ranks as stage_ranks
+from h3serve.runtime.process import EXIT_LOAD_FAILED, ServicerFactory, announce, run_stage
+from h3serve.transport.grpc import wait_serving
+
+
+def parse_stages(text: str) -> list[str]:
+    if text.strip() == "all":
+        return list(STAGES)
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in names if s not in STAGES]
+    if bad or not names:
+        raise RequestError("stages", text, "all, or a comma list of " + ", ".join(STAGES))
+    return [s for s in STAGES if s in names]
+
+
+_PASS = ("checkpoint", "profile", "adapter", "adapter_sha256", "dtype", "device", "threads", "host", "grace_s",
+         "queue_size", "max_inflight", "request_timeout_s", "jobs_dir", "job_ttl_s", "max_jobs", "max_sync_bytes",
+         "transport", "model_name", "frame_format", "mux_threads", "crf", "preset", "session_ttl_s", "tmp_dir", "http_host",
+         "encoder_tp", "ulysses", "ring", "vae_pp")
+
+
+def child_argv(config: StageConfig, stage: str, port: int, addresses: dict[str, str], http_port: int | None,
+               log_level: str) -> list[str]:
+    argv = [sys.executable, "-m", "h3serve.cli", "--log-level", log_level, "serve", "--stages", stage,
+            "--port", str(port)]
+    if not config.warmup:
+        argv.append("--no-warmup")
+    for name in _PASS:
+        value = getattr(config, name)
+        if value is not None and value != getattr(StageConfig, name, None):
+            argv += [f"--{name.replace('_', '-')}", str(value)]
+    if stage == "gateway":
+        for s in MODEL_STAGES + ("muxer",):
+            if s in addresses:
+                argv += [f"--{s}", addresses[s]]
+        if http_port is not None:
+            argv += ["--http-port", str(http_port)]
+    return argv
+
+
+class Launcher:
+    """Starts the stages as child processes, waits for health, supervises (restarts a stage that dies) and stops
+    them in order on SIGTERM: the gateway first (it drains), then the stages."""
+
+    def __init__(self, config: StageConfig, stages: list[str], *, base_port: int, http_port: int | None,
+                 start_timeout: float, restart: bool, log_level: str, json_output: bool):
+        self.config = config
+        self.stages = stages
+        self.start_timeout = start_timeout
+        self.restart = restart
+        self.log_level = log_level
+        self.json_output = json_output
+        host = config.host
+        self.ports = {s: (free_port(host) if base_port == 0 else base_port + PORT_OFFSETS[s]) for s in stages}
+        self.http_port = None
+        if "gateway" in stages and http_port is not None:
+            self.http_port = free_port(config.http_host) if http_port == 0 else http_port
+        self.addresses = {s: f"{connect_host(host)}:{p}" for s, p in self.ports.items()}
+        for s in MODEL_STAGES + ("muxer",):   # a gateway without local stages talks to the ones given
+            if s not in self.addresses and getattr(config, s):
+                self.addresses[s] = getattr(config, s)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.restarts: dict[str, int] = {s: 0 for s in stages}
+        self.stopping = threading.Event()
+
+    def spawn(self, stage: str) -> subprocess.Popen:
+        argv = child_argv(self.config, stage, self.ports[stage], self.addresses, self.http_port, self.log_level)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"))
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, start_new_session=True)
+        self.procs[stage] = proc
+        return proc
+
+    def endpoints(self) -> dict:
+        out = {"stages": {s: {"address": self.addresses[s], "pid": self.procs[s].pid} for s in self.stages}}
+        if "gateway" in self.stages:
+            http_host = connect_host(self.config.http_host)
+            out["gateway"] = {"grpc": self.addresses["gateway"],
+                              "http": f"http://{http_host}:{self.http_port}" if self.http_port else None}
+        return out
+
+    def start(self) -> bool:
+        for stage in START_ORDER:
+            if stage in self.stages:
+                self.spawn(stage)
+        end = time.monotonic() + self.start_timeout
+        for stage in START_ORDER:
+            if stage not in self.stages:
+                continue
+            proc = self.procs[stage]
+            ok = wait_serving(self.addresses[stage], max(0.0, end - time.monotonic()),
+                              alive=lambda p=proc: p.poll() is None)
+            if not ok:
+                why = f"exited with {proc.returncode}" if proc.poll() is not None else \
+                    f"not SERVING within {self.start_timeout:.0f}s"
+                print(f"h3serve: {stage} {why}", file=sys.stderr, flush=True)
+                return False
+        return True
+
+    def print_endpoints(self) -> None:
+        eps = self.endpoints()
+        if self.json_output:
+            announce("serving", **eps)
+            return
+        if "gateway" in eps:
+            print(f"gateway grpc  {eps['gateway']['grpc']}")
+            if eps["gateway"]["http"]:
+                print(f"gateway http  {eps['gateway']['http']}")
+        for s, e in eps["stages"].items():
+            if s != "gateway":
+                print(f"{s:<13} {e['address']}  (pid {e['pid']})")
+        sys.stdout.flush()
+
+    def supervise(self) -> None:
+        backoff = {s: 1.0 for s in self.stages}
+        while not self.stopping.wait(0.25):
+            for stage in self.stages:
+                proc = self.procs[stage]
+                if proc.poll() is None or self.stopping.is_set():
+                    continue
+                if not self.restart:
+                    print(f"h3serve: {stage} exited with {proc.returncode}; stopping", file=sys.stderr, flush=True)
+                    self.stopping.set()
+                    break
+                print(f"h3serve: {stage} (pid {proc.pid}) exited with {proc.returncode}; restarting in "
+                      f"{backoff[stage]:.0f}s", file=sys.stderr, flush=True)
+                if self.stopping.wait(backoff[stage]):
+                    break
+                self.restarts[stage] += 1
+                new = self.spawn(stage)
+                backoff[stage] = min(30.0, backoff[stage] * 2)
+                if self.json_output:
+                    announce("restarted", stage=stage, pid=new.pid, address=self.addresses[stage])
+                threading.Thread(target=self._reset_backoff, args=(stage, new, backoff), daemon=True).start()
+
+    def _reset_backoff(self, stage: str, proc: subprocess.Popen, backoff: dict) -> None:
+        if wait_serving(self.addresses[stage], self.start_timeout, alive=lambda: proc.poll() is None):
+            backoff[stage] = 1.0
+
+    def stop(self) -> int:
+        """SIGTERM the gateway, wait for it to drain, then the stages; SIGKILL what overstays."""
+        self.stopping.set()
+        grace = self.config.grace_s
+        order = ["gateway"] + [s for s in START_ORDER if s != "gateway"]
+        codes = {}
+        for group in (["gateway"], [s for s in order if s != "gateway"]):
+            live = [s for s in group if s in self.procs and self.procs[s].poll() is None]
+            for s in live:
+                self.procs[s].send_signal(signal.SIGTERM)
+            end = time.monotonic() + grace + 15.0
+            for s in live:
+                try:
+                    codes[s] = self.procs[s].wait(timeout=max(0.1, end - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    print(f"h3serve: {s} did not stop within {grace + 15:.0f}s; killing", file=sys.stderr)
+                    self.procs[s].kill()
+                    codes[s] = self.procs[s].wait()
+        bad = {s: c for s, c in codes.items() if c not in (0, None)}
+        if bad:
+            print(f"h3serve: stages exited with {bad}", file=sys.stderr, flush=True)
+        return 0
+
+
+def config_from_args(args: argparse.Namespace, stage: str) -> StageConfig:
+    values = {f.name: getattr(args, f.name) for f in fields(StageConfig)
+              if hasattr(args, f.name) and getattr(args, f.name) is not None}
+    values["stage"] = stage
+    values["warmup"] = not getattr(args, "no_warmup", False)
+    return StageConfig(**values)
+
+
+def serve_main(args: argparse.Namespace, servicers: dict[str, ServicerFactory]) -> int:
+    """`h3serve serve`: one stage in this process, or the launcher for several (see the module docstring)."""
+    stages = parse_stages(args.stages)
+    if args.http_port is None and "gateway" in stages:
+        args.http_port = 8000
+    if any(s in MODEL_STAGES for s in stages) and not args.checkpoint:
+        raise H3Error("--checkpoint DIR is required to serve " + ", ".join(s for s in stages if s in MODEL_STAGES))
+    degrees = stage_ranks.validate_degrees(stage_ranks.degrees_of(args), args.checkpoint)
+    env = stage_ranks.dist_env() if any(stage_ranks.stage_degree(degrees, s) > 1 for s in stages) else None
+    if env is not None and len(stages) > 1:
+        raise H3Error(f"--stages {args.stages} with RANK/WORLD_SIZE of a multi-node or torchrun world: each model "
+                      "stage is its own world there; run one stage per process (--stages encoder|dit|vae)")
+    if len(stages) == 1:
+        config = config_from_args(args, stages[0])
+        if env is not None and env["rank"] != 0:   # a joined rank other than 0: its part of the model, no gRPC
+            return stage_ranks.run_peer(stages[0], config, degrees)
+        if stages[0] == "gateway":
+            missing = [s for s in MODEL_STAGES + ("muxer",) if not getattr(config, s)]
+            if missing:
+                raise H3Error("a lone gateway needs the stage addresses: " +
+                              " ".join(f"--{s} HOST:PORT" for s in missing))
+        return run_stage(config, servicers[stages[0]])
+    if "gateway" in stages:
+        missing = [s for s in MODEL_STAGES + ("muxer",) if s not in stages and not getattr(args, s, None)]
+        if missing:
+            raise H3Error("the gateway needs every stage: serve them here or give " +
+                          " ".join(f"--{s} HOST:PORT" for s in missing))
+    config = config_from_args(args, "gateway")
+    launcher = Launcher(config, stages, base_port=args.port, http_port=args.http_port,
+                        start_timeout=args.start_timeout, restart=not args.no_restart,
+                        log_level=args.log_level, json_output=args.json)
+    stop = threading.Event()
+
+    def on_signal(_signum, _frame):
+        stop.set()
+        launcher.stopping.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    try:
+        if not launcher.start():
+            launcher.stop()
+            return EXIT_LOAD_FAILED
+        launcher.print_endpoints()
+        launcher.supervise()
+    finally:
+        code = launcher.stop()
+    if args.json:
+        announce("stopped")
+    return code

@@ -1,0 +1,273 @@
+"""The stage runtime every servicer shares.
+
+`StageBase` (one engine worker thread, status counters, drain and cancel), `RequestScope` (one request's cancel
+flag and deadline, wired to its gRPC context) and `HealthHandle` (the gRPC health status of the server and its
+service together).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import torch
+from grpc_health.v1 import health_pb2
+
+from h3serve._proto import common_pb2
+from h3serve.config.stage import StageConfig
+from h3serve.errors import Cancelled
+from h3serve.errortable import DeadlineExceeded
+from h3serve.runtime.device import PeakMemory
+from h3serve.runtime.ranks import ParallelStage, degrees_of, stage_degree
+
+log = logging.getLogger("h3serve.runtime.stage")
+
+NO_DEADLINE = 1e8   # grpc reports "no deadline" as a time_remaining of years
+
+
+class HealthHandle:
+    """Sets the gRPC health status of the server ("") and of the stage's service together."""
+
+    def __init__(self, servicer, names: list[str]):
+        self.servicer = servicer
+        self.names = names
+        self.serving = False
+
+    def set(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        self.serving = serving
+        for name in ["", *self.names]:
+            self.servicer.set(name, status)
+
+
+class RequestScope:
+    """One request inside a stage: a cancel flag set by the RPC's termination (client cancel, deadline, server
+    stop), the deadline the caller sent, and counters of work units (steps, clips) for the stage's status."""
+
+    def __init__(self, stage: "StageBase", context, request_id: str):
+        self.stage = stage
+        self.context = context
+        self.request_id = request_id or "-"
+        self.cancelled = threading.Event()
+        self.reason = ""
+        self.units = 0
+        self.units_at_signal = -1
+        self.started = time.monotonic()
+        remaining = context.time_remaining() if context is not None else None
+        self.deadline = None if remaining is None or remaining > NO_DEADLINE else self.started + remaining
+        self.deadline_remaining_s = -1.0 if self.deadline is None else float(remaining)
+        self.active = True
+        self.outcome = "ok"
+        self.peak_memory_mb = 0.0   # this process's peak over the request's engine work (h3serve.runtime.device)
+        if context is not None:
+            context.add_callback(self._terminated)
+
+    def _terminated(self) -> None:
+        if self.active:
+            past = self.deadline is not None and time.monotonic() >= self.deadline
+            self.signal("deadline" if past else "cancelled")
+
+    def signal(self, reason: str) -> None:
+        if not self.cancelled.is_set():
+            self.reason = reason
+            self.units_at_signal = self.units
+            self.cancelled.set()
+
+    def remaining(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    def should_stop(self) -> bool:
+        if self.cancelled.is_set():
+            return True
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            self.signal("deadline")
+        elif self.context is not None and not self.context.is_active():
+            self.signal("cancelled")
+        elif self.stage.stopping.is_set():
+            self.signal("server stopping")
+        return self.cancelled.is_set()
+
+    def check(self, where: str = "") -> None:
+        """Raise if the request must stop (the table maps the error)."""
+        if self.should_stop():
+            at = f" ({where})" if where else ""
+            if self.reason == "deadline":
+                raise DeadlineExceeded(f"{self.stage.stage}: deadline passed{at}", stage=self.stage.stage)
+            raise Cancelled(f"{self.stage.stage}: {self.reason}{at}")
+
+    def unit_done(self, n: int = 1) -> None:
+        self.units += n
+        self.stage.work_units_total += n
+
+
+class StageBase:
+    """What every stage servicer shares. Subclasses set `stage`, implement `register`, `load` and their RPCs."""
+
+    stage = "stage"
+    manages_health = False
+
+    def __init__(self, config: StageConfig, health: HealthHandle | None = None):
+        self.config = config
+        self.health = health
+        self.stopping = threading.Event()
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"h3serve-{self.stage}",
+                                           initializer=self._init_engine_thread)
+        self.lock = threading.Lock()
+        self.requests_total = 0
+        self.cancelled_total = 0
+        self.work_units_total = 0
+        self.active: dict[int, RequestScope] = {}
+        # The request whose work is on the engine thread right now. A cancelled RPC can return before the engine
+        # finishes its current step; the stage is busy until then (its counters still move).
+        self.engine_scope: RequestScope | None = None
+        self.last: RequestScope | None = None
+        self.last_seconds = 0.0
+        self.load_seconds = 0.0
+        self.ready = False
+        self.parallel = None   # h3serve.runtime.ranks.ParallelStage when the stage has several ranks
+
+    # -- lifecycle ------------------------------------------------------------------------------------------
+    def _init_engine_thread(self) -> None:
+        if self.config.threads:
+            torch.set_num_threads(self.config.threads)
+
+    def register(self, server) -> None:
+        raise NotImplementedError
+
+    def load(self) -> None:
+        """Load the engine and warm it up (health stays NOT_SERVING until this returns)."""
+
+    def on_ready(self) -> None:
+        """Called once `load` returned and the stage is marked ready."""
+
+    def drain(self) -> None:
+        """Stop admitting new requests (the gateway); stages rely on the gateway and on health."""
+
+    def busy(self) -> bool:
+        return bool(self.active) or self.engine_scope is not None
+
+    def _on_engine(self, scope: RequestScope, fn: Callable[[], Any]) -> Any:
+        self.engine_scope = scope
+        peak = PeakMemory(self.config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        try:
+            scope.check("before start")
+            with peak:
+                return fn()
+        finally:
+            scope.peak_memory_mb = max(scope.peak_memory_mb, peak.mb)
+            self.engine_scope = None
+
+    def cancel_all(self) -> None:
+        self.stopping.set()
+        for scope in list(self.active.values()):
+            scope.signal("server stopping")
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.parallel is not None:   # the other ranks leave their command loop
+            self.parallel.close()
+
+    def start_ranks(self):
+        """With a degree above 1 for this stage: start its world (this process = rank 0) and return the
+        `ParallelStage` (also kept as `self.parallel`); else None."""
+        degrees = degrees_of(self.config)
+        if stage_degree(degrees, self.stage) <= 1:
+            return None
+        self.parallel = ParallelStage.start(self, degrees)
+        return self.parallel
+
+    def info(self) -> dict:
+        out = {"load_seconds": round(self.load_seconds, 3), "profile": self.config.profile,
+               "dtype": self.config.dtype, "threads": self.config.threads}
+        if self.parallel is not None:
+            out.update(self.parallel.info())
+        return out
+
+    # -- requests -------------------------------------------------------------------------------------------
+    def scope(self, context, request_id: str) -> RequestScope:
+        scope = RequestScope(self, context, request_id)
+        with self.lock:
+            self.requests_total += 1
+            self.active[id(scope)] = scope
+        return scope
+
+    def finish(self, scope: RequestScope, exc: BaseException | None = None) -> None:
+        scope.active = False
+        if exc is not None:
+            if isinstance(exc, DeadlineExceeded) or scope.reason == "deadline":
+                scope.outcome = "deadline"
+            elif isinstance(exc, Cancelled) or scope.cancelled.is_set():
+                scope.outcome = "cancelled"
+            else:
+                scope.outcome = "error"
+        with self.lock:
+            self.active.pop(id(scope), None)
+            if scope.outcome in ("cancelled", "deadline"):
+                self.cancelled_total += 1
+            self.last = scope
+            self.last_seconds = time.monotonic() - scope.started
+
+    def run_engine(self, scope: RequestScope, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the stage's engine thread (one request at a time), giving up if the request stops while it
+        waits for its turn. Exceptions propagate."""
+        future = self.executor.submit(self._on_engine, scope, fn)
+        while True:
+            try:
+                return future.result(timeout=0.1)
+            except TimeoutError:
+                if scope.should_stop() and future.cancel():
+                    scope.check("while waiting for the engine")
+
+    def engine_events(self, scope: RequestScope, work: Callable[[Callable[[Any], None]], Any],
+                      wrap: Callable[[Any], Any] = lambda item: item):
+        """Run `work(emit)` on the engine thread; yield `wrap(item)` for what it emits, as it emits it; return its
+        result.
+
+        Use as `result = yield from self.engine_events(scope, work)` inside a streaming RPC. A request that stops
+        while waiting for the engine never starts; `Cancelled` from the engine is re-raised as the scope's reason
+        (cancel or deadline)."""
+        events: queue.Queue = queue.Queue()
+        done = object()
+
+        def job():
+            try:
+                return self._on_engine(scope, lambda: work(events.put))
+            finally:
+                events.put(done)
+
+        future = self.executor.submit(job)
+        while True:
+            try:
+                item = events.get(timeout=0.1)
+            except queue.Empty:
+                if scope.should_stop() and future.cancel():
+                    scope.check("while waiting for the engine")
+                continue
+            if item is done:
+                break
+            yield wrap(item)
+        try:
+            return future.result()
+        except Cancelled:
+            scope.check(f"after {scope.units} units")
+            raise
+
+    def status(self):
+        current = next(iter(self.active.values()), None) or self.engine_scope
+        last = self.last
+        msg = common_pb2.StageStatus(
+            stage=self.stage, ready=self.ready, pid=os.getpid(), requests_total=self.requests_total,
+            cancelled_total=self.cancelled_total, work_units_total=self.work_units_total,
+            current_request_id=current.request_id if current else "", info_json=json.dumps(self.info()))
+        if last is not None:
+            msg.last.CopyFrom(common_pb2.LastRequest(
+                request_id=last.request_id, outcome=last.outcome, units_done=last.units,
+                units_at_signal=last.units_at_signal, deadline_remaining_s=last.deadline_remaining_s,
+                seconds=self.last_seconds))
+        return msg

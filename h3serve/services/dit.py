@@ -1,0 +1,229 @@
+"""DiT stage server: a thin gRPC adapter over `DiTEngine`.
+
+Generate reads the parameters and the encoder's tensors from the client stream, runs the engine on the stage's
+engine thread with `should_stop` wired to the call (client cancel, deadline, server stop), and streams one
+progress event per denoising step, then the latents.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from h3serve.errors import RequestError
+from h3serve.errortable import grpc_method
+from h3serve.config.stage import StageConfig
+from h3serve.runtime.stage import StageBase
+from h3serve.transport.grpc import GrpcStreamReceiver, iter_tensor_chunks
+
+log = logging.getLogger("h3serve.dit")
+
+LATENTS_EDGE = "dit->vae"
+SERVED_TASKS = ("t2va",)  # what this RPC carries: text states only (no keyframe or reference latents)
+
+
+def _unwrap(msg):
+    kind = msg.WhichOneof("input")
+    return ("chunk", msg.chunk) if kind == "chunk" else ("end", msg.end) if kind == "end" else (kind, msg)
+
+
+class DiTServicer(StageBase):
+    stage = "dit"
+
+    def __init__(self, config: StageConfig, health=None):
+        super().__init__(config, health)
+        self.engine = None
+        # the latents edge (dit->vae): what this process can use (decided at load), the last stream's info
+        self.transport_requested = config.transport or "grpc"
+        self.transport_chosen, self.transport_reason = "grpc", "requested"
+        self.last_transport: dict | None = None
+        self._channels: dict[str, object] = {}
+        self._channels_lock = threading.Lock()
+
+    def register(self, server) -> None:
+        from h3serve._proto import dit_pb2_grpc
+
+        dit_pb2_grpc.add_DiTServicer_to_server(self, server)
+
+    def load(self) -> None:
+        from h3serve.transport.nixl import select_transport
+
+        if self.transport_requested in ("grpc", "nixl"):
+            self.transport_chosen, self.transport_reason = select_transport(self.transport_requested)
+        self.executor.submit(self._load).result()
+
+    def close(self) -> None:
+        super().close()
+        for channel in self._channels.values():
+            channel.close()
+
+    def _load(self) -> None:
+        import torch
+
+        from h3serve.weights.adapter import Adapter
+        from h3serve.pipeline import DTYPES, pick_device
+        from h3serve.models.dit.engine import DiTEngine, DiTRequest
+
+        c = self.config
+        device = pick_device(c.device)
+        if self.start_ranks() is not None:   # --ulysses x --ring: every rank loads (and fuses) the DiT itself
+            from h3serve.runtime.ranks import ParallelDiTEngine
+
+            self.engine = ParallelDiTEngine(self.parallel)
+        else:
+            adapter = Adapter.open(c.adapter, c.adapter_sha256) if c.profile == "fasth3" else None
+            self.engine = DiTEngine.load(c.checkpoint, components=("transformer",), dtype=DTYPES[c.dtype],
+                                         device=device, profile=c.profile, adapter=adapter)
+            if adapter is not None:
+                adapter.close()
+        if c.warmup:   # one forward at the smallest geometry: kernels, allocator, lazy init
+            model = self.engine.models["transformer"]
+            req = DiTRequest(text_states=torch.zeros(1, 4, model.config.text_dim), text_tags=torch.ones(4, dtype=torch.long),
+                             latent_frames=2, latent_h=2, latent_w=2, audio_latents=4, seed=0, task="t2va",
+                             profile=c.profile, steps=None if c.profile == "fasth3" else 2)
+            self.engine.generate(req)
+
+    def info(self) -> dict:
+        return {**super().info(), "tasks": list(SERVED_TASKS),
+                "transport": {"edge": LATENTS_EDGE, "requested": self.transport_requested,
+                              "chosen": self.transport_chosen, "reason": self.transport_reason,
+                              "last_stream": self.last_transport}}
+
+    @grpc_method("dit")
+    def Generate(self, request_iterator, context):
+        from h3serve._proto import common_pb2, dit_pb2
+        from h3serve.models.dit.engine import DiTRequest
+
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("input") != "params":
+            raise RequestError("params", None, "the first message of a DiT stream carries the parameters")
+        p = first.params
+        if (p.task or "t2va") not in SERVED_TASKS:   # no keyframe / reference latents travel on this RPC yet
+            raise RequestError("task", p.task, "the DiT service runs t2va (fl2va / ref2va run in the embedded "
+                                               "pipeline)")
+        scope = self.scope(context, p.request_id)
+        try:
+            tensors = {}
+            for msg in GrpcStreamReceiver(request_iterator, _unwrap, edge="gateway->dit"):
+                tensors[msg.header.name] = msg.tensor
+            for name in ("text_states", "text_tags"):
+                if name not in tensors:
+                    raise RequestError(name, None, "the DiT needs text_states (1, L, D) and text_tags (L,)")
+            if p.profile != self.config.profile:
+                raise RequestError("profile", p.profile, f"this DiT serves profile {self.config.profile!r}")
+            req = DiTRequest(
+                text_states=tensors["text_states"], text_tags=tensors["text_tags"], latent_frames=p.latent_frames,
+                latent_h=p.latent_height, latent_w=p.latent_width, audio_latents=p.audio_latents, seed=int(p.seed),
+                task=p.task or "t2va", profile=p.profile, steps=(p.steps or None) if p.profile != "fasth3" else None)
+            t0 = time.perf_counter()
+
+            def work(emit):
+                def on_step(done: int, total: int) -> None:
+                    scope.unit_done()
+                    emit(common_pb2.Progress(stage="dit", done=done, total=total, elapsed_s=time.perf_counter() - t0))
+
+                return self.engine.generate(req, on_step=on_step, should_stop=scope.should_stop)
+
+            sink = p.latents_sink
+            result = yield from self.engine_events(scope, work, lambda p: dit_pb2.DiTEvent(progress=p))
+            done = dit_pb2.DiTDone(steps=result.steps, seconds=result.seconds, step_seconds=result.step_seconds,
+                                   peak_memory_mb=scope.peak_memory_mb)
+            if sink.address and sink.session_id:   # the latents go straight to the VAE (dit->vae over Control)
+                info = self._send_latents(scope, sink, result)
+                done.transport.CopyFrom(common_pb2.TransportInfo(**info))
+            else:
+                for chunk in iter_tensor_chunks("video_latents", result.video):
+                    yield dit_pb2.DiTEvent(chunk=chunk)
+                for chunk in iter_tensor_chunks("audio_latents", result.audio):
+                    yield dit_pb2.DiTEvent(chunk=chunk)
+            yield dit_pb2.DiTEvent(done=done)
+        except BaseException as exc:
+            self.finish(scope, exc)
+            raise
+        self.finish(scope)
+
+    def _send_latents(self, scope, sink, result) -> dict:
+        """Send the latents to the VAE's latents session: `VAE.Control` carries a NixlSender's control pipe (the
+        bytes by NIXL WRITE, or inline in the stream when NIXL cannot be used). Returns the edge's transport info.
+        A broken stream raises StageUnavailable naming the VAE (or what the VAE said)."""
+        from h3serve._proto import vae_pb2, vae_pb2_grpc
+        from h3serve.errortable import StageUnavailable
+        from h3serve.errortable import from_grpc
+        from h3serve.transport.control import CONNECT_S, wait_s
+        from h3serve.transport.base import TransportError
+        from h3serve.transport.grpc import insecure_channel
+        from h3serve.transport.nixl import NixlSender, QueuePipe
+
+        def call_error(call, wait: float = 2.0):
+            end = time.monotonic() + wait
+            while not call.done() and time.monotonic() < end:
+                time.sleep(0.01)
+            if call.done() and not call.cancelled():
+                exc = call.exception()
+                if exc is not None:
+                    return from_grpc(exc, stage="vae")
+            return None
+
+        with self._channels_lock:
+            channel = self._channels.get(sink.address)
+            if channel is None:
+                channel = self._channels[sink.address] = insecure_channel(sink.address)
+        pipe = QueuePipe()
+        first = vae_pb2.LatentsControl(session_id=sink.session_id, transport="nixl")
+
+        def requests():
+            yield first
+            for data in pipe.outgoing():
+                yield vae_pb2.LatentsControl(data=data)
+
+        call = vae_pb2_grpc.VAEStub(channel).Control(requests(), timeout=scope.remaining())
+        pump = pipe.pump(m.data for m in call)
+        tx = None
+        ok = False
+        try:
+            try:
+                handshake = pipe.recv(wait_s(scope))
+            except (TimeoutError, EOFError) as e:
+                err = call_error(call)
+                if err is not None:
+                    raise err from None
+                raise StageUnavailable("vae", f"no NIXL handshake on {LATENTS_EDGE}: {e}") from None
+            tx = NixlSender(LATENTS_EDGE, pipe, timeout=wait_s(scope), connect_timeout=min(CONNECT_S, wait_s(scope)),
+                            transport=self.transport_chosen)
+            try:
+                tx.connect(handshake)
+                tx.send("video_latents", result.video.float().contiguous(), timeout=wait_s(scope))
+                tx.send("audio_latents", result.audio.float().contiguous(), timeout=wait_s(scope))
+                tx.close(timeout=wait_s(scope))
+            except TransportError as e:
+                scope.check("while sending the latents")
+                err = call_error(call)
+                if err is not None:
+                    raise err from None
+                raise StageUnavailable("vae", f"the latents stream ({LATENTS_EDGE}) broke: {e}") from None
+            pipe.close()
+            pump.join(wait_s(scope))
+            err = call_error(call) if call.done() else None
+            if err is not None:
+                raise err
+            ok = True
+            info = {"edge": LATENTS_EDGE, **tx.transport_info, "requested": "nixl"}
+            if info["chosen"] != "nixl" and self.transport_chosen != "nixl":
+                info["reason"] = f"dit: {self.transport_reason}"
+            self.last_transport = dict(info)
+            return info
+        finally:
+            if not ok:
+                if tx is not None:
+                    tx.abort("the DiT gave up on the request")
+                pipe.close()
+                call.cancel()
+
+    @grpc_method("dit")
+    def Status(self, request, context):
+        return self.status()
+
+
+def create(config: StageConfig, health=None) -> DiTServicer:
+    return DiTServicer(config, health)

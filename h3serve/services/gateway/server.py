@@ -1,0 +1,210 @@
+"""Gateway server: the gRPC front door (Generate, GenerateSync, Cancel, Info) and, in the same process, the HTTP
+API (h3serve/services/gateway/http.py). Both are thin adapters over `GatewayCore`; errors leave through the one table.
+
+Health: NOT_SERVING until every stage reports SERVING, and again while draining (SIGTERM).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+
+from h3serve.errors import RequestError
+from h3serve.errortable import grpc_method
+from h3serve.config.stage import StageConfig
+from h3serve.runtime.stage import NO_DEADLINE, StageBase
+
+from .core import _END, BytesSink, GatewayCore, Job, StreamSink, fields_from_proto
+
+log = logging.getLogger("h3serve.gateway")
+
+
+def accepted_proto(job: Job):
+    from h3serve._proto import gateway_pb2
+
+    r = job.request
+    return gateway_pb2.Accepted(request_id=job.id, num_frames=r.num_frames, width=r.width, height=r.height, fps=r.fps,
+                                seed=r.seed, num_inference_steps=r.steps, task=r.task, profile=r.profile,
+                                media_seconds=r.t_media, queue_position=job.queue_position)
+
+
+def done_proto(job: Job):
+    from h3serve._proto import gateway_pb2
+
+    return gateway_pb2.Done(request_id=job.id, mp4_bytes=job.mp4_bytes, sha256=job.sha256,
+                            timings={k: float(v) for k, v in job.timings.items()})
+
+
+class GatewayServicer(StageBase):
+    stage = "gateway"
+    manages_health = True
+
+    def __init__(self, config: StageConfig, health=None):
+        super().__init__(config, health)
+        self.max_message = config.max_sync_bytes + (1 << 20)
+        self.core = GatewayCore(config, on_health=self._on_health)
+        self.http_server = None
+        self.http_thread = None
+        self.http_port = None
+
+    def _on_health(self, ok: bool) -> None:
+        if self.health is not None:
+            self.health.set(bool(ok and self.ready))
+
+    def register(self, server) -> None:
+        from h3serve._proto import gateway_pb2_grpc
+
+        gateway_pb2_grpc.add_GatewayServicer_to_server(self, server)
+
+    def load(self) -> None:
+        from h3serve.transport.grpc import check_transport
+
+        if self.config.transport != "nixl":   # nixl: chosen (or fallen back from) by the VAE and the muxer
+            check_transport(self.config.transport)
+        self.core.start()
+        if self.config.http_port is not None:
+            self.start_http()
+
+    def start_http(self) -> None:
+        import uvicorn
+
+        from .http import create_app
+
+        app = create_app(self.core)
+        cfg = uvicorn.Config(app, host=self.config.http_host, port=self.config.http_port, log_level="warning",
+                             lifespan="off", access_log=False, timeout_graceful_shutdown=5)
+        self.http_server = uvicorn.Server(cfg)
+        self.http_thread = threading.Thread(target=self.http_server.run, name="h3serve-http", daemon=True)
+        self.http_thread.start()
+        end = time.monotonic() + 30
+        while not self.http_server.started:
+            if not self.http_thread.is_alive() or time.monotonic() > end:
+                raise RuntimeError(f"the HTTP API could not start on {self.config.http_host}:{self.config.http_port}")
+            time.sleep(0.02)
+        sockets = [s for srv in (self.http_server.servers or []) for s in srv.sockets]
+        self.http_port = sockets[0].getsockname()[1] if sockets else self.config.http_port
+
+    # -- lifecycle ------------------------------------------------------------------------------------------
+    def on_ready(self) -> None:
+        self._on_health(self.core.ready())
+
+    def drain(self) -> None:
+        self.core.drain()
+
+    def busy(self) -> bool:
+        return self.core.busy()
+
+    def cancel_all(self) -> None:
+        super().cancel_all()
+        self.core.cancel_all()
+
+    def close(self) -> None:
+        if self.http_server is not None:
+            self.http_server.should_exit = True
+            self.http_thread.join(10)
+        self.core.close()
+        super().close()
+
+    def info(self) -> dict:
+        return {**super().info(), "stages": dict(self.core.stages.status), "http_port": self.http_port,
+                "transport": self.core.transport_details()}
+
+    # -- RPCs -----------------------------------------------------------------------------------------------
+    def _timeout(self, context) -> float | None:
+        remaining = context.time_remaining()
+        return None if remaining is None or remaining > NO_DEADLINE else remaining
+
+    def _new_job(self, request, context, kind: str, sink_factory):
+        rid = request.request_id if request.HasField("request_id") else None
+        try:
+            return self.core.new_job(fields_from_proto(request), kind=kind, sink_factory=sink_factory,
+                                     timeout=self._timeout(context), request_id=rid)
+        except RequestError:
+            self.core.metrics.requests.labels(outcome="invalid_request").inc()
+            raise
+
+    def _submit(self, job: Job) -> None:
+        try:
+            self.core.submit(job)
+        except RequestError:   # e.g. a request id already in use
+            self.core.metrics.requests.labels(outcome="invalid_request").inc()
+            raise
+
+    @grpc_method("gateway")
+    def Generate(self, request, context):
+        from h3serve._proto import gateway_pb2
+
+        job = self._new_job(request, context, "stream", StreamSink)
+        if request.validate_only:
+            yield gateway_pb2.GenerateEvent(accepted=accepted_proto(job))
+            yield gateway_pb2.GenerateEvent(done=done_proto(job))
+            return
+        self._submit(job)
+        context.add_callback(lambda: job.cancel("cancelled by the client"))
+        yield gateway_pb2.GenerateEvent(accepted=accepted_proto(job))
+        while True:
+            try:
+                event = job.events.get(timeout=0.1)
+            except queue.Empty:
+                if not context.is_active():
+                    job.cancel("cancelled by the client")
+                    return
+                continue
+            if event is _END:
+                break
+            yield event
+        job.done.wait()
+        if job.exc is not None:
+            raise job.exc
+        yield gateway_pb2.GenerateEvent(done=done_proto(job))
+
+    @grpc_method("gateway")
+    def GenerateSync(self, request, context):
+        from h3serve._proto import gateway_pb2
+
+        job = self._new_job(request, context, "sync", lambda j: BytesSink(self.config.max_sync_bytes))
+        if request.validate_only:
+            return gateway_pb2.GenerateResponse(accepted=accepted_proto(job), done=done_proto(job))
+        self._submit(job)
+        context.add_callback(lambda: job.cancel("cancelled by the client"))
+        while not job.done.wait(0.1):
+            if not context.is_active():
+                job.cancel("cancelled by the client")
+                job.done.wait(5.0)
+                break
+        if job.exc is not None:
+            raise job.exc
+        return gateway_pb2.GenerateResponse(accepted=accepted_proto(job), done=done_proto(job),
+                                            mp4=bytes(job.sink.buf))
+
+    @grpc_method("gateway")
+    def Cancel(self, request, context):
+        from h3serve._proto import gateway_pb2
+
+        return gateway_pb2.CancelResponse(cancelled=self.core.cancel(request.request_id))
+
+    @grpc_method("gateway")
+    def Info(self, request, context):
+        from h3serve._proto import gateway_pb2
+
+        c = self.config
+        model = c.model_name or {"base": "MiniMax-H3", "fasth3": "FastH3"}.get(c.profile, c.profile)
+        dtype = c.dtype
+        try:   # the dtype the DiT actually loaded
+            from h3serve._proto import common_pb2
+
+            st = self.core.stages.dit.Status(common_pb2.StatusRequest(), timeout=2.0)
+            dtype = json.loads(st.info_json or "{}").get("dtype", dtype)
+        except Exception:  # noqa: BLE001 - the stage is down: report the gateway's setting
+            pass
+        return gateway_pb2.InfoResponse(
+            model=model, profile=c.profile, dtype=dtype, max_inflight=c.max_inflight, queue_size=c.queue_size,
+            max_sync_bytes=c.max_sync_bytes, max_message_bytes=self.max_message,
+            stages=dict(self.core.stages.status), draining=self.core.draining)
+
+
+def create(config: StageConfig, health=None) -> GatewayServicer:
+    return GatewayServicer(config, health)

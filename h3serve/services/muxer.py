@@ -1,0 +1,465 @@
+"""Muxer stage server: a thin gRPC adapter over `Mp4Writer`, organised in sessions.
+
+    gateway: OpenSession(geometry) -> session id + this replica's address
+    vae:     Push(open, frames..., pcm..., end)   encoded as the chunks arrive; returns when the MP4 is closed
+             or, with --transport nixl, Control(session, control-pipe bytes...): the frames and PCM arrive by NIXL
+             WRITEs into a pool this process registered, the stream carries handshake, headers, credits and end
+    gateway: Fetch(session id) -> the MP4 in chunks of at most 4 MiB; the file is deleted afterwards
+
+A reader thread drains the network stream into a short queue while the handler thread encodes, so receiving the
+next clip overlaps encoding this one. A Push stream that ends without its end marker (the VAE died or was
+cancelled) fails the session; Fetch then reports the VAE as unavailable. Unfetched sessions expire after their TTL.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+from h3serve.errors import MediaError, RequestError
+from h3serve.models.vae.yuv import rgb_to_yuv420p
+from h3serve.errortable import NotFound, StageUnavailable, grpc_method
+from h3serve.config.stage import StageConfig
+from h3serve.runtime.stage import StageBase
+from h3serve.transport.base import TransportError
+from h3serve.transport.grpc import CHUNK_BYTES, GrpcStreamReceiver, handshake, make_receiver, receiver_metadata
+
+log = logging.getLogger("h3serve.muxer")
+
+RECEIVE_DEPTH = 4    # messages buffered between the network reader and the encoder (<= 16 MiB)
+EDGE = "vae->muxer"
+NIXL_SLOTS = 3                 # K: clips the VAE may run ahead of the encoder over NIXL
+NIXL_CLIP_FRAMES = 17          # frames of one VAE clip: a slot holds one clip of RGB (or yuv420p) frames
+NIXL_WAIT_S = 60.0             # longest single wait of a NIXL stream (bounded by the request's deadline too)
+
+
+def _unwrap(msg):
+    kind = msg.WhichOneof("item")
+    return ("chunk", msg.chunk) if kind == "chunk" else ("end", msg.end) if kind == "end" else (kind, msg)
+
+
+@dataclass
+class Session:
+    id: str
+    request_id: str
+    width: int
+    height: int
+    fps: int
+    sample_rate: int
+    channels: int
+    expected_frames: int
+    transport: str
+    ttl_s: float
+    path: str
+    created: float = field(default_factory=time.monotonic)
+    state: str = "open"      # open | pushing | done | failed | aborted
+    error: BaseException | None = None
+    result: object = None
+    done: threading.Event = field(default_factory=threading.Event)
+    # the frame edge as it was used for this session: {requested, chosen, reason}
+    transport_info: dict | None = None
+
+    def fail(self, exc: BaseException, state: str = "failed") -> None:
+        if self.state not in ("done",):
+            self.state, self.error = state, exc
+        self.done.set()
+
+
+class MuxerServicer(StageBase):
+    stage = "muxer"
+
+    def __init__(self, config: StageConfig, health=None):
+        super().__init__(config, health)
+        self.sessions: dict[str, Session] = {}
+        self.sessions_lock = threading.Lock()
+        self.tmp_dir = config.tmp_dir or tempfile.mkdtemp(prefix="h3serve-mux-")
+        self._own_tmp = config.tmp_dir is None
+        os.makedirs(self.tmp_dir, exist_ok=True)
+        self._sweeper = threading.Thread(target=self._sweep, name="h3serve-mux-sweeper", daemon=True)
+        self.writer_options = dict(crf=config.crf, preset=config.preset, threads=config.mux_threads)
+        # NIXL on the frame edge: what this process can offer (decided at load, see `select_transport`)
+        self.transport_requested = config.transport or "grpc"
+        self.transport_chosen, self.transport_reason = "grpc", "requested"
+        self.last_transport: dict | None = None
+
+    def register(self, server) -> None:
+        from h3serve._proto import muxer_pb2_grpc
+
+        muxer_pb2_grpc.add_MuxerServicer_to_server(self, server)
+
+    def load(self) -> None:
+        import io
+
+        import numpy as np
+
+        from h3serve.media.mux import Mp4Writer
+
+        from h3serve.transport.nixl import select_transport
+
+        self.transport_chosen, self.transport_reason = select_transport(self.transport_requested)
+        if self.transport_chosen != self.transport_requested:
+            log.warning("%s: transport %s requested, using %s: %s", EDGE, self.transport_requested,
+                        self.transport_chosen, self.transport_reason)
+        if self.config.warmup:   # PyAV, x264 and AAC present and working
+            with Mp4Writer(io.BytesIO(), 64, 64, tmp_dir=self.tmp_dir, **self.writer_options) as writer:
+                writer.add_frames((np.zeros((2, 64, 64), np.uint8), np.zeros((2, 32, 32), np.uint8), np.zeros((2, 32, 32), np.uint8)))
+                writer.add_audio(np.zeros((2, 2048), np.float32))
+        self._sweeper.start()
+
+    def close(self) -> None:
+        super().close()
+        with self.sessions_lock:
+            sessions = list(self.sessions.values())
+            self.sessions.clear()
+        for s in sessions:
+            s.fail(StageUnavailable("muxer", "shutting down"), "aborted")
+            _unlink(s.path)
+        if self._own_tmp:
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+
+    def busy(self) -> bool:
+        return bool(self.active) or any(s.state in ("open", "pushing") or (s.state == "done" and
+                                                                         os.path.exists(s.path))
+                                        for s in list(self.sessions.values()))
+
+    def info(self) -> dict:
+        return {**super().info(), "sessions": len(self.sessions), "writer": self.writer_options,
+                "transport": {"edge": EDGE, "requested": self.transport_requested, "chosen": self.transport_chosen,
+                              "reason": self.transport_reason, "last_stream": self.last_transport},
+                "nixl": _nixl_counters()}
+
+    def _sweep(self) -> None:
+        while not self.stopping.wait(1.0):
+            now = time.monotonic()
+            with self.sessions_lock:
+                expired = [s for s in self.sessions.values() if now - s.created > s.ttl_s]
+                for s in expired:
+                    del self.sessions[s.id]
+            for s in expired:
+                log.warning("session %s (request %s) expired after %.0fs in state %s", s.id, s.request_id,
+                            s.ttl_s, s.state)
+                s.fail(NotFound(f"muxer: session {s.id} expired"), "aborted")
+                _unlink(s.path)
+
+    def _get(self, session_id: str) -> Session:
+        with self.sessions_lock:
+            session = self.sessions.get(session_id)
+        if session is None:
+            raise NotFound(f"muxer: no session {session_id!r} (unknown, expired or already fetched)", stage="muxer")
+        return session
+
+    # -- RPCs -----------------------------------------------------------------------------------------------
+    @grpc_method("muxer")
+    def OpenSession(self, request, context):
+        from h3serve._proto import muxer_pb2
+
+        r = request
+        for name, value, lo, hi in (("width", r.width, 2, 8192), ("height", r.height, 2, 8192),
+                                    ("fps", r.fps, 1, 240), ("sample_rate", r.sample_rate, 8000, 192000),
+                                    ("channels", r.channels, 1, 2)):
+            if not lo <= value <= hi:
+                raise RequestError(name, value, f"an integer in [{lo}, {hi}]")
+        if r.width % 2 or r.height % 2:
+            raise RequestError("width" if r.width % 2 else "height", r.width if r.width % 2 else r.height,
+                               "even (yuv420p)")
+        transport = r.transport or "grpc"
+        sid = secrets.token_hex(12)
+        if transport == "nixl":   # what this replica offers; the pool is registered when the VAE connects
+            offer = self.transport_chosen == "nixl"
+            metadata = json.dumps({"nixl": offer, "reason": self.transport_reason if offer else
+                                   f"muxer: {self.transport_reason}"}).encode()
+        else:
+            metadata = receiver_metadata(transport, sid)
+        session = Session(id=sid, request_id=r.request_id, width=r.width, height=r.height, fps=r.fps,
+                          sample_rate=r.sample_rate, channels=r.channels, expected_frames=r.expected_frames,
+                          transport=transport, ttl_s=r.ttl_s if r.ttl_s > 0 else self.config.session_ttl_s,
+                          path=os.path.join(self.tmp_dir, f"{sid}.mp4"))
+        with self.sessions_lock:
+            self.sessions[sid] = session
+        return muxer_pb2.OpenSessionResponse(session_id=sid, address=self.config.address,
+                                             transport_metadata=metadata, max_chunk_bytes=CHUNK_BYTES)
+
+    @grpc_method("muxer")
+    def Handshake(self, request, context):
+        from h3serve._proto import common_pb2
+
+        self._get(request.session_id)
+        md = handshake(request.transport, request.session_id, request.transport_metadata)
+        return common_pb2.TransportHandshake(transport=request.transport, session_id=request.session_id,
+                                             transport_metadata=md)
+
+    @grpc_method("muxer")
+    def Push(self, request_iterator, context):
+        from h3serve._proto import muxer_pb2
+        from h3serve.media.mux import Mp4Writer
+
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("item") != "open":
+            raise RequestError("open", None, "the first message of a Push stream names the session")
+        session = self._get(first.open.session_id)
+        with self.sessions_lock:
+            if session.state != "open":
+                raise RequestError("session_id", session.id, f"a session that is open, not {session.state}")
+            session.state = "pushing"
+        scope = self.scope(context, session.request_id)
+        writer = None
+        try:
+            control = GrpcStreamReceiver(request_iterator, _unwrap, edge=EDGE)
+            transport = first.open.transport or session.transport
+            if transport == "nixl":   # Push always carries the bytes itself (nixl uses Control)
+                transport = "grpc"
+            receiver = make_receiver(transport, control, session.id)
+            reason = first.open.transport_metadata.decode(errors="replace") if session.transport != "grpc" else ""
+            session.transport_info = {"edge": EDGE, "requested": session.transport, "chosen": "grpc",
+                                      "reason": reason or "requested"}
+            self.last_transport = session.transport_info
+            inbox: queue.Queue = queue.Queue(maxsize=RECEIVE_DEPTH)
+            reader = threading.Thread(target=_read_into, args=(receiver, inbox, scope), daemon=True,
+                                      name=f"h3serve-mux-read-{session.id[:6]}")
+            reader.start()
+            planes: dict = {}
+            writer = Mp4Writer(session.path, session.width, session.height, fps=session.fps,
+                               sample_rate=session.sample_rate, channels=session.channels, **self.writer_options)
+            while True:
+                try:
+                    item = inbox.get(timeout=0.1)
+                except queue.Empty:
+                    if session.state == "aborted":
+                        raise session.error or StageUnavailable("muxer", "session aborted")
+                    scope.check("while receiving")
+                    continue
+                if item is None:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                if session.state == "aborted":
+                    raise session.error or StageUnavailable("muxer", "session aborted")
+                _add(writer, planes, session, item, scope)
+            t_end = time.perf_counter()
+            stats = writer.close()
+            if session.expected_frames and stats.frames != session.expected_frames:
+                raise MediaError(f"muxer: received {stats.frames} frames, the session expects "
+                                 f"{session.expected_frames}")
+            result = muxer_pb2.PushResult(frames=stats.frames, audio_samples=stats.audio_samples,
+                                          mp4_bytes=stats.bytes, encode_seconds=stats.encode_seconds,
+                                          tail_seconds=time.perf_counter() - t_end)
+            session.result = result
+            session.state = "done"
+            session.done.set()
+        except BaseException as exc:
+            if writer is not None:
+                writer.abort()
+            if isinstance(exc, TransportError):   # the producer's stream broke: the VAE died or gave up
+                exc = StageUnavailable("vae", f"the frame stream broke ({exc})")
+            session.fail(exc if isinstance(exc, Exception) else StageUnavailable("muxer", "push interrupted"))
+            self.finish(scope, exc)
+            raise exc from None
+        self.finish(scope)
+        return result
+
+    @grpc_method("muxer")
+    def Fetch(self, request, context):
+        from h3serve._proto import muxer_pb2
+
+        session = self._get(request.session_id)
+        remaining = context.time_remaining()
+        end = None if remaining is None or remaining > 1e8 else time.monotonic() + remaining
+        while not session.done.wait(0.1):
+            if not context.is_active() or (end is not None and time.monotonic() >= end):
+                return
+        if session.error is not None:
+            raise session.error
+        total = os.path.getsize(session.path)
+        with open(session.path, "rb") as f:
+            offset = 0
+            while True:
+                data = f.read(CHUNK_BYTES)
+                if not data and offset:
+                    break
+                yield muxer_pb2.Mp4Chunk(offset=offset, data=data, total_bytes=total,
+                                         last=offset + len(data) >= total)
+                offset += len(data)
+                if offset >= total:
+                    break
+        with self.sessions_lock:
+            self.sessions.pop(session.id, None)
+        _unlink(session.path)
+
+    @grpc_method("muxer")
+    def Abort(self, request, context):
+        from h3serve._proto import muxer_pb2
+
+        with self.sessions_lock:
+            session = self.sessions.pop(request.session_id, None)
+        if session is None:
+            return muxer_pb2.AbortResponse(existed=False)
+        session.fail(StageUnavailable("muxer", f"session aborted: {request.reason or 'by the caller'}"), "aborted")
+        if session.state != "pushing":
+            _unlink(session.path)
+        return muxer_pb2.AbortResponse(existed=True)
+
+    @grpc_method("muxer")
+    def Control(self, request_iterator, context):
+        """The control pipe of a NIXL stream into a session: the producer's first message names the session; then
+        each message carries one control-pipe message (handshake, hello, put headers, credits, end, closed).
+        A worker thread runs the NixlReceiver (zero copy: the planes are wrapped where NIXL wrote them) and the
+        encoder; the response stream ends when the MP4 is closed, or with the session's error."""
+        from h3serve._proto import muxer_pb2
+        from h3serve.transport.nixl import QueuePipe
+
+        first = next(request_iterator, None)
+        if first is None or not first.session_id:
+            raise RequestError("session_id", None, "the first message of a Control stream names the session")
+        if (first.transport or "nixl") != "nixl":
+            raise RequestError("transport", first.transport, "nixl (the grpc transport uses Push)")
+        session = self._get(first.session_id)
+        with self.sessions_lock:
+            if session.state != "open":
+                raise RequestError("session_id", session.id, f"a session that is open, not {session.state}")
+            session.state = "pushing"
+        scope = self.scope(context, session.request_id)
+        pipe = QueuePipe()
+        if first.data:
+            pipe.feed(first.data)
+        pipe.pump(m.data for m in request_iterator)
+        context.add_callback(lambda: pipe.feed_eof("gRPC call ended"))
+        outcome: dict = {}
+        worker = threading.Thread(target=self._control_receive, args=(session, scope, pipe, outcome), daemon=True,
+                                  name=f"h3serve-mux-nixl-{session.id[:6]}")
+        worker.start()
+        for data in pipe.outgoing():
+            yield muxer_pb2.ControlMessage(data=data)
+        worker.join(5.0)
+        if outcome.get("error") is not None:
+            raise outcome["error"]
+
+    def _control_receive(self, session: Session, scope, pipe, outcome: dict) -> None:
+        """Worker of a Control stream: NixlReceiver -> Mp4Writer; closes `pipe` (ends the response) when done."""
+        from h3serve.media.mux import Mp4Writer
+        from h3serve.transport.nixl import DEFAULT_SLOT_BYTES, NixlReceiver
+
+        writer = None
+        slot = min(DEFAULT_SLOT_BYTES, max(1 << 20, NIXL_CLIP_FRAMES * session.width * session.height * 3))
+
+        def wait() -> float:
+            left = scope.remaining()
+            return NIXL_WAIT_S if left is None else max(0.1, min(NIXL_WAIT_S, left))
+
+        try:
+            with NixlReceiver(EDGE, pipe, pool_buffers=NIXL_SLOTS, buffer_bytes=slot, zero_copy=True,
+                              transport=self.transport_chosen, timeout=wait()) as rx:
+                pipe.send(rx.handshake(), timeout=wait())
+                writer = Mp4Writer(session.path, session.width, session.height, fps=session.fps,
+                                   sample_rate=session.sample_rate, channels=session.channels,
+                                   **self.writer_options)
+                planes: dict = {}
+                while (msg := rx.recv(timeout=wait())) is not None:
+                    if session.state == "aborted":
+                        raise session.error or StageUnavailable("muxer", "session aborted")
+                    _add(writer, planes, session, msg, scope, copy=True)
+                info = rx.transport_info
+                session.transport_info = self.last_transport = {"edge": EDGE, **info, "requested": session.transport}
+            t_end = time.perf_counter()
+            stats = writer.close()
+            if session.expected_frames and stats.frames != session.expected_frames:
+                raise MediaError(f"muxer: received {stats.frames} frames, the session expects "
+                                 f"{session.expected_frames}")
+            from h3serve._proto import muxer_pb2
+
+            session.result = muxer_pb2.PushResult(frames=stats.frames, audio_samples=stats.audio_samples,
+                                                  mp4_bytes=stats.bytes, encode_seconds=stats.encode_seconds,
+                                                  tail_seconds=time.perf_counter() - t_end)
+            session.state = "done"
+            session.done.set()
+            self.finish(scope)
+        except BaseException as exc:  # noqa: BLE001 - reported on the response stream and to Fetch
+            if writer is not None:
+                writer.abort()
+            if isinstance(exc, TransportError):   # the VAE died, gave up, or stalled past the timeout
+                exc = StageUnavailable("vae", f"the frame stream ({EDGE}, nixl) broke: {exc}")
+            session.fail(exc if isinstance(exc, Exception) else StageUnavailable("muxer", "push interrupted"))
+            self.finish(scope, exc)
+            outcome["error"] = exc
+        finally:
+            pipe.close()
+
+    @grpc_method("muxer")
+    def Status(self, request, context):
+        return self.status()
+
+
+def _add(writer, planes: dict, session: Session, item, scope, copy: bool = False) -> None:
+    """Hand one received message to the writer. Names: "frames" (n, H, W, 3) uint8; "yuv" (one clip of yuv420p
+    planes packed y|u|v, meta {"n": frames}); "y", "u", "v" planes in that order; "pcm" (C, N) float32.
+    `copy`: the tensors are views of a transport buffer valid until the next receive (planes kept across
+    messages are copied)."""
+    name = item.header.name if item.header else ""
+    if name == "frames":
+        writer.add_frames(rgb_to_yuv420p(item.tensor.numpy()))
+        scope.unit_done()
+    elif name == "yuv":
+        n = int((item.meta or {}).get("n", 0))
+        h, w = session.height, session.width
+        flat = item.tensor.numpy().reshape(-1)
+        ys, cs = n * h * w, n * (h // 2) * (w // 2)
+        if n < 1 or flat.size != ys + 2 * cs:
+            raise RequestError("yuv", tuple(item.tensor.shape), f"{n} frames of packed yuv420p planes at {w}x{h}")
+        writer.add_yuv(flat[:ys].reshape(n, h, w), flat[ys:ys + cs].reshape(n, h // 2, w // 2),
+                       flat[ys + cs:].reshape(n, h // 2, w // 2))
+        scope.unit_done()
+    elif name in ("y", "u", "v"):
+        planes[name] = item.tensor.numpy().copy() if copy and name != "v" else item.tensor.numpy()
+        if name == "v":
+            if set(planes) != {"y", "u", "v"}:
+                raise RequestError("chunk", name, "planes in the order y, u, v")
+            writer.add_yuv(planes.pop("y"), planes.pop("u"), planes.pop("v"))
+            scope.unit_done()
+    elif name == "pcm":
+        writer.add_audio(item.tensor.numpy())
+    else:
+        raise RequestError("chunk", name, "frames (n, H, W, 3) uint8, yuv / y/u/v planes, or pcm (C, N) float32")
+
+
+def _read_into(receiver, inbox: queue.Queue, scope) -> None:
+    """Network side of a Push: messages into `inbox`, then None (end) or the exception."""
+    def put(item) -> bool:
+        while not scope.cancelled.is_set():
+            try:
+                inbox.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    try:
+        for msg in receiver:
+            if not put(msg):
+                return
+        put(None)
+    except BaseException as exc:  # noqa: BLE001 - handed to the encoder thread
+        put(exc)
+
+
+def _nixl_counters() -> dict:
+    from h3serve.transport.nixl import counters
+
+    return counters()
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def create(config: StageConfig, health=None) -> MuxerServicer:
+    return MuxerServicer(config, health)

@@ -1,0 +1,353 @@
+"""VAE stage server: a thin gRPC adapter over `VideoVAE` / `AudioVAE`.
+
+Decode reads the latents from the caller, then decodes clip by clip and streams each clip's uint8 frames (made on
+the device by `VideoVAE.iter_decode`) straight to the muxer session named in the request, followed by the PCM.
+The caller receives only one small event per clip and a summary; frames never pass through it. Cancellation and
+the deadline are checked before every clip.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from h3serve.errors import RequestError
+from h3serve.errortable import StageUnavailable, grpc_method
+from h3serve.config.stage import StageConfig
+from h3serve.runtime.stage import StageBase
+from h3serve.transport.base import TransportError
+from h3serve.transport.grpc import (
+    CHUNK_BYTES,
+    GrpcStreamReceiver,
+    handshake,
+    insecure_channel,
+)
+
+log = logging.getLogger("h3serve.vae")
+
+SEND_DEPTH = 4   # frame messages the VAE may run ahead of the muxer (<= 16 MiB in flight)
+LATENTS_EDGE = "dit->vae"
+LATENTS_SLOT_BYTES = 32 << 20   # one slot holds the full-size video latents (27.9 MB with the audio)
+
+
+def _unwrap(msg):
+    kind = msg.WhichOneof("input")
+    return ("chunk", msg.chunk) if kind == "chunk" else ("end", msg.end) if kind == "end" else (kind, msg)
+
+
+def _push_message(chunk=None, end=None):
+    from h3serve._proto import muxer_pb2
+
+    return muxer_pb2.PushMessage(chunk=chunk) if chunk is not None else muxer_pb2.PushMessage(end=end)
+
+
+class VAEServicer(StageBase):
+    stage = "vae"
+
+    def __init__(self, config: StageConfig, health=None):
+        super().__init__(config, health)
+        self.video_vae = None
+        self.audio_vae = None
+        self._channels: dict[str, object] = {}
+        self._channels_lock = threading.Lock()
+        # the frame edge: what this process can use (decided at load by select_transport), the last stream's info
+        self.transport_requested = config.transport or "grpc"
+        self.transport_chosen, self.transport_reason = "grpc", "requested"
+        self.last_transport: dict | None = None
+        self.last_latents_transport: dict | None = None
+        self._warned: set[str] = set()
+        # latents sessions (dit->vae over Control): id -> {"done": Event, "tensors", "error", "info", "taken"}
+        self._latents: dict[str, dict] = {}
+        self._latents_lock = threading.Lock()
+
+    def register(self, server) -> None:
+        from h3serve._proto import vae_pb2_grpc
+
+        vae_pb2_grpc.add_VAEServicer_to_server(self, server)
+
+    def load(self) -> None:
+        from h3serve.transport.nixl import select_transport
+
+        if self.transport_requested in ("grpc", "nixl"):
+            self.transport_chosen, self.transport_reason = select_transport(self.transport_requested)
+        self.executor.submit(self._load).result()
+
+    def info(self) -> dict:
+        return {**super().info(), "transport": {"edge": "vae->muxer", "requested": self.transport_requested,
+                                                "chosen": self.transport_chosen, "reason": self.transport_reason,
+                                                "last_stream": self.last_transport},
+                "latents_transport": {"edge": LATENTS_EDGE, "requested": self.transport_requested,
+                                      "chosen": self.transport_chosen, "reason": self.transport_reason,
+                                      "last_stream": self.last_latents_transport},
+                "nixl": __import__("h3serve.transport.nixl", fromlist=["counters"]).counters()}
+
+    def _frame_sink(self, sink, scope):
+        """The path to the muxer session for this request (NixlSink or PushSink) and its transport info."""
+        import json
+
+        from h3serve.transport.control import EDGE, ControlUnavailable, NixlSink, PushSink
+
+        requested = sink.transport or "grpc"
+        stub = self._muxer(sink.address)
+        if requested != "nixl":
+            info = {"edge": EDGE, "requested": requested, "chosen": requested, "reason": "requested"}
+            return PushSink(stub, sink.session_id, scope, info, requested, sink.transport_metadata)
+        try:
+            offer = json.loads(sink.transport_metadata or b"{}")
+        except ValueError:
+            offer = {}
+        if self.transport_chosen != "nixl":
+            reason = f"vae: {self.transport_reason}"
+        elif not offer.get("nixl"):
+            reason = offer.get("reason") or "muxer: NIXL not offered for the session"
+        else:
+            try:
+                staging = "cpu"   # CUDA frames: pinned D2H staging, then NIXL
+                return NixlSink(stub, sink.session_id, scope, staging_device=staging)
+            except ControlUnavailable as e:
+                reason = str(e)
+        if reason not in self._warned:
+            self._warned.add(reason)
+            log.warning("vae->muxer: transport nixl requested, using grpc (Push): %s", reason)
+        from h3serve.transport.nixl import _count
+
+        _count("fallbacks_total")
+        info = {"edge": EDGE, "requested": "nixl", "chosen": "grpc", "reason": reason}
+        return PushSink(stub, sink.session_id, scope, info)
+
+    def _load(self) -> None:
+        import torch
+
+        from h3serve.pipeline import DTYPES, pick_device
+        from h3serve.models.vae.audio import AudioVAE
+        from h3serve.models.vae.video import VideoVAE
+
+        device = pick_device(self.config.device)
+        if self.start_ranks() is not None:   # --vae-pp: tiles decoded on every rank, stitched here (rank 0)
+            from h3serve.runtime.ranks import ParallelVideoVAE
+
+            self.video_vae = ParallelVideoVAE(self.parallel)
+        else:
+            self.video_vae = VideoVAE.load(self.config.checkpoint, dtype=DTYPES[self.config.dtype], device=device)
+        self.audio_vae = AudioVAE.load(self.config.checkpoint, dtype=torch.float32, device=device)
+        if self.config.warmup:   # one window at the smallest size, and a short audio decode
+            for _ in self.video_vae.iter_decode(torch.zeros(1, self.video_vae.latent_channels, 7, 2, 2)):
+                pass
+            self.audio_vae.decode(torch.zeros(2, self.audio_vae.latent_channels, 4))
+
+    def close(self) -> None:
+        super().close()
+        for channel in self._channels.values():
+            channel.close()
+
+    def _muxer(self, address: str):
+        from h3serve._proto import muxer_pb2_grpc
+
+        with self._channels_lock:
+            channel = self._channels.get(address)
+            if channel is None:
+                channel = self._channels[address] = insecure_channel(address)
+        return muxer_pb2_grpc.MuxerStub(channel)
+
+    @grpc_method("vae")
+    def Handshake(self, request, context):
+        from h3serve._proto import common_pb2
+
+        md = handshake(request.transport, request.session_id, request.transport_metadata)
+        return common_pb2.TransportHandshake(transport=request.transport, session_id=request.session_id,
+                                             transport_metadata=md)
+
+    @grpc_method("vae")
+    def Decode(self, request_iterator, context):
+        from h3serve._proto import vae_pb2
+
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("input") != "params":
+            raise RequestError("params", None, "the first message of a Decode stream carries the parameters")
+        p = first.params
+        scope = self.scope(context, p.request_id)
+        latents_info = None
+        try:
+            if p.latents_transport == "nixl":   # the DiT sends the latents to a session here over Control
+                tensors, latents_info = yield from self._latents_session(scope, context)
+            else:
+                tensors = {m.header.name: m.tensor for m in GrpcStreamReceiver(request_iterator, _unwrap,
+                                                                               edge="gateway->vae")}
+            video, audio = tensors.get("video_latents"), tensors.get("audio_latents")
+            if video is None or video.ndim != 5 or video.shape[0] != 1:
+                raise RequestError("video_latents", None if video is None else tuple(video.shape),
+                                   "(1, 24, T, h, w) float32")
+            if audio is None or audio.ndim != 3:
+                raise RequestError("audio_latents", None if audio is None else tuple(audio.shape), "(2, 32, A) float32")
+            if not p.sink.address or not p.sink.session_id:
+                raise RequestError("sink", p.sink.address, "a muxer address and session id")
+            done = yield from self.engine_events(scope, lambda emit: self._decode(scope, p, video, audio, emit),
+                                                 lambda clip: vae_pb2.DecodeEvent(clip=clip))
+            if latents_info is not None:
+                from h3serve._proto import common_pb2
+
+                done.latents_transport.CopyFrom(common_pb2.TransportInfo(**latents_info))
+            done.peak_memory_mb = scope.peak_memory_mb   # known once the engine work has returned
+            yield vae_pb2.DecodeEvent(done=done)
+        except BaseException as exc:
+            self.finish(scope, exc)
+            raise
+        self.finish(scope)
+
+    def _latents_session(self, scope, context):
+        """Open a latents session, announce it (DecodeEvent.latents), wait for the DiT's Control stream to deliver
+        both tensors; returns (tensors, transport info of the dit->vae edge)."""
+        import uuid
+
+        from h3serve._proto import vae_pb2
+
+        sid = uuid.uuid4().hex
+        entry = {"done": threading.Event(), "tensors": None, "error": None, "info": None, "taken": False,
+                 "request_id": scope.request_id if hasattr(scope, "request_id") else ""}
+        with self._latents_lock:
+            self._latents[sid] = entry
+        try:
+            yield vae_pb2.DecodeEvent(latents=vae_pb2.LatentsSession(address=self.config.address, session_id=sid))
+            while not entry["done"].wait(0.1):
+                scope.check("while waiting for the latents")
+                if not context.is_active():
+                    raise StageUnavailable("vae", "the Decode call ended while waiting for the latents")
+        finally:
+            with self._latents_lock:
+                self._latents.pop(sid, None)
+        if entry["error"] is not None:
+            raise entry["error"]
+        return entry["tensors"], entry["info"]
+
+    @grpc_method("vae")
+    def Control(self, request_iterator, context):
+        """The control pipe of the latents edge: a NixlReceiver (copies out of its pool) gets "video_latents" and
+        "audio_latents" for the session the DiT's first message names, and hands them to the waiting Decode."""
+        from h3serve._proto import vae_pb2
+        from h3serve.transport.nixl import NixlReceiver, QueuePipe
+
+        first = next(request_iterator, None)
+        if first is None or not first.session_id:
+            raise RequestError("session_id", None, "the first message of a Control stream names the latents session")
+        with self._latents_lock:
+            entry = self._latents.get(first.session_id)
+            if entry is not None and entry["taken"]:
+                entry = None
+            if entry is not None:
+                entry["taken"] = True
+        if entry is None:
+            from h3serve.errortable import NotFound
+
+            raise NotFound(f"vae: no latents session {first.session_id!r}", stage="vae")
+        pipe = QueuePipe()
+        if first.data:
+            pipe.feed(first.data)
+        pipe.pump(m.data for m in request_iterator)
+        context.add_callback(lambda: pipe.feed_eof("gRPC call ended"))
+        remaining = context.time_remaining()
+        wait = 60.0 if remaining is None else max(0.1, min(60.0, remaining))
+
+        def receive():
+            try:
+                with NixlReceiver(LATENTS_EDGE, pipe, pool_buffers=2, buffer_bytes=LATENTS_SLOT_BYTES,
+                                  transport=self.transport_chosen, timeout=wait) as rx:
+                    pipe.send(rx.handshake(), timeout=wait)
+                    tensors = {}
+                    while (msg := rx.recv(timeout=wait)) is not None:
+                        tensors[msg.header.name] = msg.tensor
+                    info = rx.transport_info
+                entry["info"] = {"edge": LATENTS_EDGE, "requested": "nixl", "chosen": info.get("chosen", "grpc"),
+                                 "reason": info.get("reason", "")}
+                self.last_latents_transport = dict(entry["info"])
+                entry["tensors"] = tensors
+            except BaseException as exc:  # noqa: BLE001 - handed to the Decode
+                if isinstance(exc, TransportError):
+                    exc = StageUnavailable("dit", f"the latents stream ({LATENTS_EDGE}, nixl) broke: {exc}")
+                entry["error"] = exc if isinstance(exc, Exception) else StageUnavailable("vae", "interrupted")
+            finally:
+                entry["done"].set()
+                pipe.close()
+
+        worker = threading.Thread(target=receive, daemon=True, name=f"h3serve-vae-latents-{first.session_id[:6]}")
+        worker.start()
+        for data in pipe.outgoing():
+            yield vae_pb2.LatentsControl(data=data)
+        worker.join(5.0)
+        if entry["error"] is not None:
+            raise entry["error"]
+
+    def _decode(self, scope, p, video, audio, emit):
+        """On the engine thread: decode clip by clip into the muxer session; returns DecodeDone."""
+        from h3serve._proto import vae_pb2
+
+        from h3serve._proto import common_pb2
+
+        out = self._frame_sink(p.sink, scope)
+        ok = False
+        try:
+            plan = self.video_vae.plan_windows(int(video.shape[2]))
+            clips = plan.num_windows + (1 if plan.overlap_frames else 0)
+            frames_done = 0
+            bytes_sent = 0
+            t0 = time.perf_counter()
+            scope.check("before clip 0")
+            for index, (n, parts) in enumerate(self._clips(video, whole=out.whole_clips)):
+                clip_bytes = 0
+                for name, part in parts:
+                    out.send(name, part, scope)
+                    clip_bytes += part.numel()
+                bytes_sent += clip_bytes
+                scope.unit_done()
+                emit(vae_pb2.ClipSent(index=index, first_frame=frames_done, frames=n, clips=clips, bytes=clip_bytes))
+                frames_done += n
+                scope.check(f"before clip {index + 1}")
+            video_s = time.perf_counter() - t0
+            if p.num_frames and frames_done != p.num_frames:
+                raise RuntimeError(f"decoded {frames_done} frames, the request expects {p.num_frames}")
+            t1 = time.perf_counter()
+            pcm = self.audio_vae.decode(audio.to(self.audio_vae.device)).float().cpu()   # (2, N) in [-1, 1]
+            per = max(1, out.pcm_chunk_bytes // (pcm.shape[0] * pcm.element_size()))
+            for s in range(0, pcm.shape[1], per):
+                part = pcm[:, s:s + per].contiguous()
+                out.send("pcm", part, scope)
+                bytes_sent += part.numel() * part.element_size()
+            audio_s = time.perf_counter() - t1
+            tail_s = out.finish(scope)
+            ok = True
+            self.last_transport = dict(out.info)
+            return vae_pb2.DecodeDone(frames=frames_done, pcm_samples=int(pcm.shape[1]), video_seconds=video_s,
+                                      audio_seconds=audio_s, sink_tail_seconds=tail_s, bytes_sent=bytes_sent,
+                                      transport=common_pb2.TransportInfo(**out.info))
+        finally:
+            if not ok:
+                out.abort()
+
+    def _clips(self, video, whole: bool = False):
+        """(frames, [(tensor name, host tensor), ...]) per decoded clip, cut into messages of whole frames:
+        "frames" (n, H, W, 3) uint8 RGB, or with frame_format yuv420p "y" (n, H, W), "u", "v" (n, H/2, W/2).
+        `whole`: one message (one y/u/v triple) per clip instead of messages of <= 4 MiB."""
+        latents = video.to(self.video_vae.device)
+        if self.config.frame_format == "yuv420p":
+            for (y, u, v), ready in self.video_vae.iter_decode_yuv420p(latents):
+                if ready is not None:
+                    ready.synchronize()
+                n = int(y.shape[0])
+                per = n if whole else max(1, CHUNK_BYTES // (y[0].numel()))
+                parts = []
+                for s in range(0, n, per):
+                    parts += [("y", y[s:s + per]), ("u", u[s:s + per]), ("v", v[s:s + per])]
+                yield n, parts
+            return
+        for clip in self.video_vae.iter_decode(latents):
+            n = int(clip.shape[0])
+            per = n if whole else max(1, CHUNK_BYTES // clip[0].numel())
+            yield n, [("frames", clip[s:s + per] if whole else clip[s:s + per].cpu()) for s in range(0, n, per)]
+
+    @grpc_method("vae")
+    def Status(self, request, context):
+        return self.status()
+
+
+def create(config: StageConfig, health=None) -> VAEServicer:
+    return VAEServicer(config, health)

@@ -25,14 +25,19 @@ names the field), `QueueFull`, `Draining`, `StageUnavailable` (`.stage`), `Deadl
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import inspect
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator
 
 import grpc
+from google.protobuf.json_format import MessageToDict
+from grpc import aio
 
+from h3serve._proto import gateway_pb2, gateway_pb2_grpc
 from h3serve.errors import Cancelled, H3Error, RequestError
 from h3serve.errortable import (
     DeadlineExceeded,
@@ -44,7 +49,7 @@ from h3serve.errortable import (
     TooLarge,
     from_grpc,
 )
-from h3serve.transport.grpc import channel_options
+from h3serve.transport.grpc import channel_options, wait_serving
 
 __all__ = ["Client", "AsyncClient", "Generation", "AsyncGeneration", "GenerationResult", "Accepted", "Progress",
            "H3Error", "RequestError", "QueueFull", "Draining", "StageUnavailable", "DeadlineExceeded", "Cancelled",
@@ -93,8 +98,6 @@ class GenerationResult:
 
 
 def build_request(prompt: str, *, validate_only: bool = False, **fields: Any):
-    from h3serve._proto import gateway_pb2
-
     if "steps" in fields:
         if fields.get("num_inference_steps") is not None:
             raise TypeError("give steps or num_inference_steps, not both")
@@ -240,8 +243,6 @@ class Client:
 
     def __init__(self, target: str, *, timeout: float | None = None, credentials: grpc.ChannelCredentials | None = None,
                  options: list | None = None):
-        from h3serve._proto import gateway_pb2_grpc
-
         opts = channel_options(MAX_RECEIVE) + list(options or [])
         self.target = target
         self.timeout = timeout
@@ -297,18 +298,12 @@ class Client:
 
     def cancel(self, request_id: str, *, timeout: float | None = 10.0) -> bool:
         """Cancel a request by id (e.g. from another process); True if it was queued or running."""
-        from h3serve._proto import gateway_pb2
-
         try:
             return self.stub.Cancel(gateway_pb2.CancelRequest(request_id=request_id), timeout=timeout).cancelled
         except grpc.RpcError as err:
             raise from_grpc(err, stage="gateway") from None
 
     def info(self, *, timeout: float | None = 10.0) -> dict:
-        from google.protobuf.json_format import MessageToDict
-
-        from h3serve._proto import gateway_pb2
-
         try:
             return MessageToDict(self.stub.Info(gateway_pb2.InfoRequest(), timeout=timeout),
                                  preserving_proto_field_name=True)
@@ -317,8 +312,6 @@ class Client:
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Block until the gateway's health check says SERVING (every stage ready)."""
-        from h3serve.transport.grpc import wait_serving
-
         if not wait_serving(self.target, timeout):
             raise StageUnavailable("gateway", f"not SERVING within {timeout:g}s")
 
@@ -340,8 +333,6 @@ class AsyncGeneration:
         return self.accepted.request_id if self.accepted else None
 
     async def _run(self) -> AsyncIterator[Accepted | Progress]:
-        import asyncio
-
         try:
             async for ev in self._call:
                 kind = ev.WhichOneof("event")
@@ -397,10 +388,6 @@ class AsyncClient:
 
     def __init__(self, target: str, *, timeout: float | None = None, credentials: grpc.ChannelCredentials | None = None,
                  options: list | None = None):
-        from grpc import aio
-
-        from h3serve._proto import gateway_pb2_grpc
-
         opts = channel_options(MAX_RECEIVE) + list(options or [])
         self.target = target
         self.timeout = timeout
@@ -427,8 +414,6 @@ class AsyncClient:
 
     async def generate(self, prompt: str, *, output: str | os.PathLike | None = None, timeout: float | None = None,
                        on_progress: Callable[[Progress], Any] | None = None, **fields: Any) -> GenerationResult:
-        import inspect
-
         gen = self.stream(prompt, output=output, timeout=timeout, **fields)
         try:
             async for event in gen:
@@ -458,8 +443,6 @@ class AsyncClient:
         raise StageFailed("gateway", "no answer to a validation")
 
     async def cancel(self, request_id: str, *, timeout: float | None = 10.0) -> bool:
-        from h3serve._proto import gateway_pb2
-
         try:
             r = await self.stub.Cancel(gateway_pb2.CancelRequest(request_id=request_id), timeout=timeout)
         except grpc.RpcError as err:

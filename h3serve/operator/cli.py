@@ -9,12 +9,16 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
 import os
 import sys
 
 import yaml
 
+from h3serve.config.spec import KIND, parse_and_validate
 from h3serve.errors import H3Error
+from h3serve.operator import crd, manifests
 
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
@@ -47,9 +51,6 @@ def _load_docs(path: str) -> list[dict]:
 
 
 def _cmd_render(args: argparse.Namespace) -> int:
-    from h3serve.operator import crd, manifests
-    from h3serve.config.spec import KIND, parse_and_validate
-
     out = []
     if args.crd:
         out.append(crd.crd())
@@ -73,9 +74,7 @@ def _cmd_render(args: argparse.Namespace) -> int:
 
 
 def _cmd_operator(args: argparse.Namespace) -> int:
-    import asyncio
-    import logging
-
+    # lazy: kopf (the `operator` extra) loads only to run the operator; `render` needs no cluster libraries
     import kopf
 
     import h3serve.operator.handlers  # noqa: F401 - registers the handlers

@@ -12,6 +12,10 @@ import os
 import threading
 from typing import Any
 
+from kubernetes import client, config
+from kubernetes import dynamic as kdyn
+from kubernetes.dynamic.exceptions import NotFoundError
+
 from h3serve.operator import manifests as M
 from h3serve.config.spec import GROUP, PLURAL, VERSION
 
@@ -24,8 +28,6 @@ _dyn = None
 
 def load_config() -> None:
     """In-cluster credentials when running in a pod, else $KUBECONFIG / ~/.kube/config."""
-    from kubernetes import config
-
     if os.environ.get("KUBERNETES_SERVICE_HOST"):
         try:
             config.load_incluster_config()
@@ -39,8 +41,6 @@ def dynamic():
     global _dyn
     with _client_lock:
         if _dyn is None:
-            from kubernetes import client, dynamic as kdyn
-
             load_config()
             _dyn = kdyn.DynamicClient(client.ApiClient())
         return _dyn
@@ -55,8 +55,6 @@ def _plain(obj: Any) -> dict:
 
 
 def get_h3deployment(namespace: str, name: str) -> dict | None:
-    from kubernetes.dynamic.exceptions import NotFoundError
-
     try:
         return _plain(_resource(f"{GROUP}/{VERSION}", "H3Deployment").get(name=name, namespace=namespace))
     except NotFoundError:
@@ -86,8 +84,6 @@ def list_pods(namespace: str, name: str) -> list[dict]:
 
 
 def delete(kind: str, namespace: str, name: str) -> None:
-    from kubernetes.dynamic.exceptions import NotFoundError
-
     api_version, _ = M.KINDS[kind]
     try:
         _resource(api_version, kind).delete(name=name, namespace=namespace,

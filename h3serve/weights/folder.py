@@ -35,7 +35,6 @@ WEIGHT_CLASSES = frozenset({
 })
 
 
-
 @dataclass(frozen=True)
 class ComponentEntry:
     """One `[library, class, {spec}]` entry of `modular_model_index.json`."""
@@ -253,7 +252,6 @@ class CheckpointFolder:
                     raise CheckpointError(f"{entry.subfolder}/tokenizer.json: tokenizer file missing in {self.path}")
             if self.has_weights(name):
                 self.weight_map(name)
-
 
 
 # ------------------------------------------------------------------------------------------------------------------

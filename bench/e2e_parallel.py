@@ -181,7 +181,7 @@ def _ours_once(pipe, req, path: Path) -> tuple[dict, object]:
 def _ours_run(cfg: dict) -> dict:
     import torch
 
-    from h3serve.weights.folder import sha256_file
+    from h3serve.weights.safetensors import sha256_file
     from h3serve.runtime.device import process_memory
     from h3serve.pipeline import Pipeline
 
@@ -269,7 +269,7 @@ def _fuse_adapter(transformer, path: str) -> int:
     import torch
 
     from h3serve.weights.adapter import Adapter
-    from h3serve.weights.folder import sha256_file
+    from h3serve.weights.safetensors import sha256_file
 
     with Adapter.open(path, sha256_file(path)) as adapter:
         adapter.check_targets(transformer.state_dict(), component="transformer")
@@ -357,7 +357,7 @@ def _diffusers_run(rank: int, dev, ctrl, cfg: dict) -> None:
     from diffusers import ContextParallelConfig
     from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 
-    from h3serve.weights.folder import load_processor
+    from h3serve.models.encoder.processor import load_processor
     from h3serve.runtime.device import process_memory
     from h3serve.media.mux import Mp4Writer
     from h3serve.models.vae.yuv import rgb_to_yuv420p

@@ -28,7 +28,7 @@ def main() -> None:
     ap.add_argument("--adapter", default=None, help="also write a synthetic FastH3 adapter (rank 64) here")
     a = ap.parse_args()
 
-    from h3serve.weights.adapter import init_adapter
+    from h3serve.testing.adapters import init_adapter
     from h3serve.weights.folder import INDEX_FILE
     from h3serve.testing.fullsize import init_full_checkpoint
 

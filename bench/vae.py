@@ -28,7 +28,7 @@ def build_vae(preset: str, dtype: torch.dtype, device: torch.device, seed: int =
     from diffusers import AutoencoderKLMiniMaxH3
 
     from h3serve.testing import presets
-    from h3serve.weights.folder import KEEP_FP32, name_matches
+    from h3serve.weights.load import KEEP_FP32, name_matches
 
     cfg = dict(presets.TINY_VIDEO_VAE) if preset == "tiny" else {}
     torch.manual_seed(seed)

@@ -239,7 +239,7 @@ def _add_checkpoint(sub: argparse._SubParsersAction) -> None:
 def _cmd_checkpoint_init(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     if args.preset == "full":
-        from h3serve.testing.fullsize import init_full_checkpoint
+        from h3serve.testing.fullsize import init_full_checkpoint  # lazy: fixtures load only for this command
 
         def progress(component: str, seconds: float, nbytes: int) -> None:
             rate = nbytes / 1e6 / max(seconds, 1e-9)
@@ -250,7 +250,7 @@ def _cmd_checkpoint_init(args: argparse.Namespace) -> int:
         return 0
     if args.with_ref:
         raise H3Error("--with-ref is only used with --preset full (tiny checkpoints always have transformer_ref/)")
-    from h3serve.testing.tiny import init_tiny_checkpoint
+    from h3serve.testing.tiny import init_tiny_checkpoint  # lazy: fixtures load only for this command
 
     init_tiny_checkpoint(args.dir, seed=args.seed, preset=args.preset)
     print(f"wrote {args.preset} checkpoint {args.dir} in {time.perf_counter() - t0:.1f}s")
@@ -258,7 +258,7 @@ def _cmd_checkpoint_init(args: argparse.Namespace) -> int:
 
 
 def _cmd_checkpoint_init_adapter(args: argparse.Namespace) -> int:
-    from h3serve.weights.adapter import init_adapter
+    from h3serve.testing.adapters import init_adapter  # lazy: fixtures load only for this command
 
     digest = init_adapter(args.checkpoint, args.output, rank=args.rank, seed=args.seed)
     print(f"wrote {args.output}\nsha256 {digest}")

@@ -69,7 +69,7 @@ def tiny_checkpoint() -> Path:
 @pytest.fixture(scope="session")
 def tiny_adapter(tiny_checkpoint, tmp_path_factory) -> TinyAdapter:
     """A synthetic fastvideo-lora-v2 adapter (rank 4, seed 0) for the tiny checkpoint's transformer, + sha256."""
-    from h3serve.weights.adapter import init_adapter
+    from h3serve.testing.adapters import init_adapter
 
     path = tmp_path_factory.mktemp("adapter") / "adapter_model.safetensors"
     digest = init_adapter(tiny_checkpoint, path, rank=4, seed=0)

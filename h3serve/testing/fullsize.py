@@ -41,6 +41,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 import warnings
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -49,10 +50,30 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
+from accelerate import init_empty_weights
+from diffusers import (
+    AutoencoderKLMiniMaxH3,
+    AutoencoderKLMiniMaxH3Audio,
+    MiniMaxH3Scheduler,
+    MiniMaxH3Transformer3DModel,
+)
+from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-from h3serve.testing import presets
-from h3serve.weights.folder import INDEX_FILE
 from h3serve.errors import CheckpointError
+from h3serve.testing import presets
+from h3serve.testing.tiny import (
+    HUB_REPO,
+    SPECIAL_TOKENS,
+    build_tokenizer,
+    image_processor_config,
+    modular_index,
+    quiet,
+    release_storage_dtype,
+    video_processor_config,
+    write_json,
+)
+from h3serve.weights.folder import INDEX_FILE
+from h3serve.weights.safetensors import encode_header
 
 FULL_RECIPE_VERSION = 1
 STAMP_FILE = "h3serve_full.json"
@@ -63,11 +84,6 @@ STD = 0.02
 CHUNK_ELEMENTS = 1 << 24          # elements per generated chunk (64 MiB in float32); fixed: it is part of the bytes
 _ONES_LEAVES = ("alpha", "beta", "weight_g", "original0")
 
-# safetensors dtype codes
-_CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
-          torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-          torch.bool: "BOOL"}
-
 
 # ------------------------------------------------------------------------------------------------------------------
 # Models on meta
@@ -76,8 +92,6 @@ _CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", to
 @contextlib.contextmanager
 def _params_on_meta():
     """Build modules with every parameter on `meta` and buffers on the CPU (their values are kept)."""
-    from accelerate import init_empty_weights
-
     with init_empty_weights(include_buffers=False), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*weight_norm.*", category=FutureWarning)
         yield
@@ -94,24 +108,14 @@ def build_meta_model(component: str, geometry: str = "full", overrides: dict | N
     overrides = overrides or {}
     with _params_on_meta():
         if component in ("transformer", "transformer_ref"):
-            from diffusers import MiniMaxH3Transformer3DModel
-
             return MiniMaxH3Transformer3DModel(**_merged(presets.transformer_config(geometry),
                                                          overrides.get("transformer")))
         if component == "vae":
-            from diffusers import AutoencoderKLMiniMaxH3
-
             return AutoencoderKLMiniMaxH3(**_merged(presets.video_vae_config(geometry), overrides.get("vae")))
         if component == "audio_vae":
-            from diffusers import AutoencoderKLMiniMaxH3Audio
-
             return AutoencoderKLMiniMaxH3Audio(**_merged(presets.audio_vae_config(geometry),
                                                          overrides.get("audio_vae")))
         if component == "text_encoder":
-            from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
-
-            from h3serve.testing.tiny import SPECIAL_TOKENS, build_tokenizer
-
             tokenizer = tokenizer if tokenizer is not None else build_tokenizer()
             ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
             text = presets.text_encoder_text_config(geometry)
@@ -169,8 +173,6 @@ def _fill_rule(module: torch.nn.Module, name: str, is_param: bool) -> str:
 
 def plan_tensors(module: torch.nn.Module, component: str) -> list[TensorPlan]:
     """Every parameter and persistent buffer, by state-dict name, in the release's stored dtype."""
-    from h3serve.testing.tiny import release_storage_dtype
-
     params = {n for n, _ in module.named_parameters()}
     plans = []
     for name, t in module.state_dict(keep_vars=True).items():
@@ -218,16 +220,9 @@ def _chunk_bytes(plan: TensorPlan, seed: int, component: str, chunk: int) -> byt
 
 
 def _header(shard: list[TensorPlan]) -> bytes:
-    """The safetensors header of a shard: names sorted, `{"format": "pt"}` metadata, padded to 8 bytes (the same
-    bytes as `h3serve.weights.folder.write_safetensors`)."""
-    header: dict = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for p in sorted(shard, key=lambda p: p.name):
-        header[p.name] = {"dtype": _CODES[p.dtype], "shape": list(p.shape), "data_offsets": [offset, offset + p.nbytes]}
-        offset += p.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return len(raw).to_bytes(8, "little") + raw
+    """The safetensors header of a shard: names sorted, `{"format": "pt"}` metadata (the same bytes as
+    `h3serve.weights.safetensors.write_safetensors`)."""
+    return encode_header(((p.name, p.dtype, p.shape) for p in sorted(shard, key=lambda p: p.name)), {"format": "pt"})
 
 
 def _write_shard(path: Path, shard: list[TensorPlan], seed: int, component: str, pool: ThreadPoolExecutor,
@@ -282,20 +277,16 @@ def _write_config(module: torch.nn.Module, component: str, folder: Path) -> None
 
 
 def _write_small_components(root: Path, tokenizer, names: Iterable[str]) -> None:
-    from diffusers import MiniMaxH3Scheduler
-
-    from h3serve.testing.tiny import _write_json, image_processor_config, video_processor_config
-
     names = set(names)
     if "tokenizer" in names:
         tokenizer.save_pretrained(str(root / "tokenizer"))
     if "processor" in names:
         proc = root / "processor"
         tokenizer.save_pretrained(str(proc))
-        _write_json(proc / "preprocessor_config.json", dict(image_processor_config(),
+        write_json(proc / "preprocessor_config.json", dict(image_processor_config(),
                                                             image_processor_type="Qwen2VLImageProcessor",
                                                             processor_class="Qwen3VLProcessor"))
-        _write_json(proc / "video_preprocessor_config.json", video_processor_config())
+        write_json(proc / "video_preprocessor_config.json", video_processor_config())
     for name, shift in presets.SCHEDULER_SHIFTS.items():
         if name in names:
             MiniMaxH3Scheduler(shift=shift).save_pretrained(str(root / name))
@@ -313,10 +304,6 @@ def init_full_checkpoint(dir: str | os.PathLike, seed: int = 0, *, with_ref: boo
     weight component. Built in a temporary folder beside `dir` and renamed into place; an existing `dir` is an error
     unless `overwrite=True`. Deterministic for a seed.
     """
-    import time
-
-    from h3serve.testing.tiny import HUB_REPO, _quiet, _write_json, build_tokenizer, modular_index
-
     target = Path(dir).absolute()
     if target.exists():
         if not overwrite and not (target.is_dir() and not any(target.iterdir())):
@@ -327,7 +314,7 @@ def init_full_checkpoint(dir: str | os.PathLike, seed: int = 0, *, with_ref: boo
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        with _quiet(), torch.no_grad():
+        with quiet(), torch.no_grad():
             tokenizer = build_tokenizer()
             _write_small_components(tmp, tokenizer, wanted)
             for offset, component in enumerate(WEIGHT_COMPONENTS, start=1):
@@ -345,8 +332,8 @@ def init_full_checkpoint(dir: str | os.PathLike, seed: int = 0, *, with_ref: boo
             for name in WEIGHT_COMPONENTS + OTHER_COMPONENTS:
                 if name not in wanted:
                     index[name] = [None, None, {}]
-            _write_json(tmp / INDEX_FILE, index)
-            _write_json(tmp / STAMP_FILE, {"recipe": FULL_RECIPE_VERSION, "seed": seed, "geometry": geometry,
+            write_json(tmp / INDEX_FILE, index)
+            write_json(tmp / STAMP_FILE, {"recipe": FULL_RECIPE_VERSION, "seed": seed, "geometry": geometry,
                                            "layers_override": layers_override or {}, "storage": "release",
                                            "with_ref": "transformer_ref" in wanted})
     except BaseException:

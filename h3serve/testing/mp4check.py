@@ -17,6 +17,9 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
+import av
+import numpy as np
+
 from h3serve.errors import MediaError
 
 AAC_FRAME = 1024        # samples per AAC-LC frame
@@ -51,8 +54,6 @@ class MediaReport:
 
 
 def _open(path_or_bytes: Any) -> tuple[Any, int, str]:
-    import av
-
     if isinstance(path_or_bytes, (bytes, bytearray, memoryview)):
         data = bytes(path_or_bytes)
         return av.open(io.BytesIO(data), "r", format="mp4"), len(data), "<bytes>"
@@ -70,9 +71,6 @@ def _seconds(stream: Any) -> float | None:
 
 def probe_mp4(path_or_bytes: Any) -> MediaReport:
     """Decode every video frame and audio sample of an MP4 (a path or its bytes) with PyAV and report on it."""
-    import av
-    import numpy as np
-
     name = "<bytes>" if isinstance(path_or_bytes, (bytes, bytearray, memoryview)) else os.fspath(path_or_bytes)
     try:
         container, size, _ = _open(path_or_bytes)

@@ -24,12 +24,13 @@ The build is deterministic for a seed (same bytes in every file) and atomic: it 
 beside the target and renamed into place, so an interrupted build never leaves a folder that looks complete.
 
 The processor cannot be reloaded by `Qwen3VLProcessor.from_pretrained` without torchvision (its video processor
-needs it); `h3serve.weights.folder.load_processor` builds it from the folder, and `reference_pipeline` loads the
-diffusers pipeline (our numerical oracle) with that processor injected.
+needs it); `h3serve.models.encoder.processor.load_processor` builds it from the folder, and `reference_pipeline`
+loads the diffusers pipeline (our numerical oracle) with that processor injected.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -38,11 +39,31 @@ import time
 import warnings
 from pathlib import Path
 
+import diffusers
 import torch
+from diffusers import (
+    AutoencoderKLMiniMaxH3,
+    AutoencoderKLMiniMaxH3Audio,
+    MiniMaxH3Scheduler,
+    MiniMaxH3Transformer3DModel,
+    ModularPipeline,
+)
+from diffusers.utils import logging as diffusers_logging
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import (
+    Qwen2TokenizerFast,
+    Qwen2VLImageProcessorPil,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+)
+from transformers.utils import logging as transformers_logging
 
-from h3serve.testing import presets
-from h3serve.weights.folder import INDEX_FILE, CheckpointFolder, iter_tensors, name_matches, write_safetensors
 from h3serve.errors import CheckpointError
+from h3serve.models.encoder.processor import load_processor
+from h3serve.testing import presets
+from h3serve.weights.folder import INDEX_FILE, CheckpointFolder
+from h3serve.weights.load import iter_tensors, name_matches
+from h3serve.weights.safetensors import write_safetensors
 
 TINY_RECIPE_VERSION = 1
 STAMP_FILE = "h3serve_tiny.json"
@@ -148,9 +169,6 @@ CORPUS = (
 
 def build_tokenizer():
     """A deterministic byte-level BPE with the Qwen2 pre-tokenizer, NFC normalizer and special tokens (ids 0-13)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import Qwen2TokenizerFast
-
     bpe = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
     bpe.normalizer = normalizers.NFC()
     bpe.pre_tokenizer = pre_tokenizers.Sequence([
@@ -190,8 +208,6 @@ def video_processor_config() -> dict:
 
 
 def build_text_encoder(tokenizer, seed: int, preset: str = "tiny"):
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
-
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     text = dict(presets.text_encoder_text_config(preset), vocab_size=len(tokenizer))
     config = Qwen3VLConfig(
@@ -213,8 +229,6 @@ def _perturb(module: torch.nn.Module, gen: torch.Generator, std: float, names=No
 
 def build_transformer(seed: int, preset: str = "tiny"):
     """The tiny DiT; every parameter perturbed by N(0, 0.02) so no zero-init path stays trivial."""
-    from diffusers import MiniMaxH3Transformer3DModel
-
     torch.manual_seed(seed)
     model = MiniMaxH3Transformer3DModel(**presets.transformer_config(preset)).eval()
     _perturb(model, torch.Generator().manual_seed(seed), 0.02)
@@ -223,8 +237,6 @@ def build_transformer(seed: int, preset: str = "tiny"):
 
 def build_video_vae(seed: int):
     """The tiny video VAE; the zero-initialised layer scales and register tokens set to N(0, 0.1)."""
-    from diffusers import AutoencoderKLMiniMaxH3
-
     torch.manual_seed(seed)
     model = AutoencoderKLMiniMaxH3(**presets.TINY_VIDEO_VAE).eval()
     gen = torch.Generator().manual_seed(seed)
@@ -236,8 +248,6 @@ def build_video_vae(seed: int):
 
 
 def build_audio_vae(seed: int):
-    from diffusers import AutoencoderKLMiniMaxH3Audio
-
     torch.manual_seed(seed)
     with warnings.catch_warnings():  # torch's deprecation notice for the weight_norm diffusers uses
         warnings.filterwarnings("ignore", message=".*weight_norm.*", category=FutureWarning)
@@ -251,8 +261,6 @@ def build_audio_vae(seed: int):
 def modular_index(repo: str = HUB_REPO) -> dict:
     """`modular_model_index.json` as the release has it: entries point at the Hub repo; diffusers loads the
     components of a local copy from the copy (any component whose files are present in the folder)."""
-    import diffusers
-
     index: dict = {"_class_name": "MiniMaxH3ModularPipeline", "_diffusers_version": diffusers.__version__,
                    "_blocks_class_name": "MiniMaxH3Blocks"}
     index.update(PIPELINE_CONFIG)
@@ -263,39 +271,28 @@ def modular_index(repo: str = HUB_REPO) -> dict:
     return index
 
 
-def _write_json(path: Path, obj) -> None:
+def write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
-def _quiet():
+@contextlib.contextmanager
+def quiet():
     """Silence the progress bars / info logs of transformers and diffusers while saving."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def ctx():
-        from diffusers.utils import logging as dlog
-        from transformers.utils import logging as tlog
-
-        d_level, t_level = dlog.get_verbosity(), tlog.get_verbosity()
-        t_bar = tlog.is_progress_bar_enabled()
-        dlog.set_verbosity_error()
-        tlog.set_verbosity_error()
-        tlog.disable_progress_bar()
-        try:
-            yield
-        finally:
-            dlog.set_verbosity(d_level)
-            tlog.set_verbosity(t_level)
-            if t_bar:
-                tlog.enable_progress_bar()
-
-    return ctx()
+    d_level, t_level = diffusers_logging.get_verbosity(), transformers_logging.get_verbosity()
+    t_bar = transformers_logging.is_progress_bar_enabled()
+    diffusers_logging.set_verbosity_error()
+    transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        diffusers_logging.set_verbosity(d_level)
+        transformers_logging.set_verbosity(t_level)
+        if t_bar:
+            transformers_logging.enable_progress_bar()
 
 
 def _build_into(root: Path, seed: int, preset: str = "tiny") -> None:
-    from diffusers import MiniMaxH3Scheduler
-    from transformers import Qwen2VLImageProcessorPil
-
     tokenizer = build_tokenizer()
     tokenizer.save_pretrained(str(root / "tokenizer"))
 
@@ -304,8 +301,8 @@ def _build_into(root: Path, seed: int, preset: str = "tiny") -> None:
     image_cfg = dict(image_processor_config(), image_processor_type="Qwen2VLImageProcessor",
                      processor_class="Qwen3VLProcessor")
     Qwen2VLImageProcessorPil(**image_processor_config())  # the settings must build the processor we load
-    _write_json(proc / "preprocessor_config.json", image_cfg)
-    _write_json(proc / "video_preprocessor_config.json", video_processor_config())
+    write_json(proc / "preprocessor_config.json", image_cfg)
+    write_json(proc / "video_preprocessor_config.json", video_processor_config())
 
     # Independent seeds per component; the two transformer partitions get different weights.
     text_encoder = build_text_encoder(tokenizer, seed * 10 + 1, preset)
@@ -318,11 +315,11 @@ def _build_into(root: Path, seed: int, preset: str = "tiny") -> None:
     for name, shift in presets.SCHEDULER_SHIFTS.items():
         MiniMaxH3Scheduler(shift=shift).save_pretrained(str(root / name))
 
-    _write_json(root / INDEX_FILE, modular_index())
+    write_json(root / INDEX_FILE, modular_index())
     stamp = {"recipe": TINY_RECIPE_VERSION, "seed": seed, "storage": "float32"}
     if preset != "tiny":   # the default preset's files stay exactly as they were
         stamp["preset"] = preset
-    _write_json(root / STAMP_FILE, stamp)
+    write_json(root / STAMP_FILE, stamp)
 
 
 def is_tiny_checkpoint(path: str | os.PathLike, seed: int | None = None, preset: str = "tiny") -> bool:
@@ -374,7 +371,7 @@ def init_tiny_checkpoint(dir: str | os.PathLike, seed: int = 0, *, overwrite: bo
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        with _quiet(), torch.no_grad():
+        with quiet(), torch.no_grad():
             _build_into(tmp, seed, preset)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -418,7 +415,7 @@ def _save_shards(tensors: dict[str, torch.Tensor], folder: Path, stem: str, max_
         write_safetensors(folder / fname, {n: tensors[n] for n in shard}, {"format": "pt"})
         weight_map.update({n: fname for n in shard})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    _write_json(folder / f"{stem}.safetensors.index.json", {"metadata": {"total_size": total},
+    write_json(folder / f"{stem}.safetensors.index.json", {"metadata": {"total_size": total},
                                                             "weight_map": weight_map})
 
 
@@ -469,16 +466,12 @@ def reference_pipeline(path: str | os.PathLike, workflow: str = "t2va", dtype: t
 
     `ModularPipeline.from_pretrained(path, workflow=...)`, then `load_components(dtype=...)` for every component of
     the workflow except the processor (whose `from_pretrained` needs torchvision), then the processor built by
-    `h3serve.weights.folder.load_processor` is injected with `update_components`.
+    `h3serve.models.encoder.processor.load_processor` is injected with `update_components`.
     """
-    from diffusers import ModularPipeline
-
-    from h3serve.weights.folder import load_processor
-
     pipe = ModularPipeline.from_pretrained(str(path), workflow=workflow)
     names = [n for n, spec in pipe._component_specs.items()
              if spec.default_creation_method == "from_pretrained" and n != "processor"]
-    with _quiet(), warnings.catch_warnings():
+    with quiet(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*weight_norm.*", category=FutureWarning)
         pipe.load_components(names=names, dtype=dtype)
     if "processor" in pipe._component_specs:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,12 +28,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from h3serve.weights.folder import CheckpointFolder, sha256_file, write_safetensors
-from h3serve.errors import AdapterError, CheckpointError
+from h3serve.errors import AdapterError
+from h3serve.weights.safetensors import DTYPE_CODES, FLOAT_DTYPES, sha256_file
 
 FORMAT = "fastvideo-lora-v2"
 BASE_MODEL = "MiniMaxAI/MiniMax-H3"
-APPLICATION = "W = W_base + lora_B @ lora_A; then .diff/.diff_b added and .set_weight assigned"
 COUNT_KEYS = ("low_rank_tensors", "diff_tensors", "set_weight_tensors")
 
 # Suffix -> role. `.diff_b` is tested before `.diff`.
@@ -46,7 +44,7 @@ _ROLES = (
     (".set_weight", "set_weight"),
 )
 VSA_GATE_MODULE = "to_gate_compress"
-_FLOAT_CODES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+_FLOAT_CODES = tuple(DTYPE_CODES[d] for d in FLOAT_DTYPES)
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -150,7 +148,8 @@ class Adapter:
             counts["low_rank_tensors" if role.startswith("lora") else
                    "diff_tensors" if role.startswith("diff") else "set_weight_tensors"] += 1
             if headers[key][1] not in _FLOAT_CODES:
-                raise AdapterError(f"{path}: tensor '{key}' has dtype {headers[key][1]}, expected F32 / BF16 / F16")
+                raise AdapterError(f"{path}: tensor '{key}' has dtype {headers[key][1]}, "
+                                   f"expected {' / '.join(_FLOAT_CODES)}")
 
         gates = sorted(k for k in keys if split_key(k)[0].rsplit(".", 1)[-1] == VSA_GATE_MODULE)
         if gates:
@@ -293,97 +292,3 @@ class Adapter:
         return (f"Adapter({str(self.path)!r}, rank={self.rank}, modules={len(self.patches)}, "
                 f"{', '.join(f'{k}={v}' for k, v in self.counts.items())})")
 
-
-# ------------------------------------------------------------------------------------------------------------------
-# Synthetic adapters
-
-
-BLOCK_LINEARS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.net.0.proj", "ff.net.2",
-                 "adaln_proj.linear")
-REFINER_LINEARS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.net.0.proj", "ff.net.2")
-# Full-rank residuals: (module, with bias delta).
-DIFF_MODULES = (("proj_in", True), ("proj_out", True), ("norm_out.linear", True), ("norm_out.norm", False),
-                ("token_refiner.final_norm", False), ("transformer_blocks.0.norm1", False),
-                ("audio_proj_out", True))
-
-
-def init_adapter(
-    checkpoint_dir: str | os.PathLike,
-    out_path: str | os.PathLike,
-    *,
-    rank: int = 4,
-    seed: int = 0,
-    component: str = "transformer",
-    vsa: bool = False,
-    dtype: torch.dtype = torch.float32,
-) -> str:
-    """Write a synthetic `fastvideo-lora-v2` adapter for a checkpoint's DiT and return its sha256.
-
-    lora_A/lora_B (rank `rank`) on every block linear (to_q/k/v, to_out.0, ff.net.0.proj, ff.net.2,
-    adaln_proj.linear) and every refiner linear; `.diff` / `.diff_b` full-rank deltas on proj_in, proj_out,
-    audio_proj_out, norm_out.linear and on the norm weights norm_out.norm, token_refiner.final_norm and
-    transformer_blocks.0.norm1. `vsa=True` adds `attn.to_gate_compress.set_weight` gates per block (such a file
-    is refused by `Adapter.open`; it exists to test that). Shapes come from the checkpoint's headers.
-    Deterministic for a seed; written atomically.
-    """
-    ck = CheckpointFolder(checkpoint_dir, components=[component])
-    infos = ck.tensor_infos(component)
-    gen = torch.Generator().manual_seed(seed)
-    n_blocks = len({n.split(".")[1] for n in infos if n.startswith("transformer_blocks.")})
-    n_refiner = len({n.split(".")[2] for n in infos if n.startswith("token_refiner.refiner_blocks.")})
-
-    lora_modules = [f"transformer_blocks.{i}.{m}" for i in range(n_blocks) for m in BLOCK_LINEARS]
-    lora_modules += [f"token_refiner.refiner_blocks.{i}.{m}" for i in range(n_refiner) for m in REFINER_LINEARS]
-
-    tensors: dict[str, torch.Tensor] = {}
-    touched: set[str] = set()
-    for module in lora_modules:
-        weight = f"{module}.weight"
-        if weight not in infos:
-            raise CheckpointError(f"{ck.weights_label(component)}: tensor '{weight}' is missing")
-        out_f, in_f = infos[weight].shape
-        tensors[f"{module}.lora_A.weight"] = (torch.randn(rank, in_f, generator=gen) / in_f ** 0.5).to(dtype)
-        tensors[f"{module}.lora_B.weight"] = (torch.randn(out_f, rank, generator=gen) * 0.02).to(dtype)
-        touched.add(weight)
-    for module, with_bias in DIFF_MODULES:
-        weight = f"{module}.weight"
-        if weight not in infos:
-            raise CheckpointError(f"{ck.weights_label(component)}: tensor '{weight}' is missing")
-        tensors[f"{module}.diff"] = (torch.randn(infos[weight].shape, generator=gen) * 0.01).to(dtype)
-        touched.add(weight)
-        if with_bias:
-            tensors[f"{module}.diff_b"] = (torch.randn(infos[f"{module}.bias"].shape, generator=gen) * 0.01).to(dtype)
-            touched.add(f"{module}.bias")
-    n_gates = 0
-    if vsa:
-        for i in range(n_blocks):
-            inner, hidden = infos[f"transformer_blocks.{i}.attn.to_q.weight"].shape
-            tensors[f"transformer_blocks.{i}.attn.{VSA_GATE_MODULE}.set_weight"] = (
-                torch.randn(inner, hidden, generator=gen) * 0.02).to(dtype)
-            n_gates += 1
-
-    metadata = {
-        "format": FORMAT,
-        "base_model": BASE_MODEL,
-        "finetuned_model": "FastVideo/FastH3-synthetic",
-        "base_revision": "",
-        "finetuned_revision": "",
-        "rank": str(rank),
-        "application": APPLICATION,
-        "low_rank_tensors": str(2 * len(lora_modules)),
-        "diff_tensors": str(sum(2 if b else 1 for _, b in DIFF_MODULES)),
-        "set_weight_tensors": str(n_gates),
-        "dropped_unchanged": str(len(set(infos) - touched)),
-        "finalized_from": f"synthetic seed={seed} component={component}",
-    }
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.tmp-", dir=out_path.parent)
-    os.close(fd)
-    try:
-        write_safetensors(tmp, tensors, metadata)
-        os.replace(tmp, out_path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return sha256_file(out_path)

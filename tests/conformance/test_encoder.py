@@ -35,7 +35,7 @@ def ckpt(tiny_checkpoint) -> Path:
 def ref_components(ckpt):
     from transformers import Qwen2TokenizerFast, Qwen3VLForConditionalGeneration
 
-    from h3serve.weights.folder import load_processor
+    from h3serve.models.encoder.processor import load_processor
 
     te = Qwen3VLForConditionalGeneration.from_pretrained(ckpt / "text_encoder", dtype=torch.float32).eval()
     return dict(text_encoder=te, tokenizer=Qwen2TokenizerFast.from_pretrained(ckpt / "tokenizer"),

@@ -10,10 +10,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import h3serve.weights.adapter as adapter_mod
-from h3serve.testing import presets, tiny
-from h3serve.weights.adapter import Adapter, init_adapter, split_key
-from h3serve.weights.folder import KEEP_FP32, load_module_weights, sha256_file
 from h3serve.errors import AdapterError, CheckpointError
+from h3serve.testing import presets, tiny
+from h3serve.testing.adapters import init_adapter
+from h3serve.weights.adapter import Adapter, split_key
+from h3serve.weights.load import KEEP_FP32, load_module_weights
+from h3serve.weights.safetensors import sha256_file
 
 DIT_FILE = "transformer/diffusion_pytorch_model.safetensors"
 

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from h3serve.testing import fullsize, presets
-from h3serve.weights.folder import KEEP_FP32, CheckpointFolder, load_module_weights
 from h3serve.models.dit.model import H3DiT, H3DiTConfig
+from h3serve.testing import fullsize, presets
+from h3serve.weights.folder import CheckpointFolder
+from h3serve.weights.load import KEEP_FP32, load_module_weights
 
 SHARD = 64 << 10
 DIT_FP32_TENSORS = {f"{m}.{p}" for m in ("proj_in", "audio_proj_in", "time_embedder.linear_1",

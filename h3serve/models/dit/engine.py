@@ -90,7 +90,8 @@ class DiTEngine:
     ) -> "DiTEngine":
         """Build each partition on the meta device and stream its weights in; the adapter (FastH3) is fused tensor
         by tensor before the cast, i.e. before any later sharding sees the weights."""
-        from h3serve.weights.folder import CheckpointFolder, load_module_weights
+        from h3serve.weights.folder import CheckpointFolder
+        from h3serve.weights.load import load_module_weights
 
         device = torch.device(device)
         folder = CheckpointFolder(Path(checkpoint), components=list(components))

@@ -22,8 +22,11 @@ import torch
 from torch import nn
 
 from h3serve.errors import CheckpointError
+from h3serve.weights.folder import CheckpointFolder
+from h3serve.weights.load import iter_tensors
 
 from . import presentation as pres
+from .processor import load_processor
 
 __all__ = ["TextEncoder", "EncodedText", "DEFAULT_LAYER"]
 
@@ -87,8 +90,6 @@ class TextEncoder:
         processor config in ``processor/``. Refuses an encoder with ``layer`` or fewer decoder layers."""
         from accelerate import init_empty_weights
         from transformers import Qwen2TokenizerFast, Qwen3VLConfig, Qwen3VLModel
-
-        from h3serve.weights.folder import CheckpointFolder, iter_tensors, load_processor
 
         root = Path(checkpoint_dir)
         ck = CheckpointFolder(root, components=["text_encoder", "tokenizer"])

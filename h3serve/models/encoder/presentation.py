@@ -14,7 +14,7 @@ and grid_h·grid_w / merge² per block of a video. Token roles (the DiT's ``text
 prompt token, 0 for every token of a vision block including its start and end.
 
 Images reach the vision tower through transformers' ``Qwen2VLImageProcessorPil`` (PIL resize, no torchvision),
-configured from the checkpoint's ``processor/preprocessor_config.json`` (``h3serve.weights.folder.load_processor``): the
+configured from the checkpoint's ``processor/preprocessor_config.json`` (``processor.load_processor``): the
 ``Qwen3VLProcessor`` saved in that folder cannot be instantiated without torchvision because of its video processor.
 
 The fl2va before-encode resize rules (``resize_keyframe_first``, ``resize_keyframe_last``) and the ref2va image rule

@@ -40,7 +40,8 @@ class AudioVAE:
         from accelerate import init_empty_weights
         from diffusers import AutoencoderKLMiniMaxH3Audio
 
-        from h3serve.weights.folder import CheckpointFolder, load_module_weights
+        from h3serve.weights.folder import CheckpointFolder
+        from h3serve.weights.load import load_module_weights
 
         ck = CheckpointFolder(checkpoint_dir, components=[component])
         with init_empty_weights(include_buffers=False), warnings.catch_warnings():

@@ -152,7 +152,8 @@ class VideoVAE:
         from accelerate import init_empty_weights
         from diffusers import AutoencoderKLMiniMaxH3
 
-        from h3serve.weights.folder import KEEP_FP32, CheckpointFolder, load_module_weights
+        from h3serve.weights.folder import CheckpointFolder
+        from h3serve.weights.load import KEEP_FP32, load_module_weights
 
         ck = CheckpointFolder(checkpoint_dir, components=[component])
         with init_empty_weights(include_buffers=False):

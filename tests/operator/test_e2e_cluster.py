@@ -451,7 +451,7 @@ def test_kopf_run_works_too(operator, operator_kubeconfig, control_plane, dyn, t
     log = tmp_path / "kopf.log"
     kopf_exe = pathlib.Path(sys.executable).with_name("kopf")
     proc = subprocess.Popen([str(kopf_exe), "run", "--standalone", f"--namespace={APPS_NS}",
-                             f"--liveness=http://127.0.0.1:{port}/healthz", str(ROOT / "operator" / "handlers.py")],
+                             f"--liveness=http://127.0.0.1:{port}/healthz", str(ROOT / "h3serve" / "operator" / "handlers.py")],
                             env={**control_plane.env, "KUBECONFIG": str(operator_kubeconfig)}, cwd=ROOT,
                             stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
                             preexec_fn=die_with_parent)

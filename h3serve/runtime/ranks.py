@@ -38,7 +38,8 @@ from typing import Any, Iterator
 
 import torch
 
-from h3serve.distributed.world import DegreeError, ParallelDegrees, StageHandle
+from h3serve.config.parallel import DegreeError, ParallelDegrees
+from h3serve.distributed.world import StageHandle
 from h3serve.distributed.world import StageFailed as RankFailed
 from h3serve.errors import H3Error
 

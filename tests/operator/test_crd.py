@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
 import typing
 
@@ -12,6 +13,7 @@ import pytest
 import yaml
 
 from h3serve.config import spec as S
+from h3serve.config.rules import RULES, Expr
 from h3serve.operator import crd
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -57,7 +59,7 @@ def test_schema_mirrors_every_spec_field_and_default():
     _walk(S.H3DeploymentSpec, crd.spec_schema())
 
 
-def test_every_cel_rule_is_in_the_schema():
+def test_every_rule_is_in_the_schema():
     rules = []
 
     def collect(node):
@@ -66,8 +68,35 @@ def test_every_cel_rule_is_in_the_schema():
             collect(sub)
 
     collect(crd.spec_schema())
-    assert len(rules) == len(S.CEL_RULES)
-    assert all("messageExpression" in r and r["fieldPath"].startswith(".") for r in rules)
+    assert rules == [{"rule": r.check.cel(), "messageExpression": r.cel_message(), "fieldPath": "." + r.field,
+                      "reason": "FieldValueInvalid"} for r in RULES]
+    schema = crd.spec_schema()
+    for r in RULES:  # each fieldPath names a field of the schema
+        node = schema
+        for part in r.field.split("."):
+            node = node["properties"][part]
+
+
+def _eval_message_expression(cel: str, args: dict, doc: dict) -> str:
+    """The generated messageExpressions are string literals and string(<argument>) joined by +: evaluate one."""
+    for arg in args.values():
+        if isinstance(arg, Expr):
+            cel = cel.replace(f"string({arg.cel()})", json.dumps(str(arg.value(doc))))
+    out, i, dec = [], 0, json.JSONDecoder()
+    while i < len(cel):
+        text, i = dec.raw_decode(cel, i)
+        out.append(text)
+        if cel.startswith(" + ", i):
+            i += 3
+    return "".join(out)
+
+
+def test_message_expressions_say_what_python_says():
+    doc = S.H3DeploymentSpec.from_dict({
+        "image": "i", "profile": "fasth3", "model": {"path": "/m/H3", "adapter": {"path": "/x/a", "sha256": "0" * 64}},
+        "encoder": {"tensorParallel": 3}, "dit": {"ulysses": 3, "ring": 2}, "vae": {"patchParallel": 5}}).to_dict()
+    for r in RULES:
+        assert _eval_message_expression(r.cel_message(), r.args, doc) == r.format(doc), r.field
 
 
 def _plain_jsonschema(node):

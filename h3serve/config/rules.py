@@ -82,8 +82,8 @@ class Op(Expr):
 
     def cel(self) -> str:
         inner = [x.cel() for x in self.args]
-        if self.op in ("has", "string"):
-            return f"{self.op}({inner[0]})"
+        if self.op == "has":
+            return f"has({inner[0]})"
         a = [f"({c})" if self._needs_parens(x) else c for x, c in zip(self.args, inner)]
         if self.op == "!":
             return "!" + a[0]
@@ -103,7 +103,7 @@ class Op(Expr):
 
 _PRECEDENCE = {"||": 1, "&&": 2, "==": 3, "!=": 3, "<=": 3, "in": 3, "+": 4, "*": 5, "%": 5}  # as in CEL
 _PY: dict[str, Callable] = {
-    "has": lambda v: v is not None, "string": str, "!": lambda v: not v,
+    "has": lambda v: v is not None, "!": lambda v: not v,
     "==": lambda a, b: a == b, "!=": lambda a, b: a != b, "<=": lambda a, b: a <= b,
     "%": lambda a, b: a % b, "*": lambda a, b: a * b, "+": lambda a, b: a + b, "in": lambda a, b: a in b,
     "startsWith": lambda a, b: a.startswith(b),
@@ -158,24 +158,21 @@ class Rule:
         return self.message.format(**{k: v.value(doc) if isinstance(v, Expr) else v for k, v in self.args.items()})
 
     def cel_message(self) -> str:
-        """The message as a CEL string expression: literal pieces and `string(arg)` joined by `+`."""
-        parts: list[str] = []
-        text = ""
-        for literal, name, _spec, _conv in string.Formatter().parse(self.message):
-            text += literal
+        """The message as a CEL `messageExpression`: `"...%d...".format([<args>])`, `%d` for a `{name:d}`
+        placeholder, `%s` for the others. (A concatenation with `string(int)` would not do: the API server's cost
+        estimator cannot bound its length and refuses the CRD.)"""
+        text, cel_args = "", []
+        for literal, name, spec, _conv in string.Formatter().parse(self.message):
+            text += literal.replace("%", "%%")
             if name is None:
                 continue
             arg = self.args[name]
-            if not isinstance(arg, Expr):
-                text += str(arg)  # a constant: part of the literal text
-                continue
-            if text:
-                parts.append(json.dumps(text))
-                text = ""
-            parts.append(op("string", arg).cel())
-        if text:
-            parts.append(json.dumps(text))
-        return " + ".join(parts)
+            if isinstance(arg, Expr):
+                text += "%d" if spec == "d" else "%s"
+                cel_args.append(arg.cel())
+            else:
+                text += format(arg, spec).replace("%", "%%")  # a constant: part of the literal text
+        return f"{json.dumps(text)}.format([{', '.join(cel_args)}])" if cel_args else json.dumps(text)
 
 
 def _join(xs) -> str:
@@ -197,15 +194,15 @@ def _inside_mount(path: str) -> Op:
 
 RULES: tuple[Rule, ...] = (
     Rule("encoder.tensorParallel", op("in", TP, encoder_tp_choices()),
-         "encoder.tensorParallel={tp} cannot split the encoder's {heads} query heads / {kv} KV heads (it must divide "
+         "encoder.tensorParallel={tp:d} cannot split the encoder's {heads} query heads / {kv} KV heads (it must divide "
          "the heads, and divide the KV heads or be a multiple of them): use {choices}",
          dict(tp=TP, heads=ENCODER_HEADS, kv=ENCODER_KV_HEADS, choices=_join(encoder_tp_choices()))),
     Rule("dit.ulysses", op("in", Field("dit.ulysses"), ulysses_choices()),
-         "dit.ulysses={u} must divide the DiT's {heads} attention heads (Ulysses gives each rank whole heads): use "
+         "dit.ulysses={u:d} must divide the DiT's {heads} attention heads (Ulysses gives each rank whole heads): use "
          "{choices} and put the rest of the DiT's GPUs into dit.ring (dit.ulysses x dit.ring = GPUs of the DiT)",
          dict(u=Field("dit.ulysses"), heads=DIT_HEADS, choices=_join(ulysses_choices()))),
     Rule("vae.patchParallel", op("in", Field("vae.patchParallel"), vae_pp_choices(DIT_SP)),
-         "vae.patchParallel={pp} must be 1 or the whole DiT group (dit.ulysses x dit.ring = {sp})",
+         "vae.patchParallel={pp:d} must be 1 or the whole DiT group (dit.ulysses x dit.ring = {sp:d})",
          dict(pp=Field("vae.patchParallel"), sp=DIT_SP)),
     Rule("model.adapter", any_of(op("!=", Field("profile"), "fasth3"),
                                  all_of(has("model.adapter"), has("model.adapter.sha256"))),
@@ -217,12 +214,12 @@ RULES: tuple[Rule, ...] = (
          "per-stage replicas only apply to disaggregated placement: with placement colocated set spec.replicas and "
          "remove encoder/dit/vae/muxer/gateway.replicas (each colocated replica runs its own gateway)"),
     Rule("encoder.tensorParallel", any_of(DISAGGREGATED, op("==", op("%", DIT_SP, TP), 0)),
-         "encoder.tensorParallel={tp} must divide the {sp} GPUs of a colocated replica (dit.ulysses x dit.ring)",
+         "encoder.tensorParallel={tp:d} must divide the {sp:d} GPUs of a colocated replica (dit.ulysses x dit.ring)",
          dict(tp=TP, sp=DIT_SP)),
     Rule("dit", any_of(op("<=", DIT_SP, GPN), op("==", op("%", DIT_SP, GPN), 0)),
-         "dit needs {n} GPUs, more than gpusPerNode={gpn}: {whole}", dict(n=DIT_SP, gpn=GPN, whole=WHOLE_NODES)),
+         "dit needs {n:d} GPUs, more than gpusPerNode={gpn:d}: {whole}", dict(n=DIT_SP, gpn=GPN, whole=WHOLE_NODES)),
     Rule("encoder", any_of(COLOCATED, op("<=", TP, GPN), op("==", op("%", TP, GPN), 0)),
-         "encoder needs {n} GPUs, more than gpusPerNode={gpn}: {whole}", dict(n=TP, gpn=GPN, whole=WHOLE_NODES)),
+         "encoder needs {n:d} GPUs, more than gpusPerNode={gpn:d}: {whole}", dict(n=TP, gpn=GPN, whole=WHOLE_NODES)),
     Rule("model.path", any_of(unset("model.volume"), _inside_mount("model.path")),
          "model.path {path} must be inside model.mountPath {mount}, where model.volume is mounted",
          dict(path=Field("model.path"), mount=Field("model.mountPath"))),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import string
 import typing
 
 import jsonschema
@@ -77,18 +78,14 @@ def test_every_rule_is_in_the_schema():
             node = node["properties"][part]
 
 
-def _eval_message_expression(cel: str, args: dict, doc: dict) -> str:
-    """The generated messageExpressions are string literals and string(<argument>) joined by +: evaluate one."""
-    for arg in args.values():
-        if isinstance(arg, Expr):
-            cel = cel.replace(f"string({arg.cel()})", json.dumps(str(arg.value(doc))))
-    out, i, dec = [], 0, json.JSONDecoder()
-    while i < len(cel):
-        text, i = dec.raw_decode(cel, i)
-        out.append(text)
-        if cel.startswith(" + ", i):
-            i += 3
-    return "".join(out)
+def _eval_message_expression(r, doc: dict) -> str:
+    """Evaluate a generated messageExpression, `"<text>".format([<args>])` or a bare literal, the way CEL does."""
+    text, end = json.JSONDecoder().raw_decode(r.cel_message())
+    args = [a for _, name, _, _ in string.Formatter().parse(r.message) if name is not None
+            for a in [r.args[name]] if isinstance(a, Expr)]
+    tail = r.cel_message()[end:]
+    assert tail == (f".format([{', '.join(a.cel() for a in args)}])" if args else ""), tail
+    return text % tuple(a.value(doc) for a in args)  # %d / %s / %% mean the same in CEL's format
 
 
 def test_message_expressions_say_what_python_says():
@@ -96,7 +93,7 @@ def test_message_expressions_say_what_python_says():
         "image": "i", "profile": "fasth3", "model": {"path": "/m/H3", "adapter": {"path": "/x/a", "sha256": "0" * 64}},
         "encoder": {"tensorParallel": 3}, "dit": {"ulysses": 3, "ring": 2}, "vae": {"patchParallel": 5}}).to_dict()
     for r in RULES:
-        assert _eval_message_expression(r.cel_message(), r.args, doc) == r.format(doc), r.field
+        assert _eval_message_expression(r, doc) == r.format(doc), r.field
 
 
 def _plain_jsonschema(node):

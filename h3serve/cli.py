@@ -12,7 +12,7 @@ import sys
 import time
 
 from h3serve.config.stage import StageConfig
-from h3serve.config.vocab import DEFAULT_DTYPE, DTYPES, MODEL_STAGES
+from h3serve.config.vocab import DEFAULT_DTYPE, DTYPES, GRPC_PORT, HTTP_PORT, MODEL_STAGES
 from h3serve.errors import H3Error
 
 EXIT_USER_ERROR = 2
@@ -150,10 +150,10 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     d = StageConfig()
     p.add_argument("--checkpoint", default=None, help="diffusers-format H3 folder (encoder, dit, vae stages)")
     p.add_argument("--stages", default="all", help="all, or a comma list of encoder,dit,vae,muxer,gateway")
-    p.add_argument("--port", type=int, default=50051,
+    p.add_argument("--port", type=int, default=GRPC_PORT,
                    help="gRPC port: of the one stage, or of the gateway with stages at +1..+4 (0: free ports)")
     p.add_argument("--http-port", type=int, default=None,
-                   help="HTTP API port of the gateway (0: a free port; default 8000 with the gateway, else none)")
+                   help=f"HTTP API port of the gateway (0: a free port; default {HTTP_PORT} with the gateway, else none)")
     p.add_argument("--host", default=d.host, help="bind address (default loopback)")
     p.add_argument("--http-host", default=d.http_host)
     p.add_argument("--advertise", default=None, help="address peers use to reach this stage (default host:port)")

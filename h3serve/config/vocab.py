@@ -15,8 +15,8 @@ SERVICE_NAMES = {"encoder": "h3serve.v1.Encoder", "dit": "h3serve.v1.DiT", "vae"
 TASKS = ("t2va", "fl2va", "ref2va")
 PROFILES = ("base", "fasth3")
 DTYPES = ("fp32", "bf16")
-# The engines' dtype when nobody names one (embedded pipeline, `h3serve serve`, a request without dtype): fp32 is
-# what the conformance bounds were measured in; the operator's GPU pods ask for bf16 explicitly.
+# The engines' dtype when nobody names one (the embedded pipeline, `h3serve serve`, `h3serve generate`, a request
+# without dtype): fp32, what the pipeline and the services have always run in; the operator's GPU pods set bf16.
 DEFAULT_DTYPE = "fp32"
 
 # ---- ports ----------------------------------------------------------------------------------------------------

@@ -223,7 +223,8 @@ RULES: tuple[Rule, ...] = (
     Rule("model.path", any_of(unset("model.volume"), _inside_mount("model.path")),
          "model.path {path} must be inside model.mountPath {mount}, where model.volume is mounted",
          dict(path=Field("model.path"), mount=Field("model.mountPath"))),
-    Rule("model.adapter.path", any_of(unset("model.volume"), unset("model.adapter"), _inside_mount("model.adapter.path")),
+    Rule("model.adapter.path",
+         any_of(unset("model.volume"), unset("model.adapter"), _inside_mount("model.adapter.path")),
          "model.adapter.path {path} must be inside model.mountPath {mount}, where model.volume is mounted",
          dict(path=Field("model.adapter.path"), mount=Field("model.mountPath"))),
 )

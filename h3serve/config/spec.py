@@ -24,7 +24,8 @@ from typing import Any, Optional
 
 from h3serve.config.rules import RULES
 from h3serve.config.vocab import (
-    DIST_PORT, DIT_HEADS, ENCODER_HEADS, ENCODER_KV_HEADS, GRPC_PORT, HEALTH_SERVICE, HTTP_PORT, PIPELINE_STAGES, PROFILES,
+    DIST_PORT, DIT_HEADS, ENCODER_HEADS, ENCODER_KV_HEADS, GRPC_PORT, HEALTH_SERVICE, HTTP_PORT, PIPELINE_STAGES,
+    PROFILES,
 )
 from h3serve.errors import H3Error
 
@@ -107,8 +108,8 @@ class ModelSpec:
 @dataclass(frozen=True)
 class EncoderSpec:
     tensor_parallel: int = f("tensorParallel", "Tensor-parallel degree of the Qwen3-VL encoder (GPUs per encoder "
-                             f"replica); must divide the {ENCODER_HEADS} query heads, and divide the {ENCODER_KV_HEADS} "
-                             "KV heads or be a multiple of them.", 1,
+                             f"replica); must divide the {ENCODER_HEADS} query heads, and divide the "
+                             f"{ENCODER_KV_HEADS} KV heads or be a multiple of them.", 1,
                              minimum=1, maximum=ENCODER_HEADS)
     replicas: Optional[int] = f("replicas", "Encoder replicas (disaggregated placement only; default 1).",
                                 None, minimum=0, maximum=1024)
@@ -124,8 +125,8 @@ class EncoderSpec:
 
 @dataclass(frozen=True)
 class DitSpec:
-    ulysses: int = f("ulysses", f"Ulysses (head-split) sequence-parallel degree of the DiT; divides its {DIT_HEADS} heads.",
-                     1, minimum=1, maximum=DIT_HEADS)
+    ulysses: int = f("ulysses", "Ulysses (head-split) sequence-parallel degree of the DiT; divides its "
+                     f"{DIT_HEADS} heads.", 1, minimum=1, maximum=DIT_HEADS)
     ring: int = f("ring", "Ring-attention sequence-parallel degree of the DiT (any; GPUs per DiT replica = ulysses x "
                   "ring).", 1, minimum=1, maximum=MAX_REPLICA_GPUS)
     replicas: Optional[int] = f("replicas", "DiT replicas (disaggregated placement only; default 1).", None,

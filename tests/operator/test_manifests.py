@@ -236,6 +236,25 @@ def test_pods_read_their_stage_config_from_the_mounted_service_config(path, tmp_
             assert ns.stages == "all"
 
 
+def test_stage_config_is_a_slice_of_the_rendered_service_config():
+    from h3serve.config.stage import StageConfig
+
+    doc = yaml.safe_load((ROOT / "examples" / "fasth3-disaggregated.yaml").read_text())
+    spec = parse_and_validate(doc["spec"], "f")
+    d = M.service_config(spec, "f", "ns").to_dict()
+    common = dict(host="0.0.0.0", port=50051, profile="fasth3", grace_s=900.0)
+    model = dict(checkpoint="/models/MiniMax-H3", dtype="bf16", device="cuda", encoder_tp=4, ulysses=4, ring=2,
+                 vae_pp=1)
+    assert StageConfig.from_service_config(d, "dit") == StageConfig(
+        stage="dit", **common, **model, adapter=spec.model.adapter.path, adapter_sha256=spec.model.adapter.sha256)
+    assert StageConfig.from_service_config(d, "vae") == StageConfig(stage="vae", **common, **model, transport="nixl")
+    assert StageConfig.from_service_config(d, "muxer") == StageConfig(stage="muxer", **common, mux_threads=8)
+    assert StageConfig.from_service_config(d, "gateway") == StageConfig(
+        stage="gateway", **common, transport="nixl", http_host="0.0.0.0", http_port=8000, queue_size=16,
+        encoder="f-encoder.ns.svc:50051", dit="f-dit.ns.svc:50051", vae="f-vae.ns.svc:50051",
+        muxer="f-muxer.ns.svc:50051")
+
+
 def test_without_the_service_config_argv_alone_configures_the_stage():
     from h3serve.cli import build_parser
     from h3serve.runtime.launcher import config_from_args

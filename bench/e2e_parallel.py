@@ -668,7 +668,7 @@ def _parse(argv=None) -> argparse.Namespace:
 def _config(args: argparse.Namespace) -> dict:
     import torch
 
-    from h3serve.distributed.world import ParallelDegrees
+    from h3serve.config.parallel import ParallelDegrees
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.world < 1:

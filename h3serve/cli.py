@@ -12,7 +12,7 @@ import sys
 import time
 
 from h3serve.config.stage import StageConfig
-from h3serve.config.vocab import MODEL_STAGES
+from h3serve.config.vocab import DEFAULT_DTYPE, DTYPES, GRPC_PORT, HTTP_PORT, MODEL_STAGES
 from h3serve.errors import H3Error
 
 EXIT_USER_ERROR = 2
@@ -33,7 +33,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--task", default="t2va", help="t2va | fl2va | ref2va")
     p.add_argument("--profile", default="base", help="base | fasth3")
     p.add_argument("--steps", default=None, help="sigma grid points incl. the terminal 0 (base default 50)")
-    p.add_argument("--dtype", default="fp32", help="fp32 | bf16")
+    p.add_argument("--dtype", default=DEFAULT_DTYPE, help=" | ".join(DTYPES))
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when present)")
     for flag, what in (("--encoder-tp", "text encoder tensor-parallel degree"),
                        ("--ulysses", "DiT Ulysses degree (divides the DiT's heads)"),
@@ -99,7 +99,7 @@ def _generate_remote(args: argparse.Namespace, t0: float) -> int:
     server_side = {"--device": args.device, "--adapter": args.adapter, "--adapter-sha256": args.adapter_sha256,
                    "--first-image": args.first_image, "--last-image": args.last_image,
                    "--reference": args.reference or None, "--checkpoint": args.checkpoint,
-                   "--dtype": None if args.dtype == "fp32" else args.dtype,
+                   "--dtype": None if args.dtype == DEFAULT_DTYPE else args.dtype,
                    "--profile": None if args.profile == "base" else args.profile}
     given = [flag for flag, value in server_side.items() if value is not None]
     if given:
@@ -150,10 +150,10 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     d = StageConfig()
     p.add_argument("--checkpoint", default=None, help="diffusers-format H3 folder (encoder, dit, vae stages)")
     p.add_argument("--stages", default="all", help="all, or a comma list of encoder,dit,vae,muxer,gateway")
-    p.add_argument("--port", type=int, default=50051,
+    p.add_argument("--port", type=int, default=GRPC_PORT,
                    help="gRPC port: of the one stage, or of the gateway with stages at +1..+4 (0: free ports)")
     p.add_argument("--http-port", type=int, default=None,
-                   help="HTTP API port of the gateway (0: a free port; default 8000 with the gateway, else none)")
+                   help=f"HTTP API port of the gateway (0: a free port; default {HTTP_PORT} with the gateway, else none)")
     p.add_argument("--host", default=d.host, help="bind address (default loopback)")
     p.add_argument("--http-host", default=d.http_host)
     p.add_argument("--advertise", default=None, help="address peers use to reach this stage (default host:port)")

@@ -39,7 +39,6 @@ from h3serve.errors import Cancelled, H3Error, MediaError, ProfileError, Request
 log = logging.getLogger("h3serve.errors")
 
 MD_CODE, MD_FIELD, MD_STAGE = "h3serve-code", "h3serve-field", "h3serve-stage"
-STAGES = ("gateway", "encoder", "dit", "vae", "muxer")
 
 
 # ---------------------------------------------------------------------------------------------------------------

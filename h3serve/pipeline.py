@@ -17,7 +17,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from h3serve.distributed.world import ParallelDegrees
+from h3serve.config.parallel import ParallelDegrees
+from h3serve.config.vocab import DEFAULT_DTYPE, PROFILES
 from h3serve.errors import CheckpointError, H3Error, ProfileError
 from h3serve.config.request import GenerationRequest
 
@@ -165,7 +166,7 @@ class Pipeline:
         profile: str = "base",
         adapter: str | None = None,
         adapter_sha256: str | None = None,
-        dtype: str = "fp32",
+        dtype: str = DEFAULT_DTYPE,
         device: str | None = None,
         tasks: Sequence[str] = ("t2va",),
         encoder_tp: int = 1,
@@ -183,7 +184,7 @@ class Pipeline:
         t0 = time.perf_counter()
         if dtype not in DTYPES:
             raise H3Error(f"dtype={dtype!r} is invalid: one of {', '.join(DTYPES)}")
-        if profile not in ("base", "fasth3"):
+        if profile not in PROFILES:
             raise ProfileError(f"profile={profile!r} is invalid: base or fasth3")
         if profile == "fasth3":
             if not adapter or not adapter_sha256:

@@ -22,6 +22,7 @@ import secrets
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, NamedTuple, Sequence
 
+from h3serve.config.vocab import DEFAULT_DTYPE, DTYPES, PROFILES, TASKS
 from h3serve.errors import RequestError
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -43,11 +44,7 @@ MIN_SECONDS, MAX_SECONDS = 4.0, 15.0
 MAX_PROMPT_CHARS = 20_000
 MAX_SEED = 2**63 - 1
 
-TASKS = ("t2va", "fl2va", "ref2va")
-PROFILES = ("base", "fasth3")
-DTYPES = ("fp32", "bf16")
 DEFAULT_SECONDS = 5.0
-DEFAULT_DTYPE = "bf16"
 DEFAULT_STEPS = {"base": 50, "fasth3": 5}   # grid points incl. the terminal 0: N points -> N-1 forwards
 BASE_STEPS_RANGE = (2, 1000)
 FASTH3_STEPS = 5                           # 4 forwards over 5 sigma positions; fixed by the distillation

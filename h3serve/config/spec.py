@@ -6,8 +6,8 @@ field, the value and what to change.
 
 The field table below is also the source of the CRD's OpenAPI schema (`h3serve.operator.crd`): each field's
 JSON name, documentation, default and bounds live in its `dataclasses.field(metadata=...)`. The cross-field
-rules are mirrored as CEL rules in the CRD; `CEL_RULES` lists them next to the Python checks so that the two
-cannot drift apart silently (tests compare their messages against a real API server).
+rules live in `h3serve.config.rules`, once: `validate` runs them here and the CRD carries them as CEL (tests
+compare their messages against a real API server).
 
 No kopf, grpc, av or torch imports here.
 """
@@ -22,15 +22,12 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from h3serve.config.rules import RULES
+from h3serve.config.vocab import (
+    DIST_PORT, DIT_HEADS, ENCODER_HEADS, ENCODER_KV_HEADS, GRPC_PORT, HEALTH_SERVICE, HTTP_PORT, PIPELINE_STAGES,
+    PROFILES,
+)
 from h3serve.errors import H3Error
-
-# ---- model facts the parallel layout must respect ------------------------------------------------------------
-
-ENCODER_HEADS = 64  # Qwen3-VL text model: query heads
-ENCODER_KV_HEADS = 8  # ... and key/value heads (GQA)
-DIT_HEADS = 56  # H3 DiT: 56 heads x 128
-ENCODER_TP_CHOICES = tuple(d for d in range(1, ENCODER_HEADS + 1) if ENCODER_HEADS % d == 0 and ENCODER_KV_HEADS % d == 0)
-DIT_SP_CHOICES = tuple(d for d in range(1, DIT_HEADS + 1) if DIT_HEADS % d == 0)
 
 GROUP = "h3serve.io"
 VERSION = "v1alpha1"
@@ -38,22 +35,9 @@ KIND = "H3Deployment"
 PLURAL = "h3deployments"
 API_VERSION = f"{GROUP}/{VERSION}"
 
-PROFILES = ("base", "fasth3")
 PLACEMENTS = ("colocated", "disaggregated")
 TRANSPORTS = ("grpc", "nixl")
-STAGES = ("encoder", "dit", "vae", "muxer")  # the model stages, in request order
-GPU_STAGES = ("encoder", "dit", "vae")
-
-# Ports every h3serve pod uses (the service config carries them to the processes).
-GRPC_PORT = 50051
-HTTP_PORT = 8000
-DIST_PORT = 29500  # torch.distributed rendezvous (MASTER_PORT)
-# `h3serve serve --stages all` (a colocated replica) puts the gateway on GRPC_PORT and the stages on loopback at
-# GRPC_PORT + these offsets.
-COLOCATED_PORT_OFFSETS = {"encoder": 1, "dit": 2, "vae": 3, "muxer": 4}
-# grpc.health.v1 service the probes check: "" = the whole server, SERVING once the weights are loaded and one
-# warm-up pass ran, NOT_SERVING again while it drains.
-HEALTH_SERVICE = ""
+MAX_REPLICA_GPUS = 1024  # a bound for the schema: GPUs of one stage replica (Ring has no head limit)
 
 NAME_MAX = 40  # leaves room for "-encoder-12" suffixes and StatefulSet pod / revision-hash labels (<= 63)
 _NAME_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -119,16 +103,13 @@ class ModelSpec:
     mount_path: str = f("mountPath", "Where model.volume is mounted in every pod.", "/models",
                         pattern="^/.*", maxLength=512)
     adapter: Optional[AdapterSpec] = f("adapter", "The FastH3 4-step adapter; required by profile fasth3.", None)
-    offload: bool = f("offload", "Keep weights in host memory and stream them to the GPU per block (less GPU "
-                      "memory, slower). Refused by profile fasth3.", False)
-    allow_request_lora: bool = f("allowRequestLora", "Let requests name their own LoRA. Refused by profile "
-                                 "fasth3 (its adapter is fused at load).", False)
 
 
 @dataclass(frozen=True)
 class EncoderSpec:
-    tensor_parallel: int = f("tensorParallel", "Tensor-parallel degree of the Qwen3-VL encoder (GPUs per "
-                             "encoder replica); must divide 64 query heads and 8 KV heads.", 1,
+    tensor_parallel: int = f("tensorParallel", "Tensor-parallel degree of the Qwen3-VL encoder (GPUs per encoder "
+                             f"replica); must divide the {ENCODER_HEADS} query heads, and divide the "
+                             f"{ENCODER_KV_HEADS} KV heads or be a multiple of them.", 1,
                              minimum=1, maximum=ENCODER_HEADS)
     replicas: Optional[int] = f("replicas", "Encoder replicas (disaggregated placement only; default 1).",
                                 None, minimum=0, maximum=1024)
@@ -144,11 +125,10 @@ class EncoderSpec:
 
 @dataclass(frozen=True)
 class DitSpec:
-    ulysses: int = f("ulysses", "Ulysses (head-split) sequence-parallel degree of the DiT.", 1,
-                     minimum=1, maximum=DIT_HEADS)
-    ring: int = f("ring", "Ring-attention sequence-parallel degree of the DiT.", 1, minimum=1, maximum=DIT_HEADS)
-    gpus: Optional[int] = f("gpus", "GPUs per DiT replica; optional, and when set it must equal ulysses x ring.",
-                            None, minimum=1, maximum=DIT_HEADS)
+    ulysses: int = f("ulysses", "Ulysses (head-split) sequence-parallel degree of the DiT; divides its "
+                     f"{DIT_HEADS} heads.", 1, minimum=1, maximum=DIT_HEADS)
+    ring: int = f("ring", "Ring-attention sequence-parallel degree of the DiT (any; GPUs per DiT replica = ulysses x "
+                  "ring).", 1, minimum=1, maximum=MAX_REPLICA_GPUS)
     replicas: Optional[int] = f("replicas", "DiT replicas (disaggregated placement only; default 1).", None,
                                 minimum=0, maximum=1024)
     resources: Optional[dict] = f("resources", "CPU/memory requests and limits of a DiT pod (colocated: of the "
@@ -165,7 +145,7 @@ class DitSpec:
 @dataclass(frozen=True)
 class VaeSpec:
     patch_parallel: int = f("patchParallel", "Patch-parallel degree of the VAE decode (tiles over ranks): 1 or "
-                            "the whole DiT group (dit.ulysses x dit.ring).", 1, minimum=1, maximum=DIT_HEADS)
+                            "the whole DiT group (dit.ulysses x dit.ring).", 1, minimum=1, maximum=MAX_REPLICA_GPUS)
     replicas: Optional[int] = f("replicas", "VAE replicas (disaggregated placement only; default 1).", None,
                                 minimum=0, maximum=1024)
     resources: Optional[dict] = f("resources", "CPU/memory requests and limits of a VAE pod; the GPU count is "
@@ -276,173 +256,41 @@ class H3DeploymentSpec:
 
 @dataclass(frozen=True)
 class ServiceConfig:
-    """What every h3serve process of one H3Deployment reads from /etc/h3serve/h3serve.yaml."""
+    """What every h3serve process of one H3Deployment reads from the file named by `$H3SERVE_CONFIG` (JSON, which
+    is YAML); each stage takes its slice with `StageConfig.from_service_config`."""
 
     name: str
     namespace: str
     spec: H3DeploymentSpec
     endpoints: dict  # stage -> "host:port" of the stage's gRPC Service (its leader pods)
+    dtype: str       # the model stages' engine dtype and device (the operator's choice for GPU pods)
+    device: str
 
     def to_dict(self) -> dict:
         return {
             "apiVersion": API_VERSION, "kind": "ServiceConfig", "name": self.name, "namespace": self.namespace,
             "ports": {"grpc": GRPC_PORT, "http": HTTP_PORT, "dist": DIST_PORT},
             "health": {"service": HEALTH_SERVICE},
+            "engine": {"dtype": self.dtype, "device": self.device},
             "endpoints": dict(self.endpoints), "spec": self.spec.to_dict(),
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> "ServiceConfig":
         return cls(name=d["name"], namespace=d["namespace"], spec=H3DeploymentSpec.from_dict(d["spec"]),
-                   endpoints=dict(d.get("endpoints", {})))
+                   endpoints=dict(d.get("endpoints", {})), dtype=d["engine"]["dtype"], device=d["engine"]["device"])
 
 
 # ---- validation --------------------------------------------------------------------------------------------------
 
-def _join(xs) -> str:
-    xs = [str(x) for x in xs]
-    return ", ".join(xs[:-1]) + " or " + xs[-1]
-
-
-# The cross-field rules, as (CRD location, field path for messages, CEL rule, CEL message expression).
-# `location` is the dotted path below `spec` whose schema carries the rule ("" = spec itself); `field_path` is the
-# CEL fieldPath (relative to that location). The Python checks in `validate` emit exactly the same messages.
-CEL_RULES: list[dict] = [
-    dict(location="encoder", field_path=".tensorParallel",
-         rule=f"{ENCODER_HEADS} % self.tensorParallel == 0 && {ENCODER_KV_HEADS} % self.tensorParallel == 0",
-         message_expression=(f"'encoder.tensorParallel=%d must divide the encoder\\'s {ENCODER_HEADS} query heads and "
-                             f"{ENCODER_KV_HEADS} KV heads: use {_join(ENCODER_TP_CHOICES)}'.format([self.tensorParallel])")),
-    dict(location="dit", field_path=".ulysses",
-         rule=f"{DIT_HEADS} % (self.ulysses * self.ring) == 0",
-         message_expression=(f"'dit.ulysses x dit.ring = %d must divide the DiT\\'s {DIT_HEADS} attention heads: make "
-                             f"the product one of {_join(DIT_SP_CHOICES)}'.format([self.ulysses * self.ring])")),
-    dict(location="dit", field_path=".gpus",
-         rule="!has(self.gpus) || self.gpus == self.ulysses * self.ring",
-         message_expression=("'dit.gpus=%d must equal dit.ulysses x dit.ring = %d (one GPU per sequence-parallel "
-                             "rank): change the degrees or drop dit.gpus'.format([self.gpus, self.ulysses * self.ring])")),
-    dict(location="", field_path=".vae.patchParallel",
-         rule="self.vae.patchParallel == 1 || self.vae.patchParallel == self.dit.ulysses * self.dit.ring",
-         message_expression=("'vae.patchParallel=%d must be 1 or the whole DiT group (dit.ulysses x dit.ring = %d)'"
-                             ".format([self.vae.patchParallel, self.dit.ulysses * self.dit.ring])")),
-    dict(location="", field_path=".model.adapter",
-         rule="self.profile != 'fasth3' || (has(self.model.adapter) && has(self.model.adapter.sha256))",
-         message_expression=("'profile fasth3 needs model.adapter with path and sha256 (the FastH3 4-step adapter "
-                             "file and its checksum)'")),
-    dict(location="", field_path=".model.offload",
-         rule="self.profile != 'fasth3' || !self.model.offload",
-         message_expression=("'profile fasth3 refuses model.offload: set model.offload to false (FastH3 keeps the "
-                             "fused weights on the GPU)'")),
-    dict(location="", field_path=".model.allowRequestLora",
-         rule="self.profile != 'fasth3' || !self.model.allowRequestLora",
-         message_expression=("'profile fasth3 refuses per-request LoRA: set model.allowRequestLora to false (the "
-                             "adapter is fused at load)'")),
-    dict(location="", field_path=".replicas",
-         rule="self.placement == 'colocated' || !has(self.replicas)",
-         message_expression=("'spec.replicas only applies to colocated placement: set encoder.replicas, "
-                             "dit.replicas, vae.replicas and muxer.replicas instead'")),
-    dict(location="", field_path=".placement",
-         rule=("self.placement == 'disaggregated' || (!has(self.encoder.replicas) && !has(self.dit.replicas) && "
-               "!has(self.vae.replicas) && !has(self.muxer.replicas) && !has(self.gateway.replicas))"),
-         message_expression=("'per-stage replicas only apply to disaggregated placement: with placement colocated "
-                             "set spec.replicas and remove encoder/dit/vae/muxer/gateway.replicas (each colocated "
-                             "replica runs its own gateway)'")),
-    dict(location="", field_path=".encoder.tensorParallel",
-         rule=("self.placement == 'disaggregated' || "
-               "(self.dit.ulysses * self.dit.ring) % self.encoder.tensorParallel == 0"),
-         message_expression=("'encoder.tensorParallel=%d must divide the %d GPUs of a colocated replica (dit.ulysses "
-                             "x dit.ring)'.format([self.encoder.tensorParallel, self.dit.ulysses * self.dit.ring])")),
-    dict(location="", field_path=".dit",
-         rule=("self.dit.ulysses * self.dit.ring <= self.gpusPerNode || "
-               "(self.dit.ulysses * self.dit.ring) % self.gpusPerNode == 0"),
-         message_expression=("'dit needs %d GPUs, more than gpusPerNode=%d: a stage larger than a node must span "
-                             "whole nodes (a multiple of gpusPerNode)'.format([self.dit.ulysses * self.dit.ring, "
-                             "self.gpusPerNode])")),
-    dict(location="", field_path=".encoder",
-         rule=("self.placement == 'colocated' || self.encoder.tensorParallel <= self.gpusPerNode || "
-               "self.encoder.tensorParallel % self.gpusPerNode == 0"),
-         message_expression=("'encoder needs %d GPUs, more than gpusPerNode=%d: a stage larger than a node must span "
-                             "whole nodes (a multiple of gpusPerNode)'.format([self.encoder.tensorParallel, "
-                             "self.gpusPerNode])")),
-    dict(location="", field_path=".model.path",
-         rule="!has(self.model.volume) || self.model.path.startsWith(self.model.mountPath + '/')",
-         message_expression=("'model.path %s must be inside model.mountPath %s, where model.volume is mounted'"
-                             ".format([self.model.path, self.model.mountPath])")),
-    dict(location="", field_path=".model.adapter.path",
-         rule=("!has(self.model.volume) || !has(self.model.adapter) || "
-               "self.model.adapter.path.startsWith(self.model.mountPath + '/')"),
-         message_expression=("'model.adapter.path %s must be inside model.mountPath %s, where model.volume is "
-                             "mounted'.format([self.model.adapter.path, self.model.mountPath])")),
-]
-
-
-def _cel_message(i: int, spec: H3DeploymentSpec) -> str:
-    """The message of CEL_RULES[i] rendered in Python (kept identical to the CEL messageExpression)."""
-    e, d, v, m = spec.encoder, spec.dit, spec.vae, spec.model
-    return [
-        lambda: (f"encoder.tensorParallel={e.tensor_parallel} must divide the encoder's {ENCODER_HEADS} query heads "
-                 f"and {ENCODER_KV_HEADS} KV heads: use {_join(ENCODER_TP_CHOICES)}"),
-        lambda: (f"dit.ulysses x dit.ring = {d.sp} must divide the DiT's {DIT_HEADS} attention heads: make the "
-                 f"product one of {_join(DIT_SP_CHOICES)}"),
-        lambda: (f"dit.gpus={d.gpus} must equal dit.ulysses x dit.ring = {d.sp} (one GPU per sequence-parallel "
-                 f"rank): change the degrees or drop dit.gpus"),
-        lambda: f"vae.patchParallel={v.patch_parallel} must be 1 or the whole DiT group (dit.ulysses x dit.ring = {d.sp})",
-        lambda: ("profile fasth3 needs model.adapter with path and sha256 (the FastH3 4-step adapter file and its "
-                 "checksum)"),
-        lambda: ("profile fasth3 refuses model.offload: set model.offload to false (FastH3 keeps the fused weights "
-                 "on the GPU)"),
-        lambda: ("profile fasth3 refuses per-request LoRA: set model.allowRequestLora to false (the adapter is fused "
-                 "at load)"),
-        lambda: ("spec.replicas only applies to colocated placement: set encoder.replicas, dit.replicas, "
-                 "vae.replicas and muxer.replicas instead"),
-        lambda: ("per-stage replicas only apply to disaggregated placement: with placement colocated set "
-                 "spec.replicas and remove encoder/dit/vae/muxer/gateway.replicas (each colocated replica runs its "
-                 "own gateway)"),
-        lambda: (f"encoder.tensorParallel={e.tensor_parallel} must divide the {d.sp} GPUs of a colocated replica "
-                 f"(dit.ulysses x dit.ring)"),
-        lambda: (f"dit needs {d.sp} GPUs, more than gpusPerNode={spec.gpus_per_node}: a stage larger than a node "
-                 f"must span whole nodes (a multiple of gpusPerNode)"),
-        lambda: (f"encoder needs {e.tensor_parallel} GPUs, more than gpusPerNode={spec.gpus_per_node}: a stage "
-                 f"larger than a node must span whole nodes (a multiple of gpusPerNode)"),
-        lambda: f"model.path {m.path} must be inside model.mountPath {m.mount_path}, where model.volume is mounted",
-        lambda: (f"model.adapter.path {m.adapter.path if m.adapter else ''} must be inside model.mountPath "
-                 f"{m.mount_path}, where model.volume is mounted"),
-    ][i]()
-
-
-def _cel_checks(s: H3DeploymentSpec) -> list[bool]:
-    """Python twins of CEL_RULES[i].rule (True = rule holds)."""
-    e, d, v, m = s.encoder, s.dit, s.vae, s.model
-    under = lambda p: p.startswith(m.mount_path + "/")  # noqa: E731
-    return [
-        ENCODER_HEADS % e.tensor_parallel == 0 and ENCODER_KV_HEADS % e.tensor_parallel == 0,
-        DIT_HEADS % d.sp == 0,
-        d.gpus is None or d.gpus == d.sp,
-        v.patch_parallel in (1, d.sp),
-        s.profile != "fasth3" or (m.adapter is not None and m.adapter.sha256 is not None),
-        s.profile != "fasth3" or not m.offload,
-        s.profile != "fasth3" or not m.allow_request_lora,
-        s.placement == "colocated" or s.replicas is None,
-        s.placement == "disaggregated" or all(getattr(s, st).replicas is None for st in (*STAGES, "gateway")),
-        s.placement == "disaggregated" or d.sp % e.tensor_parallel == 0,
-        d.sp <= s.gpus_per_node or d.sp % s.gpus_per_node == 0,
-        s.placement == "colocated" or e.tensor_parallel <= s.gpus_per_node or e.tensor_parallel % s.gpus_per_node == 0,
-        m.volume is None or under(m.path),
-        m.volume is None or m.adapter is None or under(m.adapter.path),
-    ]
-
-
-def _rule_field(i: int) -> str:
-    r = CEL_RULES[i]
-    return ("spec." + ".".join(x for x in (r["location"], r["field_path"].lstrip(".")) if x)).rstrip(".")
-
-
 def validate(spec: H3DeploymentSpec, name: str | None = None) -> list[tuple[str, str]]:
     """Every problem with a spec as (field, message); [] when valid.
 
-    The first group of rules is also enforced by the CRD (CEL) so the API server rejects them at `kubectl apply`;
-    the rest only the operator checks, and reports as SpecValid=False.
+    The cross-field rules (`h3serve.config.rules.RULES`) are also enforced by the CRD (CEL), so the API server
+    rejects them at `kubectl apply`; the rest only the operator checks, and reports as SpecValid=False.
     """
-    issues = [(_rule_field(i), _cel_message(i, spec)) for i, ok in enumerate(_cel_checks(spec)) if not ok]
+    doc = spec.to_dict()  # what the CEL rules see: defaults filled in, unset optionals absent
+    issues = [(f"spec.{r.field}", r.format(doc)) for r in RULES if not r.holds(doc)]
     if name is not None and (len(name) > NAME_MAX or not _NAME_RE.match(name)):
         issues.append(("metadata.name", f"name {name!r} must be at most {NAME_MAX} characters of a-z, 0-9 and '-', "
                                         f"start with a letter and end with a letter or digit"))
@@ -455,7 +303,7 @@ def _operator_only_checks(s: H3DeploymentSpec) -> list[tuple[str, str]]:
     if s.model.volume is not None and len(s.model.volume) != 1:
         issues.append(("spec.model.volume", f"model.volume must name exactly one volume source (e.g. "
                                             f"persistentVolumeClaim), found {sorted(s.model.volume) or 'none'}"))
-    for st in (*STAGES, "gateway"):
+    for st in (*PIPELINE_STAGES, "gateway"):
         res = getattr(s, st).resources or {}
         for kind in ("requests", "limits"):
             if s.gpu_resource_name in (res.get(kind) or {}):

@@ -1,8 +1,18 @@
-"""`StageConfig`: every knob of every stage process, one dataclass (a stage reads the ones it uses)."""
+"""`StageConfig`: every knob of every stage process, one dataclass (a stage reads the ones it uses).
+
+A process the operator starts finds its deployment's `ServiceConfig` at the path in `$H3SERVE_CONFIG`;
+`StageConfig.from_service_config` takes a stage's slice of it (`h3serve serve` on a laptop uses argv alone).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+from h3serve.config.spec import ServiceConfig
+from h3serve.config.vocab import DEFAULT_DTYPE, MODEL_STAGES, PIPELINE_STAGES, PORT_OFFSETS
+
+CONFIG_ENV = "H3SERVE_CONFIG"  # path of the mounted ServiceConfig
 
 @dataclass
 class StageConfig:
@@ -13,7 +23,7 @@ class StageConfig:
     profile: str = "base"
     adapter: str | None = None
     adapter_sha256: str | None = None
-    dtype: str = "fp32"
+    dtype: str = DEFAULT_DTYPE
     device: str | None = None
     threads: int = 0                 # torch intra-op threads of the engine (0: torch's default)
     host: str = "127.0.0.1"
@@ -53,6 +63,11 @@ class StageConfig:
     tmp_dir: str | None = None
     extra: dict = field(default_factory=dict)
 
+    @classmethod
+    def from_service_config(cls, service_config: dict, stage: str) -> "StageConfig":
+        """The StageConfig of `stage` in a deployment rendered as `service_config` (`ServiceConfig.to_dict()`)."""
+        return cls(**service_config_values(service_config, stage))
+
     @property
     def address(self) -> str:
         """The address peers use: --advertise, else host:port (loopback when bound to every interface)."""
@@ -61,3 +76,31 @@ class StageConfig:
 
 def connect_host(host: str) -> str:
     return "127.0.0.1" if host in ("", "0.0.0.0", "::", "[::]") else host
+
+
+def service_config_values(service_config: dict, stage: str) -> dict[str, Any]:
+    """The knobs of `stage` that a ServiceConfig sets (and only those: argv may fill the rest).
+
+    A colocated replica pod runs every stage (`--stages all`): each of its processes gets the model knobs, and the
+    stages listen on the pod's gRPC port + their offset. Disaggregated, a pod runs one stage on the gRPC port.
+    """
+    sc = ServiceConfig.from_dict(service_config)
+    spec, grpc_port = sc.spec, int(service_config["ports"]["grpc"])
+    colocated = spec.placement == "colocated"
+    port = grpc_port + PORT_OFFSETS[stage] if colocated else grpc_port
+    out: dict[str, Any] = {"stage": stage, "host": "0.0.0.0", "port": port, "profile": spec.profile,
+                           "grace_s": float(spec.drain_seconds)}
+    if colocated or stage in MODEL_STAGES:
+        out.update(checkpoint=spec.model.path, dtype=sc.dtype, device=sc.device,
+                   encoder_tp=spec.encoder.tensor_parallel, ulysses=spec.dit.ulysses, ring=spec.dit.ring,
+                   vae_pp=spec.vae.patch_parallel)
+    if (colocated or stage == "dit") and spec.model.adapter is not None:
+        out.update(adapter=spec.model.adapter.path, adapter_sha256=spec.model.adapter.sha256)
+    if colocated or stage in ("vae", "gateway"):  # the edges whose transport is chosen: VAE -> muxer, the plan
+        out["transport"] = spec.transport
+    if colocated or stage == "muxer":
+        out["mux_threads"] = spec.muxer.workers
+    if stage == "gateway":
+        out.update(http_host="0.0.0.0", http_port=int(service_config["ports"]["http"]),
+                   queue_size=spec.gateway.queue_size, **{s: sc.endpoints[s] for s in PIPELINE_STAGES})
+    return out

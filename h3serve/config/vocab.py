@@ -1,10 +1,36 @@
-"""The one vocabulary of h3serve: stage names, ports, gRPC service names, in one place."""
+"""The one vocabulary of h3serve: stages, tasks, profiles, dtypes, ports, gRPC service names and the model facts
+the parallel layout must respect. Everything else imports these names."""
 
 from __future__ import annotations
 
-STAGES = ("encoder", "dit", "vae", "muxer", "gateway")
-MODEL_STAGES = ("encoder", "dit", "vae")
+# ---- stages ---------------------------------------------------------------------------------------------------
+PIPELINE_STAGES = ("encoder", "dit", "vae", "muxer")  # the stages a request flows through, in order
+MODEL_STAGES = ("encoder", "dit", "vae")               # the ones that load weights and run on GPUs
+STAGES = (*PIPELINE_STAGES, "gateway")                 # every process `h3serve serve` can run
+START_ORDER = ("muxer", "vae", "dit", "encoder", "gateway")
 SERVICE_NAMES = {"encoder": "h3serve.v1.Encoder", "dit": "h3serve.v1.DiT", "vae": "h3serve.v1.VAE",
                  "muxer": "h3serve.v1.Muxer", "gateway": "h3serve.v1.Gateway"}
+
+# ---- what a request may ask for, and how the engines run ------------------------------------------------------
+TASKS = ("t2va", "fl2va", "ref2va")
+PROFILES = ("base", "fasth3")
+DTYPES = ("fp32", "bf16")
+# The engines' dtype when nobody names one (the embedded pipeline, `h3serve serve`, `h3serve generate`, a request
+# without dtype): fp32, what the pipeline and the services have always run in; the operator's GPU pods set bf16.
+DEFAULT_DTYPE = "fp32"
+
+# ---- ports ----------------------------------------------------------------------------------------------------
+GRPC_PORT = 50051
+HTTP_PORT = 8000
+DIST_PORT = 29500  # torch.distributed rendezvous (MASTER_PORT)
+# One host running several stages (`h3serve serve --stages all`, a colocated replica pod) puts the gateway on the
+# base gRPC port and each stage on the base port + its offset.
 PORT_OFFSETS = {"gateway": 0, "encoder": 1, "dit": 2, "vae": 3, "muxer": 4}
-START_ORDER = ("muxer", "vae", "dit", "encoder", "gateway")
+# grpc.health.v1 service the probes check: "" = the whole server, SERVING once the weights are loaded and one
+# warm-up pass ran, NOT_SERVING again while it drains.
+HEALTH_SERVICE = ""
+
+# ---- model facts (release checkpoint) the parallel degrees must respect ---------------------------------------
+ENCODER_HEADS = 64     # Qwen3-VL text model: query heads
+ENCODER_KV_HEADS = 8   # ... and key/value heads (GQA)
+DIT_HEADS = 56         # H3 DiT: 56 heads x 128

@@ -38,12 +38,13 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from h3serve.config.parallel import DegreeError, ParallelDegrees
 from h3serve.errors import Cancelled, H3Error
 
 log = logging.getLogger("h3serve.distributed.world")
 
 __all__ = [
-    "ParallelDegrees", "DegreeError", "Runtime", "StageHandle", "Local", "StageFailed",
+    "Runtime", "StageHandle", "Local", "StageFailed",
     "launch", "join_from_env", "free_port", "weights_digest", "check_identical",
 ]
 
@@ -51,82 +52,8 @@ HEARTBEAT_S = 0.5
 _CMD, _DONE, _HB, _SHUTDOWN = "h3/cmd/", "h3/done/", "h3/hb/", "__shutdown__"
 
 
-class DegreeError(H3Error, ValueError):
-    """A parallel degree cannot work with this model or this number of ranks; the message says what to change."""
-
-
 class StageFailed(H3Error):
     """A rank of the stage died or stopped answering; the stage is unhealthy until restarted."""
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Degrees: validated in one place
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-@dataclass(frozen=True)
-class ParallelDegrees:
-    """How the stages of one replica are split: encoder TP, DiT Ulysses x Ring, VAE patch parallel.
-
-    Every stage uses ranks [0, degree) of one world of `world_size` = max of the stage sizes processes.
-    """
-
-    encoder_tp: int = 1
-    ulysses: int = 1
-    ring: int = 1
-    vae_pp: int = 1
-
-    @property
-    def dit_world(self) -> int:
-        return self.ulysses * self.ring
-
-    @property
-    def world_size(self) -> int:
-        return max(self.encoder_tp, self.dit_world, self.vae_pp)
-
-    @property
-    def trivial(self) -> bool:
-        return self.world_size == 1
-
-    def validate(self, *, dit_heads: int = 56, encoder_heads: int = 64, encoder_kv_heads: int = 8,
-                 encoder_intermediate: int | None = None, world_size: int | None = None) -> "ParallelDegrees":
-        """Check every degree against the model's head counts (release defaults) and, if given, the world size.
-
-        Raises `DegreeError` with the allowed values. Encoder TP may exceed the KV head count only as a multiple of
-        it (each rank then holds a replica of the one KV head its query heads read: exact, at the cost of
-        recomputing that KV projection on several ranks).
-        """
-        for name in ("encoder_tp", "ulysses", "ring", "vae_pp"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise DegreeError(f"{name}={v!r} is invalid: a parallel degree is a positive integer (1 = off)")
-        if dit_heads % self.ulysses:
-            raise DegreeError(
-                f"ulysses={self.ulysses} does not divide the DiT's {dit_heads} attention heads (Ulysses gives each "
-                f"rank whole heads). Use ulysses in {_divisors(dit_heads)} and put the remaining factor of the DiT's "
-                f"GPUs into ring (ulysses x ring = GPUs of the DiT), e.g. 16 GPUs = ulysses 8 x ring 2.")
-        tp, h, kv = self.encoder_tp, encoder_heads, encoder_kv_heads
-        if h % tp or (kv % tp and tp % kv):
-            ok = [d for d in _divisors(h) if kv % d == 0 or d % kv == 0]
-            raise DegreeError(
-                f"encoder_tp={tp} cannot split the text encoder's {h} attention heads / {kv} KV heads: TP must "
-                f"divide the heads, and divide the KV heads or be a multiple of them. Use encoder_tp in {ok}.")
-        if encoder_intermediate is not None and encoder_intermediate % tp:
-            raise DegreeError(f"encoder_tp={tp} does not divide the encoder MLP width {encoder_intermediate}; "
-                              f"use a divisor of it")
-        if self.vae_pp not in (1, self.dit_world):
-            raise DegreeError(
-                f"vae_pp={self.vae_pp} is invalid: the VAE patch-parallel group is 1 or the whole DiT group "
-                f"(ulysses x ring = {self.dit_world}); set vae_pp to 1 or {self.dit_world}.")
-        if world_size is not None and world_size != self.world_size:
-            raise DegreeError(
-                f"WORLD_SIZE={world_size} but these degrees (encoder_tp={self.encoder_tp}, ulysses={self.ulysses}, "
-                f"ring={self.ring}, vae_pp={self.vae_pp}) need max(encoder_tp, ulysses x ring, vae_pp) = "
-                f"{self.world_size} ranks; start that many ranks or change the degrees.")
-        return self
 
 
 # ---------------------------------------------------------------------------------------------------------------------

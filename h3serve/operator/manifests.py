@@ -15,9 +15,11 @@ What it renders for an H3Deployment `<name>`:
 - A PodDisruptionBudget per component; NetworkPolicies: the front door takes traffic from anywhere on its gRPC and
   HTTP ports, everything else only from pods of the same H3Deployment.
 
-Every container runs `h3serve serve` with flags rendered from the spec; the whole spec is also mounted as the
-service config (`$H3SERVE_CONFIG`), and torch.distributed is wired by environment (MASTER_ADDR, MASTER_PORT,
-WORLD_SIZE, NNODES, NPROC_PER_NODE, NODE_RANK, RANK = the first global rank of the pod).
+Every container runs `h3serve serve --stages <its stages>`; everything else a process needs (degrees, profile,
+adapter, dtype, ports, peer addresses) it reads from the service config mounted at `$H3SERVE_CONFIG`
+(`h3serve.config.stage.StageConfig.from_service_config`). Only the pod's own address travels in argv
+(`--advertise $(POD_IP):port`, expanded by the kubelet). torch.distributed is wired by environment (MASTER_ADDR,
+MASTER_PORT, WORLD_SIZE, NNODES, NPROC_PER_NODE, NODE_RANK, RANK = the first global rank of the pod).
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ import hashlib
 import json
 from typing import Any
 
-from h3serve.config.spec import (
-    API_VERSION, COLOCATED_PORT_OFFSETS, DIST_PORT, GPU_STAGES, GRPC_PORT, HEALTH_SERVICE, HTTP_PORT, KIND, STAGES,
-    H3DeploymentSpec, ServiceConfig,
+from h3serve.config.spec import API_VERSION, KIND, H3DeploymentSpec, ServiceConfig
+from h3serve.config.stage import CONFIG_ENV
+from h3serve.config.vocab import (
+    DIST_PORT, GRPC_PORT, HEALTH_SERVICE, HTTP_PORT, MODEL_STAGES, PIPELINE_STAGES, PORT_OFFSETS,
 )
 
 MANAGER = "h3serve-operator"
@@ -42,6 +45,7 @@ LABEL_POD_INDEX = "apps.kubernetes.io/pod-index"  # set by the StatefulSet contr
 ANN_CONFIG_HASH = "h3serve.io/config-hash"
 ANN_GANG = "h3serve.io/gang-size"
 CONFIG_PATH = "/etc/h3serve/h3serve.yaml"
+SERVE_DTYPE, SERVE_DEVICE = "bf16", "cuda"  # how the model stages of every pod run
 RUN_AS = 65532
 GATEWAY = "gateway"
 ENGINE = "engine"
@@ -71,14 +75,14 @@ def selector(name: str, component: str) -> dict[str, str]:
 
 def components(spec: H3DeploymentSpec) -> list[str]:
     """The workload components of a spec: the engine (colocated), or each stage then the gateway."""
-    return [ENGINE] if spec.placement == "colocated" else [*STAGES, GATEWAY]
+    return [ENGINE] if spec.placement == "colocated" else [*PIPELINE_STAGES, GATEWAY]
 
 
 def component_gpus(spec: H3DeploymentSpec, component: str) -> int:
     """GPUs (= ranks) of one replica of a component."""
     if component == ENGINE:
         return spec.dit.sp
-    if component in GPU_STAGES:
+    if component in MODEL_STAGES:
         return spec.stage_gpus(component)
     return 0
 
@@ -105,9 +109,9 @@ def endpoints(spec: H3DeploymentSpec, name: str, namespace: str) -> dict[str, st
     """stage -> "host:port": a stage's Service, or (colocated) the stage's loopback port inside the replica pod."""
     host = lambda comp: f"{name}-{comp}.{namespace}.svc:{GRPC_PORT}"  # noqa: E731
     if spec.placement == "colocated":
-        out = {st: f"127.0.0.1:{GRPC_PORT + COLOCATED_PORT_OFFSETS[st]}" for st in STAGES}
+        out = {st: f"127.0.0.1:{GRPC_PORT + PORT_OFFSETS[st]}" for st in PIPELINE_STAGES}
     else:
-        out = {st: host(st) for st in STAGES}
+        out = {st: host(st) for st in PIPELINE_STAGES}
     out[GATEWAY] = host(GATEWAY)
     return out
 
@@ -118,7 +122,8 @@ def public_endpoints(name: str, namespace: str) -> dict[str, str]:
 
 
 def service_config(spec: H3DeploymentSpec, name: str, namespace: str) -> ServiceConfig:
-    return ServiceConfig(name=name, namespace=namespace, spec=spec, endpoints=endpoints(spec, name, namespace))
+    return ServiceConfig(name=name, namespace=namespace, spec=spec, endpoints=endpoints(spec, name, namespace),
+                         dtype=SERVE_DTYPE, device=SERVE_DEVICE)
 
 
 def _dump_yaml_like(d: Any) -> str:
@@ -237,7 +242,7 @@ def _grpc_probe(period: int, failures: int, timeout: int = 5) -> dict:
 
 def _env(spec: H3DeploymentSpec, comp: str) -> list[dict]:
     env = [
-        {"name": "H3SERVE_CONFIG", "value": CONFIG_PATH},
+        {"name": CONFIG_ENV, "value": CONFIG_PATH},
         {"name": "H3SERVE_COMPONENT", "value": comp},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
@@ -264,38 +269,16 @@ def _dist_env(world: int, per_pod: int, nnodes: int, master: str, gang: bool) ->
     return env
 
 
-def serve_args(spec: H3DeploymentSpec, name: str, namespace: str, comp: str) -> list[str]:
-    """The `h3serve serve` command line of a component."""
-    stages = "all" if comp == ENGINE else comp
-    args = ["h3serve", "serve", "--stages", stages, "--host", "0.0.0.0", "--port", str(GRPC_PORT),
-            "--grace-s", str(spec.drain_seconds), "--profile", spec.profile]
-    if comp in (ENGINE, *GPU_STAGES):
-        args += ["--checkpoint", spec.model.path, "--device", "cuda", "--dtype", "bf16"]
-        # Every model stage gets all four degrees (they are validated together: VAE PP is 1 or the DiT group) and
-        # runs its own: encoder TP, DiT Ulysses x Ring, VAE PP ranks, one per GPU of the pod (or of the gang).
-        args += ["--encoder-tp", str(spec.encoder.tensor_parallel), "--ulysses", str(spec.dit.ulysses),
-                 "--ring", str(spec.dit.ring), "--vae-pp", str(spec.vae.patch_parallel)]
-    if comp in (ENGINE, "dit") and spec.model.adapter is not None:
-        args += ["--adapter", spec.model.adapter.path]
-        if spec.model.adapter.sha256:
-            args += ["--adapter-sha256", spec.model.adapter.sha256]
-    if comp in (ENGINE, "vae", GATEWAY):
-        args += ["--transport", spec.transport]
-    if comp in (ENGINE, "muxer"):
-        args += ["--mux-threads", str(spec.muxer.workers)]
-    if front(comp):
-        args += ["--http-host", "0.0.0.0", "--http-port", str(HTTP_PORT), "--queue-size", str(spec.gateway.queue_size)]
-    if comp == GATEWAY:
-        for st, addr in endpoints(spec, name, namespace).items():
-            if st != GATEWAY:
-                args += [f"--{st}", addr]
-    if comp in STAGES:  # peers (the VAE streaming to a muxer) reach this very pod
+def serve_args(comp: str) -> list[str]:
+    """The `h3serve serve` command line of a component: its stages; the rest is in the mounted service config."""
+    args = ["h3serve", "serve", "--stages", "all" if comp == ENGINE else comp]
+    if comp in PIPELINE_STAGES:  # peers (the VAE streaming to a muxer) reach this very pod
         args += ["--advertise", f"$(POD_IP):{GRPC_PORT}"]
     return args
 
 
-def _command(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, gang: bool) -> tuple[list[str], list[str]]:
-    serve = serve_args(spec, name, namespace, comp)
+def _command(comp: str, gang: bool) -> tuple[list[str], list[str]]:
+    serve = serve_args(comp)
     if not gang:
         return serve, []
     # RANK = the global rank of this pod's first process (its local ranks follow); the leader (ordinal 0) is rank 0.
@@ -321,7 +304,7 @@ def _pod_template(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, 
     if comp != GATEWAY and comp != "muxer" and spec.model.volume is not None:
         mounts.append({"name": "model", "mountPath": spec.model.mount_path, "readOnly": True})
         volumes.append({"name": "model", **_readonly_volume(spec.model.volume)})
-    command, args = _command(spec, name, namespace, comp, gang)
+    command, args = _command(comp, gang)
     container = {
         "name": comp,
         "image": spec.image,

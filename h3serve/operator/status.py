@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from h3serve.config.spec import H3DeploymentSpec
+from h3serve.config.vocab import PIPELINE_STAGES
 from h3serve.operator import manifests as M
-from h3serve.config.spec import STAGES, H3DeploymentSpec
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ def compute(*, name: str, namespace: str, generation: int, spec: H3DeploymentSpe
     stages: dict[str, dict] = {}
     for comp in sorted(comp_desired, key=_order):
         entry = {"ready": comp_ready[comp], "desired": comp_desired[comp]}
-        for st in ((*STAGES, M.GATEWAY) if comp == M.ENGINE else (comp,)):
+        for st in ((*PIPELINE_STAGES, M.GATEWAY) if comp == M.ENGINE else (comp,)):
             stages[st] = dict(entry)
 
     valid = spec is not None and not issues
@@ -185,7 +186,7 @@ def compute(*, name: str, namespace: str, generation: int, spec: H3DeploymentSpe
 
 
 def _order(comp: str) -> int:
-    order = [M.ENGINE, *STAGES, M.GATEWAY]
+    order = [M.ENGINE, *PIPELINE_STAGES, M.GATEWAY]
     return order.index(comp) if comp in order else len(order)
 
 

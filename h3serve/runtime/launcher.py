@@ -14,16 +14,18 @@ ports when --port is 0); HTTP = --http-port (a free port when 0).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import fields
+from dataclasses import fields, replace
+from typing import Mapping
 
-from h3serve.config.stage import StageConfig, connect_host
-from h3serve.config.vocab import MODEL_STAGES, PORT_OFFSETS, STAGES, START_ORDER
+from h3serve.config.stage import CONFIG_ENV, StageConfig, connect_host, service_config_values
+from h3serve.config.vocab import HTTP_PORT, MODEL_STAGES, PORT_OFFSETS, STAGES, START_ORDER
 from h3serve.distributed.world import free_port
 from h3serve.errors import H3Error, RequestError
 from h3serve.runtime import ranks as stage_ranks
@@ -188,28 +190,37 @@ class Launcher:
         return 0
 
 
-def config_from_args(args: argparse.Namespace, stage: str) -> StageConfig:
+def config_from_args(args: argparse.Namespace, stage: str, environ: Mapping[str, str] = os.environ) -> StageConfig:
+    """The StageConfig of `stage` from argv and, when `$H3SERVE_CONFIG` names one, the operator's service config.
+
+    The file wins: what it sets (degrees, profile, adapter, dtype, ports, peer addresses) is the deployment's truth;
+    argv fills the knobs it does not carry (threads, warm-up, --advertise, ...).
+    """
     values = {f.name: getattr(args, f.name) for f in fields(StageConfig)
               if hasattr(args, f.name) and getattr(args, f.name) is not None}
     values["stage"] = stage
     values["warmup"] = not getattr(args, "no_warmup", False)
+    path = environ.get(CONFIG_ENV)
+    if path:
+        with open(path) as fh:
+            values.update(service_config_values(json.load(fh), stage))  # the renderer writes JSON (which is YAML)
     return StageConfig(**values)
 
 
 def serve_main(args: argparse.Namespace, servicers: dict[str, ServicerFactory]) -> int:
     """`h3serve serve`: one stage in this process, or the launcher for several (see the module docstring)."""
     stages = parse_stages(args.stages)
-    if args.http_port is None and "gateway" in stages:
-        args.http_port = 8000
-    if any(s in MODEL_STAGES for s in stages) and not args.checkpoint:
+    config = config_from_args(args, stages[0] if len(stages) == 1 else "gateway")
+    if config.http_port is None and "gateway" in stages:
+        config = replace(config, http_port=HTTP_PORT)
+    if any(s in MODEL_STAGES for s in stages) and not config.checkpoint:
         raise H3Error("--checkpoint DIR is required to serve " + ", ".join(s for s in stages if s in MODEL_STAGES))
-    degrees = stage_ranks.validate_degrees(stage_ranks.degrees_of(args), args.checkpoint)
+    degrees = stage_ranks.validate_degrees(stage_ranks.degrees_of(config), config.checkpoint)
     env = stage_ranks.dist_env() if any(stage_ranks.stage_degree(degrees, s) > 1 for s in stages) else None
     if env is not None and len(stages) > 1:
         raise H3Error(f"--stages {args.stages} with RANK/WORLD_SIZE of a multi-node or torchrun world: each model "
                       "stage is its own world there; run one stage per process (--stages encoder|dit|vae)")
     if len(stages) == 1:
-        config = config_from_args(args, stages[0])
         if env is not None and env["rank"] != 0:   # a joined rank other than 0: its part of the model, no gRPC
             return stage_ranks.run_peer(stages[0], config, degrees)
         if stages[0] == "gateway":
@@ -219,12 +230,11 @@ def serve_main(args: argparse.Namespace, servicers: dict[str, ServicerFactory]) 
                               " ".join(f"--{s} HOST:PORT" for s in missing))
         return run_stage(config, servicers[stages[0]])
     if "gateway" in stages:
-        missing = [s for s in MODEL_STAGES + ("muxer",) if s not in stages and not getattr(args, s, None)]
+        missing = [s for s in MODEL_STAGES + ("muxer",) if s not in stages and not getattr(config, s)]
         if missing:
             raise H3Error("the gateway needs every stage: serve them here or give " +
                           " ".join(f"--{s} HOST:PORT" for s in missing))
-    config = config_from_args(args, "gateway")
-    launcher = Launcher(config, stages, base_port=args.port, http_port=args.http_port,
+    launcher = Launcher(config, stages, base_port=config.port, http_port=config.http_port,
                         start_timeout=args.start_timeout, restart=not args.no_restart,
                         log_level=args.log_level, json_output=args.json)
     stop = threading.Event()

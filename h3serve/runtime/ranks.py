@@ -38,7 +38,9 @@ from typing import Any, Iterator
 
 import torch
 
-from h3serve.distributed.world import DegreeError, ParallelDegrees, StageHandle
+from h3serve.config.parallel import DegreeError, ParallelDegrees
+from h3serve.config.vocab import DIST_PORT
+from h3serve.distributed.world import StageHandle
 from h3serve.distributed.world import StageFailed as RankFailed
 from h3serve.errors import H3Error
 
@@ -182,7 +184,7 @@ def _spawn_node_peers(env: dict[str, int], build, args: tuple, timeout_s: float,
 
     from h3serve.distributed.world import _peer_main
 
-    addr, port = os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", "29500"))
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", DIST_PORT))
     ctx = mp.get_context("spawn")
     keep = {k: v for k, v in os.environ.items() if k.startswith(("H3SERVE", "HF_", "TRANSFORMERS", "OMP_"))}
     procs = []

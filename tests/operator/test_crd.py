@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
+import string
 import typing
 
 import jsonschema
@@ -12,6 +14,7 @@ import pytest
 import yaml
 
 from h3serve.config import spec as S
+from h3serve.config.rules import RULES, Expr
 from h3serve.operator import crd
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -57,7 +60,7 @@ def test_schema_mirrors_every_spec_field_and_default():
     _walk(S.H3DeploymentSpec, crd.spec_schema())
 
 
-def test_every_cel_rule_is_in_the_schema():
+def test_every_rule_is_in_the_schema():
     rules = []
 
     def collect(node):
@@ -66,8 +69,31 @@ def test_every_cel_rule_is_in_the_schema():
             collect(sub)
 
     collect(crd.spec_schema())
-    assert len(rules) == len(S.CEL_RULES)
-    assert all("messageExpression" in r and r["fieldPath"].startswith(".") for r in rules)
+    assert rules == [{"rule": r.check.cel(), "messageExpression": r.cel_message(), "fieldPath": "." + r.field,
+                      "reason": "FieldValueInvalid"} for r in RULES]
+    schema = crd.spec_schema()
+    for r in RULES:  # each fieldPath names a field of the schema
+        node = schema
+        for part in r.field.split("."):
+            node = node["properties"][part]
+
+
+def _eval_message_expression(r, doc: dict) -> str:
+    """Evaluate a generated messageExpression, `"<text>".format([<args>])` or a bare literal, the way CEL does."""
+    text, end = json.JSONDecoder().raw_decode(r.cel_message())
+    args = [a for _, name, _, _ in string.Formatter().parse(r.message) if name is not None
+            for a in [r.args[name]] if isinstance(a, Expr)]
+    tail = r.cel_message()[end:]
+    assert tail == (f".format([{', '.join(a.cel() for a in args)}])" if args else ""), tail
+    return text % tuple(a.value(doc) for a in args)  # %d / %s / %% mean the same in CEL's format
+
+
+def test_message_expressions_say_what_python_says():
+    doc = S.H3DeploymentSpec.from_dict({
+        "image": "i", "profile": "fasth3", "model": {"path": "/m/H3", "adapter": {"path": "/x/a", "sha256": "0" * 64}},
+        "encoder": {"tensorParallel": 3}, "dit": {"ulysses": 3, "ring": 2}, "vae": {"patchParallel": 5}}).to_dict()
+    for r in RULES:
+        assert _eval_message_expression(r, doc) == r.format(doc), r.field
 
 
 def _plain_jsonschema(node):

@@ -188,32 +188,80 @@ def test_scaling_gangs_adds_statefulsets():
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
-def test_rendered_commands_parse_with_the_real_cli(path):
-    """Every container's argv is a valid `h3serve serve` command line, carrying the spec's settings."""
+def test_pods_read_their_stage_config_from_the_mounted_service_config(path, tmp_path):
+    """Every container's argv parses with the real CLI; with the rendered ServiceConfig mounted, each process it
+    starts gets the StageConfig it needs (degrees, profile, adapter, dtype, ports, peer addresses)."""
     from h3serve.cli import build_parser
+    from h3serve.config.stage import CONFIG_ENV
+    from h3serve.runtime.launcher import config_from_args, parse_stages
 
     parser = build_parser()
     doc = yaml.safe_load(path.read_text())
-    spec = parse_and_validate(doc["spec"], doc["metadata"]["name"])
-    for w, pod in pods(render_example(path)):
+    name = doc["metadata"]["name"]
+    spec = parse_and_validate(doc["spec"], name)
+    objs = render_example(path)
+    cfg = tmp_path / "h3serve.yaml"
+    cfg.write_text([o for o in objs if o["kind"] == "ConfigMap"][0]["data"]["h3serve.yaml"])
+    environ = {CONFIG_ENV: str(cfg)}
+    colocated = spec.placement == "colocated"
+    for w, pod in pods(objs):
         c = pod["containers"][0]
         argv = c.get("args") or c["command"]
         assert argv[:2] == ["h3serve", "serve"]
+        assert {e["name"]: e.get("value") for e in c["env"]}[CONFIG_ENV] == M.CONFIG_PATH
+        assert not {"--ulysses", "--ring", "--encoder-tp", "--vae-pp", "--profile", "--dtype"} & set(argv)
         ns = parser.parse_args(argv[1:])
-        assert ns.cmd == "serve" and ns.port == 50051 and ns.host == "0.0.0.0" and ns.profile == spec.profile
-        assert ns.grace_s == spec.drain_seconds <= pod["terminationGracePeriodSeconds"] - 30
         comp = w["metadata"]["labels"][M.LABEL_COMPONENT]
-        if comp in ("engine", "encoder", "dit", "vae"):
-            assert ns.checkpoint == spec.model.path
-            assert (ns.encoder_tp, ns.ulysses, ns.ring, ns.vae_pp) == (
-                spec.encoder.tensor_parallel, spec.dit.ulysses, spec.dit.ring, spec.vae.patch_parallel)
-        if comp in ("engine", "dit") and spec.profile == "fasth3":
-            assert (ns.adapter, ns.adapter_sha256) == (spec.model.adapter.path, spec.model.adapter.sha256)
-        if comp in ("engine", "muxer"):
-            assert ns.mux_threads == spec.muxer.workers
-        if comp == "gateway":
-            assert ns.dit == f"{doc['metadata']['name']}-dit.h3.svc:50051" and ns.http_port == 8000
-            assert ns.queue_size == spec.gateway.queue_size
+        # the processes of this pod: one stage, or (colocated) every stage under the launcher
+        for stage in parse_stages(ns.stages):
+            sc = config_from_args(ns, stage, environ)
+            assert (sc.stage, sc.host, sc.profile, sc.grace_s) == (stage, "0.0.0.0", spec.profile, spec.drain_seconds)
+            assert spec.drain_seconds <= pod["terminationGracePeriodSeconds"] - 30
+            assert sc.port == 50051 + (M.PORT_OFFSETS[stage] if colocated else 0)
+            if colocated or stage in ("encoder", "dit", "vae"):
+                assert (sc.checkpoint, sc.dtype, sc.device) == (spec.model.path, "bf16", "cuda")
+                assert (sc.encoder_tp, sc.ulysses, sc.ring, sc.vae_pp) == (
+                    spec.encoder.tensor_parallel, spec.dit.ulysses, spec.dit.ring, spec.vae.patch_parallel)
+            if (colocated or stage == "dit") and spec.profile == "fasth3":
+                assert (sc.adapter, sc.adapter_sha256) == (spec.model.adapter.path, spec.model.adapter.sha256)
+            if colocated or stage == "muxer":
+                assert sc.mux_threads == spec.muxer.workers
+            if stage == "gateway":
+                assert (sc.http_host, sc.http_port, sc.queue_size) == ("0.0.0.0", 8000, spec.gateway.queue_size)
+                want = (f"127.0.0.1:{50051 + M.PORT_OFFSETS['dit']}" if colocated else f"{name}-dit.h3.svc:50051")
+                assert sc.dit == want
+            if not colocated and stage != "gateway":  # peers reach this very pod
+                assert sc.advertise == "$(POD_IP):50051"
+        if comp == "engine":
+            assert ns.stages == "all"
+
+
+def test_stage_config_is_a_slice_of_the_rendered_service_config():
+    from h3serve.config.stage import StageConfig
+
+    doc = yaml.safe_load((ROOT / "examples" / "fasth3-disaggregated.yaml").read_text())
+    spec = parse_and_validate(doc["spec"], "f")
+    d = M.service_config(spec, "f", "ns").to_dict()
+    common = dict(host="0.0.0.0", port=50051, profile="fasth3", grace_s=900.0)
+    model = dict(checkpoint="/models/MiniMax-H3", dtype="bf16", device="cuda", encoder_tp=4, ulysses=4, ring=2,
+                 vae_pp=1)
+    assert StageConfig.from_service_config(d, "dit") == StageConfig(
+        stage="dit", **common, **model, adapter=spec.model.adapter.path, adapter_sha256=spec.model.adapter.sha256)
+    assert StageConfig.from_service_config(d, "vae") == StageConfig(stage="vae", **common, **model, transport="nixl")
+    assert StageConfig.from_service_config(d, "muxer") == StageConfig(stage="muxer", **common, mux_threads=8)
+    assert StageConfig.from_service_config(d, "gateway") == StageConfig(
+        stage="gateway", **common, transport="nixl", http_host="0.0.0.0", http_port=8000, queue_size=16,
+        encoder="f-encoder.ns.svc:50051", dit="f-dit.ns.svc:50051", vae="f-vae.ns.svc:50051",
+        muxer="f-muxer.ns.svc:50051")
+
+
+def test_without_the_service_config_argv_alone_configures_the_stage():
+    from h3serve.cli import build_parser
+    from h3serve.runtime.launcher import config_from_args
+
+    ns = build_parser().parse_args(["serve", "--stages", "dit", "--checkpoint", "/c", "--ulysses", "2"])
+    sc = config_from_args(ns, "dit", {})
+    assert (sc.checkpoint, sc.ulysses, sc.dtype, sc.port) == ("/c", 2, "fp32", 50051)
 
 
 def test_network_policies_expose_only_the_gateway():
@@ -254,4 +302,4 @@ def test_cli_render(tmp_path):
                                                                        "dit": {"ulysses": 3}}}))
     r = subprocess.run([sys.executable, "-m", "h3serve.operator.cli", "render", "-f", str(bad)],
                        capture_output=True, text=True)
-    assert r.returncode == 2 and "dit.ulysses x dit.ring = 3 must divide" in r.stderr and not r.stdout
+    assert r.returncode == 2 and "dit.ulysses=3 must divide" in r.stderr and not r.stdout

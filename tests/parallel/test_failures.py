@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from h3serve.distributed.world import DegreeError, ParallelDegrees, StageFailed, launch
+from h3serve.config.parallel import DegreeError, ParallelDegrees
+from h3serve.distributed.world import StageFailed, launch
 
 from .workers import build_suite, dit_inputs, dit_request
 

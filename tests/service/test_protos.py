@@ -3,10 +3,11 @@ is documented with its shape, dtype and units."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,15 @@ PROTOS = REPO / "protos" / "h3serve" / "v1"
 
 
 def test_generated_modules_are_current():
-    if version("grpcio-tools") != proto_pkg.GENERATED_WITH:
-        pytest.skip(f"generated with grpcio-tools {proto_pkg.GENERATED_WITH}, {version('grpcio-tools')} installed")
+    try:
+        tools = version("grpcio-tools")
+    except PackageNotFoundError:
+        tools = "no grpcio-tools"
+    if tools != proto_pkg.GENERATED_WITH:
+        why = f"generated with grpcio-tools {proto_pkg.GENERATED_WITH}, {tools} installed"
+        if os.environ.get("CI"):  # CI must check them: a skip there would hide stale modules
+            pytest.fail(f"{why}: install grpcio-tools=={proto_pkg.GENERATED_WITH}")
+        pytest.skip(why)  # a developer machine without that grpcio-tools
     r = subprocess.run([sys.executable, "-m", "h3serve._proto.generate", "--check"], capture_output=True, text=True,
                        cwd=REPO, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from h3serve.config.vocab import DEFAULT_DTYPE
 from h3serve.errors import ProfileError, RequestError
 from h3serve.config.request import (
     CANVAS_MAX_PIXELS,
@@ -65,10 +66,24 @@ def test_good_durations(seconds, frames, latents, audio_latents):
     assert audio_latents_for_frames(frames) == audio_latents
 
 
+def test_one_dtype_default():
+    import inspect
+
+    from h3serve.cli import build_parser
+    from h3serve.config.stage import StageConfig
+    from h3serve.pipeline import Pipeline
+
+    parser = build_parser()
+    assert validate_request(prompt="p").dtype == GenerationRequest(prompt="p").dtype == DEFAULT_DTYPE
+    assert StageConfig().dtype == inspect.signature(Pipeline.load).parameters["dtype"].default == DEFAULT_DTYPE
+    assert parser.parse_args(["serve"]).dtype == DEFAULT_DTYPE
+    assert parser.parse_args(["generate", "--prompt", "p", "-o", "x.mp4"]).dtype == DEFAULT_DTYPE
+
+
 def test_defaults():
     request = validate_request(prompt="a cat", seed=1)
     assert request == GenerationRequest(prompt="a cat", seed=1)
-    assert (request.task, request.profile, request.dtype, request.fps) == ("t2va", "base", "bf16", 24)
+    assert (request.task, request.profile, request.dtype, request.fps) == ("t2va", "base", DEFAULT_DTYPE, 24)
     assert (request.width, request.height) == (1344, 768)
     assert (request.latent_width, request.latent_height) == (84, 48)
     assert (request.steps, request.num_forwards) == (50, 49)

@@ -8,10 +8,9 @@ import pathlib
 import pytest
 import yaml
 
-from h3serve.config.spec import (
-    CEL_RULES, DIT_SP_CHOICES, ENCODER_TP_CHOICES, H3DeploymentSpec, ServiceConfig, SpecError, parse_and_validate,
-    validate,
-)
+from h3serve.config.parallel import DegreeError, ParallelDegrees, encoder_tp_choices, ulysses_choices
+from h3serve.config.rules import RULES
+from h3serve.config.spec import H3DeploymentSpec, ServiceConfig, SpecError, parse_and_validate, validate
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -60,35 +59,43 @@ def test_examples_cover_each_profile_and_placement():
     assert seen == {(p, q) for p in ("base", "fasth3") for q in ("colocated", "disaggregated")}
 
 
+def _runtime_accepts(**degrees) -> bool:
+    try:
+        ParallelDegrees(**degrees).validate()
+    except DegreeError:
+        return False
+    return True
+
+
 @pytest.mark.parametrize("tp", range(1, 65))
-def test_encoder_tp_divides_64_heads_and_8_kv_heads(tp):
-    d = base(placement="disaggregated", encoder={"tensorParallel": tp})
-    msgs = messages(d)
-    if 64 % tp == 0 and 8 % tp == 0:
-        assert not any("encoder.tensorParallel" in m for m in msgs)
-    else:
-        assert f"encoder.tensorParallel={tp} must divide the encoder's 64 query heads and 8 KV heads: use 1, 2, 4 or 8" in msgs
-    assert ENCODER_TP_CHOICES == (1, 2, 4, 8)
+def test_encoder_tp_is_the_runtime_rule(tp):
+    # divides the 64 query heads, and divides the 8 KV heads or is a multiple of them: what the runtime accepts
+    d = base(placement="disaggregated", gpusPerNode=64, encoder={"tensorParallel": tp})
+    msgs = [m for m in messages(d) if m.startswith(f"encoder.tensorParallel={tp} cannot split")]
+    assert (not msgs) == _runtime_accepts(encoder_tp=tp) == (64 % tp == 0 and (8 % tp == 0 or tp % 8 == 0))
+    if msgs:
+        assert msgs == [f"encoder.tensorParallel={tp} cannot split the encoder's 64 query heads / 8 KV heads (it must "
+                        f"divide the heads, and divide the KV heads or be a multiple of them): use 1, 2, 4, 8, 16, 32 "
+                        f"or 64"]
+    assert encoder_tp_choices() == [1, 2, 4, 8, 16, 32, 64]
 
 
 @pytest.mark.parametrize("u,r", [(u, r) for u in (1, 2, 3, 4, 7, 8, 14) for r in (1, 2, 4, 5)])
-def test_dit_ulysses_times_ring_divides_56_heads(u, r):
+def test_dit_ulysses_divides_56_heads_and_ring_is_free(u, r):
     d = base(placement="disaggregated", gpusPerNode=64, dit={"ulysses": u, "ring": r})
-    msgs = messages(d)
-    bad = [m for m in msgs if "56 attention heads" in m]
-    if 56 % (u * r) == 0:
-        assert not bad
-    else:
-        assert bad == [f"dit.ulysses x dit.ring = {u * r} must divide the DiT's 56 attention heads: make the product "
-                       f"one of 1, 2, 4, 7, 8, 14, 28 or 56"]
-    assert DIT_SP_CHOICES == (1, 2, 4, 7, 8, 14, 28, 56)
+    bad = [m for m in messages(d) if "56 attention heads" in m]
+    assert (not bad) == _runtime_accepts(ulysses=u, ring=r) == (56 % u == 0)
+    if bad:
+        assert bad == [f"dit.ulysses={u} must divide the DiT's 56 attention heads (Ulysses gives each rank whole "
+                       f"heads): use 1, 2, 4, 7, 8, 14, 28 or 56 and put the rest of the DiT's GPUs into dit.ring "
+                       f"(dit.ulysses x dit.ring = GPUs of the DiT)"]
+    assert ulysses_choices() == [1, 2, 4, 7, 8, 14, 28, 56]
 
 
-def test_dit_gpus_must_equal_the_group():
-    assert "spec.dit.gpus" not in fields(base(dit={"ulysses": 4, "ring": 2, "gpus": 8}))
-    msgs = messages(base(dit={"ulysses": 4, "ring": 1, "gpus": 8}))
-    assert ("dit.gpus=8 must equal dit.ulysses x dit.ring = 4 (one GPU per sequence-parallel rank): change the "
-            "degrees or drop dit.gpus") in msgs
+def test_ulysses_8_ring_2_is_a_16_gpu_dit():
+    s = parse_and_validate(base(placement="disaggregated", dit={"ulysses": 8, "ring": 2}, vae={"patchParallel": 16}))
+    assert s.stage_gpus("dit") == 16 and s.pods_per_replica(16) == 2
+    assert _runtime_accepts(ulysses=8, ring=2, vae_pp=16)
 
 
 @pytest.mark.parametrize("pp,ok", [(1, True), (8, True), (2, False), (4, False), (16, False)])
@@ -97,6 +104,7 @@ def test_vae_pp_is_one_or_the_whole_dit_group(pp, ok):
     msgs = messages(d)
     want = f"vae.patchParallel={pp} must be 1 or the whole DiT group (dit.ulysses x dit.ring = 8)"
     assert (want not in msgs) if ok else (want in msgs)
+    assert ok == _runtime_accepts(ulysses=8, vae_pp=pp)
 
 
 def test_fasth3_needs_an_adapter_with_a_checksum():
@@ -110,15 +118,12 @@ def test_fasth3_needs_an_adapter_with_a_checksum():
     assert messages(m) == []
 
 
-def test_fasth3_refuses_offload_and_request_lora():
-    m = base(profile="fasth3")
-    m["model"].update(adapter={"path": "/models/a.safetensors", "sha256": SHA}, offload=True, allowRequestLora=True)
-    msgs = messages(m)
-    assert ("profile fasth3 refuses model.offload: set model.offload to false (FastH3 keeps the fused weights on "
-            "the GPU)") in msgs
-    assert any(x.startswith("profile fasth3 refuses per-request LoRA") for x in msgs)
-    m["profile"] = "base"
-    assert messages(m) == []  # the base profile may offload and take request LoRAs
+@pytest.mark.parametrize("gone", [("model", "offload"), ("model", "allowRequestLora"), ("dit", "gpus")])
+def test_fields_nothing_acts_on_are_gone(gone):
+    d = base()
+    d.setdefault(gone[0], {})[gone[1]] = True if gone[1] != "gpus" else 8
+    with pytest.raises(SpecError, match=f"unknown field spec.{gone[0]}.{gone[1]}"):
+        H3DeploymentSpec.from_dict(d)
 
 
 def test_replicas_belong_to_their_placement():
@@ -181,16 +186,13 @@ def test_names(name, ok):
     assert (messages(base(), name) == []) == ok
 
 
-def test_every_cel_rule_has_a_python_twin():
-    # Each CEL rule must fire in Python for at least one spec of this table, with a message naming its field.
+def test_every_rule_fires():
+    # Each rule must fire for at least one spec of this table, reported on its field.
     bad_specs = [
         base(placement="disaggregated", encoder={"tensorParallel": 3}),
         base(dit={"ulysses": 3}),
-        base(dit={"gpus": 2}),
         base(vae={"patchParallel": 2}, dit={"ulysses": 4}),
         base(profile="fasth3"),
-        base(profile="fasth3", model={"path": "/m", "offload": True}),
-        base(profile="fasth3", model={"path": "/m", "allowRequestLora": True}),
         base(placement="disaggregated", replicas=1),
         base(vae={"replicas": 1}),
         base(encoder={"tensorParallel": 2}),
@@ -202,13 +204,14 @@ def test_every_cel_rule_has_a_python_twin():
     fired = set()
     for d in bad_specs:
         fired |= set(fields(copy.deepcopy(d)))
-    wanted = {("spec." + ".".join(x for x in (r["location"], r["field_path"].lstrip(".")) if x)) for r in CEL_RULES}
+    wanted = {f"spec.{r.field}" for r in RULES}
     assert wanted <= fired, wanted - fired
 
 
 def test_service_config_round_trip():
     s = H3DeploymentSpec.from_dict(base())
-    c = ServiceConfig(name="h3", namespace="ns", spec=s, endpoints={"dit": "h3-engine.ns.svc:50051"})
+    c = ServiceConfig(name="h3", namespace="ns", spec=s, endpoints={"dit": "h3-engine.ns.svc:50051"}, dtype="bf16",
+                      device="cuda")
     d = c.to_dict()
     assert ServiceConfig.from_dict(d) == c
     assert d["ports"]["grpc"] == 50051 and d["health"] == {"service": ""}
@@ -218,7 +221,7 @@ def test_spec_module_imports_no_serving_stack():
     import subprocess
     import sys
 
-    code = ("import sys, h3serve.config.spec; bad = [m for m in ('kopf', 'grpc', 'av', 'torch', 'kubernetes') "
+    code = ("import sys, h3serve.config.spec, h3serve.config.stage; bad = [m for m in ('kopf', 'grpc', 'av', 'torch', 'kubernetes') "
             "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -30,7 +30,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from h3serve.distributed.world import ParallelDegrees, Runtime
+from h3serve.config.parallel import ParallelDegrees
+from h3serve.distributed.world import Runtime
 
 from .layout import NUM_TAGS, PackedLayout
 from .kernels import HALF_DTYPES, chosen_attention, fa3_attention_with_lse

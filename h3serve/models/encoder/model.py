@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from h3serve.config.vocab import TASKS
 from h3serve.errors import CheckpointError
 from h3serve.weights.folder import CheckpointFolder
 from h3serve.weights.load import iter_tensors
@@ -160,8 +161,8 @@ class TextEncoder:
         """Tokenize the presentation of a request and gather its vision inputs (no model call)."""
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a single str, got {type(prompt).__name__}")
-        if task not in pres.TASKS:
-            raise ValueError(f"task must be one of {pres.TASKS}, got {task!r}")
+        if task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {task!r}")
         if task == "t2va":
             if images or references:
                 raise ValueError("t2va takes neither images nor references")

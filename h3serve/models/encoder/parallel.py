@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from h3serve.distributed.world import ParallelDegrees
+from h3serve.config.parallel import ParallelDegrees
 
 __all__ = ["ENCODER_TP_PLAN", "RowParallelLinear", "parallelize_text_decoder", "parallelize_encoder"]
 

@@ -30,7 +30,7 @@ import numpy as np
 from PIL import Image
 
 __all__ = [
-    "TEXT_TAG", "VIDEO_TAG", "TASKS", "Reference", "Presentation",
+    "TEXT_TAG", "VIDEO_TAG", "Reference", "Presentation",
     "build_t2va", "build_fl2va", "build_ref2va", "mm_token_type_ids",
     "preprocess_images", "sample_video_frames",
     "to_pil", "resize_keyframe_first", "resize_keyframe_last", "resize_reference_image",
@@ -38,7 +38,6 @@ __all__ = [
 
 TEXT_TAG = 1   # label and prompt tokens
 VIDEO_TAG = 0  # every token of a vision block, incl. <|vision_start|> / <|vision_end|>
-TASKS = ("t2va", "fl2va", "ref2va")
 
 VISION_START = "<|vision_start|>"
 VISION_END = "<|vision_end|>"

@@ -41,13 +41,13 @@ from h3serve.errortable import (
     classify,
     from_grpc,
 )
-from h3serve.config.request import TASKS, GenerationRequest, validate_request
+from h3serve.config.request import GenerationRequest, validate_request
 from h3serve.config.stage import StageConfig
+from h3serve.config.vocab import PIPELINE_STAGES, TASKS
 from h3serve.transport.grpc import collect_tensors, insecure_channel, iter_tensor_chunks
 
 log = logging.getLogger("h3serve.gateway")
 
-STAGE_NAMES = ("encoder", "dit", "vae", "muxer")
 SERVED_TASKS = ("t2va",)
 QUALITIES = ("lossless",)
 MODEL_IDS = {"base": ("MiniMax-H3", "h3", "base"), "fasth3": ("FastH3", "fasth3")}
@@ -319,7 +319,7 @@ class StageClients:
     def __init__(self, config: StageConfig, on_change: Callable[[], None] = lambda: None):
         from h3serve._proto import dit_pb2_grpc, encoder_pb2_grpc, muxer_pb2_grpc, vae_pb2_grpc
 
-        self.addresses = {s: getattr(config, s) for s in STAGE_NAMES}
+        self.addresses = {s: getattr(config, s) for s in PIPELINE_STAGES}
         self.channels = {s: insecure_channel(a) for s, a in self.addresses.items()}
         self.encoder = encoder_pb2_grpc.EncoderStub(self.channels["encoder"])
         self.dit = dit_pb2_grpc.DiTStub(self.channels["dit"])
@@ -327,7 +327,7 @@ class StageClients:
         self.muxer = muxer_pb2_grpc.MuxerStub(self.channels["muxer"])
         self._extra: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
-        self.status = {s: "UNKNOWN" for s in STAGE_NAMES}
+        self.status = {s: "UNKNOWN" for s in PIPELINE_STAGES}
         self.on_change = on_change
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._monitor, name="h3serve-health", daemon=True)

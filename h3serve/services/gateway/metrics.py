@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from h3serve.config.vocab import PIPELINE_STAGES
+
 STAGE_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800)
 RTF_BUCKETS = (0.1, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2, 3, 5, 10, 20, 50)
 # timings key -> stage label of h3serve_stage_seconds
@@ -40,7 +42,7 @@ class GatewayMetrics:
         for outcome in ("completed", "invalid_request", "queue_full", "draining", "stage_unavailable",
                         "deadline_exceeded", "cancelled", "stage_failed", "internal"):
             self.requests.labels(outcome=outcome)
-        for stage in ("encoder", "dit", "vae", "muxer"):
+        for stage in PIPELINE_STAGES:
             self.stage_up.labels(stage=stage).set(0)
 
     def observe(self, timings: dict) -> None:

@@ -1,0 +1,230 @@
+"""Every cross-field rule of the H3Deployment spec, written once as data.
+
+A rule is a check, a message template and the field it is reported on. The check is a small expression over the
+spec's camelCase document (`H3DeploymentSpec.to_dict()`: defaults filled in, unset optionals absent, exactly what
+the API server's CEL sees) that Python evaluates and that renders itself as CEL; the message template's
+placeholders are expressions too, so the CRD's `messageExpression` is generated from the same text. `validate` in
+`h3serve.config.spec` runs the checks; `h3serve.operator.crd` writes them into `x-kubernetes-validations`.
+The degree rules take their allowed values from `h3serve.config.parallel`.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from h3serve.config.parallel import encoder_tp_choices, ulysses_choices, vae_pp_choices
+from h3serve.config.vocab import DIT_HEADS, ENCODER_HEADS, ENCODER_KV_HEADS, PIPELINE_STAGES
+
+# ---- expressions: evaluated in Python, rendered as CEL -----------------------------------------------------------
+
+
+class Expr:
+    def value(self, doc: dict) -> Any:
+        raise NotImplementedError
+
+    def cel(self) -> str:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Field(Expr):
+    """A field of the spec by its dotted camelCase path; None when unset (CEL: `has()` guards it)."""
+
+    path: str
+
+    def value(self, doc: dict) -> Any:
+        for part in self.path.split("."):
+            doc = doc.get(part) if isinstance(doc, dict) else None
+        return doc
+
+    def cel(self) -> str:
+        return "self." + self.path
+
+
+@dataclass(frozen=True)
+class Lit(Expr):
+    v: Any
+
+    def value(self, doc: dict) -> Any:
+        return self.v
+
+    def cel(self) -> str:
+        return json.dumps(self.v)  # ints and (double-quoted) strings are spelled the same in CEL
+
+
+@dataclass(frozen=True)
+class ListOf(Expr):
+    items: tuple[Expr, ...]
+
+    def value(self, doc: dict) -> Any:
+        return [x.value(doc) for x in self.items]
+
+    def cel(self) -> str:
+        return "[" + ", ".join(x.cel() for x in self.items) + "]"
+
+
+@dataclass(frozen=True)
+class Op(Expr):
+    """An operator; `||` and `&&` short-circuit as in CEL (a guarded field is never read when unset)."""
+
+    op: str
+    args: tuple[Expr, ...]
+
+    def value(self, doc: dict) -> Any:
+        if self.op == "||":
+            return any(a.value(doc) for a in self.args)
+        if self.op == "&&":
+            return all(a.value(doc) for a in self.args)
+        return _PY[self.op](*(a.value(doc) for a in self.args))
+
+    def cel(self) -> str:
+        inner = [x.cel() for x in self.args]
+        if self.op == "has":
+            return f"has({inner[0]})"
+        a = [f"({c})" if self._needs_parens(x) else c for x, c in zip(self.args, inner)]
+        if self.op == "!":
+            return "!" + a[0]
+        if self.op == "startsWith":
+            return f"{a[0]}.startsWith({inner[1]})"
+        return f" {self.op} ".join(a)
+
+    def _needs_parens(self, operand: Expr) -> bool:
+        """An operand binding no tighter than this operator, or an `&&` inside `||` (for the reader); chains of the
+        same `||` / `&&` go without."""
+        if not isinstance(operand, Op) or operand.op not in _PRECEDENCE:
+            return False
+        if operand.op == self.op and self.op in ("||", "&&"):
+            return False
+        return operand.op == "&&" or _PRECEDENCE[operand.op] <= _PRECEDENCE.get(self.op, 9)
+
+
+_PRECEDENCE = {"||": 1, "&&": 2, "==": 3, "!=": 3, "<=": 3, "in": 3, "+": 4, "*": 5, "%": 5}  # as in CEL
+_PY: dict[str, Callable] = {
+    "has": lambda v: v is not None, "!": lambda v: not v,
+    "==": lambda a, b: a == b, "!=": lambda a, b: a != b, "<=": lambda a, b: a <= b,
+    "%": lambda a, b: a % b, "*": lambda a, b: a * b, "+": lambda a, b: a + b, "in": lambda a, b: a in b,
+    "startsWith": lambda a, b: a.startswith(b),
+}
+
+
+def _x(v: Any) -> Expr:
+    if isinstance(v, Expr):
+        return v
+    if isinstance(v, (list, tuple)):
+        return ListOf(tuple(_x(i) for i in v))
+    return Lit(v)
+
+
+def op(name: str, *args: Any) -> Op:
+    return Op(name, tuple(_x(a) for a in args))
+
+
+def any_of(*xs: Any) -> Op:
+    return op("||", *xs)
+
+
+def all_of(*xs: Any) -> Op:
+    return op("&&", *xs)
+
+
+def has(path: str) -> Op:
+    return op("has", Field(path))
+
+
+def unset(path: str) -> Op:
+    return op("!", has(path))
+
+
+# ---- rules ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One cross-field rule: `check` must hold; else `message` (placeholders filled from `args`) is reported on
+    `field` (dotted, below spec). An arg is an expression over the spec or a constant of the text."""
+
+    field: str
+    check: Expr
+    message: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+    def holds(self, doc: dict) -> bool:
+        return bool(self.check.value(doc))
+
+    def format(self, doc: dict) -> str:
+        return self.message.format(**{k: v.value(doc) if isinstance(v, Expr) else v for k, v in self.args.items()})
+
+    def cel_message(self) -> str:
+        """The message as a CEL `messageExpression`: `"...%d...".format([<args>])`, `%d` for a `{name:d}`
+        placeholder, `%s` for the others. (A concatenation with `string(int)` would not do: the API server's cost
+        estimator cannot bound its length and refuses the CRD.)"""
+        text, cel_args = "", []
+        for literal, name, spec, _conv in string.Formatter().parse(self.message):
+            text += literal.replace("%", "%%")
+            if name is None:
+                continue
+            arg = self.args[name]
+            if isinstance(arg, Expr):
+                text += "%d" if spec == "d" else "%s"
+                cel_args.append(arg.cel())
+            else:
+                text += format(arg, spec).replace("%", "%%")  # a constant: part of the literal text
+        return f"{json.dumps(text)}.format([{', '.join(cel_args)}])" if cel_args else json.dumps(text)
+
+
+def _join(xs) -> str:
+    xs = [str(x) for x in xs]
+    return ", ".join(xs[:-1]) + " or " + xs[-1]
+
+
+TP = Field("encoder.tensorParallel")
+DIT_SP = op("*", Field("dit.ulysses"), Field("dit.ring"))  # the DiT's GPUs: one per sequence-parallel rank
+GPN = Field("gpusPerNode")
+COLOCATED = op("==", Field("placement"), "colocated")
+DISAGGREGATED = op("==", Field("placement"), "disaggregated")
+WHOLE_NODES = "a stage larger than a node must span whole nodes (a multiple of gpusPerNode)"
+
+
+def _inside_mount(path: str) -> Op:
+    return op("startsWith", Field(path), op("+", Field("model.mountPath"), "/"))
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("encoder.tensorParallel", op("in", TP, encoder_tp_choices()),
+         "encoder.tensorParallel={tp:d} cannot split the encoder's {heads} query heads / {kv} KV heads (it must divide "
+         "the heads, and divide the KV heads or be a multiple of them): use {choices}",
+         dict(tp=TP, heads=ENCODER_HEADS, kv=ENCODER_KV_HEADS, choices=_join(encoder_tp_choices()))),
+    Rule("dit.ulysses", op("in", Field("dit.ulysses"), ulysses_choices()),
+         "dit.ulysses={u:d} must divide the DiT's {heads} attention heads (Ulysses gives each rank whole heads): use "
+         "{choices} and put the rest of the DiT's GPUs into dit.ring (dit.ulysses x dit.ring = GPUs of the DiT)",
+         dict(u=Field("dit.ulysses"), heads=DIT_HEADS, choices=_join(ulysses_choices()))),
+    Rule("vae.patchParallel", op("in", Field("vae.patchParallel"), vae_pp_choices(DIT_SP)),
+         "vae.patchParallel={pp:d} must be 1 or the whole DiT group (dit.ulysses x dit.ring = {sp:d})",
+         dict(pp=Field("vae.patchParallel"), sp=DIT_SP)),
+    Rule("model.adapter", any_of(op("!=", Field("profile"), "fasth3"),
+                                 all_of(has("model.adapter"), has("model.adapter.sha256"))),
+         "profile fasth3 needs model.adapter with path and sha256 (the FastH3 4-step adapter file and its checksum)"),
+    Rule("replicas", any_of(COLOCATED, unset("replicas")),
+         "spec.replicas only applies to colocated placement: set encoder.replicas, dit.replicas, vae.replicas and "
+         "muxer.replicas instead"),
+    Rule("placement", any_of(DISAGGREGATED, all_of(*(unset(f"{s}.replicas") for s in (*PIPELINE_STAGES, "gateway")))),
+         "per-stage replicas only apply to disaggregated placement: with placement colocated set spec.replicas and "
+         "remove encoder/dit/vae/muxer/gateway.replicas (each colocated replica runs its own gateway)"),
+    Rule("encoder.tensorParallel", any_of(DISAGGREGATED, op("==", op("%", DIT_SP, TP), 0)),
+         "encoder.tensorParallel={tp:d} must divide the {sp:d} GPUs of a colocated replica (dit.ulysses x dit.ring)",
+         dict(tp=TP, sp=DIT_SP)),
+    Rule("dit", any_of(op("<=", DIT_SP, GPN), op("==", op("%", DIT_SP, GPN), 0)),
+         "dit needs {n:d} GPUs, more than gpusPerNode={gpn:d}: {whole}", dict(n=DIT_SP, gpn=GPN, whole=WHOLE_NODES)),
+    Rule("encoder", any_of(COLOCATED, op("<=", TP, GPN), op("==", op("%", TP, GPN), 0)),
+         "encoder needs {n:d} GPUs, more than gpusPerNode={gpn:d}: {whole}", dict(n=TP, gpn=GPN, whole=WHOLE_NODES)),
+    Rule("model.path", any_of(unset("model.volume"), _inside_mount("model.path")),
+         "model.path {path} must be inside model.mountPath {mount}, where model.volume is mounted",
+         dict(path=Field("model.path"), mount=Field("model.mountPath"))),
+    Rule("model.adapter.path",
+         any_of(unset("model.volume"), unset("model.adapter"), _inside_mount("model.adapter.path")),
+         "model.adapter.path {path} must be inside model.mountPath {mount}, where model.volume is mounted",
+         dict(path=Field("model.adapter.path"), mount=Field("model.mountPath"))),
+)

@@ -25,11 +25,12 @@ from typing import Any, Callable, Iterable, Iterator
 import grpc
 import torch
 
-from h3serve._proto import common_pb2, dit_pb2, encoder_pb2, gateway_pb2, muxer_pb2, vae_pb2
+from h3serve._proto import common_pb2, dit_pb2, encoder_pb2, gateway_pb2, muxer_pb2, muxer_pb2_grpc, vae_pb2
 from h3serve.config.request import SAMPLE_RATE
 from h3serve.config.stage import StageConfig
 from h3serve.errors import H3Error
 from h3serve.errortable import StageUnavailable, from_grpc
+from h3serve.models.dit.layout import AUDIO_CHANNELS
 from h3serve.transport.grpc import collect_tensors, iter_tensor_chunks
 
 from .fields import check_request_id, validate_fields
@@ -42,7 +43,6 @@ log = logging.getLogger("h3serve.gateway")
 
 # progress percent: encoder done 5, DiT 5..85, VAE 85..97, MP4 fetched 100
 P_ENCODER, P_DIT, P_VAE = 5.0, 80.0, 12.0
-AUDIO_CHANNELS = 2
 OPEN_SESSION_TIMEOUT_S = 30.0
 ABORT_TIMEOUT_S = 2.0
 SESSION_TTL_MARGIN_S = 60.0     # an unfetched muxer session outlives the request's deadline by this much
@@ -55,7 +55,7 @@ class MuxSession:
     """An open muxer session: the replica that holds it, the sink the VAE writes into, the Decode writing it."""
 
     id: str
-    muxer: Any                    # MuxerStub of the replica
+    muxer: muxer_pb2_grpc.MuxerStub   # of the replica that holds it
     sink: common_pb2.Sink
     decode: grpc.Call | None = None
     fetched: bool = False

@@ -1,5 +1,5 @@
 """The HTTP API of the gateway (FastAPI): the videos API users know from vLLM-Omni / OpenAI, plus health, readiness
-and Prometheus metrics. A thin adapter over `GatewayCore`; errors leave through h3serve.errortable.
+and Prometheus metrics. A thin adapter over `Gateway` (orchestrate.py); errors leave through h3serve.errortable.
 
     POST   /v1/videos                 create a job (JSON or multipart/form fields)       -> job object
     GET    /v1/videos                 list jobs (limit, after, order)                      -> list object
@@ -27,24 +27,16 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from h3serve.errors import H3Error, RequestError
 from h3serve.errortable import NotReady, error_object, http_error
 
-from .core import FileSink, GatewayCore, Job
-
-TOP_LEVEL = ("prompt", "seconds", "size", "width", "height", "num_frames", "fps", "seed", "num_inference_steps",
-             "quality", "model", "extra_params")
-UNSUPPORTED = {
-    "negative_prompt": "negative prompts are not supported by H3 serving",
-    "guidance_scale": "guidance is fixed by the model's schedule",
-    "flow_shift": "the flow shift is the checkpoint's",
-    "input_reference": "reference inputs (fl2va / ref2va) are not served over the API yet",
-    "input_references": "reference inputs (fl2va / ref2va) are not served over the API yet",
-}
-EXTRA_PARAMS = ("task", "duration")
-EXTRA_UNSUPPORTED = {"audio_flow_shift": "the audio flow shift is the checkpoint's"}
+from .fields import fields_from_http, short
+from .jobs import Job
+from .orchestrate import Gateway
+from .sinks import FileSink
 
 JSON_BODY = {
     "type": "object",
@@ -78,56 +70,6 @@ def _error_response(exc: BaseException) -> JSONResponse:
     return JSONResponse(body, status_code=status)
 
 
-def _short(value: Any) -> Any:
-    text = repr(value)
-    return value if len(text) <= 60 else text[:60] + "..."
-
-
-def normalize_fields(body: Any) -> tuple[dict[str, Any], dict[str, str]]:
-    """The videos-API body -> (fields for GatewayCore, request field -> caller's field name)."""
-    if not isinstance(body, dict):
-        raise RequestError("body", _short(body), "a JSON object of request fields")
-    fields: dict[str, Any] = {}
-    names: dict[str, str] = {}
-    for key, value in body.items():
-        if not isinstance(key, str) or not key:
-            raise RequestError("body", _short(key), "non-empty string field names")
-        if key in UNSUPPORTED:
-            if value is None or value == "" or value == []:
-                continue
-            raise RequestError(key, _short(value), "not supported: " + UNSUPPORTED[key])
-        if key not in TOP_LEVEL:
-            raise RequestError(key, _short(value), "unknown field; allowed: " + ", ".join(TOP_LEVEL))
-        if key == "extra_params":
-            continue
-        if value is not None:
-            fields[key] = value
-    extra = body.get("extra_params")
-    if isinstance(extra, str):
-        try:
-            extra = json.loads(extra) if extra.strip() else {}
-        except ValueError:
-            raise RequestError("extra_params", _short(extra), "a JSON object") from None
-    if extra is not None:
-        if not isinstance(extra, dict):
-            raise RequestError("extra_params", _short(extra), "a JSON object")
-        for key, value in extra.items():
-            name = f"extra_params.{key}"
-            if key in EXTRA_UNSUPPORTED:
-                raise RequestError(name, _short(value), "not supported: " + EXTRA_UNSUPPORTED[key])
-            if key not in EXTRA_PARAMS:
-                raise RequestError(name, _short(value), "unknown; allowed: " + ", ".join(EXTRA_PARAMS))
-            if value is None:
-                continue
-            if key == "task":
-                fields["task"], names["task"] = value, name
-            elif key == "duration":
-                if "seconds" in fields:
-                    raise RequestError(name, _short(value), "give seconds or extra_params.duration, not both")
-                fields["seconds"], names["seconds"] = value, name
-    return fields, names
-
-
 async def read_body(request: Request) -> Any:
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype == "application/x-www-form-urlencoded":
@@ -155,7 +97,7 @@ async def read_body(request: Request) -> Any:
     try:
         return json.loads(raw, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
     except (ValueError, UnicodeDecodeError, RecursionError):
-        raise RequestError("body", _short(raw[:60]), "a JSON object of request fields") from None
+        raise RequestError("body", short(raw[:60]), "a JSON object of request fields") from None
 
 
 def _timeout(request: Request) -> float | None:
@@ -167,20 +109,20 @@ def _timeout(request: Request) -> float | None:
     except ValueError:
         seconds = math.nan
     if not math.isfinite(seconds) or seconds <= 0:
-        raise RequestError("X-Request-Timeout", _short(value), "seconds, a positive number")
+        raise RequestError("X-Request-Timeout", short(value), "seconds, a positive number")
     return seconds
 
 
-def job_object(job: Job, core: GatewayCore) -> dict:
+def job_object(job: Job, gateway: Gateway) -> dict:
     r = job.request
     t = job.timings
     durations = {k: round(float(v), 6) for k, v in t.items() if k.endswith("_s") or k in ("t_client", "t_media")}
     return {
-        "id": job.id, "object": "video", "model": job.admitted.model, "status": job.status,
+        "id": job.id, "object": "video", "model": job.validated.model, "status": job.status,
         "progress": int(job.progress), "created_at": int(job.created_at),
         "started_at": int(job.started_at) if job.started_at else None,
         "completed_at": int(job.completed_at) if job.completed_at else None,
-        "expires_at": int(job.completed_at + core.config.job_ttl_s) if job.completed_at else None,
+        "expires_at": int(job.completed_at + gateway.config.job_ttl_s) if job.completed_at else None,
         "prompt": r.prompt, "seconds": f"{r.seconds:g}", "size": f"{r.width}x{r.height}", "width": r.width,
         "height": r.height, "num_frames": r.num_frames, "fps": r.fps, "seed": r.seed, "num_inference_steps": r.steps,
         "quality": "lossless", "task": r.task, "profile": r.profile, "queue_position": job.queue_position,
@@ -193,7 +135,7 @@ def job_object(job: Job, core: GatewayCore) -> dict:
     }
 
 
-def create_app(core: GatewayCore) -> FastAPI:
+def create_app(gateway: Gateway) -> FastAPI:
     app = FastAPI(title="h3serve", version="0.1.0",
                   description="MiniMax H3 text -> video + audio. Videos API compatible with vLLM-Omni / OpenAI "
                               "where the fields apply.")
@@ -201,15 +143,15 @@ def create_app(core: GatewayCore) -> FastAPI:
     @app.exception_handler(H3Error)
     async def _h3(request: Request, exc: H3Error):
         if isinstance(exc, RequestError):
-            core.metrics.requests.labels(outcome="invalid_request").inc()
+            gateway.metrics.requests.labels(outcome="invalid_request").inc()
         return _error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        core.metrics.requests.labels(outcome="invalid_request").inc()
+        gateway.metrics.requests.labels(outcome="invalid_request").inc()
         err = (exc.errors() or [{}])[0]
         loc = [str(x) for x in err.get("loc", ()) if x not in ("body", "query", "path", "header")]
-        return _error_response(RequestError(".".join(loc) or "request", _short(err.get("input")),
+        return _error_response(RequestError(".".join(loc) or "request", short(err.get("input")),
                                             err.get("msg", "invalid")))
 
     @app.exception_handler(StarletteHTTPException)
@@ -224,27 +166,27 @@ def create_app(core: GatewayCore) -> FastAPI:
 
     def new_job(fields, names, request: Request, kind: str) -> Job:
         def sink(job: Job):
-            job.output_path = os.path.join(core.jobs_dir, f"{job.id}.mp4")
+            job.output_path = os.path.join(gateway.jobs.dir, f"{job.id}.mp4")
             return FileSink(job.output_path)
 
-        return core.new_job(fields, kind=kind, sink_factory=sink, timeout=_timeout(request), names=names)
+        return gateway.new_job(fields, kind=kind, sink_factory=sink, timeout=_timeout(request), names=names)
 
     @app.post("/v1/videos", openapi_extra=REQUEST_BODY, summary="Create a video job")
     async def create_video(request: Request, validate_only: bool = False):
-        fields, names = normalize_fields(await read_body(request))
+        fields, names = fields_from_http(await read_body(request))
         job = new_job(fields, names, request, "http")
         if validate_only:
-            obj = job_object(job, core)
+            obj = job_object(job, gateway)
             obj["status"], obj["object"] = "validated", "video.validation"
             return obj
-        core.submit(job)
-        return job_object(job, core)
+        gateway.submit(job)
+        return job_object(job, gateway)
 
     @app.post("/v1/videos/sync", openapi_extra=REQUEST_BODY, summary="Create a video and wait for the MP4",
               responses={200: {"content": {"video/mp4": {}}}})
     async def create_video_sync(request: Request):
-        fields, names = normalize_fields(await read_body(request))
-        job = core.submit(new_job(fields, names, request, "http"))
+        fields, names = fields_from_http(await read_body(request))
+        job = gateway.submit(new_job(fields, names, request, "http"))
         while not job.done.is_set():
             if await request.is_disconnected():
                 job.cancel("the HTTP client disconnected")
@@ -263,7 +205,7 @@ def create_app(core: GatewayCore) -> FastAPI:
             raise RequestError("limit", limit, "an integer in [1, 100]")
         if order not in ("asc", "desc"):
             raise RequestError("order", order, "asc or desc")
-        jobs = core.list()
+        jobs = gateway.jobs.list()
         if order == "desc":
             jobs.reverse()
         if after is not None:
@@ -272,18 +214,18 @@ def create_app(core: GatewayCore) -> FastAPI:
                 raise RequestError("after", after, "the id of a listed video")
             jobs = jobs[ids.index(after) + 1:]
         page = jobs[:limit]
-        return {"object": "list", "data": [job_object(j, core) for j in page],
+        return {"object": "list", "data": [job_object(j, gateway) for j in page],
                 "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None,
                 "has_more": len(jobs) > limit}
 
     @app.get("/v1/videos/{video_id}", summary="Get a video job")
     async def get_video(video_id: str):
-        return job_object(core.get(video_id), core)
+        return job_object(gateway.jobs.get(video_id), gateway)
 
     @app.get("/v1/videos/{video_id}/content", summary="Download the MP4", response_class=FileResponse,
              responses={200: {"content": {"video/mp4": {}}}})
     async def get_content(video_id: str):
-        job = core.get(video_id)
+        job = gateway.jobs.get(video_id)
         if job.status == "failed":
             raise NotReady(f"video {video_id} failed ({job.error.kind.code}): no content")
         if job.status != "completed" or not job.output_path or not os.path.exists(job.output_path):
@@ -293,15 +235,15 @@ def create_app(core: GatewayCore) -> FastAPI:
 
     @app.delete("/v1/videos/{video_id}", summary="Cancel (if unfinished) and delete a video job")
     async def delete_video(video_id: str):
-        job = await asyncio.to_thread(core.delete, video_id)
+        job = await asyncio.to_thread(gateway.jobs.delete, video_id)
         return {"id": job.id, "object": "video.deleted", "deleted": True}
 
     @app.post("/v1/videos/{video_id}/cancel", summary="Cancel a video job and keep it")
     async def cancel_video(video_id: str):
-        job = core.get(video_id)
-        core.cancel(video_id)
+        job = gateway.jobs.get(video_id)
+        gateway.jobs.cancel(video_id)
         await asyncio.to_thread(job.done.wait, 10.0)
-        return job_object(job, core)
+        return job_object(job, gateway)
 
     @app.get("/health", summary="Liveness")
     async def health():
@@ -309,17 +251,15 @@ def create_app(core: GatewayCore) -> FastAPI:
 
     @app.get("/ready", summary="Readiness: every stage SERVING and not draining")
     async def ready():
-        body = {"status": "ready" if core.ready() else "not_ready", "stages": dict(core.stages.status),
-                "draining": core.draining, "queue_depth": len(core.queue), "inflight": len(core.running),
-                "transport": core.transport_details()}
-        return JSONResponse(body, status_code=200 if core.ready() else 503)
+        body = {"status": "ready" if gateway.ready() else "not_ready", "stages": dict(gateway.stages.status),
+                "draining": gateway.draining, "queue_depth": len(gateway.jobs.queue),
+                "inflight": len(gateway.jobs.running), "transport": gateway.transports.details()}
+        return JSONResponse(body, status_code=200 if gateway.ready() else 503)
 
     @app.get("/metrics", summary="Prometheus metrics")
     async def metrics():
-        from prometheus_client import CONTENT_TYPE_LATEST
+        return Response(gateway.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-        return Response(core.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    app.state.core = core
+    app.state.gateway = gateway
     app.state.started = time.time()
     return app

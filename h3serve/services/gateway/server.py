@@ -1,5 +1,6 @@
 """Gateway server: the gRPC front door (Generate, GenerateSync, Cancel, Info) and, in the same process, the HTTP
-API (h3serve/services/gateway/http.py). Both are thin adapters over `GatewayCore`; errors leave through the one table.
+API (h3serve/services/gateway/http.py). Both are thin adapters over `Gateway` (orchestrate.py); errors leave through
+the one table.
 
 Health: NOT_SERVING until every stage reports SERVING, and again while draining (SIGTERM).
 """
@@ -12,28 +13,31 @@ import queue
 import threading
 import time
 
+import uvicorn
+
+from h3serve._proto import common_pb2, gateway_pb2, gateway_pb2_grpc
+from h3serve.config.stage import StageConfig
 from h3serve.errors import RequestError
 from h3serve.errortable import grpc_method
-from h3serve.config.stage import StageConfig
 from h3serve.runtime.stage import NO_DEADLINE, StageBase
 
-from .core import _END, BytesSink, GatewayCore, Job, StreamSink, fields_from_proto
+from .fields import fields_from_proto, served_models
+from .http import create_app
+from .jobs import Job
+from .orchestrate import Gateway
+from .sinks import END, BytesSink, StreamSink
 
 log = logging.getLogger("h3serve.gateway")
 
 
-def accepted_proto(job: Job):
-    from h3serve._proto import gateway_pb2
-
+def accepted_proto(job: Job) -> gateway_pb2.Accepted:
     r = job.request
     return gateway_pb2.Accepted(request_id=job.id, num_frames=r.num_frames, width=r.width, height=r.height, fps=r.fps,
                                 seed=r.seed, num_inference_steps=r.steps, task=r.task, profile=r.profile,
                                 media_seconds=r.t_media, queue_position=job.queue_position)
 
 
-def done_proto(job: Job):
-    from h3serve._proto import gateway_pb2
-
+def done_proto(job: Job) -> gateway_pb2.Done:
     return gateway_pb2.Done(request_id=job.id, mp4_bytes=job.mp4_bytes, sha256=job.sha256,
                             timings={k: float(v) for k, v in job.timings.items()})
 
@@ -45,7 +49,7 @@ class GatewayServicer(StageBase):
     def __init__(self, config: StageConfig, health=None):
         super().__init__(config, health)
         self.max_message = config.max_sync_bytes + (1 << 20)
-        self.core = GatewayCore(config, on_health=self._on_health)
+        self.gateway = Gateway(config, on_health=self._on_health)
         self.http_server = None
         self.http_thread = None
         self.http_port = None
@@ -55,8 +59,6 @@ class GatewayServicer(StageBase):
             self.health.set(bool(ok and self.ready))
 
     def register(self, server) -> None:
-        from h3serve._proto import gateway_pb2_grpc
-
         gateway_pb2_grpc.add_GatewayServicer_to_server(self, server)
 
     def load(self) -> None:
@@ -64,16 +66,12 @@ class GatewayServicer(StageBase):
 
         if self.config.transport != "nixl":   # nixl: chosen (or fallen back from) by the VAE and the muxer
             check_transport(self.config.transport)
-        self.core.start()
+        self.gateway.start()
         if self.config.http_port is not None:
             self.start_http()
 
     def start_http(self) -> None:
-        import uvicorn
-
-        from .http import create_app
-
-        app = create_app(self.core)
+        app = create_app(self.gateway)
         cfg = uvicorn.Config(app, host=self.config.http_host, port=self.config.http_port, log_level="warning",
                              lifespan="off", access_log=False, timeout_graceful_shutdown=5)
         self.http_server = uvicorn.Server(cfg)
@@ -89,28 +87,28 @@ class GatewayServicer(StageBase):
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     def on_ready(self) -> None:
-        self._on_health(self.core.ready())
+        self._on_health(self.gateway.ready())
 
     def drain(self) -> None:
-        self.core.drain()
+        self.gateway.drain()
 
     def busy(self) -> bool:
-        return self.core.busy()
+        return self.gateway.jobs.busy()
 
     def cancel_all(self) -> None:
         super().cancel_all()
-        self.core.cancel_all()
+        self.gateway.cancel_all()
 
     def close(self) -> None:
         if self.http_server is not None:
             self.http_server.should_exit = True
             self.http_thread.join(10)
-        self.core.close()
+        self.gateway.close()
         super().close()
 
     def info(self) -> dict:
-        return {**super().info(), "stages": dict(self.core.stages.status), "http_port": self.http_port,
-                "transport": self.core.transport_details()}
+        return {**super().info(), "stages": dict(self.gateway.stages.status), "http_port": self.http_port,
+                "transport": self.gateway.transports.details()}
 
     # -- RPCs -----------------------------------------------------------------------------------------------
     def _timeout(self, context) -> float | None:
@@ -120,24 +118,22 @@ class GatewayServicer(StageBase):
     def _new_job(self, request, context, kind: str, sink_factory):
         rid = request.request_id if request.HasField("request_id") else None
         try:
-            return self.core.new_job(fields_from_proto(request), kind=kind, sink_factory=sink_factory,
-                                     timeout=self._timeout(context), request_id=rid)
+            return self.gateway.new_job(fields_from_proto(request), kind=kind, sink_factory=sink_factory,
+                                        timeout=self._timeout(context), request_id=rid)
         except RequestError:
-            self.core.metrics.requests.labels(outcome="invalid_request").inc()
+            self.gateway.metrics.requests.labels(outcome="invalid_request").inc()
             raise
 
     def _submit(self, job: Job) -> None:
         try:
-            self.core.submit(job)
+            self.gateway.submit(job)
         except RequestError:   # e.g. a request id already in use
-            self.core.metrics.requests.labels(outcome="invalid_request").inc()
+            self.gateway.metrics.requests.labels(outcome="invalid_request").inc()
             raise
 
     @grpc_method("gateway")
     def Generate(self, request, context):
-        from h3serve._proto import gateway_pb2
-
-        job = self._new_job(request, context, "stream", StreamSink)
+        job = self._new_job(request, context, "stream", lambda j: StreamSink(j.emit))
         if request.validate_only:
             yield gateway_pb2.GenerateEvent(accepted=accepted_proto(job))
             yield gateway_pb2.GenerateEvent(done=done_proto(job))
@@ -153,7 +149,7 @@ class GatewayServicer(StageBase):
                     job.cancel("cancelled by the client")
                     return
                 continue
-            if event is _END:
+            if event is END:
                 break
             yield event
         job.done.wait()
@@ -163,8 +159,6 @@ class GatewayServicer(StageBase):
 
     @grpc_method("gateway")
     def GenerateSync(self, request, context):
-        from h3serve._proto import gateway_pb2
-
         job = self._new_job(request, context, "sync", lambda j: BytesSink(self.config.max_sync_bytes))
         if request.validate_only:
             return gateway_pb2.GenerateResponse(accepted=accepted_proto(job), done=done_proto(job))
@@ -182,28 +176,21 @@ class GatewayServicer(StageBase):
 
     @grpc_method("gateway")
     def Cancel(self, request, context):
-        from h3serve._proto import gateway_pb2
-
-        return gateway_pb2.CancelResponse(cancelled=self.core.cancel(request.request_id))
+        return gateway_pb2.CancelResponse(cancelled=self.gateway.jobs.cancel(request.request_id))
 
     @grpc_method("gateway")
     def Info(self, request, context):
-        from h3serve._proto import gateway_pb2
-
         c = self.config
-        model = c.model_name or {"base": "MiniMax-H3", "fasth3": "FastH3"}.get(c.profile, c.profile)
         dtype = c.dtype
         try:   # the dtype the DiT actually loaded
-            from h3serve._proto import common_pb2
-
-            st = self.core.stages.dit.Status(common_pb2.StatusRequest(), timeout=2.0)
+            st = self.gateway.stages.dit.Status(common_pb2.StatusRequest(), timeout=2.0)
             dtype = json.loads(st.info_json or "{}").get("dtype", dtype)
         except Exception:  # noqa: BLE001 - the stage is down: report the gateway's setting
             pass
         return gateway_pb2.InfoResponse(
-            model=model, profile=c.profile, dtype=dtype, max_inflight=c.max_inflight, queue_size=c.queue_size,
-            max_sync_bytes=c.max_sync_bytes, max_message_bytes=self.max_message,
-            stages=dict(self.core.stages.status), draining=self.core.draining)
+            model=served_models(c)[0], profile=c.profile, dtype=dtype, max_inflight=c.max_inflight,
+            queue_size=c.queue_size, max_sync_bytes=c.max_sync_bytes, max_message_bytes=self.max_message,
+            stages=dict(self.gateway.stages.status), draining=self.gateway.draining)
 
 
 def create(config: StageConfig, health=None) -> GatewayServicer:

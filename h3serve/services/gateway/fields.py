@@ -1,0 +1,180 @@
+"""Request fields as the callers spell them (the gRPC GenerateRequest, the videos API's JSON or form body) mapped
+onto the one request validator, `h3serve.config.request.validate_request`.
+
+Every refusal is a `RequestError` naming the caller's field (`num_inference_steps`, `extra_params.task`, ...), never
+the validator's internal name, and a value of the wrong JSON type is refused the same way, never a crash.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from h3serve.config.request import GenerationRequest, validate_request
+from h3serve.config.vocab import TASKS
+from h3serve.config.stage import StageConfig
+from h3serve.errors import RequestError
+
+SERVED_TASKS = ("t2va",)
+QUALITIES = ("lossless",)
+# model ids a deployment accepts per profile; the first is the one it reports
+MODEL_IDS = {"base": ("MiniMax-H3", "h3", "base"), "fasth3": ("FastH3", "fasth3")}
+REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+NOT_SERVED = "this deployment serves t2va (fl2va / ref2va run in the embedded pipeline)"
+
+# Fields of the APIs and the request field each one feeds (h3serve.config.request names).
+API_FIELDS = {"prompt": "prompt", "seconds": "seconds", "size": "size", "width": "width", "height": "height",
+              "num_frames": "num_frames", "fps": "fps", "seed": "seed", "num_inference_steps": "steps",
+              "task": "task"}
+NUMERIC_FIELDS = ("seconds", "width", "height", "num_frames", "fps", "seed", "num_inference_steps")
+PROTO_FIELDS = ("seconds", "size", "width", "height", "num_frames", "fps", "seed", "num_inference_steps", "task",
+                "quality", "model")
+
+# The videos API (HTTP): top-level fields, fields refused with the reason, and extra_params.
+TOP_LEVEL = ("prompt", "seconds", "size", "width", "height", "num_frames", "fps", "seed", "num_inference_steps",
+             "quality", "model", "extra_params")
+UNSUPPORTED = {
+    "negative_prompt": "negative prompts are not supported by H3 serving",
+    "guidance_scale": "guidance is fixed by the model's schedule",
+    "flow_shift": "the flow shift is the checkpoint's",
+    "input_reference": "reference inputs (fl2va / ref2va) are not served over the API yet",
+    "input_references": "reference inputs (fl2va / ref2va) are not served over the API yet",
+}
+EXTRA_PARAMS = ("task", "duration")
+EXTRA_UNSUPPORTED = {"audio_flow_shift": "the audio flow shift is the checkpoint's"}
+
+
+@dataclass(frozen=True)
+class Validated:
+    """A caller's fields validated into the request this deployment runs."""
+
+    request: GenerationRequest
+    names: dict[str, str]        # request field -> the caller's field name
+    model: str                   # the model id reported back
+
+
+def short(value: Any) -> Any:
+    """A value as an error quotes it: itself, or its repr cut at 60 characters."""
+    text = repr(value)
+    return value if len(text) <= 60 else text[:60] + "..."
+
+
+def served_models(config: StageConfig) -> tuple[str, ...]:
+    """The model ids this deployment accepts in `model`; the first is the one it reports."""
+    served = MODEL_IDS.get(config.profile, (config.profile,))
+    return (config.model_name, *served) if config.model_name else served
+
+
+def fields_from_proto(msg) -> dict[str, Any]:
+    """The request fields a gRPC GenerateRequest sets (unset optional fields are left out)."""
+    out = {"prompt": msg.prompt}
+    for name in PROTO_FIELDS:
+        if msg.HasField(name):
+            out[name] = getattr(msg, name)
+    return out
+
+
+def fields_from_http(body: Any) -> tuple[dict[str, Any], dict[str, str]]:
+    """A videos-API body (decoded JSON or form) -> (fields, request field -> the caller's field name where it is
+    not the API name: `extra_params.task`, `extra_params.duration`)."""
+    if not isinstance(body, dict):
+        raise RequestError("body", short(body), "a JSON object of request fields")
+    fields: dict[str, Any] = {}
+    names: dict[str, str] = {}
+    for key, value in body.items():
+        if not isinstance(key, str) or not key:
+            raise RequestError("body", short(key), "non-empty string field names")
+        if key in UNSUPPORTED:
+            if value is None or value == "" or value == []:
+                continue
+            raise RequestError(key, short(value), "not supported: " + UNSUPPORTED[key])
+        if key not in TOP_LEVEL:
+            raise RequestError(key, short(value), "unknown field; allowed: " + ", ".join(TOP_LEVEL))
+        if key != "extra_params" and value is not None:
+            fields[key] = value
+    extra = body.get("extra_params")
+    if isinstance(extra, str):   # a form field carries the object as JSON text
+        try:
+            extra = json.loads(extra) if extra.strip() else {}
+        except ValueError:
+            raise RequestError("extra_params", short(extra), "a JSON object") from None
+    if extra is not None:
+        if not isinstance(extra, dict):
+            raise RequestError("extra_params", short(extra), "a JSON object")
+        for key, value in extra.items():
+            name = f"extra_params.{key}"
+            if key in EXTRA_UNSUPPORTED:
+                raise RequestError(name, short(value), "not supported: " + EXTRA_UNSUPPORTED[key])
+            if key not in EXTRA_PARAMS:
+                raise RequestError(name, short(value), "unknown; allowed: " + ", ".join(EXTRA_PARAMS))
+            if value is None:
+                continue
+            if key == "task":
+                fields["task"], names["task"] = value, name
+            elif key == "duration":
+                if "seconds" in fields:
+                    raise RequestError(name, short(value), "give seconds or extra_params.duration, not both")
+                fields["seconds"], names["seconds"] = value, name
+    return fields, names
+
+
+def check_types(fields: dict[str, Any]) -> None:
+    """JSON-level type checks, so that a wrong type is a RequestError naming the field, never a crash."""
+    for name, value in fields.items():
+        if value is None:
+            continue
+        if name == "prompt" and not isinstance(value, str):
+            raise RequestError(name, short(value), "a string of 1..20,000 characters")
+        if name in ("size", "task", "quality", "model") and not isinstance(value, str):
+            raise RequestError(name, short(value), "a string")
+        if name in NUMERIC_FIELDS and (isinstance(value, bool) or not isinstance(value, (int, float, str))):
+            raise RequestError(name, short(value), "a number")
+
+
+def check_request_id(request_id: str | None) -> None:
+    if request_id is not None and not REQUEST_ID.match(request_id):
+        raise RequestError("request_id", short(request_id), "1..64 of letters, digits, '.', '_', '-'")
+
+
+def validate_fields(fields: dict[str, Any], *, config: StageConfig,
+                    names: dict[str, str] | None = None) -> Validated:
+    """Validate the caller's fields (API names) into a GenerationRequest for this deployment.
+
+    `names` maps request fields to the caller's spelling when it differs from API_FIELDS (e.g. task given as
+    extra_params.task). Raises RequestError naming the caller's field."""
+    api_names = {internal: api for api, internal in API_FIELDS.items()}
+    api_names["profile"] = "model"   # the profile is the deployment's; a caller names it through `model`
+    api_names.update(names or {})
+    check_types(fields)
+    served = served_models(config)
+    model = fields.get("model")
+    if model is not None and model not in served:
+        raise RequestError("model", short(model), f"this deployment serves {served[0]!r} (profile {config.profile})")
+    quality = fields.get("quality")
+    if quality is not None and quality not in QUALITIES:
+        raise RequestError("quality", short(quality),
+                           "'lossless' (the only mode served: no step caching or sparse attention)")
+    task = fields.get("task")
+    if isinstance(task, str) and task.strip().lower() in TASKS and task.strip().lower() not in SERVED_TASKS:
+        raise RequestError(api_names.get("task", "task"), task, NOT_SERVED)
+    raw = {internal: fields[api] for api, internal in API_FIELDS.items()
+           if api in fields and fields[api] is not None}
+    raw["profile"] = config.profile
+    raw["dtype"] = config.dtype
+    if "prompt" not in raw:
+        raise RequestError("prompt", None, "a prompt is required")
+    try:
+        req = validate_request(**raw)
+    except RequestError as exc:
+        raise _renamed(exc, api_names) from None
+    if req.task not in SERVED_TASKS:
+        raise RequestError(api_names.get("task", "task"), req.task, NOT_SERVED)
+    return Validated(req, api_names, served[0])
+
+
+def _renamed(exc: RequestError, names: dict[str, str]) -> RequestError:
+    """The same error, naming the field as the caller spelled it (num_inference_steps, extra_params.task, ...)."""
+    api = names.get(exc.field, exc.field)
+    return exc if api == exc.field else RequestError(api, exc.value, exc.allowed)

@@ -1,0 +1,386 @@
+"""The request path: validated jobs admitted into the job table, each run by a named plan over the stages.
+
+Two plans; which one runs is chosen once per request from the deployment's transport (`choose_plan`):
+
+    relay   encoder ─► dit (latents back here) ─► muxer session ─► vae (latents sent from here) ─► fetch MP4
+    direct  encoder ─► muxer session ─► vae announces a latents session ─► dit sends the latents there over
+            VAE.Control (NIXL, or inline in that stream where NIXL cannot be used) ─► fetch the MP4
+
+In both, frames go vae ─► muxer, never through here. Every stage call carries the request's remaining deadline;
+cancelling a job cancels the call in flight, and the stage stops within one denoising step or one VAE clip. A stage
+call that fails is turned into a domain error naming the stage (h3serve.errortable.from_grpc).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
+
+import grpc
+import torch
+
+from h3serve._proto import common_pb2, dit_pb2, encoder_pb2, gateway_pb2, muxer_pb2, muxer_pb2_grpc, vae_pb2
+from h3serve.config.request import SAMPLE_RATE
+from h3serve.config.stage import StageConfig
+from h3serve.errors import H3Error
+from h3serve.errortable import StageUnavailable, from_grpc
+from h3serve.models.dit.layout import AUDIO_CHANNELS
+from h3serve.transport.grpc import collect_tensors, iter_tensor_chunks
+
+from .fields import check_request_id, validate_fields
+from .jobs import SHUTDOWN_REASON, Job, JobTable
+from .metrics import GatewayMetrics
+from .sinks import Sink
+from .stages import EdgeTransports, StageClients
+
+log = logging.getLogger("h3serve.gateway")
+
+# progress percent: encoder done 5, DiT 5..85, VAE 85..97, MP4 fetched 100
+P_ENCODER, P_DIT, P_VAE = 5.0, 80.0, 12.0
+OPEN_SESSION_TIMEOUT_S = 30.0
+ABORT_TIMEOUT_S = 2.0
+SESSION_TTL_MARGIN_S = 60.0     # an unfetched muxer session outlives the request's deadline by this much
+
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass
+class MuxSession:
+    """An open muxer session: the replica that holds it, the sink the VAE writes into, the Decode writing it."""
+
+    id: str
+    muxer: muxer_pb2_grpc.MuxerStub   # of the replica that holds it
+    sink: common_pb2.Sink
+    decode: grpc.Call | None = None
+    fetched: bool = False
+
+
+@dataclass
+class Decode:
+    """A VAE Decode call and its responses (errors mapped to domain errors naming the VAE)."""
+
+    call: grpc.Call
+    events: Iterator
+
+
+class StageCalls:
+    """The stage calls a plan is made of, for one job: each records its timings and reports progress."""
+
+    def __init__(self, job: Job, stages: StageClients, transports: EdgeTransports, metrics: GatewayMetrics,
+                 transport: str):
+        self.job = job
+        self.stages = stages
+        self.transports = transports
+        self.metrics = metrics
+        self.transport = transport      # the frame edge's (vae->muxer) requested transport
+        self.t = job.timings
+        self.t_latents: float | None = None   # the tail starts: last latent out of the DiT
+
+    def encode(self) -> Tensors:
+        """encoder: prompt -> text states + tags."""
+        job, req = self.job, self.job.request
+        t0 = time.perf_counter()
+        chunks = []
+        for ev in self._call("encoder", lambda: self.stages.encoder.Encode(
+                encoder_pb2.EncodeRequest(request_id=job.id, prompt=req.prompt, task=req.task),
+                timeout=job.remaining())):
+            kind = ev.WhichOneof("event")
+            if kind == "chunk":
+                chunks.append(ev.chunk)
+            elif kind == "done":
+                self._peak(ev.done.peak_memory_mb)
+        text = collect_tensors(chunks, edge="encoder->gateway")
+        self.t["encoder_s"] = time.perf_counter() - t0
+        self._progress("encoder", 1, 1, self.t["encoder_s"], P_ENCODER)
+        return text
+
+    def denoise(self, text: Tensors, latents_sink: common_pb2.Sink | None = None) -> Tensors | None:
+        """dit: text + geometry + seed -> latents, one progress event per step. The latents come back here, or go
+        to `latents_sink` (a VAE latents session) when given; then this returns None."""
+        job, req = self.job, self.job.request
+        params = dit_pb2.DiTParams(
+            request_id=job.id, latent_frames=req.latent_frames, latent_height=req.latent_height,
+            latent_width=req.latent_width, audio_latents=req.audio_latents, seed=req.seed, task=req.task,
+            profile=req.profile, steps=0 if req.profile == "fasth3" else req.steps, latents_sink=latents_sink)
+        inputs = itertools.chain(
+            [dit_pb2.DiTInput(params=params)],
+            (dit_pb2.DiTInput(chunk=c) for c in iter_tensor_chunks("text_states", text["text_states"])),
+            (dit_pb2.DiTInput(chunk=c) for c in iter_tensor_chunks("text_tags", text["text_tags"])),
+            [dit_pb2.DiTInput(end=common_pb2.StreamEnd(tensors=2))])
+        t0 = time.perf_counter()
+        chunks = []
+        for ev in self._call("dit", lambda: self.stages.dit.Generate(inputs, timeout=job.remaining())):
+            kind = ev.WhichOneof("event")
+            if kind == "progress":
+                p = ev.progress
+                self._progress("dit", p.done, p.total, p.elapsed_s, P_ENCODER + P_DIT * p.done / max(1, p.total))
+            elif kind == "chunk":
+                chunks.append(ev.chunk)
+                self.metrics.latents_relayed_bytes.inc(len(ev.chunk.data))
+            elif kind == "done":
+                self.t["dit_steps"] = float(ev.done.steps)
+                self._peak(ev.done.peak_memory_mb)
+                if ev.done.HasField("transport"):
+                    self.transports.record(ev.done.transport)
+        latents = None if latents_sink is not None else collect_tensors(chunks, edge="dit->gateway")
+        self.t["dit_s"] = time.perf_counter() - t0
+        self.t_latents = time.perf_counter()
+        return latents
+
+    @contextmanager
+    def mux_session(self) -> Iterator[MuxSession]:
+        """A muxer session for the MP4; unless its MP4 was fetched, leaving it cancels the Decode writing it and
+        aborts it."""
+        job, req = self.job, self.job.request
+        try:
+            opened = self.stages.muxer.OpenSession(muxer_pb2.OpenSessionRequest(
+                request_id=job.id, width=req.width, height=req.height, fps=req.fps, sample_rate=SAMPLE_RATE,
+                channels=AUDIO_CHANNELS, expected_frames=req.num_frames, transport=self.transport,
+                ttl_s=max(SESSION_TTL_MARGIN_S, job.remaining() + SESSION_TTL_MARGIN_S)),
+                timeout=min(OPEN_SESSION_TIMEOUT_S, job.remaining()))
+        except grpc.RpcError as err:
+            raise self._error("muxer", err) from None
+        sink = common_pb2.Sink(address=self.stages.reachable("muxer", opened.address), session_id=opened.session_id,
+                               transport=self.transport, transport_metadata=opened.transport_metadata)
+        session = MuxSession(opened.session_id, self.stages.muxer_at(opened.address), sink)
+        try:
+            yield session
+        finally:
+            if not session.fetched:
+                if session.decode is not None:
+                    session.decode.cancel()
+                try:
+                    session.muxer.Abort(muxer_pb2.AbortRequest(session_id=session.id, reason="request failed"),
+                                        timeout=ABORT_TIMEOUT_S)
+                except grpc.RpcError:
+                    pass
+
+    def open_decode(self, session: MuxSession, latents: Tensors | None) -> Decode:
+        """vae: open the Decode into the muxer session. With `latents` None the VAE waits for the DiT to send them
+        (latents_transport nixl) and first announces where (`latents_session`)."""
+        req = self.job.request
+        params = vae_pb2.DecodeParams(request_id=self.job.id, sink=session.sink, num_frames=req.num_frames,
+                                      width=req.width, height=req.height)
+        if latents is None:
+            params.latents_transport = "nixl"
+            inputs = iter([vae_pb2.DecodeInput(params=params),
+                           vae_pb2.DecodeInput(end=common_pb2.StreamEnd(tensors=0))])
+        else:
+            inputs = itertools.chain(
+                [vae_pb2.DecodeInput(params=params)],
+                (vae_pb2.DecodeInput(chunk=c) for c in iter_tensor_chunks("video_latents", latents["video_latents"])),
+                (vae_pb2.DecodeInput(chunk=c) for c in iter_tensor_chunks("audio_latents", latents["audio_latents"])),
+                [vae_pb2.DecodeInput(end=common_pb2.StreamEnd(tensors=2))])
+        call = self.stages.vae.Decode(inputs, timeout=self.job.remaining())
+        session.decode = call
+        return Decode(call, self._mapped("vae", call))
+
+    def latents_session(self, decode: Decode) -> common_pb2.Sink:
+        """Where the DiT sends the latents: the session the VAE's Decode announces first."""
+        first = next(decode.events, None)
+        if first is None or first.WhichOneof("event") != "latents":
+            raise StageUnavailable("vae", "the VAE did not open a latents session")
+        return common_pb2.Sink(address=self.stages.reachable("vae", first.latents.address),
+                               session_id=first.latents.session_id, transport="nixl")
+
+    def decoded(self, decode: Decode) -> None:
+        """vae: wait for the Decode to finish, one progress event per clip."""
+        t0 = time.perf_counter()
+        self.job.attach(decode.call)
+        try:
+            for ev in decode.events:
+                kind = ev.WhichOneof("event")
+                if kind == "clip":
+                    c = ev.clip
+                    self._progress("vae", c.index + 1, c.clips, time.perf_counter() - t0,
+                                   P_ENCODER + P_DIT + P_VAE * (c.index + 1) / max(1, c.clips))
+                elif kind == "done":
+                    d = ev.done
+                    self.t["vae_video_s"], self.t["vae_audio_s"] = d.video_seconds, d.audio_seconds
+                    self.t["vae_s"] = d.video_seconds + d.audio_seconds
+                    self.t["mux_tail_s"] = d.sink_tail_seconds
+                    self.t["transfer_bytes"] = float(d.bytes_sent)
+                    self._peak(d.peak_memory_mb)
+                    if d.HasField("transport"):
+                        self.transports.record(d.transport)
+        finally:
+            self.job.detach()
+        self.t["vae_wall_s"] = time.perf_counter() - t0
+
+    def fetch(self, session: MuxSession) -> None:
+        """muxer: the MP4 into the job's sink, from the replica that holds the session."""
+        job = self.job
+        t0 = time.perf_counter()
+        digest = hashlib.sha256()
+        size = 0
+        started = False
+        for chunk in self._call("muxer", lambda: session.muxer.Fetch(
+                muxer_pb2.FetchRequest(session_id=session.id), timeout=job.remaining())):
+            if not started:
+                job.sink.begin(int(chunk.total_bytes))
+                started = True
+            digest.update(chunk.data)
+            job.sink.write(int(chunk.offset), chunk.data)
+            size += len(chunk.data)
+        session.fetched = True
+        self.t["fetch_s"] = time.perf_counter() - t0
+        job.mp4_bytes, job.sha256 = size, digest.hexdigest()
+
+    # -- helpers ----------------------------------------------------------------------------------------------
+    def _progress(self, stage: str, done: int, total: int, elapsed: float, percent: float) -> None:
+        self.job.stage, self.job.progress = stage, percent
+        self.job.emit(gateway_pb2.GenerateEvent(progress=common_pb2.Progress(
+            stage=stage, done=done, total=total, elapsed_s=elapsed, percent=percent)))
+
+    def _peak(self, mb: float) -> None:
+        """The request's peak_memory_mb: the largest of the stages' own peaks (each stage is its own process)."""
+        if mb > 0:
+            self.t["peak_memory_mb"] = max(self.t.get("peak_memory_mb", 0.0), float(mb))
+
+    def _error(self, stage: str, err: grpc.RpcError) -> H3Error:
+        return self.job.cancelled() if self.job.cancel_requested.is_set() else from_grpc(err, stage=stage)
+
+    def _call(self, stage: str, start: Callable[[], Iterable]) -> Iterator:
+        """Start and iterate a stage call attached to the job (so that cancel reaches it)."""
+        self.job.check()
+        try:
+            call = start()
+            self.job.attach(call)
+            yield from call
+        except grpc.RpcError as err:
+            raise self._error(stage, err) from None
+        finally:
+            self.job.detach()
+
+    def _mapped(self, stage: str, call: Iterable) -> Iterator:
+        try:
+            yield from call
+        except grpc.RpcError as err:
+            raise self._error(stage, err) from None
+
+
+# -- the plans -----------------------------------------------------------------------------------------------
+
+def relay(calls: StageCalls) -> None:
+    """The latents come back from the DiT and the gateway sends them to the VAE in its Decode stream."""
+    text = calls.encode()
+    latents = calls.denoise(text)
+    with calls.mux_session() as session:
+        decode = calls.open_decode(session, latents)
+        calls.decoded(decode)
+        calls.fetch(session)
+
+
+def direct(calls: StageCalls) -> None:
+    """The DiT sends the latents to the VAE over VAE.Control; the gateway relays no latent bytes."""
+    text = calls.encode()
+    with calls.mux_session() as session:
+        decode = calls.open_decode(session, None)
+        calls.denoise(text, latents_sink=calls.latents_session(decode))
+        calls.decoded(decode)
+        calls.fetch(session)
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    run: Callable[[StageCalls], None]
+
+
+RELAY = Plan("relay", relay)
+DIRECT = Plan("direct", direct)
+
+
+def choose_plan(transport: str) -> Plan:
+    """direct under --transport nixl (the DiT and the VAE then settle how the latents travel), else relay."""
+    return DIRECT if transport == "nixl" else RELAY
+
+
+# -- the gateway ---------------------------------------------------------------------------------------------
+
+class Gateway:
+    """Validation, the job table, the stages and the workers that run each job's plan. Thread-based; the HTTP API
+    calls it from its event loop."""
+
+    def __init__(self, config: StageConfig, *, on_health: Callable[[bool], None] = lambda ok: None):
+        self.config = config
+        self.metrics = GatewayMetrics()
+        self.transports = EdgeTransports(config.transport or "grpc", self.metrics)
+        self.on_health = on_health
+        self.stages = StageClients(config, on_change=self._health_changed)
+        self.jobs = JobTable(config, self.metrics)
+        self.workers = [threading.Thread(target=self._worker, name=f"h3serve-job-{i}", daemon=True)
+                        for i in range(max(1, config.max_inflight))]
+
+    def start(self) -> None:
+        self.stages.start()
+        for w in self.workers:
+            w.start()
+        self.jobs.start()
+
+    @property
+    def draining(self) -> bool:
+        return self.jobs.draining
+
+    def ready(self) -> bool:
+        return self.stages.ready() and not self.draining
+
+    def _health_changed(self) -> None:
+        for s, v in self.stages.status.items():
+            self.metrics.stage_up.labels(stage=s).set(1 if v == "SERVING" else 0)
+        self.on_health(self.ready())
+
+    def new_job(self, fields: dict[str, Any], *, kind: str, sink_factory: Callable[[Job], Sink] | None = None,
+                timeout: float | None = None, request_id: str | None = None,
+                names: dict[str, str] | None = None) -> Job:
+        """Validate; raise RequestError naming the caller's field. The job is not admitted yet."""
+        validated = validate_fields(fields, config=self.config, names=names)
+        check_request_id(request_id)
+        return self.jobs.new(validated, kind=kind, sink_factory=sink_factory, timeout=timeout, request_id=request_id)
+
+    def submit(self, job: Job) -> Job:
+        """Admit a job or refuse it at once: Draining, StageUnavailable (a stage not ready), QueueFull."""
+        return self.jobs.admit(job, self.stages.not_ready())
+
+    def drain(self) -> None:
+        """Stop admitting; queued jobs fail with Draining; health NOT_SERVING."""
+        self.jobs.drain()
+        self.on_health(False)
+
+    def cancel_all(self) -> None:
+        self.jobs.cancel_running(SHUTDOWN_REASON)
+
+    def close(self) -> None:
+        self.jobs.close()
+        self.stages.close()
+
+    def _worker(self) -> None:
+        while (job := self.jobs.take()) is not None:
+            exc = None
+            try:
+                self._run(job)
+            except BaseException as e:  # noqa: BLE001 - every failure is reported through the table
+                exc = e
+            self.jobs.finish(job, exc)
+
+    def _run(self, job: Job) -> None:
+        plan = choose_plan(self.config.transport)
+        t = job.timings
+        job.started_at = time.time()
+        job.status = "in_progress"
+        t["queue_s"] = time.monotonic() - job.t_admitted
+        job.check()
+        calls = StageCalls(job, self.stages, self.transports, self.metrics, self.config.transport)
+        log.debug("request %s: plan %s", job.id, plan.name)
+        plan.run(calls)
+        t["tail_s"] = time.perf_counter() - calls.t_latents
+        t["mp4_bytes"] = float(job.mp4_bytes)
+        t["t_client"] = time.monotonic() - job.t_admitted
+        t["t_media"] = job.request.num_frames / job.request.fps
+        t["rtf_client"] = t["t_client"] / t["t_media"]

@@ -1,0 +1,97 @@
+"""Where a job's MP4 goes: into its event stream (gRPC Generate), into memory (GenerateSync), or into a file of the
+jobs directory (HTTP jobs). A sink sees `begin(total)`, then `write(offset, data)` per chunk fetched from the muxer,
+then `commit()` once the job completed or `abort()` once it failed."""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Protocol
+
+from h3serve._proto import gateway_pb2
+from h3serve.errortable import TooLarge
+
+# The last item of a job's event queue: the job finished (its outcome is on the job).
+END = object()
+
+
+class Sink(Protocol):
+    def begin(self, total: int) -> None: ...
+
+    def write(self, offset: int, data: bytes) -> None: ...
+
+    def commit(self) -> None: ...
+
+    def abort(self) -> None: ...
+
+
+class StreamSink:
+    """MP4 chunks into the job's event stream (gRPC Generate); `emit` is the job's (it blocks on a slow reader)."""
+
+    def __init__(self, emit: Callable[[object], None]):
+        self.emit = emit
+
+    def begin(self, total: int) -> None:
+        pass
+
+    def write(self, offset: int, data: bytes) -> None:
+        self.emit(gateway_pb2.GenerateEvent(mp4=gateway_pb2.Mp4Data(offset=offset, data=data)))
+
+    def commit(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+
+class BytesSink:
+    """The whole MP4 in memory (GenerateSync, HTTP sync), refused past `limit` bytes."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.buf = bytearray()
+
+    def begin(self, total: int) -> None:
+        if total > self.limit:
+            raise TooLarge(f"the MP4 is {total} bytes, more than the sync limit of {self.limit}; use the streaming "
+                           "call (Generate) or the async job API")
+
+    def write(self, offset: int, data: bytes) -> None:
+        self.buf += data
+
+    def commit(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        self.buf = bytearray()
+
+
+class FileSink:
+    """The MP4 into a file of the jobs directory, written as .part and renamed when complete (HTTP jobs)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.part = path + ".part"
+        self.f = None
+
+    def begin(self, total: int) -> None:
+        self.f = open(self.part, "wb")
+
+    def write(self, offset: int, data: bytes) -> None:
+        self.f.write(data)
+
+    def commit(self) -> None:
+        self.f.close()
+        os.replace(self.part, self.path)
+
+    def abort(self) -> None:
+        if self.f is not None:
+            self.f.close()
+        for p in (self.part, self.path):
+            unlink(p)
+
+
+def unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,128 @@
+"""The gateway's view of the four stages: channels and stubs, a health monitor that keeps each stage's serving
+status (readiness = every stage SERVING), and the transport each NIXL-capable edge used last."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from h3serve._proto import dit_pb2_grpc, encoder_pb2_grpc, muxer_pb2_grpc, vae_pb2_grpc
+from h3serve.config.vocab import PIPELINE_STAGES
+from h3serve.config.stage import StageConfig
+from h3serve.transport.grpc import insecure_channel
+
+from .metrics import GatewayMetrics
+
+log = logging.getLogger("h3serve.gateway")
+
+HEALTH_INTERVAL_S = 0.5
+HEALTH_NAMES = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
+UNBOUND_HOSTS = ("", "0.0.0.0", "[::]")
+# Edges whose transport the stages choose per request (grpc, or nixl when both ends can); `edge` of a
+# TransportInfo that names none is the frame edge.
+EDGES = {"vae->muxer": "the VAE and the muxer", "dit->vae": "the DiT and the VAE"}
+FRAME_EDGE = "vae->muxer"
+
+
+def unbound(address: str) -> bool:
+    """An address a stage reported without saying where it is reachable (empty, or an any-interface bind)."""
+    return not address or address.rsplit(":", 1)[0] in UNBOUND_HOSTS
+
+
+class StageClients:
+    """Channels and stubs to the stages, and a health monitor that keeps each stage's serving status."""
+
+    def __init__(self, config: StageConfig, on_change: Callable[[], None] = lambda: None):
+        self.addresses = {s: getattr(config, s) for s in PIPELINE_STAGES}
+        self.channels = {s: insecure_channel(a) for s, a in self.addresses.items()}
+        self.encoder = encoder_pb2_grpc.EncoderStub(self.channels["encoder"])
+        self.dit = dit_pb2_grpc.DiTStub(self.channels["dit"])
+        self.vae = vae_pb2_grpc.VAEStub(self.channels["vae"])
+        self.muxer = muxer_pb2_grpc.MuxerStub(self.channels["muxer"])
+        self._extra: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()
+        self.status = {s: "UNKNOWN" for s in PIPELINE_STAGES}
+        self.on_change = on_change
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._monitor, name="h3serve-health", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def reachable(self, stage: str, address: str) -> str:
+        """The address to give peers for a stage replica: the one it reported, else the configured one."""
+        return self.addresses[stage] if unbound(address) else address
+
+    def muxer_at(self, address: str) -> muxer_pb2_grpc.MuxerStub:
+        """The muxer replica that holds a session (its address may differ from the service address)."""
+        if unbound(address) or address == self.addresses["muxer"]:
+            return self.muxer
+        with self._lock:
+            channel = self._extra.get(address)
+            if channel is None:
+                channel = self._extra[address] = insecure_channel(address)
+        return muxer_pb2_grpc.MuxerStub(channel)
+
+    def ready(self) -> bool:
+        return all(v == "SERVING" for v in self.status.values())
+
+    def not_ready(self) -> dict[str, str]:
+        """stage -> health, of the stages not SERVING."""
+        return {s: v for s, v in self.status.items() if v != "SERVING"}
+
+    def _monitor(self) -> None:
+        stubs = {s: health_pb2_grpc.HealthStub(c) for s, c in self.channels.items()}
+        while not self._stop.is_set():
+            changed = False
+            for stage, stub in stubs.items():
+                try:
+                    r = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                    value = HEALTH_NAMES.get(r.status, "UNKNOWN")
+                except grpc.RpcError:
+                    value = "NOT_SERVING"
+                if self.status[stage] != value:
+                    log.info("stage %s: %s -> %s", stage, self.status[stage], value)
+                    self.status[stage] = value
+                    changed = True
+            if changed:
+                self.on_change()
+            self._stop.wait(HEALTH_INTERVAL_S)
+
+    def close(self) -> None:
+        self._stop.set()
+        for c in [*self.channels.values(), *self._extra.values()]:
+            c.close()
+
+
+class EdgeTransports:
+    """Per edge: the transport requested (--transport), the one the last request used, and why; kept in the
+    metrics too (h3serve_transport_*)."""
+
+    def __init__(self, requested: str, metrics: GatewayMetrics):
+        self.metrics = metrics
+        self._lock = threading.Lock()
+        pending = requested != "grpc"
+        self.edges = {edge: {"requested": requested, "chosen": "pending" if pending else requested,
+                             "reason": f"decided per request by {ends} (no request yet)" if pending else "requested"}
+                      for edge, ends in EDGES.items()}
+        for edge, t in self.edges.items():
+            metrics.set_transport(edge, t["requested"], t["chosen"], t["reason"], request=False)
+
+    def details(self) -> dict:
+        with self._lock:
+            return {edge: dict(t) for edge, t in self.edges.items()}
+
+    def record(self, info) -> None:
+        """A stage's TransportInfo for the request that just used the edge."""
+        edge = info.edge or FRAME_EDGE
+        t = {"requested": info.requested, "chosen": info.chosen, "reason": info.reason}
+        with self._lock:
+            changed = self.edges.get(edge, {}).get("chosen") != t["chosen"]
+            self.edges[edge] = t
+        self.metrics.set_transport(edge, t["requested"], t["chosen"], t["reason"])
+        if changed:
+            log.info("transport %s: requested %s, chosen %s (%s)", edge, t["requested"], t["chosen"], t["reason"])

@@ -9,7 +9,11 @@ import time
 
 import pytest
 
-from h3serve.distributed.world import DegreeError, ParallelDegrees, StageFailed, launch
+from h3serve.distributed.world import DegreeError, ParallelDegrees, launch
+from h3serve.errors import RankFailed
+from h3serve.models.dit.parallel import row_shards
+from h3serve.models.vae.parallel import assign_tiles
+from h3serve.models.vae.tiling import plan_tiles
 
 from .workers import build_suite, dit_inputs, dit_request
 
@@ -33,12 +37,12 @@ def test_a_dead_rank_fails_the_request_with_a_clear_error(tiny_checkpoint):
                 os.kill(victim.pid, signal.SIGKILL)
 
         t0 = time.monotonic()
-        with pytest.raises(StageFailed, match=r"rank 1 of 2 .*unhealthy") as info:
+        with pytest.raises(RankFailed, match=r"rank 1 of 2 .*unhealthy") as info:
             h.call("generate", ((2, 1), dit_request(steps=20)), on_step=kill)
         elapsed = time.monotonic() - t0
         assert elapsed < 15, f"took {elapsed:.1f} s to notice"
         assert not h.healthy and "rank 1" in h.failure
-        with pytest.raises(StageFailed, match="unhealthy"):
+        with pytest.raises(RankFailed, match="unhealthy"):
             h.call("generate", ((2, 1), dit_request()))
         print(f"dead rank reported in {elapsed:.2f} s: {info.value}")
     finally:
@@ -63,10 +67,6 @@ def test_degrees_are_validated_with_a_message_that_says_what_to_change():
 
 
 def test_row_shards_and_tile_assignment_are_pure_and_cover_everything():
-    from h3serve.models.dit.parallel import row_shards
-    from h3serve.models.vae.parallel import assign_tiles
-    from h3serve.models.vae.tiling import plan_tiles
-
     layout = dit_inputs(*GEOMETRIES["S25"][0])[-1]
     shards = row_shards(layout, 4)
     assert [(s.start, s.stop) for s in shards] == [(0, 7), (7, 14), (14, 21), (21, 25)]

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from h3serve.distributed.proxies import VideoVAEProxy
 from h3serve.distributed.world import DegreeError, ParallelDegrees, launch
 from h3serve.errors import RankFailed
 from h3serve.models.dit.parallel import row_shards
@@ -78,3 +79,22 @@ def test_row_shards_and_tile_assignment_are_pure_and_cover_everything():
     owned = assign_tiles(tiles, 8)
     assert sorted(k for ks in owned for k in ks) == list(range(len(tiles)))
     assert max(map(len, owned)) - min(map(len, owned)) <= 1
+
+
+def test_a_decode_stopped_early_still_runs_out_on_rank_0():
+    """The other ranks decode their tiles of every window: rank 0 must take part in all of them."""
+    produced = []
+
+    class Stage:
+        handlers = {VideoVAEProxy.PART: lambda payload, local: None}
+
+        def call(self, op, payload):
+            assert op == VideoVAEProxy.DECODE
+            for i in range(4):
+                produced.append(i)
+                yield i
+
+    clips = VideoVAEProxy(Stage()).iter_decode(None)
+    assert next(clips) == 0 and produced == [0]
+    clips.close()
+    assert produced == [0, 1, 2, 3]

@@ -64,12 +64,13 @@ def _worker(rank: int, a: argparse.Namespace, port: int, queue) -> None:
     from h3serve.models.dit import layout as L
     from h3serve.models.dit.model import H3DiT, H3DiTConfig
     from h3serve.models.dit.parallel import USPPlan, parallelize_dit
+    from h3serve.runtime.device import DTYPES
 
     rt = Runtime(rank, a.world, master_addr="127.0.0.1", master_port=port, local_rank=rank, timeout_s=600,
                  device=a.device)
     dev = rt.device
     cuda = dev.type == "cuda"
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype]
+    dtype = DTYPES[a.dtype]
     cfg = transformer_config(a.preset)
     cfg["num_layers"] = a.layers
     torch.manual_seed(a.seed)  # the same weights on every rank

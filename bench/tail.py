@@ -203,9 +203,10 @@ def main() -> None:
     from vae import build_vae  # bench/vae.py
 
     from h3serve.models.vae.video import VideoVAE
+    from h3serve.runtime.device import DTYPES
 
     device = torch.device(a.device)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype]
+    dtype = DTYPES[a.dtype]
     t_, h_, w_ = (int(v) for v in (a.latents or ("12x4x6" if a.preset == "tiny" else "72x48x84")).split("x"))
     model = build_vae(a.preset, dtype, device)
     tile, overlap = (256, 64) if a.preset == "full" else (32, 16)

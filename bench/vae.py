@@ -64,10 +64,11 @@ def main() -> None:
     from diffusers.utils import logging as diffusers_logging
 
     from h3serve.models.vae.video import VideoVAE
+    from h3serve.runtime.device import DTYPES
 
     diffusers_logging.set_verbosity_error()
     device = torch.device(a.device)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype]
+    dtype = DTYPES[a.dtype]
     t_, h_, w_ = (int(v) for v in (a.latents or ("12x4x6" if a.preset == "tiny" else "72x48x84")).split("x"))
     model = build_vae(a.preset, dtype, device, a.seed)
     tile = 256 if a.preset == "full" else 32

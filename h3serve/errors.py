@@ -33,3 +33,8 @@ class MediaError(H3Error):
 
 class Cancelled(H3Error):
     """The caller cancelled a request (or its deadline passed) before it finished; no partial result is returned."""
+
+
+class RankFailed(H3Error):
+    """A rank of a parallel stage died or stopped answering; the stage is unhealthy until restarted (a stage server
+    reports it as `StageUnavailable`)."""

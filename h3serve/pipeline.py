@@ -16,15 +16,32 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
+import torch.distributed as dist
+from PIL import Image
+from tqdm import tqdm
 
 from h3serve.config.parallel import ParallelDegrees
 from h3serve.config.vocab import DEFAULT_DTYPE, PROFILES
-from h3serve.errors import CheckpointError, H3Error, ProfileError
 from h3serve.config.request import GenerationRequest
+from h3serve.distributed.proxies import DiTEngineProxy, EncoderProxy, VideoVAEProxy
+from h3serve.distributed.world import launch
+from h3serve.errors import CheckpointError, H3Error, ProfileError
+from h3serve.media.mux import Mp4Writer
+from h3serve.models.dit.engine import COMPONENT_FOR_TASK, DiTEngine, DiTRequest
+from h3serve.models.dit.layout import AudioRef, ImageRef
+from h3serve.models.dit.parallel import build_dit_rank
+from h3serve.models.encoder import presentation as pres
+from h3serve.models.encoder.model import TextEncoder
+from h3serve.models.encoder.parallel import build_encoder_rank
+from h3serve.models.vae.audio import AudioVAE
+from h3serve.models.vae.parallel import build_vae_rank
+from h3serve.models.vae.video import VideoVAE
+from h3serve.runtime.device import DTYPES, PeakMemory, pick_device, process_memory
+from h3serve.weights.adapter import Adapter
+from h3serve.weights.folder import CheckpointFolder
 
 log = logging.getLogger("h3serve.pipeline")
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SAMPLE_RATE = 32000
 
 
@@ -49,15 +66,6 @@ class GenerationResult:
     timings: dict
 
 
-def pick_device(device: str | None) -> torch.device:
-    if device:
-        dev = torch.device(device)
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise H3Error(f"device={device!r} requested but no CUDA device is available; use --device cpu")
-        return dev
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -69,7 +77,7 @@ def _read_audio_32k(path: str, max_samples: int) -> torch.Tensor:
     Samples are converted to planar float by FFmpeg's resampler at the file's own rate and layout (a format change
     only); other rates are refused rather than resampled differently from the reference.
     """
-    import av
+    import av   # lazy: PyAV belongs to h3serve.media; only audio references need it here
 
     try:
         with av.open(path) as container:
@@ -174,13 +182,6 @@ class Pipeline:
         ring: int = 1,
         vae_pp: int = 1,
     ) -> "Pipeline":
-        from h3serve.weights.adapter import Adapter
-        from h3serve.weights.folder import CheckpointFolder
-        from h3serve.models.dit.engine import COMPONENT_FOR_TASK, DiTEngine
-        from h3serve.models.encoder.model import TextEncoder
-        from h3serve.models.vae.audio import AudioVAE
-        from h3serve.models.vae.video import VideoVAE
-
         t0 = time.perf_counter()
         if dtype not in DTYPES:
             raise H3Error(f"dtype={dtype!r} is invalid: one of {', '.join(DTYPES)}")
@@ -199,6 +200,7 @@ class Pipeline:
         folder = CheckpointFolder(root)  # fails early, naming what is missing
         dev = pick_device(device)
         torch_dtype = DTYPES[dtype]
+        components = sorted({COMPONENT_FOR_TASK[t] for t in tasks})
         degrees = ParallelDegrees(encoder_tp=encoder_tp, ulysses=ulysses, ring=ring, vae_pp=vae_pp)
         if not degrees.trivial:
             text = folder.config("text_encoder").get("text_config", {})
@@ -206,21 +208,19 @@ class Pipeline:
                              encoder_heads=int(text["num_attention_heads"]),
                              encoder_kv_heads=int(text["num_key_value_heads"]),
                              encoder_intermediate=int(text["intermediate_size"]))
-            from h3serve.distributed.world import launch
-
-            # This process is rank 0; ranks 1..N-1 are spawned, and every rank loads its own part (_parallel_rank).
-
-            handle = launch(degrees.world_size, _parallel_rank, (str(root), profile, adapter, adapter_sha256, dtype,
-                            tuple(tasks), degrees), device=dev.type)
-            dit, encoder, video_vae, audio_vae = handle.handlers["_stages"](None, None)
-            for proxy in (dit, encoder, video_vae):
-                proxy.stage = handle
-            return cls(checkpoint=root, profile=profile, dtype=dtype, device=handle.runtime.device, encoder=encoder,
-                       dit=dit, video_vae=video_vae, audio_vae=audio_vae, load_seconds=time.perf_counter() - t0,
-                       stage=handle)
+            # This process is rank 0; ranks 1..N-1 are spawned, and every rank loads its own part (_replica_rank).
+            handle = launch(degrees.world_size, _replica_rank, (str(root), torch_dtype, components, profile, adapter,
+                            adapter_sha256, degrees), device=dev.type)
+            try:
+                audio_vae = AudioVAE.load(root, dtype=torch.float32, device=handle.runtime.device)  # rank 0 only
+            except BaseException:
+                handle.close()
+                raise
+            return cls(checkpoint=root, profile=profile, dtype=dtype, device=handle.runtime.device,
+                       encoder=EncoderProxy(handle), dit=DiTEngineProxy(handle), video_vae=VideoVAEProxy(handle),
+                       audio_vae=audio_vae, load_seconds=time.perf_counter() - t0, stage=handle)
 
         fused = Adapter.open(adapter, adapter_sha256) if profile == "fasth3" else None
-        components = sorted({COMPONENT_FOR_TASK[t] for t in tasks})
         dit = DiTEngine.load(root, components=components, dtype=torch_dtype, device=dev, profile=profile,
                              adapter=fused)
         if fused is not None:
@@ -235,8 +235,6 @@ class Pipeline:
     @property
     def reference_short_edge(self) -> int:
         """ref2va image references are encoded at this short edge (the checkpoint's pipeline config; 2048 released)."""
-        from h3serve.weights.folder import CheckpointFolder
-
         config = CheckpointFolder(self.checkpoint, components=[]).pipeline_config
         return int(config.get("reference_image_short_edge", 2048))
 
@@ -244,11 +242,6 @@ class Pipeline:
 
     def _conditions(self, req: GenerationRequest):
         """Encoder inputs and DiT conditions for fl2va / ref2va (images resized, encoded by the VAE encoder)."""
-        from PIL import Image
-
-        from h3serve.models.dit.layout import AudioRef, ImageRef
-        from h3serve.models.encoder import presentation as pres
-
         images, refs, cond_latents, layout_refs, ref_audio, anchors = [], None, [], [], [], ()
         if req.task == "fl2va":
             anchors = tuple(a for a, p in (("first", req.first_image), ("last", req.last_image)) if p)
@@ -283,8 +276,6 @@ class Pipeline:
 
     def generate_latents(self, req: GenerationRequest, *, progress: bool | Callable[[int, int], None] = False,
                          should_stop: Callable[[], bool] | None = None) -> Latents:
-        from h3serve.models.dit.engine import DiTRequest
-
         if req.profile != self.profile:
             raise ProfileError(f"this pipeline is loaded for profile={self.profile!r}, the request asks "
                                f"{req.profile!r}")
@@ -297,8 +288,6 @@ class Pipeline:
 
         bar = None
         if progress is True:
-            from tqdm import tqdm
-
             bar = tqdm(total=req.num_forwards, desc="denoise", unit="step", leave=False)
             on_step = lambda done, total: bar.update(1)  # noqa: E731
         else:
@@ -333,8 +322,6 @@ class Pipeline:
     def write_mp4(self, req: GenerationRequest, latents: Latents, out_path: str | Path) -> dict:
         """Decode clip by clip into the MP4 writer (encoding overlaps decoding); audio first (it is short and then
         encodes while the video decodes; the file does not depend on the order). Returns timings."""
-        from h3serve.media.mux import Mp4Writer
-
         t0 = time.perf_counter()
         timings = {}
         frames = 0
@@ -368,8 +355,6 @@ class Pipeline:
     def generate(self, req: GenerationRequest, out_path: str | Path, *,
                  progress: bool | Callable[[int, int], None] = False,
                  should_stop: Callable[[], bool] | None = None) -> GenerationResult:
-        from h3serve.runtime.device import PeakMemory
-
         t0 = time.perf_counter()
         out_path = Path(out_path)
         out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -387,131 +372,22 @@ class Pipeline:
                                 bytes=size, timings=timings)
 
 
-# -- parallel degrees: what every rank builds, and rank 0's stand-ins for the stages ----------------------------------
+# -- parallel degrees: what every rank builds ------------------------------------------------------------------------
 
 
-def _parallel_rank(runtime, checkpoint: str, profile: str, adapter: str | None, adapter_sha256: str | None,
-                   dtype: str, tasks: tuple, degrees: ParallelDegrees) -> dict:
-    """Every rank: load its part (encoder shard, DiT under USP, VAE tiles), return the ops rank 0 calls."""
-    from h3serve.distributed.world import Local
-    from h3serve.models.dit.engine import COMPONENT_FOR_TASK
-    from h3serve.models.dit.parallel import USPGroups, USPPlan, load_usp_engine
-    from h3serve.models.encoder.model import TextEncoder
-    from h3serve.models.encoder.parallel import parallelize_encoder
-    from h3serve.models.vae.audio import AudioVAE
-    from h3serve.models.vae.parallel import PatchParallelVAE
-    from h3serve.models.vae.video import VideoVAE
+def _replica_rank(runtime, checkpoint: str, dtype: torch.dtype, components: Sequence[str], profile: str,
+                  adapter: str | None, adapter_sha256: str | None, degrees: ParallelDegrees) -> dict:
+    """Every rank: the groups of the three models first (in the same order on every rank), then its part of each
+    (DiT under USP, encoder shard, VAE tiles); returns the ops rank 0's stand-ins call, and "memory"."""
+    encoder = build_encoder_rank(runtime, checkpoint, dtype, degrees.encoder_tp)
+    dit = build_dit_rank(runtime, checkpoint, dtype, components, profile, adapter, adapter_sha256, degrees.ulysses,
+                         degrees.ring)
+    vae = build_vae_rank(runtime, checkpoint, dtype, degrees.vae_pp)
 
-    rank, dev, torch_dtype = runtime.rank, runtime.device, DTYPES[dtype]
-    # Groups first, in the same order on every rank.
-    enc_group, _ = runtime.new_group(range(degrees.encoder_tp))
-    usp = USPGroups.build(runtime, USPPlan(degrees.ulysses, degrees.ring))
-    vae_group, _ = runtime.new_group(range(degrees.vae_pp))
-
-    dit = encoder = video_vae = audio_vae = None
-    if usp is not None:
-        dit = load_usp_engine(runtime, usp, checkpoint, components=sorted({COMPONENT_FOR_TASK[t] for t in tasks}),
-                              dtype=torch_dtype, profile=profile, adapter=adapter, adapter_sha256=adapter_sha256)
-    if rank < degrees.encoder_tp:
-        encoder = parallelize_encoder(TextEncoder.load(checkpoint, dtype=torch_dtype, device=dev), enc_group, rank,
-                                      degrees.encoder_tp)
-    if rank < degrees.vae_pp:
-        video_vae = VideoVAE.load(checkpoint, dtype=torch_dtype, device=dev)
-        if degrees.vae_pp > 1:
-            video_vae = PatchParallelVAE(video_vae, vae_group, rank, degrees.vae_pp)
-    if rank == 0:
-        if video_vae is None:
-            video_vae = VideoVAE.load(checkpoint, dtype=torch_dtype, device=dev)
-        audio_vae = AudioVAE.load(checkpoint, dtype=torch.float32, device=dev)  # audio: rank 0 only
-
-    def encode(payload, local: Local | None):
-        if encoder is None:
-            return None
-        prompt, images, task, references = payload
-        return encoder.encode(prompt, images=images, task=task, references=references)
-
-    def generate(req, local: Local | None):
-        if dit is None:
-            return None
-        should_stop = runtime.agreed_stop(local.should_stop if local else None, usp.control)
-        return dit.generate(req, on_step=local.on_step if local else None, should_stop=should_stop)
-
-    def decode(payload, local: Local | None):
-        if rank >= degrees.vae_pp:
-            return iter(())
-        latents, as_float = payload
-        return video_vae.iter_decode_float(latents) if as_float else video_vae.iter_decode(latents)
-
-    def memory(payload, local: Local | None):
+    def memory(payload, local):
         """Every rank's `process_memory` (read-only), gathered on the control group; rank 0 gets the list by rank."""
-        import torch.distributed as dist
-
-        from h3serve.runtime.device import process_memory
-
         stats: list = [None] * runtime.world_size
-        dist.all_gather_object(stats, {"rank": rank, **process_memory(dev)}, group=runtime.control)
+        dist.all_gather_object(stats, {"rank": runtime.rank, **process_memory(runtime.device)}, group=runtime.control)
         return stats
 
-    handlers = {"encode": encode, "dit": generate, "vae": decode, "memory": memory}
-    if rank == 0:
-        handlers["_stages"] = lambda payload, local: (
-            _ParallelDiT(runtime, handlers), _ParallelEncoder(runtime, handlers),
-            _ParallelVideoVAE(video_vae.vae if isinstance(video_vae, PatchParallelVAE) else video_vae),
-            audio_vae)
-    return handlers
-
-
-def _cpu(t):
-    return t.cpu() if isinstance(t, torch.Tensor) else t
-
-
-class _StageProxy:
-    """Rank 0's stand-in for a stage: the same method, run on every rank through the pipeline's StageHandle."""
-
-    stage = None  # set by Pipeline.load once the handle exists
-
-
-class _ParallelEncoder(_StageProxy):
-    def __init__(self, runtime, handlers):
-        self.runtime, self.handlers = runtime, handlers
-
-    def encode(self, prompt, *, images=(), task="t2va", references=None):
-        return self.stage.call("encode", (prompt, list(images), task, references))
-
-
-class _ParallelDiT(_StageProxy):
-    def __init__(self, runtime, handlers):
-        self.runtime, self.handlers = runtime, handlers
-
-    def generate(self, req, *, on_step=None, should_stop=None):
-        import dataclasses
-
-        # Peers unpickle the request: tensors travel on the CPU and each rank moves them to its own device.
-        req = dataclasses.replace(req, text_states=_cpu(req.text_states), text_tags=_cpu(req.text_tags),
-                                  condition_latents=[_cpu(t) for t in req.condition_latents],
-                                  reference_audio_rows=[_cpu(t) for t in req.reference_audio_rows])
-        return self.stage.call("dit", req, should_stop=should_stop, on_step=on_step)
-
-
-class _ParallelVideoVAE(_StageProxy):
-    """Rank 0's VideoVAE (keyframe / reference encodes stay local) whose decode runs patch parallel."""
-
-    def __init__(self, vae):
-        self.vae = vae
-
-    def __getattr__(self, name):
-        return getattr(self.vae, name)
-
-    def iter_decode(self, latents):
-        return self.stage.call("vae", (_cpu(latents), False))
-
-    def iter_decode_float(self, latents):
-        return self.stage.call("vae", (_cpu(latents), True))
-
-    def iter_decode_yuv420p(self, latents):
-        from h3serve.models.vae.video import VideoVAE
-
-        return VideoVAE.iter_decode_yuv420p(self, latents)   # the MP4 path: over the patch-parallel iter_decode
-
-    def decode_float(self, latents):
-        return torch.cat(list(self.iter_decode_float(latents)), dim=0)
+    return {**dit(), **encoder(), **vae(), "memory": memory}

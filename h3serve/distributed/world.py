@@ -1,5 +1,8 @@
 """The runtime of a stage with N parallel ranks: one process per rank, one `torch.distributed` world.
 
+This module holds the world (`Runtime`, `launch`, `join_from_env`) and rank 0's side (`StageHandle`); the other
+ranks' command loop is `h3serve.distributed.ranks`, rank 0's stand-ins for the models `h3serve.distributed.proxies`.
+
     rank 0 (owns the request; in services, the gRPC server)         ranks 1..N-1 (peers)
     ───────────────────────────────────────────────────────         ─────────────────────────────────
     handle.call(op, payload) ──store: h3/cmd/<seq> = op──────────►  wait for h3/cmd/<seq> (polled, never times out)
@@ -26,49 +29,48 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from h3serve.config.parallel import DegreeError, ParallelDegrees
-from h3serve.errors import Cancelled, H3Error
+from h3serve.distributed.ranks import (
+    CMD,
+    DONE,
+    HEARTBEAT,
+    HEARTBEAT_S,
+    READY,
+    SHUTDOWN,
+    Handler,
+    Local,
+    peer_main,
+    serve,
+)
+from h3serve.errors import Cancelled, H3Error, RankFailed
 
 log = logging.getLogger("h3serve.distributed.world")
 
 __all__ = [
-    "Runtime", "StageHandle", "Local", "StageFailed",
-    "launch", "join_from_env", "free_port", "weights_digest", "check_identical",
+    "Runtime", "StageHandle", "launch", "join_from_env", "spawn_peers", "free_port", "weights_digest",
+    "check_identical",
 ]
 
-HEARTBEAT_S = 0.5
-_CMD, _DONE, _HB, _SHUTDOWN = "h3/cmd/", "h3/done/", "h3/hb/", "__shutdown__"
-
-
-class StageFailed(H3Error):
-    """A rank of the stage died or stopped answering; the stage is unhealthy until restarted."""
+# What a spawned rank inherits from this process's environment.
+INHERITED_ENV = ("H3SERVE", "HF_", "TRANSFORMERS", "OMP_")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Per-process runtime
-
-
-@dataclass
-class Local:
-    """What only rank 0 has for a call: the caller's cancellation flag and progress callback."""
-
-    should_stop: Callable[[], bool] | None = None
-    on_step: Callable[[int, int], None] | None = None
-
-
-Handler = Callable[[Any, "Local | None"], Any]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -154,16 +156,16 @@ class Runtime:
             return
         while not self._stop_heartbeat.is_set():
             try:
-                store.set(f"{_HB}{self.rank}", repr(time.time()))
+                store.set(f"{HEARTBEAT}{self.rank}", repr(time.time()))
             except Exception:  # noqa: BLE001 - the store (rank 0) is gone; the command loop notices too
                 return
             self._stop_heartbeat.wait(HEARTBEAT_S)
 
     def last_heartbeat(self, rank: int) -> float | None:
         try:
-            if not self.store.check([f"{_HB}{rank}"]):
+            if not self.store.check([f"{HEARTBEAT}{rank}"]):
                 return None
-            return float(self.store.get(f"{_HB}{rank}").decode())
+            return float(self.store.get(f"{HEARTBEAT}{rank}").decode())
         except Exception:  # noqa: BLE001
             return None
 
@@ -174,60 +176,6 @@ class Runtime:
                 dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - best effort on a broken group
             pass
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Peers: the command loop
-
-
-def _serve_peer(runtime: Runtime, handlers: dict[str, Handler]) -> None:
-    """Ranks 1..N-1: execute rank 0's commands until shutdown, or exit when rank 0 (the store) disappears."""
-    # A client of its own that may block forever: an idle stage waits for requests without polling or timing out;
-    # if rank 0 (the store's server) dies, the connection breaks and the wait raises.
-    waiter = dist.TCPStore(runtime.master_addr, runtime.master_port, is_master=False,
-                           timeout=timedelta(days=3650))
-    seq = 0
-    while True:
-        seq += 1
-        key = f"{_CMD}{seq}"
-        try:
-            waiter.wait([key])
-        except Exception as exc:  # noqa: BLE001
-            log.error("rank %d: lost rank 0 (%s); exiting", runtime.rank, exc)
-            return
-        op = runtime.store.get(key).decode()
-        if op == _SHUTDOWN:
-            return
-        status = "ok"
-        try:
-            payload = runtime.broadcast_object(None)
-            result = handlers[op](payload, None)
-            if isinstance(result, Iterator):
-                for _ in result:  # a streaming op: rank 0 consumes it, peers just run it
-                    pass
-        except BaseException as exc:  # noqa: BLE001 - reported to rank 0, the loop goes on
-            status = f"{type(exc).__name__}: {exc}"
-            if not isinstance(exc, (H3Error, ValueError)):
-                log.exception("rank %d: %s failed", runtime.rank, op)
-        try:
-            runtime.store.set(f"{_DONE}{seq}/{runtime.rank}", status)
-        except Exception:  # noqa: BLE001
-            return
-
-
-def _peer_main(rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float,
-               backend: str | None, build: Callable, build_args: tuple, env: dict, device: str | None,
-               local_rank: int | None = None) -> None:
-    os.environ.update(env)
-    local_rank = rank if local_rank is None else local_rank   # a node's ranks beyond the first: its own GPU index
-    runtime = Runtime(rank, world_size, master_addr=master_addr, master_port=master_port, local_rank=local_rank,
-                      timeout_s=timeout_s, backend=backend, device=device)
-    try:
-        handlers = build(runtime, *build_args)
-        runtime.store.set(f"h3/ready/{rank}", "1")
-        _serve_peer(runtime, handlers)
-    finally:
-        runtime.close()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -291,7 +239,7 @@ class StageHandle:
                     except Exception:  # noqa: BLE001
                         pass
 
-    def _failed(self, op: str, exc: BaseException | None) -> StageFailed:
+    def _failed(self, op: str, exc: BaseException | None) -> RankFailed:
         # Give the watchdog a moment to name the culprit: a collective fails as soon as a peer's socket closes.
         deadline = time.time() + 4 * HEARTBEAT_S + 1.0
         while self._dead is None and time.time() < deadline:
@@ -304,25 +252,25 @@ class StageHandle:
             self._dead = (-1, f"a collective failed ({type(exc).__name__}: {exc})")
         r, why = self._dead
         who = f"rank {r} of {self.world_size} {why}" if r >= 0 else why
-        return StageFailed(f"{op} failed: {who}; the stage is unhealthy and must be restarted")
+        return RankFailed(f"{op} failed: {who}; the stage is unhealthy and must be restarted")
 
     # -- calls --------------------------------------------------------------------------------------------------
 
     def call(self, op: str, payload: Any = None, *, should_stop: Callable[[], bool] | None = None,
              on_step: Callable[[int, int], None] | None = None) -> Any:
         """Run `op` on every rank with the same `payload`; returns rank 0's result (an iterator for streaming ops,
-        which the caller must exhaust). Raises `StageFailed` if a rank died, `Cancelled` if stopped."""
+        which the caller must exhaust). Raises `RankFailed` if a rank died, `Cancelled` if stopped."""
         if self._closed:
             raise H3Error("this parallel stage is closed")
         if self._dead is not None:
-            raise StageFailed(f"{op} refused: the stage is unhealthy (rank {self._dead[0]} {self._dead[1]}); "
+            raise RankFailed(f"{op} refused: the stage is unhealthy (rank {self._dead[0]} {self._dead[1]}); "
                               "restart it")
         self._lock.acquire()
         release = True
         try:
             self._seq += 1
             seq = self._seq
-            self.runtime.store.set(f"{_CMD}{seq}", op)
+            self.runtime.store.set(f"{CMD}{seq}", op)
             self.runtime.broadcast_object(payload)
             result = self.handlers[op](payload, Local(should_stop, on_step))
             if isinstance(result, Iterator):
@@ -330,7 +278,7 @@ class StageHandle:
                 return self._stream(seq, op, result)
             self._collect(seq, op)
             return result
-        except StageFailed:
+        except RankFailed:
             raise
         except (Cancelled, H3Error):
             self._collect(seq, op)  # the peers stopped at the same boundary; learn their outcome
@@ -362,7 +310,7 @@ class StageHandle:
         """Each peer's outcome of call `seq` ("ok" or "<Error>: message") into `last_outcomes`."""
         outcomes = {}
         for r in range(1, self.world_size):
-            key = f"{_DONE}{seq}/{r}"
+            key = f"{DONE}{seq}/{r}"
             deadline = time.time() + self.runtime.timeout_s
             while True:
                 exc = None
@@ -385,7 +333,7 @@ class StageHandle:
         self._watch_stop.set()
         try:
             if self._dead is None:
-                self.runtime.store.set(f"{_CMD}{self._seq + 1}", _SHUTDOWN)
+                self.runtime.store.set(f"{CMD}{self._seq + 1}", SHUTDOWN)
         except Exception:  # noqa: BLE001
             pass
         for p in self.processes:
@@ -420,15 +368,33 @@ def _wait_ready(handle: StageHandle, deadline_s: float) -> None:
     t0 = time.time()
     for r in range(1, handle.world_size):
         while True:
-            if handle.runtime.store.check([f"h3/ready/{r}"]):
+            if handle.runtime.store.check([f"{READY}{r}"]):
                 break
             found = handle._check_peers()
             if found is not None or time.time() - t0 > deadline_s:
                 why = found[1] if found else f"not ready after {deadline_s:.0f} s"
                 handle._dead = (r, why)
                 handle.close()
-                raise StageFailed(f"starting the stage failed: rank {r} {why}")
+                raise RankFailed(f"starting the stage failed: rank {r} {why}")
             time.sleep(0.05)
+
+
+def spawn_peers(ranks: Iterable[tuple[int, int]], world_size: int, master_addr: str, master_port: int,
+                build: Callable, build_args: tuple, *, timeout_s: float, backend: str | None = None,
+                device: str | None = None) -> list:
+    """Start one process per (rank, local rank) on this host (local rank r on cuda:r with `device` "cuda" or None
+    when CUDA is present); each joins the world at master_addr:master_port and serves once built."""
+    ctx = mp.get_context("spawn")
+    env = {k: v for k, v in os.environ.items() if k.startswith(INHERITED_ENV)}
+    procs = []
+    for rank, local_rank in ranks:
+        make_runtime = functools.partial(Runtime, rank, world_size, master_addr=master_addr, master_port=master_port,
+                                         local_rank=local_rank, timeout_s=timeout_s, backend=backend, device=device)
+        p = ctx.Process(target=peer_main, name=f"h3-rank-{rank}", daemon=True,
+                        args=(make_runtime, build, build_args, env))
+        p.start()
+        procs.append(p)
+    return procs
 
 
 def launch(world_size: int, build: Callable, build_args: tuple = (), *, timeout_s: float = 600.0,
@@ -440,8 +406,6 @@ def launch(world_size: int, build: Callable, build_args: tuple = (), *, timeout_
     `build(runtime, *build_args) -> {op: handler}` runs on every rank (it must be importable: spawned processes
     import it by name). Returns once every rank has built its handlers.
     """
-    import torch.multiprocessing as mp
-
     if world_size < 1:
         raise DegreeError(f"world_size={world_size} is invalid: at least 1 rank")
     if dist.is_initialized():
@@ -449,14 +413,8 @@ def launch(world_size: int, build: Callable, build_args: tuple = (), *, timeout_
                       "(StageHandle.close / Pipeline.close) before launching another")
     addr = "127.0.0.1"
     port = master_port or free_port(addr)
-    ctx = mp.get_context("spawn")
-    env = {k: v for k, v in os.environ.items() if k.startswith(("H3SERVE", "HF_", "TRANSFORMERS", "OMP_"))}
-    procs = []
-    for r in range(1, world_size):
-        p = ctx.Process(target=_peer_main, name=f"h3-rank-{r}", daemon=True,
-                        args=(r, world_size, addr, port, timeout_s, backend, build, build_args, env, device))
-        p.start()
-        procs.append(p)
+    procs = spawn_peers(((r, r) for r in range(1, world_size)), world_size, addr, port, build, build_args,
+                        timeout_s=timeout_s, backend=backend, device=device)
     try:
         runtime = Runtime(0, world_size, master_addr=addr, master_port=port, local_rank=0, timeout_s=timeout_s,
                           backend=backend, device=device)
@@ -494,14 +452,7 @@ def join_from_env(build: Callable, build_args: tuple = (), *, timeout_s: float =
         degrees.validate(world_size=world)
     runtime = Runtime(rank, world, master_addr=addr, master_port=port, local_rank=local_rank, timeout_s=timeout_s)
     if rank != 0:
-        try:
-            handlers = build(runtime, *build_args)
-            runtime.store.set(f"h3/ready/{rank}", "1")
-            if on_ready is not None:
-                on_ready()
-            _serve_peer(runtime, handlers)
-        finally:
-            runtime.close()
+        serve(runtime, build, build_args, on_ready)
         return None
     handle = StageHandle(runtime, build(runtime, *build_args))
     _wait_ready(handle, timeout_s)
@@ -514,8 +465,6 @@ def weights_digest(named_tensors) -> str:
     Per tensor, an exact int64 sum of its bytes weighted by position (mod 65521) on its own device, so a multi-GB
     model is fingerprinted without copying it to the host; the per-tensor numbers are then hashed with sha256.
     """
-    import hashlib
-
     h = hashlib.sha256()
     chunk = 1 << 24
     for name, t in named_tensors:

@@ -1,4 +1,5 @@
-"""Peak memory of this process over one piece of work: what a stage reports as a request's `peak_memory_mb`.
+"""This process's device: the one a stage runs on and its dtype by name (`pick_device`, `DTYPES`), and the peak
+memory over one piece of work (`PeakMemory`: what a stage reports as a request's `peak_memory_mb`).
 
 On a CUDA device: the caching allocator's peak of allocated bytes on that device (weights included), reset when the
 work starts. On the CPU: the process's peak resident set (VmHWM, weights included), reset by writing "5" to
@@ -12,9 +13,22 @@ import resource
 
 import torch
 
-__all__ = ["PeakMemory", "process_memory"]
+from h3serve.errors import H3Error
+
+__all__ = ["DTYPES", "pick_device", "PeakMemory", "process_memory"]
 
 MIB = float(1 << 20)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}   # the names config.request.DTYPES allows
+
+
+def pick_device(device: str | None) -> torch.device:
+    """The device asked for (refused if it is CUDA and there is none), else CUDA when present, else the CPU."""
+    if device:
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise H3Error(f"device={device!r} requested but no CUDA device is available; use --device cpu")
+        return dev
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _rss_hwm_mb() -> float:

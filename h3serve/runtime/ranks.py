@@ -4,8 +4,9 @@
 
     rank 0 (this process: gRPC, health, the engine thread)        ranks 1..N-1 (no gRPC)
     ──────────────────────────────────────────────────────        ──────────────────────────────────────
-    servicer.engine / encoder / video_vae = a proxy whose          the same build(): its part of the model,
-    calls run as StageHandle.call(op, payload) on every rank  ──►  then h3serve.distributed.world's command loop
+    servicer.engine / encoder / video_vae = a stand-in            the same build (`build_stage_rank`: the
+    (h3serve.distributed.proxies) whose calls run as               model's rank builder), then the command loop
+    ParallelStage.call(op, payload) on every rank  ───────────►    of h3serve.distributed.ranks
 
 Degrees per stage: encoder = encoder_tp, DiT = ulysses x ring, VAE = vae_pp (each stage process is its own world; a
 colocated replica runs three worlds on the same GPUs, rank r of each on cuda:r). They are validated once, against the
@@ -29,20 +30,33 @@ the stage's health turns NOT_SERVING at once, and, once no request is left in it
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
+import sys
 import threading
 import time
+from concurrent import futures
 from typing import Any, Iterator
 
+import grpc
 import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from h3serve.config.parallel import DegreeError, ParallelDegrees
 from h3serve.config.vocab import DIST_PORT
-from h3serve.distributed.world import StageHandle
-from h3serve.distributed.world import StageFailed as RankFailed
-from h3serve.errors import H3Error
+from h3serve.distributed.world import (
+    StageHandle,
+    join_from_env,
+    launch,
+    spawn_peers,
+)
+from h3serve.errors import H3Error, RankFailed
+from h3serve.errortable import StageUnavailable
+from h3serve.models.dit.parallel import build_dit_rank
+from h3serve.models.encoder.parallel import build_encoder_rank
+from h3serve.models.vae.parallel import build_vae_rank
+from h3serve.runtime.device import DTYPES, pick_device
+from h3serve.weights.folder import CheckpointFolder
 
 log = logging.getLogger("h3serve.runtime.ranks")
 
@@ -69,8 +83,6 @@ def validate_degrees(degrees: ParallelDegrees, checkpoint: str | None) -> Parall
         return degrees
     heads: dict[str, int] = {}
     if checkpoint:
-        from h3serve.weights.folder import CheckpointFolder
-
         try:
             folder = CheckpointFolder(checkpoint)
             text = folder.config("text_encoder").get("text_config", {})
@@ -108,70 +120,29 @@ def check_joinable(stage: str, degrees: ParallelDegrees, env: dict[str, int]) ->
 # What every rank builds (importable by name: spawned ranks import it)
 
 
-def _threads(threads: int) -> None:
+RANK_BUILDERS = {"encoder": build_encoder_rank, "dit": build_dit_rank, "vae": build_vae_rank}
+
+
+def build_stage_rank(runtime, stage: str, threads: int, args: tuple) -> dict:
+    """Every rank of a stage's world: the stage's torch threads, then its model's rank builder (groups, load)."""
     if threads:
         torch.set_num_threads(threads)
-
-
-def build_encoder(runtime, checkpoint: str, dtype: str, threads: int, tp: int) -> dict:
-    from h3serve.pipeline import DTYPES
-    from h3serve.models.encoder.model import TextEncoder
-    from h3serve.models.encoder.parallel import parallelize_encoder
-
-    _threads(threads)
-    group, _ = runtime.new_group(range(tp))
-    encoder = parallelize_encoder(TextEncoder.load(checkpoint, dtype=DTYPES[dtype], device=runtime.device), group,
-                                  runtime.rank, tp)
-
-    def encode(payload, local):
-        prompt, task = payload
-        return encoder.encode(prompt, task=task)
-
-    return {"encode": encode, "_local": lambda payload, local: encoder}
-
-
-def build_dit(runtime, checkpoint: str, profile: str, adapter: str | None, adapter_sha256: str | None, dtype: str,
-              threads: int, ulysses: int, ring: int) -> dict:
-    from h3serve.pipeline import DTYPES
-    from h3serve.models.dit.parallel import USPGroups, USPPlan, load_usp_engine
-
-    _threads(threads)
-    usp = USPGroups.build(runtime, USPPlan(ulysses, ring))
-    engine = load_usp_engine(runtime, usp, checkpoint, components=("transformer",), dtype=DTYPES[dtype],
-                             profile=profile, adapter=adapter, adapter_sha256=adapter_sha256)
-
-    def generate(req, local):
-        should_stop = runtime.agreed_stop(local.should_stop if local else None, usp.control)
-        return engine.generate(req, on_step=local.on_step if local else None, should_stop=should_stop)
-
-    return {"generate": generate, "_local": lambda payload, local: engine}
-
-
-def build_vae(runtime, checkpoint: str, dtype: str, threads: int, pp: int) -> dict:
-    from h3serve.pipeline import DTYPES
-    from h3serve.models.vae.parallel import PatchParallelVAE
-    from h3serve.models.vae.video import VideoVAE
-
-    _threads(threads)
-    group, _ = runtime.new_group(range(pp))
-    vae = VideoVAE.load(checkpoint, dtype=DTYPES[dtype], device=runtime.device)
-    parallel = PatchParallelVAE(vae, group, runtime.rank, pp)
-
-    def decode(latents, local):
-        return parallel.iter_decode(latents.to(runtime.device))   # rank 0: the clips; others: their tiles
-
-    return {"decode": decode, "_local": lambda payload, local: vae}
+    return RANK_BUILDERS[stage](runtime, *args)()
 
 
 def _build_args(stage: str, c, degrees: ParallelDegrees) -> tuple:
+    """(build, build args) of the stage's world, from its StageConfig."""
+    dtype = DTYPES[c.dtype]
     if stage == "encoder":
-        return build_encoder, (c.checkpoint, c.dtype, c.threads, degrees.encoder_tp)
-    if stage == "dit":
-        return build_dit, (c.checkpoint, c.profile, c.adapter, c.adapter_sha256, c.dtype, c.threads,
-                           degrees.ulysses, degrees.ring)
-    if stage == "vae":
-        return build_vae, (c.checkpoint, c.dtype, c.threads, degrees.vae_pp)
-    raise H3Error(f"the {stage} stage has no parallel ranks")
+        args = (c.checkpoint, dtype, degrees.encoder_tp)
+    elif stage == "dit":
+        args = (c.checkpoint, dtype, ("transformer",), c.profile, c.adapter, c.adapter_sha256, degrees.ulysses,
+                degrees.ring)
+    elif stage == "vae":
+        args = (c.checkpoint, dtype, degrees.vae_pp)
+    else:
+        raise H3Error(f"the {stage} stage has no parallel ranks")
+    return build_stage_rank, (stage, c.threads, args)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -180,28 +151,13 @@ def _build_args(stage: str, c, degrees: ParallelDegrees) -> tuple:
 
 def _spawn_node_peers(env: dict[str, int], build, args: tuple, timeout_s: float, device: str | None) -> list:
     """Operator gang pods (one pod per node, no torchrun): this process is RANK; spawn the node's other ranks."""
-    import torch.multiprocessing as mp
-
-    from h3serve.distributed.world import _peer_main
-
     addr, port = os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", DIST_PORT))
-    ctx = mp.get_context("spawn")
-    keep = {k: v for k, v in os.environ.items() if k.startswith(("H3SERVE", "HF_", "TRANSFORMERS", "OMP_"))}
-    procs = []
-    for i in range(1, env["nproc"]):
-        p = ctx.Process(target=_peer_main, name=f"h3-rank-{env['rank'] + i}", daemon=True,
-                        args=(env["rank"] + i, env["world"], addr, port, timeout_s, None, build, args, keep, device),
-                        kwargs={"local_rank": i})
-        p.start()
-        procs.append(p)
-    return procs
+    return spawn_peers(((env["rank"] + i, i) for i in range(1, env["nproc"])), env["world"], addr, port, build, args,
+                       timeout_s=timeout_s, device=device)
 
 
 def start_stage(stage: str, config, degrees: ParallelDegrees, *, timeout_s: float = 600.0) -> StageHandle:
     """Rank 0 of the stage's world: launch the ranks here, or join the world the environment describes."""
-    from h3serve.distributed.world import join_from_env, launch
-    from h3serve.pipeline import pick_device
-
     build, args = _build_args(stage, config, degrees)
     device = pick_device(config.device).type
     env = dist_env()
@@ -222,12 +178,6 @@ class FollowerHealth:
     SERVING once it is in the world, NOT_SERVING and then gone when it leaves. No stage service is served here."""
 
     def __init__(self, host: str, port: int):
-        from concurrent import futures
-
-        import grpc
-        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
-        self._pb = health_pb2
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="h3-follower-health"))
         self.servicer = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self.servicer, self.server)
@@ -242,7 +192,7 @@ class FollowerHealth:
         self.server.start()
 
     def set(self, serving: bool) -> None:
-        r = self._pb.HealthCheckResponse
+        r = health_pb2.HealthCheckResponse
         self.servicer.set("", r.SERVING if serving else r.NOT_SERVING)
 
     def stop(self) -> None:
@@ -255,9 +205,6 @@ def run_peer(stage: str, config, degrees: ParallelDegrees, *, timeout_s: float =
 
     It serves no stage over gRPC; the process that stands for its pod (the node's first rank: no LOCAL_RANK, or
     LOCAL_RANK 0) answers gRPC health on the stage's port, so that a gang follower pod's probes see it."""
-    from h3serve.distributed.world import join_from_env
-    from h3serve.pipeline import pick_device
-
     env = dist_env()
     assert env is not None and env["rank"] != 0
     check_joinable(stage, degrees, env)
@@ -289,10 +236,13 @@ class ParallelStage:
         self.servicer = servicer
         self.stage = servicer.stage
         self.handle = handle
-        self.local = handle.handlers["_local"](None, None)
         self._closed = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name=f"h3serve-{self.stage}-ranks", daemon=True)
         self._watcher.start()
+
+    @property
+    def handlers(self) -> dict:
+        return self.handle.handlers
 
     @classmethod
     def start(cls, servicer, degrees: ParallelDegrees) -> "ParallelStage":
@@ -308,8 +258,6 @@ class ParallelStage:
         return out
 
     def _unavailable(self, exc: BaseException) -> H3Error:
-        from h3serve.errortable import StageUnavailable
-
         self._not_serving()   # before the caller hears of it
         return StageUnavailable(self.stage, str(exc))
 
@@ -320,25 +268,18 @@ class ParallelStage:
             s.health.set(False)
 
     def call(self, op: str, payload: Any = None, **kw) -> Any:
+        """`StageHandle.call`; a rank that fails, also while a streaming op's iterator runs, is `StageUnavailable`."""
         try:
-            return self.handle.call(op, payload, **kw)
+            result = self.handle.call(op, payload, **kw)
         except RankFailed as exc:
             raise self._unavailable(exc) from None
+        return self._stream(result) if isinstance(result, Iterator) else result
 
-    def stream(self, op: str, payload: Any = None) -> Iterator:
-        """A streaming op. A consumer that stops early still runs the op out on rank 0, so that the other ranks
-        (which decode their share of every window) stay in step with it."""
-        it = self.call(op, payload)
+    def _stream(self, it: Iterator) -> Iterator:
         try:
             yield from it
         except RankFailed as exc:
             raise self._unavailable(exc) from None
-        finally:
-            try:
-                for _ in it:
-                    pass
-            except Exception:  # noqa: BLE001 - already reported (or the stage is broken and says so next call)
-                pass
 
     def _watch(self) -> None:
         while not self._closed.wait(0.2):
@@ -357,68 +298,10 @@ class ParallelStage:
                 if p.is_alive():
                     p.kill()
             print(f"h3serve: {self.stage}: a rank of the stage failed ({self.handle.failure}); exiting",
-                  flush=True, file=__import__("sys").stderr)
+                  flush=True, file=sys.stderr)
             os._exit(EXIT_RANK_FAILED)
 
     def close(self) -> None:
         self._closed.set()
         self.handle.close()
 
-
-def _cpu(t):
-    return t.cpu() if isinstance(t, torch.Tensor) else t
-
-
-class ParallelDiTEngine:
-    """The DiT servicer's engine when the DiT has several ranks: `generate` runs on all of them."""
-
-    def __init__(self, stage: ParallelStage):
-        self.stage = stage
-        self.engine = stage.local
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
-    def generate(self, req, *, on_step=None, should_stop=None):
-        req = dataclasses.replace(req, text_states=_cpu(req.text_states), text_tags=_cpu(req.text_tags),
-                                  condition_latents=[_cpu(t) for t in req.condition_latents],
-                                  reference_audio_rows=[_cpu(t) for t in req.reference_audio_rows])
-        return self.stage.call("generate", req, should_stop=should_stop, on_step=on_step)
-
-
-class ParallelEncoder:
-    """The encoder servicer's encoder under tensor parallelism."""
-
-    def __init__(self, stage: ParallelStage):
-        self.stage = stage
-        self.encoder = stage.local
-
-    def __getattr__(self, name):
-        return getattr(self.encoder, name)
-
-    def encode(self, prompt: str, *, task: str = "t2va", **kw):
-        if kw.get("images") or kw.get("references"):
-            raise H3Error("the parallel encoder service encodes text prompts only")
-        return self.stage.call("encode", (prompt, task))
-
-
-class ParallelVideoVAE:
-    """The VAE servicer's VideoVAE whose decode runs patch parallel; everything else is rank 0's own VAE."""
-
-    def __init__(self, stage: ParallelStage):
-        self.stage = stage
-        self.vae = stage.local
-
-    def __getattr__(self, name):
-        return getattr(self.vae, name)
-
-    def iter_decode(self, latents):
-        return self.stage.stream("decode", _cpu(latents))
-
-    def iter_decode_yuv420p(self, latents):
-        from h3serve.models.vae.video import VideoVAE
-
-        return VideoVAE.iter_decode_yuv420p(self, latents)   # its colour conversion over our iter_decode
-
-    def iter_decode_float(self, latents):
-        raise H3Error("the patch-parallel VAE service streams uint8 frames (iter_decode) only")

@@ -61,16 +61,15 @@ class DiTServicer(StageBase):
     def _load(self) -> None:
         import torch
 
-        from h3serve.weights.adapter import Adapter
-        from h3serve.pipeline import DTYPES, pick_device
+        from h3serve.distributed.proxies import DiTEngineProxy
         from h3serve.models.dit.engine import DiTEngine, DiTRequest
+        from h3serve.runtime.device import DTYPES, pick_device
+        from h3serve.weights.adapter import Adapter
 
         c = self.config
         device = pick_device(c.device)
         if self.start_ranks() is not None:   # --ulysses x --ring: every rank loads (and fuses) the DiT itself
-            from h3serve.runtime.ranks import ParallelDiTEngine
-
-            self.engine = ParallelDiTEngine(self.parallel)
+            self.engine = DiTEngineProxy(self.parallel)
         else:
             adapter = Adapter.open(c.adapter, c.adapter_sha256) if c.profile == "fasth3" else None
             self.engine = DiTEngine.load(c.checkpoint, components=("transformer",), dtype=DTYPES[c.dtype],

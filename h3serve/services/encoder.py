@@ -31,15 +31,14 @@ class EncoderServicer(StageBase):
     def load(self) -> None:
         import torch
 
-        from h3serve.pipeline import DTYPES, pick_device
+        from h3serve.distributed.proxies import EncoderProxy
         from h3serve.models.encoder.model import TextEncoder
+        from h3serve.runtime.device import DTYPES, pick_device
 
         def load():
             device = pick_device(self.config.device)
             if self.start_ranks() is not None:   # --encoder-tp: the decoder sharded over the stage's ranks
-                from h3serve.runtime.ranks import ParallelEncoder
-
-                self.encoder = ParallelEncoder(self.parallel)
+                self.encoder = EncoderProxy(self.parallel)
                 device = self.encoder.device
             else:
                 self.encoder = TextEncoder.load(self.config.checkpoint, dtype=DTYPES[self.config.dtype],

@@ -119,15 +119,14 @@ class VAEServicer(StageBase):
     def _load(self) -> None:
         import torch
 
-        from h3serve.pipeline import DTYPES, pick_device
+        from h3serve.distributed.proxies import VideoVAEProxy
         from h3serve.models.vae.audio import AudioVAE
         from h3serve.models.vae.video import VideoVAE
+        from h3serve.runtime.device import DTYPES, pick_device
 
         device = pick_device(self.config.device)
         if self.start_ranks() is not None:   # --vae-pp: tiles decoded on every rank, stitched here (rank 0)
-            from h3serve.runtime.ranks import ParallelVideoVAE
-
-            self.video_vae = ParallelVideoVAE(self.parallel)
+            self.video_vae = VideoVAEProxy(self.parallel)
         else:
             self.video_vae = VideoVAE.load(self.config.checkpoint, dtype=DTYPES[self.config.dtype], device=device)
         self.audio_vae = AudioVAE.load(self.config.checkpoint, dtype=torch.float32, device=device)

@@ -9,8 +9,13 @@ import time
 
 import pytest
 
+from h3serve.distributed.proxies import VideoVAEProxy
 from h3serve.config.parallel import DegreeError, ParallelDegrees
-from h3serve.distributed.world import StageFailed, launch
+from h3serve.distributed.world import launch
+from h3serve.errors import RankFailed
+from h3serve.models.dit.parallel import row_shards
+from h3serve.models.vae.parallel import assign_tiles
+from h3serve.models.vae.tiling import plan_tiles
 
 from .workers import build_suite, dit_inputs, dit_request
 
@@ -34,12 +39,12 @@ def test_a_dead_rank_fails_the_request_with_a_clear_error(tiny_checkpoint):
                 os.kill(victim.pid, signal.SIGKILL)
 
         t0 = time.monotonic()
-        with pytest.raises(StageFailed, match=r"rank 1 of 2 .*unhealthy") as info:
+        with pytest.raises(RankFailed, match=r"rank 1 of 2 .*unhealthy") as info:
             h.call("generate", ((2, 1), dit_request(steps=20)), on_step=kill)
         elapsed = time.monotonic() - t0
         assert elapsed < 15, f"took {elapsed:.1f} s to notice"
         assert not h.healthy and "rank 1" in h.failure
-        with pytest.raises(StageFailed, match="unhealthy"):
+        with pytest.raises(RankFailed, match="unhealthy"):
             h.call("generate", ((2, 1), dit_request()))
         print(f"dead rank reported in {elapsed:.2f} s: {info.value}")
     finally:
@@ -64,10 +69,6 @@ def test_degrees_are_validated_with_a_message_that_says_what_to_change():
 
 
 def test_row_shards_and_tile_assignment_are_pure_and_cover_everything():
-    from h3serve.models.dit.parallel import row_shards
-    from h3serve.models.vae.parallel import assign_tiles
-    from h3serve.models.vae.tiling import plan_tiles
-
     layout = dit_inputs(*GEOMETRIES["S25"][0])[-1]
     shards = row_shards(layout, 4)
     assert [(s.start, s.stop) for s in shards] == [(0, 7), (7, 14), (14, 21), (21, 25)]
@@ -79,3 +80,22 @@ def test_row_shards_and_tile_assignment_are_pure_and_cover_everything():
     owned = assign_tiles(tiles, 8)
     assert sorted(k for ks in owned for k in ks) == list(range(len(tiles)))
     assert max(map(len, owned)) - min(map(len, owned)) <= 1
+
+
+def test_a_decode_stopped_early_still_runs_out_on_rank_0():
+    """The other ranks decode their tiles of every window: rank 0 must take part in all of them."""
+    produced = []
+
+    class Stage:
+        handlers = {VideoVAEProxy.PART: lambda payload, local: None}
+
+        def call(self, op, payload):
+            assert op == VideoVAEProxy.DECODE
+            for i in range(4):
+                produced.append(i)
+                yield i
+
+    clips = VideoVAEProxy(Stage()).iter_decode(None)
+    assert next(clips) == 0 and produced == [0]
+    clips.close()
+    assert produced == [0, 1, 2, 3]

@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from h3serve._proto import common_pb2, vae_pb2_grpc
 from h3serve.distributed.world import free_port
+from h3serve.errors import H3Error
+from h3serve.runtime.ranks import FollowerHealth
 
 from .conftest import REPO, THREADS
 
@@ -60,8 +65,6 @@ def test_follower_pod_answers_health_and_leaves_with_rank0(tiny_checkpoint):
         assert _wait(lambda: _health(addr1) == SERVING, 30), "the follower's health never turned SERVING"
         # health only: the stage's own service is not served on the follower
         with grpc.insecure_channel(addr1) as ch:
-            from h3serve._proto import common_pb2, vae_pb2_grpc
-
             try:
                 vae_pb2_grpc.VAEStub(ch).Status(common_pb2.StatusRequest(), timeout=5)
                 raise AssertionError("the follower answered VAE.Status")
@@ -79,13 +82,6 @@ def test_follower_pod_answers_health_and_leaves_with_rank0(tiny_checkpoint):
 
 
 def test_follower_health_port_in_use_is_a_clear_error():
-    import socket
-
-    import pytest
-
-    from h3serve.errors import H3Error
-    from h3serve.runtime.ranks import FollowerHealth
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()

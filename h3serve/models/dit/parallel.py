@@ -23,7 +23,7 @@ range of the last chunk(s) to the valid rows; pad rows are zeros, never modulate
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from h3serve.config.parallel import ParallelDegrees
+from h3serve.distributed.proxies import DiTEngineProxy
 from h3serve.distributed.world import Runtime
 
 from .layout import NUM_TAGS, PackedLayout
@@ -406,3 +407,34 @@ def load_usp_engine(runtime: Runtime, usp: USPGroups, checkpoint: str, *, compon
                         control=usp.control)
         engine.models[name] = USPDiT(model, usp)
     return engine
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What every rank of a world with a DiT stage runs
+
+
+def build_dit_rank(runtime: Runtime, checkpoint: str, dtype: torch.dtype, components: Sequence[str], profile: str,
+                   adapter: str | None, adapter_sha256: str | None, ulysses: int, ring: int) -> Callable[[], dict]:
+    """Create the USP groups over ranks [0, ulysses x ring) now (every rank of the world calls this, in the same
+    order) and return the load: the DiT engine under USP on the groups' members (`load_usp_engine`), then the ops
+    for `DiTEngineProxy`: GENERATE request -> the result (None outside the groups; the stop flag is agreed across
+    them at every step), PART -> this rank's engine.
+
+    Two steps so that a world of several models creates all its groups before any rank loads."""
+    usp = USPGroups.build(runtime, USPPlan(ulysses, ring))
+
+    def load() -> dict:
+        engine = None
+        if usp is not None:
+            engine = load_usp_engine(runtime, usp, checkpoint, components=components, dtype=dtype, profile=profile,
+                                     adapter=adapter, adapter_sha256=adapter_sha256)
+
+        def generate(req, local):
+            if engine is None:
+                return None
+            should_stop = runtime.agreed_stop(local.should_stop if local else None, usp.control)
+            return engine.generate(req, on_step=local.on_step if local else None, should_stop=should_stop)
+
+        return {DiTEngineProxy.GENERATE: generate, DiTEngineProxy.PART: lambda payload, local: engine}
+
+    return load

@@ -19,12 +19,18 @@ full tensor is dropped), so after `parallelize_encoder` a rank holds 1/tp of eac
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 from h3serve.config.parallel import ParallelDegrees
+from h3serve.distributed.proxies import EncoderProxy
+from h3serve.distributed.world import Runtime
+
+from .model import TextEncoder
 
 __all__ = ["ENCODER_TP_PLAN", "RowParallelLinear", "parallelize_text_decoder", "parallelize_encoder"]
 
@@ -102,3 +108,32 @@ def parallelize_encoder(encoder, group, rank: int, tp: int):
     """Apply the TP plan to a loaded `TextEncoder` (its truncated decoder); returns the same encoder."""
     parallelize_text_decoder(encoder.model.language_model, group, rank, tp)
     return encoder
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What every rank of a world with an encoder stage runs
+
+
+def build_encoder_rank(runtime: Runtime, checkpoint: str, dtype: torch.dtype, tp: int) -> Callable[[], dict]:
+    """Create the TP group over ranks [0, tp) now (every rank of the world calls this, in the same order) and return
+    the load: the sharded encoder on the group's members, then the ops for `EncoderProxy`: ENCODE (prompt, images,
+    task, references) -> the encoding (None outside the group), PART -> this rank's encoder.
+
+    Two steps so that a world of several models creates all its groups before any rank loads."""
+    group, _ = runtime.new_group(range(tp))
+
+    def load() -> dict:
+        encoder = None
+        if runtime.rank < tp:
+            encoder = parallelize_encoder(TextEncoder.load(checkpoint, dtype=dtype, device=runtime.device), group,
+                                          runtime.rank, tp)
+
+        def encode(payload, local):
+            if encoder is None:
+                return None
+            prompt, images, task, references = payload
+            return encoder.encode(prompt, images=images, task=task, references=references)
+
+        return {EncoderProxy.ENCODE: encode, EncoderProxy.PART: lambda payload, local: encoder}
+
+    return load

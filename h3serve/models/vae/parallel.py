@@ -15,10 +15,13 @@ the frames are bitwise those of the 1-rank tiled decode. The audio VAE runs on r
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+
+from h3serve.distributed.proxies import VideoVAEProxy
+from h3serve.distributed.world import Runtime
 
 from .tiling import Tile, stitch_tiles
 from .video import VideoVAE, to_uint8
@@ -98,3 +101,34 @@ class PatchParallelVAE:
     def decode_float(self, latents: torch.Tensor) -> torch.Tensor | None:
         clips = list(self.iter_decode_float(latents))
         return torch.cat(clips, dim=0) if clips else None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What every rank of a world with a VAE stage runs
+
+
+def build_vae_rank(runtime: Runtime, checkpoint: str, dtype: torch.dtype, pp: int) -> Callable[[], dict]:
+    """Create the patch-parallel group over ranks [0, pp) now (every rank of the world calls this, in the same
+    order) and return the load: the video VAE on the group's members (tile-parallel when pp > 1), then the ops for
+    `VideoVAEProxy`: DECODE / DECODE_FLOAT latents -> on rank 0 the clips (uint8 / float), on the group's other
+    ranks their tiles of every window, elsewhere nothing; PART -> this rank's VideoVAE.
+
+    Two steps so that a world of several models creates all its groups before any rank loads."""
+    group, _ = runtime.new_group(range(pp))
+
+    def load() -> dict:
+        vae = decoder = None
+        if runtime.rank < pp:
+            vae = VideoVAE.load(checkpoint, dtype=dtype, device=runtime.device)
+            decoder = PatchParallelVAE(vae, group, runtime.rank, pp) if pp > 1 else vae
+
+        def decode(latents, local):
+            return iter(()) if decoder is None else decoder.iter_decode(latents)
+
+        def decode_float(latents, local):
+            return iter(()) if decoder is None else decoder.iter_decode_float(latents)
+
+        return {VideoVAEProxy.DECODE: decode, VideoVAEProxy.DECODE_FLOAT: decode_float,
+                VideoVAEProxy.PART: lambda payload, local: vae}
+
+    return load

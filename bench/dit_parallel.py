@@ -63,7 +63,7 @@ def _worker(rank: int, a: argparse.Namespace, port: int, queue) -> None:
     from h3serve.models.dit import kernels
     from h3serve.models.dit import layout as L
     from h3serve.models.dit.model import H3DiT, H3DiTConfig
-    from h3serve.models.dit.parallel import USPPlan, parallelize_dit
+    from h3serve.models.dit.parallel import USPGroups, USPPlan, parallelize_dit
 
     rt = Runtime(rank, a.world, master_addr="127.0.0.1", master_port=port, local_rank=rank, timeout_s=600,
                  device=a.device)
@@ -134,7 +134,7 @@ def _worker(rank: int, a: argparse.Namespace, port: int, queue) -> None:
             else:
                 os.environ.pop("H3SERVE_ATTENTION", None)
             kernels.reset_attention_choice()
-            usp = parallelize_dit(model, rt, USPPlan(ulysses=u, ring=r))
+            usp = parallelize_dit(model, USPGroups.build(rt, USPPlan(ulysses=u, ring=r)))
             if cuda:
                 torch.cuda.reset_peak_memory_stats(dev)
             try:

@@ -63,7 +63,7 @@ def test_degrees_are_validated_with_a_message_that_says_what_to_change():
 
 
 def test_row_shards_and_tile_assignment_are_pure_and_cover_everything():
-    from h3serve.models.dit.parallel import row_shards
+    from h3serve.models.dit.layout import row_shards
     from h3serve.models.vae.parallel import assign_tiles
     from h3serve.models.vae.tiling import plan_tiles
 

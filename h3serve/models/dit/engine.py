@@ -27,6 +27,7 @@ from h3serve.models.dit.layout import (
 from h3serve.models.dit.loop import denoise, noise_condition_rows, prepare_noise
 from h3serve.models.dit.model import FP32_MODULES, H3DiT, H3DiTConfig
 from h3serve.models.dit.scheduler import schedules_for
+from h3serve.weights.folder import CheckpointFolder, load_module_weights
 
 log = logging.getLogger("h3serve.dit")
 
@@ -90,8 +91,6 @@ class DiTEngine:
     ) -> "DiTEngine":
         """Build each partition on the meta device and stream its weights in; the adapter (FastH3) is fused tensor
         by tensor before the cast, i.e. before any later sharding sees the weights."""
-        from h3serve.weights.folder import CheckpointFolder, load_module_weights
-
         device = torch.device(device)
         folder = CheckpointFolder(Path(checkpoint), components=list(components))
         models = {}

@@ -13,6 +13,7 @@ from h3serve.models.dit import layout as L
 from h3serve.models.dit import model as M
 from h3serve.models.dit.loop import denoise, noise_condition_rows, prepare_noise
 from h3serve.models.dit.model import FP32_MODULES, H3DiT, H3DiTConfig
+from h3serve.config.request import FASTH3_STEPS
 from h3serve.models.dit.scheduler import FlowSchedule, fasth3_grid, schedules_for
 
 diffusers = pytest.importorskip("diffusers")
@@ -291,7 +292,7 @@ def test_denoise_loop_matches_diffusers(ref_model, our_model, name, profile):
     layout = LAYOUTS[name]()
     v, a, txt = _inputs(layout, seed=7)
     v, a = v[0], a[0]
-    num_points = 4 if profile == "base" else 5
+    num_points = 4 if profile == "base" else FASTH3_STEPS
     video_s, audio_s = schedules_for(profile, num_points)
     sigmas = (fasth3_grid(12.0), fasth3_grid(3.0)) if profile == "fasth3" else None
     steps = []

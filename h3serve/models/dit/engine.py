@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from h3serve.config.request import DEFAULT_STEPS
 from h3serve.errors import ProfileError
 from h3serve.models.dit.layout import (
     AudioRef,
@@ -54,7 +55,7 @@ class DiTRequest:
     seed: int
     task: str = "t2va"
     profile: str = "base"
-    steps: int | None = 50
+    steps: int | None = DEFAULT_STEPS["base"]  # grid points; checked against the profile by `schedules_for`
     anchors: tuple[str, ...] = ()
     condition_latents: Sequence[torch.Tensor] = ()
     references: Sequence[ImageRef | AudioRef] = ()

@@ -686,7 +686,7 @@ class GatewayCore:
         params = dit_pb2.DiTParams(
             request_id=job.id, latent_frames=req.latent_frames, latent_height=req.latent_height,
             latent_width=req.latent_width, audio_latents=req.audio_latents, seed=req.seed, task=req.task,
-            profile=req.profile, steps=0 if req.profile == "fasth3" else req.steps)
+            profile=req.profile, steps=req.steps)
         latents = None
         t_latents = None
 

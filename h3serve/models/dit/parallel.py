@@ -2,9 +2,10 @@
 
 The plan, as a reader should see it (P = ulysses * ring DiT ranks, S packed rows, n = ceil(S / P) rows per rank):
 
-    packed rows [0, S) ── sharded once by rows: rank d owns [d*n, d*n + n); the last ranks pad up to n rows
+    packed rows [0, S) ── sharded once by rows (`row_shards`): rank d owns [d*n, d*n + n); the last ranks pad up
+                          to n rows. The model's own forward runs on that `RowShard` (H3DiT.forward(..., shard=)):
     token_refiner       ── replicated (text only, L << S); each rank keeps its own text rows
-    proj_in / audio_proj_in / context rows, RoPE cos/sin, AdaLN runs ── built for the rank's own rows only
+    proj_in / audio_proj_in ── the rank's own rows only; RoPE cos/sin and AdaLN runs sliced to them
     every H3Block       ── local rows; around attention:
                              Ulysses all-to-all (B, n, H, D) -> (B, U*n, H/U, D)   [ranks of one ulysses group]
                              Ring attention over the R chunks of U*n rows, partial softmaxes merged by
@@ -17,7 +18,8 @@ Rank layout: DiT rank d = ring_index * ulysses + ulysses_index, so one ulysses g
 (= one ring chunk of U*n contiguous rows) and a ring group holds one rank of every ulysses group.
 
 Padding: the pad rows all lie at the end of the packed sequence, so masking them out as keys is cutting the key
-range of the last chunk(s) to the valid rows; pad rows are zeros, never modulated, and dropped before the gather.
+range of the last chunk(s) to the valid rows; pad rows start as zeros, are never read as keys and are dropped
+before the gather.
 """
 
 from __future__ import annotations

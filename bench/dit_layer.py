@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
 import torch
 
 from h3serve.testing.presets import transformer_config
+from h3serve.models.dit import kernels
 from h3serve.models.dit import layout as L
 from h3serve.models.dit.model import FP32_MODULES, H3DiT, H3DiTConfig
 from h3serve.runtime.device import DTYPES
@@ -131,10 +133,6 @@ def main() -> None:
     layout_dev = layout.to(device)
     timesteps_dev = timesteps.to(device)
     ti_dev = timestep_indices.to(device)
-
-    import os
-
-    from h3serve.models.dit import kernels
 
     variants = [tuple(v.split(":")) for v in a.variants.split(",") if v] or [(None, None)]
 

@@ -1,4 +1,5 @@
-"""Sequence-parallel DiT forward (h3serve/models/dit/parallel.py) vs one GPU, same weights and inputs. Prints one JSON line.
+"""Sequence-parallel DiT forward (`parallelize_dit`, h3serve/models/dit/parallel.py) vs one GPU, same weights and
+inputs. Prints one JSON line.
 
 Spawns --world ranks itself (NCCL on CUDA, gloo on CPU). Rank 0 first times the plain model on its own GPU (the
 1-GPU baseline, with each --baseline-attention), then every rank times the USP forward for each plan in --plans
@@ -20,6 +21,15 @@ import time
 
 import torch
 import torch.multiprocessing as mp
+from torch.profiler import ProfilerActivity, profile
+
+from h3serve.distributed.world import Runtime, free_port
+from h3serve.models.dit import kernels
+from h3serve.models.dit import layout as L
+from h3serve.models.dit.model import H3DiT, H3DiTConfig
+from h3serve.models.dit.parallel import USPGroups, USPPlan, parallelize_dit
+from h3serve.runtime.device import DTYPES
+from h3serve.testing.presets import transformer_config
 
 
 def _parse() -> argparse.Namespace:
@@ -58,14 +68,6 @@ def _geometry(a) -> tuple[int, int, int, int, int]:
 
 
 def _worker(rank: int, a: argparse.Namespace, port: int, queue) -> None:
-    from h3serve.distributed.world import Runtime
-    from h3serve.testing.presets import transformer_config
-    from h3serve.models.dit import kernels
-    from h3serve.models.dit import layout as L
-    from h3serve.models.dit.model import H3DiT, H3DiTConfig
-    from h3serve.models.dit.parallel import USPPlan, parallelize_dit
-    from h3serve.runtime.device import DTYPES
-
     rt = Runtime(rank, a.world, master_addr="127.0.0.1", master_port=port, local_rank=rank, timeout_s=600,
                  device=a.device)
     dev = rt.device
@@ -135,7 +137,7 @@ def _worker(rank: int, a: argparse.Namespace, port: int, queue) -> None:
             else:
                 os.environ.pop("H3SERVE_ATTENTION", None)
             kernels.reset_attention_choice()
-            usp = parallelize_dit(model, rt, USPPlan(ulysses=u, ring=r))
+            usp = parallelize_dit(model, USPGroups.build(rt, USPPlan(ulysses=u, ring=r)))
             if cuda:
                 torch.cuda.reset_peak_memory_stats(dev)
             try:
@@ -186,8 +188,6 @@ def timed_local(model, args, a, dev):
 
 def _profile(fn, top: int, dev) -> dict:
     """One call of `fn` under torch.profiler: total device ms per kernel family and the `top` kernels."""
-    from torch.profiler import ProfilerActivity, profile
-
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     with profile(activities=acts) as prof:
         fn()
@@ -221,8 +221,6 @@ def _peak(dev) -> float | None:
 
 def main() -> None:
     a = _parse()
-    from h3serve.distributed.world import free_port
-
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -233,8 +231,6 @@ def main() -> None:
     for p in procs:
         p.join(timeout=120)
     text_len, frames, lh, lw, audio_latents = _geometry(a)
-    from h3serve.models.dit import layout as L
-
     s = L.build_t2va_layout(text_len, frames, lh, lw, audio_latents).seq_len
     out = {"bench": "dit_parallel", "device": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu",
            "torch": torch.__version__, "dtype": a.dtype, "preset": a.preset, "layers": a.layers, "world": a.world,

@@ -86,12 +86,13 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
+from h3serve.config.request import FASTH3_STEPS  # grid points incl. the terminal 0 -> 4 forwards
+
 TARGET = 1.6
 # 70 tokens with the checkpoints' tokenizer (h3serve's BPE, also in the full-size random checkpoint): the packed length
 # 72,576 + 810 + 70 (10 s at 1344x768) is even, so diffusers' context parallel splits it evenly and compiles.
 DEFAULT_PROMPT = ("A red kite dances over a windy beach at golden hour; the waves roll in, gulls cry, and a child "
                   "laughs as the line tugs in her hands.")
-FASTH3_STEPS = 5  # grid points incl. the terminal 0 -> 4 forwards
 
 # What "the same" means for the final latents (normalized, |x| ~ 1..5). Both sides run the same math on the same
 # weights and noise, but not the same kernels: our DiT vs diffusers' (attention backend, Ulysses / TP split sums,

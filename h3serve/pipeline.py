@@ -299,7 +299,7 @@ class Pipeline:
                     text_states=encoded.states, text_tags=encoded.tags, latent_frames=req.latent_frames,
                     latent_h=req.latent_height, latent_w=req.latent_width, audio_latents=req.audio_latents,
                     seed=req.seed, task=req.task, profile=req.profile,
-                    steps=None if req.profile == "fasth3" else req.steps, anchors=anchors,
+                    steps=req.steps, anchors=anchors,
                     condition_latents=cond_latents, references=layout_refs, reference_audio_rows=ref_audio,
                 ),
                 on_step=on_step, should_stop=should_stop,

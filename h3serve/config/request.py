@@ -45,9 +45,9 @@ MAX_PROMPT_CHARS = 20_000
 MAX_SEED = 2**63 - 1
 
 DEFAULT_SECONDS = 5.0
-DEFAULT_STEPS = {"base": 50, "fasth3": 5}   # grid points incl. the terminal 0: N points -> N-1 forwards
-BASE_STEPS_RANGE = (2, 1000)
 FASTH3_STEPS = 5                           # 4 forwards over 5 sigma positions; fixed by the distillation
+DEFAULT_STEPS = {"base": 50, "fasth3": FASTH3_STEPS}   # grid points incl. the terminal 0: N points -> N-1 forwards
+BASE_STEPS_RANGE = (2, 1000)
 
 MAX_REFERENCES = 12
 MAX_REFERENCES_PER_KIND = {"image": 9, "video": 3, "audio": 3}

@@ -114,7 +114,7 @@ class DiTServicer(StageBase):
             req = DiTRequest(
                 text_states=tensors["text_states"], text_tags=tensors["text_tags"], latent_frames=p.latent_frames,
                 latent_h=p.latent_height, latent_w=p.latent_width, audio_latents=p.audio_latents, seed=int(p.seed),
-                task=p.task or "t2va", profile=p.profile, steps=(p.steps or None) if p.profile != "fasth3" else None)
+                task=p.task or "t2va", profile=p.profile, steps=p.steps or None)
             t0 = time.perf_counter()
 
             def work(emit):

@@ -13,6 +13,7 @@ from h3serve.models.dit import layout as L
 from h3serve.models.dit import model as M
 from h3serve.models.dit.loop import denoise, noise_condition_rows, prepare_noise
 from h3serve.models.dit.model import FP32_MODULES, H3DiT, H3DiTConfig
+from h3serve.config.request import FASTH3_STEPS
 from h3serve.models.dit.scheduler import FlowSchedule, fasth3_grid, schedules_for
 
 diffusers = pytest.importorskip("diffusers")
@@ -226,6 +227,34 @@ def test_block_context_shard_matches_full_sequence(our_model):
     assert torch.equal(ctx.shard(start, stop).cos, ctx.cos[start:stop])
 
 
+@pytest.mark.parametrize("world", [4, 12], ids=["padded", "pure-padding-shard"])
+@pytest.mark.parametrize("per_row", [False, True], ids=["runs", "per-row"])
+def test_shard_embed_and_heads_are_the_full_sequence_rows(our_model, world, per_row):
+    """With a RowShard, embed packs the full sequence's rows [start, stop) then zero padding, with the matching context,
+    and the heads return the shard's own video / audio rows: all that a sequence-parallel plan adds is attention."""
+    layout = LAYOUTS["ref2va_mixed"]()  # S = 55: 4 ranks pad the last one, 12 leave one rank of pure padding
+    v, a, txt = _inputs(layout)
+    u, ti = L.row_timesteps(layout, VIDEO_T, AUDIO_T)
+    if per_row:  # the per-row gather path
+        ti = torch.randint(0, u.shape[0], ti.shape, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        x, ctx, plan = our_model.embed(v, a, txt, u, ti, layout)
+        video, audio = our_model.heads(x, ctx, plan, ti, layout)
+        shards = L.row_shards(layout, world)
+        assert shards[-1].stop - shards[-1].start < shards[-1].rows
+        for sh in shards:
+            n = sh.stop - sh.start
+            xs, cs, _ = our_model.embed(v, a, txt, u, ti, layout, sh)
+            assert xs.shape[1] == cs.cos.shape[0] == sh.rows and not xs[:, n:].any() and not cs.cos[n:].any()
+            torch.testing.assert_close(xs[:, :n], x[:, sh.start:sh.stop])
+            assert torch.equal(cs.sin[:n], ctx.sin[sh.start:sh.stop])
+            xs[:, :n] = x[:, sh.start:sh.stop]  # the heads on exactly the full sequence's hidden rows
+            vs, aus = our_model.heads(xs, cs, plan, ti, layout, sh)
+            torch.testing.assert_close(vs, video[:, sh.video[0]:sh.video[1]])
+            torch.testing.assert_close(aus, audio[:, sh.audio[0]:sh.audio[1]])
+        assert sum(s.video[1] - s.video[0] for s in shards) == layout.num_video_rows
+
+
 # -- bf16 ----------------------------------------------------------------------------------------------------------
 
 
@@ -291,7 +320,7 @@ def test_denoise_loop_matches_diffusers(ref_model, our_model, name, profile):
     layout = LAYOUTS[name]()
     v, a, txt = _inputs(layout, seed=7)
     v, a = v[0], a[0]
-    num_points = 4 if profile == "base" else 5
+    num_points = 4 if profile == "base" else FASTH3_STEPS
     video_s, audio_s = schedules_for(profile, num_points)
     sigmas = (fasth3_grid(12.0), fasth3_grid(3.0)) if profile == "fasth3" else None
     steps = []

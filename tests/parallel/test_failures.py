@@ -13,7 +13,7 @@ from h3serve.distributed.proxies import VideoVAEProxy
 from h3serve.config.parallel import DegreeError, ParallelDegrees
 from h3serve.distributed.world import launch
 from h3serve.errors import RankFailed
-from h3serve.models.dit.parallel import row_shards
+from h3serve.models.dit.layout import row_shards
 from h3serve.models.vae.parallel import assign_tiles
 from h3serve.models.vae.tiling import plan_tiles
 

@@ -5,6 +5,11 @@ from __future__ import annotations
 import torch
 
 from h3serve.distributed.world import Runtime
+from h3serve.models.dit.engine import DiTEngine, DiTRequest
+from h3serve.models.dit.layout import build_t2va_layout, row_timesteps
+from h3serve.models.dit.model import H3DiT, H3DiTConfig
+from h3serve.models.dit.parallel import (USPGroups, USPPlan, parallelize_dit, ulysses_heads_to_rows,
+                                         ulysses_rows_to_heads)
 
 TINY_DIT = dict(num_attention_heads=4, attention_head_dim=16, hidden_size=32, num_layers=2, num_refiner_layers=1,
                 ffn_dim=64, text_dim=24, freq_dim=16, time_embed_hidden_dim=32, time_embed_dim=16, rope_freq_dim=2)
@@ -12,8 +17,6 @@ TINY_DIT = dict(num_attention_heads=4, attention_head_dim=16, hidden_size=32, nu
 
 def tiny_dit(seed: int = 0, **overrides):
     """A 4-head H3DiT with random weights, the same on every rank for a seed."""
-    from h3serve.models.dit.model import H3DiT, H3DiTConfig
-
     torch.manual_seed(seed)
     model = H3DiT(H3DiTConfig(**{**TINY_DIT, **overrides})).eval().requires_grad_(False)
     with torch.no_grad():  # the default init leaves the AdaLN / output projections near zero: make them matter
@@ -25,8 +28,6 @@ def tiny_dit(seed: int = 0, **overrides):
 def dit_inputs(text_len: int, frames: int, h: int, w: int, audio_latents: int, *, seed: int = 1,
                anchors=(), per_row_timesteps: bool = False):
     """(video_rows, audio_rows, text_states, timesteps, timestep_indices, layout) for one forward."""
-    from h3serve.models.dit.layout import build_t2va_layout, row_timesteps
-
     layout = build_t2va_layout(text_len, frames, h, w, audio_latents, anchors=tuple(anchors))
     g = torch.Generator().manual_seed(seed)
     video = torch.randn(1, layout.num_video_rows, 96, generator=g)
@@ -40,9 +41,6 @@ def dit_inputs(text_len: int, frames: int, h: int, w: int, audio_latents: int, *
 
 def build_dit(runtime: Runtime, plans):
     """Ops over tiny DiTs under each (ulysses, ring) plan in `plans`."""
-    from h3serve.models.dit.engine import DiTEngine
-    from h3serve.models.dit.parallel import USPDiT, USPGroups, USPPlan
-
     groups = {tuple(p): USPGroups.build(runtime, USPPlan(*p)) for p in plans}
 
     def forward(payload, local):
@@ -50,7 +48,7 @@ def build_dit(runtime: Runtime, plans):
         g = groups[tuple(plan)]
         if g is None:
             return None
-        model = USPDiT(tiny_dit(), g)
+        model = parallelize_dit(tiny_dit(), g)
         with torch.no_grad():
             return model(*dit_inputs(*geometry, **kwargs))
 
@@ -62,7 +60,8 @@ def build_dit(runtime: Runtime, plans):
         if g is None:
             return None
         if plan not in engines:
-            engines[plan] = DiTEngine({"transformer": USPDiT(tiny_dit(), g)}, device=runtime.device, profile="base")
+            engines[plan] = DiTEngine({"transformer": parallelize_dit(tiny_dit(), g)}, device=runtime.device,
+                                      profile="base")
         should_stop = runtime.agreed_stop(local.should_stop if local else None, g.control)
         steps = []
 
@@ -167,8 +166,6 @@ def build_suite(runtime: Runtime, checkpoint, plans=(), vae_sizes=(), tp=None):
 
 
 def dit_request(steps=6, seed=3):
-    from h3serve.models.dit.engine import DiTRequest
-
     g = torch.Generator().manual_seed(seed)
     return DiTRequest(text_states=torch.randn(1, 7, 24, generator=g), text_tags=torch.ones(7, dtype=torch.long),
                       latent_frames=2, latent_h=4, latent_w=6, audio_latents=3, seed=seed, steps=steps)
@@ -199,8 +196,6 @@ def build_subgroups(runtime: Runtime):
 
 def build_exchange(runtime: Runtime):
     """The Ulysses exchange on its own: for batch sizes 1 and 2, every rank's heads view and the round trip."""
-    from h3serve.models.dit.parallel import ulysses_heads_to_rows, ulysses_rows_to_heads
-
     u = runtime.world_size
 
     def exchange(payload, local):

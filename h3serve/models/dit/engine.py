@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from h3serve.config.request import DEFAULT_STEPS
 from h3serve.errors import ProfileError
 from h3serve.models.dit.layout import (
     AudioRef,
@@ -27,6 +28,8 @@ from h3serve.models.dit.layout import (
 from h3serve.models.dit.loop import denoise, noise_condition_rows, prepare_noise
 from h3serve.models.dit.model import FP32_MODULES, H3DiT, H3DiTConfig
 from h3serve.models.dit.scheduler import schedules_for
+from h3serve.weights.folder import CheckpointFolder
+from h3serve.weights.load import load_module_weights
 
 log = logging.getLogger("h3serve.dit")
 
@@ -53,7 +56,7 @@ class DiTRequest:
     seed: int
     task: str = "t2va"
     profile: str = "base"
-    steps: int | None = 50
+    steps: int | None = DEFAULT_STEPS["base"]  # grid points; checked against the profile by `schedules_for`
     anchors: tuple[str, ...] = ()
     condition_latents: Sequence[torch.Tensor] = ()
     references: Sequence[ImageRef | AudioRef] = ()
@@ -90,9 +93,6 @@ class DiTEngine:
     ) -> "DiTEngine":
         """Build each partition on the meta device and stream its weights in; the adapter (FastH3) is fused tensor
         by tensor before the cast, i.e. before any later sharding sees the weights."""
-        from h3serve.weights.folder import CheckpointFolder
-        from h3serve.weights.load import load_module_weights
-
         device = torch.device(device)
         folder = CheckpointFolder(Path(checkpoint), components=list(components))
         models = {}

@@ -34,6 +34,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 log = logging.getLogger("h3serve.dit.kernels")
 
@@ -51,8 +52,6 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
 
 
 def _pinned_sdpa(backend_name: str) -> AttentionFn:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     backend = getattr(SDPBackend, backend_name)
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -70,7 +69,7 @@ flash_attention = _pinned_sdpa("FLASH_ATTENTION")
 
 
 def _fa3_func():
-    from fa3_fwd_interface import flash_attn_func  # PyPI fa3-fwd; registers torch.ops.fa3_fwd
+    from fa3_fwd_interface import flash_attn_func  # lazy: optional package (PyPI fa3-fwd); registers torch.ops.fa3_fwd
 
     return flash_attn_func
 

@@ -213,6 +213,42 @@ class PackedLayout:
         ).validate()
 
 
+@dataclass(frozen=True)
+class RowShard:
+    """Rows [start, stop) of a packed sequence, held in a buffer of `rows` rows (the tail past stop is padding).
+
+    `text` / `video` / `audio` are the [j0, j1) ranges of the shard's rows in the layout's text / video / audio
+    indices (each strictly increasing, so a modality's rows of one shard are contiguous in it).
+    """
+
+    seq_len: int
+    rows: int
+    start: int
+    stop: int
+    text: tuple[int, int]
+    video: tuple[int, int]
+    audio: tuple[int, int]
+
+    @classmethod
+    def whole(cls, layout: PackedLayout) -> "RowShard":
+        """Every row, no padding (shapes only: no device sync)."""
+        s = layout.seq_len
+        return cls(s, s, 0, s, (0, layout.text_len), (0, layout.num_video_rows), (0, layout.num_audio_rows))
+
+
+def row_shards(layout: PackedLayout, world: int) -> list[RowShard]:
+    """`world` equal shards of ceil(S / world) rows, in order; the last ones pad (pure; the same on every rank)."""
+    s = layout.seq_len
+    n = -(-s // world)
+    idx = {k: getattr(layout, f"{k}_indices").to("cpu") for k in ("text", "video", "audio")}
+    out = []
+    for d in range(world):
+        a, b = min(d * n, s), min(d * n + n, s)
+        rng = {k: (int(torch.searchsorted(v, a)), int(torch.searchsorted(v, b))) for k, v in idx.items()}
+        out.append(RowShard(s, n, a, b, rng["text"], rng["video"], rng["audio"]))
+    return out
+
+
 def _runs(key: torch.Tensor) -> list[tuple[int, int]]:
     """Maximal runs [a, b) of equal values in a 1-D CPU tensor."""
     n = int(key.shape[0])

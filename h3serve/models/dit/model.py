@@ -9,7 +9,9 @@ inference speed (H3_REFERENCE §2):
   activation dtype) and shared by every block; only the first 6*rope_freq_dim channels of a head rotate.
 * The output heads run only on their own rows, and norm_out only on those rows.
 * Attention is `F.scaled_dot_product_attention` on (B, H, N, Dh) behind `H3Attention.attend`, which a sequence-parallel
-  plan (Ulysses / Ring) may replace from outside; `BlockContext.shard` re-bases the per-row context onto a shard.
+  plan (Ulysses / Ring) may replace from outside. Given a `RowShard`, the forward (embed, blocks, heads) runs on the
+  shard's rows only and `BlockContext.shard` re-bases the per-row context onto them: the plan adds only the exchange
+  around attention and the gather of the outputs.
 
 The released checkpoint is bf16 except FP32_MODULES (and the recomputed rope.inv_freq); `H3DiT.cast` reproduces that.
 """
@@ -27,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import kernels
-from .layout import AUDIO_KINDS, NUM_TAGS, VIDEO_KINDS, PackedLayout
+from .layout import AUDIO_KINDS, NUM_TAGS, VIDEO_KINDS, PackedLayout, RowShard
 
 # Top-level modules that stay float32 in the mixed-precision checkpoint (the rope buffer is fp32 too, but recomputed).
 FP32_MODULES = ("proj_in", "audio_proj_in", "time_embedder", "proj_out", "audio_proj_out")
@@ -119,13 +121,22 @@ class BlockContext:
     runs: list[tuple[int, int, int]] | None
     adaln_rows: torch.Tensor | None  # (S,) int64 on device, gather fallback only
 
-    def shard(self, start: int, stop: int) -> "BlockContext":
-        """The context of rows [start, stop) (e.g. a sequence-parallel rank's shard), runs re-based to 0."""
+    def shard(self, start: int, stop: int, rows: int | None = None) -> "BlockContext":
+        """The context of rows [start, stop) (e.g. a sequence-parallel rank's shard), runs re-based to 0.
+
+        `rows` (>= stop - start) pads the context to a buffer of that many rows: pad rows get zero cos / sin, no run
+        and AdaLN table row 0 on the gather path (their outputs are never read).
+        """
+        pad = (rows if rows is not None else stop - start) - (stop - start)
         runs = None
         if self.runs is not None:
             runs = [(max(a, start) - start, min(b, stop) - start, r) for a, b, r in self.runs if a < stop and b > start]
-        rows = self.adaln_rows[start:stop] if self.adaln_rows is not None else None
-        return replace(self, cos=self.cos[start:stop], sin=self.sin[start:stop], runs=runs, adaln_rows=rows)
+        table_rows = self.adaln_rows[start:stop] if self.adaln_rows is not None else None
+        cos, sin = self.cos[start:stop], self.sin[start:stop]
+        if pad:
+            cos, sin = (F.pad(t, (0, 0, 0, pad)) for t in (cos, sin))
+            table_rows = F.pad(table_rows, (0, pad)) if table_rows is not None else None
+        return replace(self, cos=cos, sin=sin, runs=runs, adaln_rows=table_rows)
 
 
 def _modulate_(h: torch.Tensor, shift: torch.Tensor, scale1: torch.Tensor, ctx: BlockContext) -> torch.Tensor:
@@ -442,20 +453,23 @@ class H3DiT(nn.Module):
         timesteps: torch.Tensor,
         timestep_indices: torch.Tensor,
         layout: PackedLayout,
+        shard: RowShard | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Velocities of every video and audio row.
+        """Velocities of every video and audio row (with a `shard`: of the shard's own rows only).
 
         video_rows (B, Nv, 96), audio_rows (B, Na, 32), text_states (B, L, text_dim); timesteps (n_t,) distinct clean
         times in [0, 1]; timestep_indices (S,) into them (CPU is best: the segment plan is built on the host);
         layout ideally already on the model's device (it is moved otherwise).
-        Returns (B, Nv, 96) and (B, Na, 32) in the heads' dtype (fp32 when cast).
+        Returns (B, Nv, 96) and (B, Na, 32) in the heads' dtype (fp32 when cast); with a shard, (B, v1 - v0, 96) and
+        (B, a1 - a0, 32) for its `video` / `audio` ranges, and attention must see every shard (a sequence-parallel
+        `attention_fn`).
         """
         device = self.context_embedder.weight.device
         layout = layout.to(device)  # no-op when the caller already moved it (the loop does, once)
         timesteps = timesteps.to(device)
-        x, ctx, plan = self.embed(video_rows, audio_rows, text_states, timesteps, timestep_indices, layout)
+        x, ctx, plan = self.embed(video_rows, audio_rows, text_states, timesteps, timestep_indices, layout, shard)
         x = self.run_blocks(x, ctx)
-        return self.heads(x, ctx, plan, timestep_indices, layout)
+        return self.heads(x, ctx, plan, timestep_indices, layout, shard)
 
     def plan_rows(self, timestep_indices: torch.Tensor, layout: PackedLayout) -> _RowPlan:
         """Per-segment plan; None parts mean "gather per row" (segments not uniform in timestep, or too many)."""
@@ -487,9 +501,15 @@ class H3DiT(nn.Module):
         timesteps: torch.Tensor,
         timestep_indices: torch.Tensor,
         layout: PackedLayout,
+        shard: RowShard | None = None,
     ) -> tuple[torch.Tensor, BlockContext, _RowPlan]:
-        """Project and pack the three streams into x (B, S, D); build the per-forward block context."""
-        s, d = layout.seq_len, self.config.hidden_size
+        """Project and pack the three streams into x (B, S, D); build the per-forward block context.
+
+        With a `shard`: x (B, shard.rows, D) holds rows [start, stop) then zero padding, only those rows are projected
+        and the context covers them (the text refiner still runs over the whole text, L << S).
+        """
+        own = shard if shard is not None else RowShard.whole(layout)
+        d = self.config.hidden_size
         b = text_states.shape[0]
         if video_rows.shape[1] != layout.num_video_rows or audio_rows.shape[1] != layout.num_audio_rows:
             raise ValueError(
@@ -498,13 +518,15 @@ class H3DiT(nn.Module):
             )
         text = self.token_refiner(self.context_embedder(text_states.to(self.context_embedder.weight.dtype)))
         dtype = text.dtype  # the text stream sets the residual dtype (bf16 when cast)
-        video = self.proj_in(video_rows.to(self.proj_in.weight.dtype)).to(dtype)  # (B, Nv, D)
-        audio = self.audio_proj_in(audio_rows.to(self.audio_proj_in.weight.dtype)).to(dtype)  # (B, Na, D)
+        (t0, t1), (v0, v1), (a0, a1) = own.text, own.video, own.audio
+        video = self.proj_in(video_rows[:, v0:v1].to(self.proj_in.weight.dtype)).to(dtype)  # (B, Nv, D)
+        audio = self.audio_proj_in(audio_rows[:, a0:a1].to(self.audio_proj_in.weight.dtype)).to(dtype)  # (B, Na, D)
 
-        x = torch.empty(b, s, d, dtype=dtype, device=text.device)  # (B, S, D); every row is written below
-        x.index_copy_(1, layout.text_indices, text)
-        x.index_copy_(1, layout.video_indices, video)
-        x.index_copy_(1, layout.audio_indices, audio)
+        x = torch.empty(b, own.rows, d, dtype=dtype, device=text.device)  # (B, S, D); every own row is written below
+        x[:, own.stop - own.start :].zero_()  # a shard's padding rows, if any
+        x.index_copy_(1, layout.text_indices[t0:t1] - own.start, text[:, t0:t1])
+        x.index_copy_(1, layout.video_indices[v0:v1] - own.start, video)
+        x.index_copy_(1, layout.audio_indices[a0:a1] - own.start, audio)
 
         sinusoid = timestep_sinusoid(timesteps, self.config.freq_dim)  # (n_t, freq_dim) fp32
         temb = self.time_embedder(sinusoid.to(self.time_embedder.linear_1.weight.dtype))  # (n_t, E)
@@ -514,6 +536,8 @@ class H3DiT(nn.Module):
         if plan.runs is None:
             rows = timestep_indices.to(x.device, torch.long) * NUM_TAGS + layout.token_tags
         ctx = BlockContext(temb_act=F.silu(temb), cos=cos, sin=sin, runs=plan.runs, adaln_rows=rows)
+        if shard is not None:
+            ctx = ctx.shard(shard.start, shard.stop, shard.rows)
         return x, ctx, plan
 
     def run_blocks(self, x: torch.Tensor, ctx: BlockContext) -> torch.Tensor:
@@ -528,24 +552,34 @@ class H3DiT(nn.Module):
         plan: _RowPlan,
         timestep_indices: torch.Tensor,
         layout: PackedLayout,
+        shard: RowShard | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """norm_out + proj_out on the video rows only, norm_out + audio_proj_out on the audio rows only."""
+        """norm_out + proj_out on the video rows only, norm_out + audio_proj_out on the audio rows only.
+
+        With a `shard`, x holds its rows (as `embed` packed them) and only its own video / audio rows are computed.
+        """
+        own = shard if shard is not None else RowShard.whole(layout)
+        start, stop = own.start, own.stop
         shift, scale1 = self.norm_out.table(ctx.temb_act)  # (n_t, D) each
         outs = []
-        for runs, indices, proj in (
-            (plan.video, layout.video_indices, self.proj_out),
-            (plan.audio, layout.audio_indices, self.audio_proj_out),
+        for runs, indices, (j0, j1), proj in (
+            (plan.video, layout.video_indices, own.video, self.proj_out),
+            (plan.audio, layout.audio_indices, own.audio, self.audio_proj_out),
         ):
             if runs is not None:
-                h = x.new_empty(x.shape[0], indices.shape[0], x.shape[2])  # (B, N_mod, D)
+                h = x.new_empty(x.shape[0], j1 - j0, x.shape[2])  # (B, N_mod, D)
                 o = 0
                 for a, b, t in runs:
+                    a, b = max(a, start), min(b, stop)  # the run's rows inside the shard
+                    if a >= b:
+                        continue
                     seg = h[:, o : o + b - a]
-                    torch.addcmul(shift[t], self.norm_out.norm(x[:, a:b]), scale1[t], out=seg)
+                    torch.addcmul(shift[t], self.norm_out.norm(x[:, a - start : b - start]), scale1[t], out=seg)
                     o += b - a
             else:
-                t_rows = timestep_indices.to(x.device, torch.long).index_select(0, indices)
-                h = self.norm_out.norm(x.index_select(1, indices))
+                mine = indices[j0:j1]
+                t_rows = timestep_indices.to(x.device, torch.long).index_select(0, mine)
+                h = self.norm_out.norm(x.index_select(1, mine - start))
                 h = torch.addcmul(shift.index_select(0, t_rows), h, scale1.index_select(0, t_rows))
             outs.append(proj(h.to(proj.weight.dtype)))
         return outs[0], outs[1]

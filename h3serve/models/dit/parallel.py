@@ -2,9 +2,10 @@
 
 The plan, as a reader should see it (P = ulysses * ring DiT ranks, S packed rows, n = ceil(S / P) rows per rank):
 
-    packed rows [0, S) ── sharded once by rows: rank d owns [d*n, d*n + n); the last ranks pad up to n rows
+    packed rows [0, S) ── sharded once by rows (`row_shards`): rank d owns [d*n, d*n + n); the last ranks pad up
+                          to n rows. The model's own forward runs on that `RowShard` (H3DiT.forward(..., shard=)):
     token_refiner       ── replicated (text only, L << S); each rank keeps its own text rows
-    proj_in / audio_proj_in / context rows, RoPE cos/sin, AdaLN runs ── built for the rank's own rows only
+    proj_in / audio_proj_in ── the rank's own rows only; RoPE cos/sin and AdaLN runs sliced to them
     every H3Block       ── local rows; around attention:
                              Ulysses all-to-all (B, n, H, D) -> (B, U*n, H/U, D)   [ranks of one ulysses group]
                              Ring attention over the R chunks of U*n rows, partial softmaxes merged by
@@ -17,7 +18,8 @@ Rank layout: DiT rank d = ring_index * ulysses + ulysses_index, so one ulysses g
 (= one ring chunk of U*n contiguous rows) and a ring group holds one rank of every ulysses group.
 
 Padding: the pad rows all lie at the end of the packed sequence, so masking them out as keys is cutting the key
-range of the last chunk(s) to the valid rows; pad rows are zeros, never modulated, and dropped before the gather.
+range of the last chunk(s) to the valid rows; pad rows start as zeros, are never read as keys and are dropped
+before the gather.
 """
 
 from __future__ import annotations
@@ -28,18 +30,19 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 from h3serve.config.parallel import ParallelDegrees
 from h3serve.distributed.proxies import DiTEngineProxy
-from h3serve.distributed.world import Runtime
+from h3serve.distributed.world import Runtime, check_identical, weights_digest
+from h3serve.weights.adapter import Adapter
 
-from .layout import NUM_TAGS, PackedLayout
+from .engine import DiTEngine
 from .kernels import HALF_DTYPES, chosen_attention, fa3_attention_with_lse
-from .model import BlockContext, H3DiT, timestep_sinusoid
+from .layout import PackedLayout, RowShard, row_shards
+from .model import H3DiT
 
 __all__ = ["USPPlan", "USPGroups", "USPDiT", "parallelize_dit", "load_usp_engine", "ring_attention",
-           "attention_with_lse", "ulysses_rows_to_heads", "ulysses_heads_to_rows", "RowShard", "row_shards"]
+           "attention_with_lse", "ulysses_rows_to_heads", "ulysses_heads_to_rows"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,9 @@ class USPGroups:
     @classmethod
     def build(cls, runtime: Runtime, plan: USPPlan) -> "USPGroups | None":
         """Create the groups; every rank of the world calls this in the same order. None off the DiT group."""
+        if plan.world > runtime.world_size:
+            raise ValueError(f"ulysses x ring = {plan.world} needs {plan.world} ranks, the world has "
+                             f"{runtime.world_size}")
         u, r = plan.ulysses, plan.ring
         data, control = runtime.new_group(range(plan.world))
         uly_groups = [runtime.new_group([ri * u + ui for ui in range(u)])[0] if u > 1 else None for ri in range(r)]
@@ -204,36 +210,6 @@ def ulysses_heads_to_rows(x: torch.Tensor, group, u: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Row shards
-
-
-@dataclass(frozen=True)
-class RowShard:
-    """Rows [start, stop) of rank d (stop - start <= n; the rest of the n rows is padding)."""
-
-    seq_len: int
-    rows: int  # n, rows per rank including padding
-    start: int
-    stop: int
-    text: tuple[int, int]  # [j0, j1) into the layout's text rows
-    video: tuple[int, int]
-    audio: tuple[int, int]
-
-
-def row_shards(layout: PackedLayout, world: int) -> list[RowShard]:
-    """Every rank's rows (pure; the same on every rank)."""
-    s = layout.seq_len
-    n = -(-s // world)
-    idx = {k: getattr(layout, f"{k}_indices").to("cpu") for k in ("text", "video", "audio")}
-    out = []
-    for d in range(world):
-        a, b = min(d * n, s), min(d * n + n, s)
-        rng = {k: (int(torch.searchsorted(v, a)), int(torch.searchsorted(v, b))) for k, v in idx.items()}
-        out.append(RowShard(s, n, a, b, rng["text"], rng["video"], rng["audio"]))
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------------------------
 # The parallel model
 
 
@@ -261,17 +237,18 @@ class _USPAttention:
 
 
 class USPDiT(nn.Module):
-    """An H3DiT run as one rank of a Ulysses x Ring group; same call signature and outputs as `H3DiT.forward`."""
+    """An H3DiT run as one rank of a Ulysses x Ring group; same call signature and outputs as `H3DiT.forward`.
+
+    Built by `parallelize_dit`. The model runs its own embed / blocks / heads on this rank's `RowShard`; this adds
+    only the gather of the narrow output rows (the exchange around attention is the blocks' `attention_fn`).
+    """
 
     def __init__(self, model: H3DiT, groups: USPGroups):
         super().__init__()
         self.model = model
         self.groups = groups
-        self._shard: RowShard | None = None
+        self._shard: RowShard | None = None  # the current forward's, read by the blocks' attention
         self._cache: tuple[PackedLayout, list[RowShard]] | None = None
-        attention = _USPAttention(self)
-        for block in model.transformer_blocks:  # the refiner (text only, replicated) keeps plain attention
-            block.attn.attention_fn = attention
 
     @property
     def dtype(self) -> torch.dtype:
@@ -291,77 +268,12 @@ class USPDiT(nn.Module):
     def forward(self, video_rows: torch.Tensor, audio_rows: torch.Tensor, text_states: torch.Tensor,
                 timesteps: torch.Tensor, timestep_indices: torch.Tensor, layout: PackedLayout
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        m = self.model
-        device = m.context_embedder.weight.device
         shards = self.shards(layout)  # keyed by the loop's own layout object, before any copy to the device
-        layout = layout.to(device)
-        timesteps = timesteps.to(device)
-        sh = self._shard = shards[self.groups.rank]
-        n, a, b = sh.rows, sh.start, sh.stop
-        bsz, d = text_states.shape[0], m.config.hidden_size
-
-        # -- embed: own rows only --------------------------------------------------------------------------------
-        text = m.token_refiner(m.context_embedder(text_states.to(m.context_embedder.weight.dtype)))  # (B, L, D)
-        dtype = text.dtype
-        x = torch.zeros(bsz, n, d, dtype=dtype, device=device)  # (B, n, D); pad rows stay 0
-        for (j0, j1), idx, rows, proj in (
-            (sh.text, layout.text_indices, text_states, None),
-            (sh.video, layout.video_indices, video_rows, m.proj_in),
-            (sh.audio, layout.audio_indices, audio_rows, m.audio_proj_in),
-        ):
-            if j1 > j0:
-                part = text[:, j0:j1] if proj is None else \
-                    proj(rows[:, j0:j1].to(proj.weight.dtype)).to(dtype)  # (B, n_mod, D)
-                x.index_copy_(1, idx[j0:j1] - a, part)
-        sinusoid = timestep_sinusoid(timesteps, m.config.freq_dim)
-        temb = m.time_embedder(sinusoid.to(m.time_embedder.linear_1.weight.dtype))
-        if b > a:
-            cos, sin = m.rope(layout.position_ids[a:b], dtype)  # (b-a, 3F): own rows only
-        else:  # a rank of pure padding (S < P * n)
-            cos = sin = torch.zeros(0, 3 * m.config.rope_freq_dim, dtype=dtype, device=device)
-        if b - a < n:
-            cos, sin = (F.pad(t, (0, 0, 0, n - (b - a))) for t in (cos, sin))
-        plan = m.plan_rows(timestep_indices, layout)
-        runs = rows = None
-        if plan.runs is not None:
-            runs = [(max(s0, a) - a, min(s1, b) - a, r) for s0, s1, r in plan.runs if s0 < b and s1 > a]
-        else:
-            full = timestep_indices.to(device, torch.long) * NUM_TAGS + layout.token_tags
-            rows = F.pad(full[a:b], (0, n - (b - a)))  # pad rows read row 0 of the table; they are dropped
-        ctx = BlockContext(temb_act=F.silu(temb), cos=cos, sin=sin, runs=runs, adaln_rows=rows)
-
-        x = m.run_blocks(x, ctx)
-
-        # -- heads on own rows, then gather the narrow outputs ---------------------------------------------------
-        shift, scale1 = m.norm_out.table(ctx.temb_act)
-        outs = []
-        for key, runs_m, idx, proj in (
-            ("video", plan.video, layout.video_indices, m.proj_out),
-            ("audio", plan.audio, layout.audio_indices, m.audio_proj_out),
-        ):
-            j0, j1 = getattr(sh, key)
-            if j1 == j0:
-                local = torch.zeros(bsz, 0, proj.out_features, dtype=proj.weight.dtype, device=device)
-            else:
-                if runs_m is not None:
-                    h = x.new_empty(bsz, j1 - j0, d)
-                    o = 0
-                    for s0, s1, t in runs_m:
-                        s0, s1 = max(s0, a), min(s1, b)
-                        if s0 >= s1:
-                            continue
-                        seg = h[:, o:o + s1 - s0]
-                        torch.addcmul(shift[t], m.norm_out.norm(x[:, s0 - a:s1 - a]), scale1[t], out=seg)
-                        o += s1 - s0
-                else:
-                    sel = idx[j0:j1]
-                    t_rows = timestep_indices.to(device, torch.long).index_select(0, sel)
-                    h = m.norm_out.norm(x.index_select(1, sel - a))
-                    h = torch.addcmul(shift.index_select(0, t_rows), h, scale1.index_select(0, t_rows))
-                local = proj(h.to(proj.weight.dtype))
-            counts = [s.__getattribute__(key)[1] - s.__getattribute__(key)[0] for s in shards]
-            outs.append(self._gather_rows(local, counts))
-        return outs[0], outs[1]
+        self._shard = shards[self.groups.rank]
+        video, audio = self.model(video_rows, audio_rows, text_states, timesteps, timestep_indices, layout,
+                                  shard=self._shard)
+        return (self._gather_rows(video, [s.video[1] - s.video[0] for s in shards]),
+                self._gather_rows(audio, [s.audio[1] - s.audio[0] for s in shards]))
 
     def _gather_rows(self, local: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """(B, c_d, C) per rank -> (B, sum c, C) in rank order (= the modality's row order)."""
@@ -373,28 +285,22 @@ class USPDiT(nn.Module):
         return torch.cat([p[:, :c] for p, c in zip(parts, counts)], dim=1)
 
 
-def parallelize_dit(model: H3DiT, runtime: Runtime, plan: USPPlan) -> USPDiT | None:
-    """Apply the USP plan to a loaded (and, for FastH3, already fused) H3DiT; collective over the whole world.
-
-    Returns the rank's USPDiT, or None on a rank outside the DiT group.
-    """
-    plan.validate(model.config.num_attention_heads)
-    if plan.world > runtime.world_size:
-        raise ValueError(f"ulysses x ring = {plan.world} needs {plan.world} ranks, the world has "
-                         f"{runtime.world_size}")
-    groups = USPGroups.build(runtime, plan)
-    return None if groups is None else USPDiT(model, groups)
+def parallelize_dit(model: H3DiT, groups: USPGroups) -> USPDiT:
+    """Apply the USP plan of `groups` to a loaded (and, for FastH3, already fused) H3DiT: the one way to make a DiT
+    sequence parallel. Checks the degrees against the model's heads, then gives every H3Block the USP attention
+    (the text refiner, replicated, keeps plain attention); returns the rank's USPDiT."""
+    groups.plan.validate(model.config.num_attention_heads)
+    usp = USPDiT(model, groups)
+    attention = _USPAttention(usp)
+    for block in model.transformer_blocks:
+        block.attn.attention_fn = attention
+    return usp
 
 
 def load_usp_engine(runtime: Runtime, usp: USPGroups, checkpoint: str, *, components, dtype: torch.dtype,
                     profile: str, adapter: str | None, adapter_sha256: str | None):
     """This DiT rank's engine: weights streamed (FastH3: the adapter fused into them, before any sharding), checked
     identical on every rank of the DiT group by digest, then each model wrapped in the USP plan."""
-    from h3serve.weights.adapter import Adapter
-    from h3serve.distributed.world import check_identical, weights_digest
-
-    from .engine import DiTEngine
-
     fused = Adapter.open(adapter, adapter_sha256) if profile == "fasth3" else None
     try:
         engine = DiTEngine.load(checkpoint, components=components, dtype=dtype, device=runtime.device,
@@ -405,7 +311,7 @@ def load_usp_engine(runtime: Runtime, usp: USPGroups, checkpoint: str, *, compon
     for name, model in sorted(engine.models.items()):
         check_identical(runtime, weights_digest(model.state_dict().items()), f"DiT {name} weights",
                         control=usp.control)
-        engine.models[name] = USPDiT(model, usp)
+        engine.models[name] = parallelize_dit(model, usp)
     return engine
 
 

@@ -15,14 +15,15 @@ from typing import Literal
 
 import torch
 
+from h3serve.config.request import FASTH3_STEPS
 from h3serve.errors import ProfileError
 
 VIDEO_SHIFT = 12.0
 AUDIO_SHIFT = 3.0
 # FastH3's DMD2 rungs [999, 749, 500, 250] on a 1000-step clock plus the terminal 0, as pre-shift positions
-# (H3_REFERENCE §4.2, convention (a)).
+# (H3_REFERENCE §4.2, convention (a)): FASTH3_STEPS points, the count the request validator enforces.
 FASTH3_POSITIONS = (0.999, 0.749, 0.5, 0.25, 0.0)
-FASTH3_NUM_POINTS = len(FASTH3_POSITIONS)
+assert len(FASTH3_POSITIONS) == FASTH3_STEPS
 
 Profile = Literal["base", "fasth3"]
 
@@ -102,17 +103,18 @@ def schedules_for(profile: Profile, num_points: int | None = None) -> tuple[Flow
     """(video, audio) schedules, shifts 12 and 3.
 
     "base": `num_points` grid points (terminal 0 included; the released default is 50, i.e. 49 forwards).
-    "fasth3": the fixed 5-point rung grid (4 forwards); `num_points` must be None or 5.
+    "fasth3": the fixed FASTH3_STEPS-point rung grid (5 points, 4 forwards); `num_points` must be None or that.
+    This is where a profile's step count is checked: callers pass the request's steps through as they are.
     """
     if profile == "base":
         if num_points is None:
             raise ValueError("the base profile needs num_points (grid points including the terminal 0, e.g. 50)")
         return FlowSchedule(sigma_grid(num_points, VIDEO_SHIFT)), FlowSchedule(sigma_grid(num_points, AUDIO_SHIFT))
     if profile == "fasth3":
-        if num_points not in (None, FASTH3_NUM_POINTS):
+        if num_points not in (None, FASTH3_STEPS):
             raise ProfileError(
-                f"fasth3 runs a fixed {FASTH3_NUM_POINTS}-point grid ({FASTH3_NUM_POINTS - 1} forwards); "
-                f"num_points={num_points} cannot be honoured: leave it unset or pass {FASTH3_NUM_POINTS}"
+                f"fasth3 runs a fixed {FASTH3_STEPS}-point grid ({FASTH3_STEPS - 1} forwards); "
+                f"num_points={num_points} cannot be honoured: leave it unset or pass {FASTH3_STEPS}"
             )
         return FlowSchedule(fasth3_grid(VIDEO_SHIFT)), FlowSchedule(fasth3_grid(AUDIO_SHIFT))
     raise ProfileError(f"profile must be 'base' or 'fasth3', got {profile!r}")

@@ -107,7 +107,7 @@ class StageCalls:
         params = dit_pb2.DiTParams(
             request_id=job.id, latent_frames=req.latent_frames, latent_height=req.latent_height,
             latent_width=req.latent_width, audio_latents=req.audio_latents, seed=req.seed, task=req.task,
-            profile=req.profile, steps=0 if req.profile == "fasth3" else req.steps, latents_sink=latents_sink)
+            profile=req.profile, steps=req.steps, latents_sink=latents_sink)
         inputs = itertools.chain(
             [dit_pb2.DiTInput(params=params)],
             (dit_pb2.DiTInput(chunk=c) for c in iter_tensor_chunks("text_states", text["text_states"])),

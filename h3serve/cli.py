@@ -1,12 +1,17 @@
 """`h3serve` command line: generate | serve | checkpoint | render | operator.
 
 Every user-facing failure is one line on stderr and a non-zero exit; set H3SERVE_DEBUG=1 for tracebacks.
+
+Each command imports its machinery inside its own function: `h3serve --help`, `render` and `operator` must not
+pay for torch, grpc or the models, and `generate` must not pay for the services (these are the only lazy imports
+of the faces; none of them dodges a cycle).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -281,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_checkpoint(sub)
     try:
         from h3serve.operator.cli import add_subcommands
-    except ImportError:  # operator extras not installed: the model commands still work
+    except ImportError:  # lazy and guarded: without the operator extras the model commands still work
         pass
     else:
         add_subcommands(sub)
@@ -289,8 +294,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import logging
-
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

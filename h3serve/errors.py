@@ -1,4 +1,4 @@
-"""Domain errors shared by the CLI, the pipeline and (later) the services' error table."""
+"""Every domain error of h3serve (the error table `h3serve.errortable` maps them to gRPC / HTTP status)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,14 @@ class MediaError(H3Error):
 
 class Cancelled(H3Error):
     """The caller cancelled a request (or its deadline passed) before it finished; no partial result is returned."""
+
+
+class TransportError(H3Error):
+    """A transfer failed: peer gone, timeout, malformed header. `edge` names the hop (e.g. "vae->muxer")."""
+
+    def __init__(self, message: str, *, edge: str = ""):
+        self.edge = edge
+        super().__init__(f"{edge}: {message}" if edge else message)
 
 
 class RankFailed(H3Error):

@@ -30,11 +30,11 @@ import functools
 import inspect
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import grpc
 
-from h3serve.errors import Cancelled, H3Error, MediaError, ProfileError, RequestError
+from h3serve.errors import Cancelled, H3Error, MediaError, ProfileError, RequestError, TransportError
 
 log = logging.getLogger("h3serve.errors")
 
@@ -109,12 +109,6 @@ class ErrorKind:
     retryable: bool
 
 
-def _transport_error() -> type:
-    from h3serve.transport.base import TransportError
-
-    return TransportError
-
-
 _KINDS = {
     "invalid_request": ErrorKind("invalid_request", grpc.StatusCode.INVALID_ARGUMENT, 422, False),
     "profile": ErrorKind("invalid_request", grpc.StatusCode.FAILED_PRECONDITION, 422, False),
@@ -132,20 +126,20 @@ _KINDS = {
 }
 
 # (exception class, kind); the first match wins, so subclasses come before their bases.
-TABLE: list[tuple[Callable[[], type], ErrorKind]] = [
-    (lambda: RequestError, _KINDS["invalid_request"]),
-    (lambda: ProfileError, _KINDS["profile"]),
-    (lambda: QueueFull, _KINDS["queue_full"]),
-    (lambda: TooLarge, _KINDS["too_large"]),
-    (lambda: Draining, _KINDS["draining"]),
-    (lambda: StageUnavailable, _KINDS["stage_unavailable"]),
-    (_transport_error, _KINDS["stage_unavailable"]),
-    (lambda: DeadlineExceeded, _KINDS["deadline_exceeded"]),
-    (lambda: Cancelled, _KINDS["cancelled"]),
-    (lambda: NotFound, _KINDS["not_found"]),
-    (lambda: NotReady, _KINDS["not_ready"]),
-    (lambda: StageFailed, _KINDS["stage_failed"]),
-    (lambda: MediaError, _KINDS["media_error"]),
+TABLE: list[tuple[type, ErrorKind]] = [
+    (RequestError, _KINDS["invalid_request"]),
+    (ProfileError, _KINDS["profile"]),
+    (QueueFull, _KINDS["queue_full"]),
+    (TooLarge, _KINDS["too_large"]),
+    (Draining, _KINDS["draining"]),
+    (StageUnavailable, _KINDS["stage_unavailable"]),
+    (TransportError, _KINDS["stage_unavailable"]),
+    (DeadlineExceeded, _KINDS["deadline_exceeded"]),
+    (Cancelled, _KINDS["cancelled"]),
+    (NotFound, _KINDS["not_found"]),
+    (NotReady, _KINDS["not_ready"]),
+    (StageFailed, _KINDS["stage_failed"]),
+    (MediaError, _KINDS["media_error"]),
 ]
 INTERNAL = _KINDS["internal"]
 
@@ -161,7 +155,7 @@ class Classified:
 def classify(exc: BaseException, *, stage: str | None = None) -> Classified:
     """The kind of `exc`, its one-line message, the field it names and the stage it concerns."""
     for cls, kind in TABLE:
-        if isinstance(exc, cls()):
+        if isinstance(exc, cls):
             break
     else:
         kind = INTERNAL
@@ -169,7 +163,7 @@ def classify(exc: BaseException, *, stage: str | None = None) -> Classified:
     if kind.code == "invalid_request" and field is None and isinstance(exc, ProfileError):
         field = "profile"
     exc_stage = getattr(exc, "stage", None)
-    if exc_stage is None and isinstance(exc, _transport_error()):
+    if exc_stage is None and isinstance(exc, TransportError):
         edge = getattr(exc, "edge", "") or ""
         exc_stage = edge.split("->")[-1] or None
     message = str(exc) if kind is not INTERNAL else f"internal error: {type(exc).__name__}: {exc}"

@@ -22,10 +22,11 @@ from tqdm import tqdm
 
 from h3serve.config.parallel import ParallelDegrees
 from h3serve.config.vocab import DEFAULT_DTYPE, PROFILES
-from h3serve.config.request import GenerationRequest
+from h3serve.config.request import SAMPLE_RATE, GenerationRequest
 from h3serve.distributed.proxies import DiTEngineProxy, EncoderProxy, VideoVAEProxy
 from h3serve.distributed.world import launch
 from h3serve.errors import CheckpointError, H3Error, ProfileError
+from h3serve.media.audio import read_audio_reference
 from h3serve.media.mux import Mp4Writer
 from h3serve.models.dit.engine import COMPONENT_FOR_TASK, DiTEngine, DiTRequest
 from h3serve.models.dit.layout import AudioRef, ImageRef
@@ -42,7 +43,6 @@ from h3serve.weights.folder import CheckpointFolder
 
 log = logging.getLogger("h3serve.pipeline")
 
-SAMPLE_RATE = 32000
 
 
 @dataclass
@@ -69,35 +69,6 @@ class GenerationResult:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _read_audio_32k(path: str, max_samples: int) -> torch.Tensor:
-    """An audio reference as (2, N) float32 at 32 kHz, truncated to the generated duration (mono duplicated).
-
-    Samples are converted to planar float by FFmpeg's resampler at the file's own rate and layout (a format change
-    only); other rates are refused rather than resampled differently from the reference.
-    """
-    import av   # lazy: PyAV belongs to h3serve.media; only audio references need it here
-
-    try:
-        with av.open(path) as container:
-            if not container.streams.audio:
-                raise H3Error(f"references: {path} has no audio stream")
-            stream = container.streams.audio[0]
-            rate = int(stream.codec_context.sample_rate)
-            if rate != SAMPLE_RATE:
-                raise H3Error(f"references: audio {path} is {rate} Hz; audio references must be 32000 Hz")
-            resampler = av.audio.resampler.AudioResampler(format="fltp", layout=stream.layout, rate=rate)
-            chunks = [torch.from_numpy(r.to_ndarray()) for f in container.decode(stream) for r in resampler.resample(f)]
-            chunks += [torch.from_numpy(r.to_ndarray()) for r in resampler.resample(None)]
-    except av.error.FFmpegError as exc:
-        raise H3Error(f"references: cannot decode audio {path}: {exc}") from None
-    pcm = torch.cat(chunks, dim=-1).to(torch.float32)[:, :max_samples]
-    if pcm.shape[0] == 1:
-        pcm = pcm.repeat(2, 1)
-    if pcm.shape[0] != 2:
-        raise H3Error(f"references: audio {path} has {pcm.shape[0]} channels; mono or stereo only")
-    return pcm.contiguous()
 
 
 class _MuxThread:
@@ -265,7 +236,8 @@ class Pipeline:
                     cond_latents.append(z)
                     layout_refs.append(ImageRef(latent_h=int(z.shape[-2]), latent_w=int(z.shape[-1])))
                 elif spec.kind == "audio":
-                    rows = self.audio_vae.encode_reference(_read_audio_32k(spec.path, max_samples).to(self.device))
+                    pcm = read_audio_reference(spec.path, max_samples, SAMPLE_RATE)
+                    rows = self.audio_vae.encode_reference(pcm.to(self.device))
                     refs.append(pres.Reference(kind="audio", has_audio=True))
                     ref_audio.append(rows)
                     layout_refs.append(AudioRef(audio_latents=int(rows.shape[0]) // 2))

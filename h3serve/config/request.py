@@ -22,6 +22,8 @@ import secrets
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, NamedTuple, Sequence
 
+from PIL import Image
+
 from h3serve.config.vocab import DEFAULT_DTYPE, DTYPES, PROFILES, TASKS
 from h3serve.errors import RequestError
 
@@ -350,8 +352,7 @@ def _other_side(given: int, exact: float) -> int:
 
 def _image_size(name: str, path: str) -> tuple[int, int]:
     try:
-        from PIL import Image  # header only: Image.open does not decode the pixels
-        with Image.open(path) as image:
+        with Image.open(path) as image:  # header only: Image.open does not decode the pixels
             width, height = image.size
     except Exception:  # noqa: BLE001 - any decoder failure means "not an image we can read"
         raise RequestError(name, _brief(path), "a readable image file (PNG, JPEG, WebP, ...)") from None

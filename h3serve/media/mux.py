@@ -33,6 +33,7 @@ import av
 import numpy as np
 from av.codec.context import Flags, ThreadType
 
+from h3serve.config.request import SAMPLE_RATE
 from h3serve.errors import MediaError
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -117,7 +118,7 @@ class Mp4Writer:
     """
 
     def __init__(self, dst: str | os.PathLike | BinaryIO, width: int, height: int, *, fps: int = 24,
-                 sample_rate: int = 32000, channels: int = 2, crf: int = 18, preset: str = "veryfast",
+                 sample_rate: int = SAMPLE_RATE, channels: int = 2, crf: int = 18, preset: str = "veryfast",
                  threads: int = 4, thread_type: str = "frame", audio_bitrate: int = 128_000,
                  faststart: bool = True, x264_params: str | None = LOW_LATENCY_X264, tmp_dir: str | None = None):
         if width <= 0 or height <= 0 or width % 2 or height % 2:

@@ -30,6 +30,8 @@ import av
 import numpy as np
 from av.codec.context import Flags, ThreadType
 
+from h3serve.config.request import SAMPLE_RATE
+
 from .mux import _create_temp, _planes
 
 __all__ = ["SegmentedMp4Writer", "encode_segment", "REORDER_DELAY"]
@@ -71,7 +73,7 @@ class SegmentedMp4Writer:
     per `add_frames` call). workers: segments encoded at once; threads: x264 threads per segment.
     """
 
-    def __init__(self, dst: str | os.PathLike, width: int, height: int, *, fps: int = 24, sample_rate: int = 32000,
+    def __init__(self, dst: str | os.PathLike, width: int, height: int, *, fps: int = 24, sample_rate: int = SAMPLE_RATE,
                  channels: int = 2, crf: int = 18, preset: str = "veryfast", threads: int = 4, workers: int = 4,
                  segment_frames: int | None = None, audio_bitrate: int = 128_000, faststart: bool = True):
         if width % 2 or height % 2:

@@ -28,6 +28,8 @@ import hashlib
 import json
 from typing import Any
 
+import yaml
+
 from h3serve.config.spec import API_VERSION, KIND, H3DeploymentSpec, ServiceConfig
 from h3serve.config.stage import CONFIG_ENV
 from h3serve.config.vocab import (
@@ -409,6 +411,4 @@ def _network_policies(spec: H3DeploymentSpec, name: str, namespace: str) -> list
 
 
 def to_yaml(objs: list[dict]) -> str:
-    import yaml
-
     return "".join("---\n" + yaml.safe_dump(o, sort_keys=False, width=120) for o in objs)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import io
 from typing import Any
 
+from h3serve.config.request import FPS, SAMPLE_RATE
 from h3serve.media.mux import Mp4Writer
 from h3serve.models.vae.yuv import rgb_to_yuv420p
 
 
-def mux_to_bytes(frames: Any, pcm: Any, fps: int = 24, sr: int = 32000, **options: Any) -> bytes:
+def mux_to_bytes(frames: Any, pcm: Any, fps: int = FPS, sr: int = SAMPLE_RATE, **options: Any) -> bytes:
     """Encode all frames (uint8 (n, H, W, 3) RGB or (Y, U, V) planes) and PCM (channels, N) into MP4 bytes."""
     if not isinstance(frames, (tuple, list)):
         frames = rgb_to_yuv420p(frames)

@@ -20,6 +20,7 @@ from typing import Any
 import av
 import numpy as np
 
+from h3serve.config.request import SAMPLE_RATE
 from h3serve.errors import MediaError
 
 AAC_FRAME = 1024        # samples per AAC-LC frame
@@ -202,7 +203,7 @@ def ffprobe_report(path_or_bytes: Any, *, timeout: float = 120.0) -> MediaReport
 
 
 def check_mp4(path_or_bytes: Any, *, expect_frames: int | None = None, fps: float | None = 24,
-              width: int | None = None, height: int | None = None, sample_rate: int | None = 32000,
+              width: int | None = None, height: int | None = None, sample_rate: int | None = SAMPLE_RATE,
               channels: int | None = 2, pix_fmt: str | None = "yuv420p", min_video_std: float | None = 0.5,
               min_audio_rms: float | None = 1e-4, report: MediaReport | None = None) -> MediaReport:
     """Check an MP4 against the H3 output contract; return its report or raise MediaError naming every failure.

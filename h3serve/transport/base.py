@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from h3serve.errors import H3Error
+from h3serve.errors import TransportError
 
 DTYPES: dict[str, torch.dtype] = {
     "uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64,
@@ -25,14 +25,6 @@ DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-
-
-class TransportError(H3Error):
-    """A transfer failed: peer gone, timeout, malformed header. `edge` names the hop (e.g. "vae->muxer")."""
-
-    def __init__(self, message: str, *, edge: str = ""):
-        self.edge = edge
-        super().__init__(f"{edge}: {message}" if edge else message)
 
 
 @dataclass(frozen=True)

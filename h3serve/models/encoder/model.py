@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -89,6 +90,7 @@ class TextEncoder:
              device: str | torch.device = "cpu", layer: int = DEFAULT_LAYER) -> "TextEncoder":
         """Load ``text_encoder/`` (first ``layer`` decoder layers + vision tower), ``tokenizer/`` and the image
         processor config in ``processor/``. Refuses an encoder with ``layer`` or fewer decoder layers."""
+        # lazy: transformers' Qwen3-VL classes take seconds to import; only loading needs them
         from accelerate import init_empty_weights
         from transformers import Qwen2TokenizerFast, Qwen3VLConfig, Qwen3VLModel
 
@@ -133,7 +135,7 @@ class TextEncoder:
         tokenizer = Qwen2TokenizerFast.from_pretrained(root / "tokenizer")
         processor = load_processor(root)  # Qwen2VLImageProcessorPil from processor/preprocessor_config.json
         video_processor = None
-        try:  # needs torchvision; only ref2va video references use it
+        try:  # lazy and guarded: needs torchvision; only ref2va video references use it
             from transformers import AutoVideoProcessor
 
             video_processor = AutoVideoProcessor.from_pretrained(root / "processor")
@@ -186,8 +188,6 @@ class TextEncoder:
             if self.video_processor is None:
                 raise ValueError("ref2va video references need Qwen3-VL's video processor, which needs torchvision; "
                                  "it is not available here")
-            import numpy as np
-
             temporal = self.video_processor.temporal_patch_size
             merge = self.video_processor.merge_size ** 2
             sampled = []

@@ -13,6 +13,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from h3serve.weights.folder import CheckpointFolder
+from h3serve.weights.load import load_module_weights
+
 __all__ = ["AudioVAE"]
 
 log = logging.getLogger("h3serve.vae")
@@ -37,11 +40,9 @@ class AudioVAE:
              device: str | torch.device = "cpu", component: str = "audio_vae") -> "AudioVAE":
         """Stream ``<checkpoint_dir>/audio_vae`` into the network. ``dtype`` is accepted for symmetry and ignored
         (logged): the audio VAE stays float32 whatever the pipeline dtype, as in the reference."""
+        # lazy: diffusers takes seconds to import and only loading needs its module class
         from accelerate import init_empty_weights
         from diffusers import AutoencoderKLMiniMaxH3Audio
-
-        from h3serve.weights.folder import CheckpointFolder
-        from h3serve.weights.load import load_module_weights
 
         ck = CheckpointFolder(checkpoint_dir, components=[component])
         with init_empty_weights(include_buffers=False), warnings.catch_warnings():

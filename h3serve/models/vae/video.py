@@ -29,6 +29,9 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from h3serve.weights.folder import CheckpointFolder
+from h3serve.weights.load import KEEP_FP32, load_module_weights
+
 from .tiling import Tile, blend, plan_tiles, stitch_tiles
 from .yuv import rgb_to_yuv420p
 
@@ -149,11 +152,9 @@ class VideoVAE:
         With ``dtype=bfloat16`` the encoder, quant_conv, the decoder norms, layer scales and norm_out stay float32
         (the dtype policy of the reference, H3_REFERENCE §1.1); everything else is cast to ``dtype``.
         """
+        # lazy: diffusers takes seconds to import and only loading needs its module class
         from accelerate import init_empty_weights
         from diffusers import AutoencoderKLMiniMaxH3
-
-        from h3serve.weights.folder import CheckpointFolder
-        from h3serve.weights.load import KEEP_FP32, load_module_weights
 
         ck = CheckpointFolder(checkpoint_dir, components=[component])
         with init_empty_weights(include_buffers=False):

@@ -58,7 +58,8 @@ def receiver_main(port_q, opts: dict) -> None:
     import torch
 
     from h3serve._proto import common_pb2
-    from h3serve.transport.nixl import NixlReceiver, QueuePipe
+    from h3serve.transport.nixl.receiver import NixlReceiver
+    from h3serve.transport.pipes import QueuePipe
 
     torch.set_num_threads(1)
 
@@ -119,7 +120,8 @@ def sender_main(port: int, result_q, opts: dict) -> None:
     import torch
 
     from h3serve._proto import common_pb2
-    from h3serve.transport.nixl import NixlSender, QueuePipe
+    from h3serve.transport.nixl.sender import NixlSender
+    from h3serve.transport.pipes import QueuePipe
 
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
@@ -292,14 +294,14 @@ def main() -> None:
         rx.kill()
         rx.join()
 
-    from h3serve.transport.nixl import _nixl_version
+    from h3serve.transport.nixl.probe import nixl_version
 
     clip_bytes = 1
     for s in CLIP:
         clip_bytes *= s
     total = clip_bytes * args.clips
     out = {"bench": "transport_nixl", "edge": "vae->muxer (frames)", "host": platform.node(),
-           "cpus": os.cpu_count(), "nixl": _nixl_version(), "clip_shape": list(CLIP), "clip_bytes": clip_bytes,
+           "cpus": os.cpu_count(), "nixl": nixl_version(), "clip_shape": list(CLIP), "clip_bytes": clip_bytes,
            "clips": args.clips, "bytes_per_run": total, "repeats": args.repeats, "slots": args.slots,
            "slot_bytes": opts["slot_bytes"], "grpc_chunk_bytes": CHUNK, "methods": {}}
     for m, rs in runs.items():

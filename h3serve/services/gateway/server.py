@@ -60,10 +60,7 @@ class GatewayServicer(StageBase):
         gateway_pb2_grpc.add_GatewayServicer_to_server(self, server)
 
     def load(self) -> None:
-        from h3serve.transport.grpc import check_transport
-
-        if self.config.transport != "nixl":   # nixl: chosen (or fallen back from) by the VAE and the muxer
-            check_transport(self.config.transport)
+        self.choose_transport(probe=False)   # nixl: chosen (or fallen back from) by the DiT, the VAE and the muxer
         self.core.start()
         if self.config.http_port is not None:
             self.start_http()

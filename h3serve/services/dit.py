@@ -16,10 +16,13 @@ from h3serve._proto import common_pb2, dit_pb2, dit_pb2_grpc, vae_pb2, vae_pb2_g
 from h3serve.config.stage import StageConfig
 from h3serve.errors import RequestError
 from h3serve.errortable import grpc_method
-from h3serve.models.dit.engine import DiTRequest
+from h3serve.models.dit.engine import DiTEngine, DiTRequest
+from h3serve.pipeline import DTYPES, pick_device
+from h3serve.runtime.ranks import ParallelDiTEngine
 from h3serve.runtime.stage import StageBase
 from h3serve.transport.control import LATENTS_EDGE, ControlSender
 from h3serve.transport.grpc import GrpcStreamReceiver, iter_tensor_chunks
+from h3serve.weights.adapter import Adapter
 
 log = logging.getLogger("h3serve.dit")
 
@@ -47,15 +50,9 @@ class DiTServicer(StageBase):
         self.executor.submit(self._load).result()
 
     def _load(self) -> None:
-        from h3serve.weights.adapter import Adapter
-        from h3serve.pipeline import DTYPES, pick_device
-        from h3serve.models.dit.engine import DiTEngine
-
         c = self.config
         device = pick_device(c.device)
         if self.start_ranks() is not None:   # --ulysses x --ring: every rank loads (and fuses) the DiT itself
-            from h3serve.runtime.ranks import ParallelDiTEngine
-
             self.engine = ParallelDiTEngine(self.parallel)
         else:
             adapter = Adapter.open(c.adapter, c.adapter_sha256) if c.profile == "fasth3" else None

@@ -11,6 +11,9 @@ from h3serve._proto import encoder_pb2, encoder_pb2_grpc
 from h3serve.config.stage import StageConfig
 from h3serve.errors import RequestError
 from h3serve.errortable import grpc_method
+from h3serve.models.encoder.model import TextEncoder
+from h3serve.pipeline import DTYPES, pick_device
+from h3serve.runtime.ranks import ParallelEncoder
 from h3serve.runtime.stage import StageBase
 from h3serve.transport.grpc import iter_tensor_chunks
 
@@ -30,14 +33,9 @@ class EncoderServicer(StageBase):
         encoder_pb2_grpc.add_EncoderServicer_to_server(self, server)
 
     def load(self) -> None:
-        from h3serve.pipeline import DTYPES, pick_device
-        from h3serve.models.encoder.model import TextEncoder
-
         def load():
             device = pick_device(self.config.device)
             if self.start_ranks() is not None:   # --encoder-tp: the decoder sharded over the stage's ranks
-                from h3serve.runtime.ranks import ParallelEncoder
-
                 self.encoder = ParallelEncoder(self.parallel)
                 device = self.encoder.device
             else:

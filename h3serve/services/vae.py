@@ -20,6 +20,10 @@ from h3serve._proto import common_pb2, muxer_pb2_grpc, vae_pb2, vae_pb2_grpc
 from h3serve.config.stage import StageConfig
 from h3serve.errors import RequestError
 from h3serve.errortable import NotFound, StageUnavailable, grpc_method
+from h3serve.models.vae.audio import AudioVAE
+from h3serve.models.vae.video import VideoVAE
+from h3serve.pipeline import DTYPES, pick_device
+from h3serve.runtime.ranks import ParallelVideoVAE
 from h3serve.runtime.stage import StageBase
 from h3serve.transport.control import FRAMES_EDGE, LATENTS_EDGE, ControlReceiver
 from h3serve.transport.frames import open_sink
@@ -74,14 +78,8 @@ class VAEServicer(StageBase):
                 "nixl": counters()}
 
     def _load(self) -> None:
-        from h3serve.pipeline import DTYPES, pick_device
-        from h3serve.models.vae.audio import AudioVAE
-        from h3serve.models.vae.video import VideoVAE
-
         device = pick_device(self.config.device)
         if self.start_ranks() is not None:   # --vae-pp: tiles decoded on every rank, stitched here (rank 0)
-            from h3serve.runtime.ranks import ParallelVideoVAE
-
             self.video_vae = ParallelVideoVAE(self.parallel)
         else:
             self.video_vae = VideoVAE.load(self.config.checkpoint, dtype=DTYPES[self.config.dtype], device=device)

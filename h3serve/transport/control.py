@@ -170,7 +170,7 @@ class ControlReceiver:
         self.producer, _ = _ends(edge)
         self.context = context
         self.transport = transport
-        self.pool = {"pool_buffers": pool_buffers, "buffer_bytes": buffer_bytes, "zero_copy": zero_copy}
+        self._pool = {"pool_buffers": pool_buffers, "buffer_bytes": buffer_bytes, "zero_copy": zero_copy}
         self.info: dict | None = None
         self.pipe = QueuePipe()
         if first_data:
@@ -184,7 +184,7 @@ class ControlReceiver:
     def messages(self) -> Iterator[Message]:
         try:
             with NixlReceiver(self.edge, self.pipe, transport=self.transport, timeout=self._wait(),
-                              **self.pool) as rx:
+                              **self._pool) as rx:
                 self.pipe.send(rx.handshake(), timeout=self._wait())
                 while (msg := rx.recv(timeout=self._wait())) is not None:
                     yield msg

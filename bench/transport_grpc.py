@@ -29,21 +29,30 @@ import time
 from concurrent import futures
 from pathlib import Path
 
+import grpc
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO))   # runnable from a checkout without installing
 
+from h3serve._proto import common_pb2, muxer_pb2, muxer_pb2_grpc, vae_pb2, vae_pb2_grpc
+from h3serve.config.request import validate_request
+from h3serve.models.vae.yuv import rgb_to_yuv420p
+from h3serve.pipeline import Pipeline
+from h3serve.testing.tiny import init_tiny_checkpoint
+from h3serve.transport.grpc import (
+    CHUNK_BYTES,
+    GrpcStreamReceiver,
+    GrpcStreamSender,
+    channel_options,
+    iter_tensor_chunks,
+    server_options,
+)
 
 # ---------------------------------------------------------------------------------------------------------------
 # throughput: a sink Push server
 
 def run_sink(port_file: str) -> None:
-    import grpc
-
-    from h3serve._proto import muxer_pb2, muxer_pb2_grpc
-    from h3serve.transport.grpc import GrpcStreamReceiver, server_options
-
     def unwrap(msg):
         kind = msg.WhichOneof("item")
         return ("chunk", msg.chunk) if kind == "chunk" else ("end", msg.end) if kind == "end" else (kind, msg)
@@ -66,8 +75,6 @@ def run_sink(port_file: str) -> None:
 
 
 def clip_parts(fmt: str, clip_rgb: torch.Tensor, planes) -> list[tuple[str, torch.Tensor]]:
-    from h3serve.transport.grpc import CHUNK_BYTES
-
     n = clip_rgb.shape[0]
     if fmt == "rgb24":
         per = max(1, CHUNK_BYTES // clip_rgb[0].numel())
@@ -79,12 +86,6 @@ def clip_parts(fmt: str, clip_rgb: torch.Tensor, planes) -> list[tuple[str, torc
 
 
 def throughput(width: int, height: int, clips: int, repeats: int) -> dict:
-    import grpc
-
-    from h3serve._proto import muxer_pb2, muxer_pb2_grpc
-    from h3serve.models.vae.yuv import rgb_to_yuv420p
-    from h3serve.transport.grpc import GrpcStreamSender, channel_options
-
     port_file = tempfile.mktemp()
     sink = subprocess.Popen([sys.executable, __file__, "--sink", port_file])
     try:
@@ -145,11 +146,6 @@ def start_stages(checkpoint: str, threads: int, dtype: str, frame_format: str) -
 
 
 def services_tail(addresses: dict, req, latents) -> tuple[float, bytes, dict]:
-    import grpc
-
-    from h3serve._proto import common_pb2, muxer_pb2, muxer_pb2_grpc, vae_pb2, vae_pb2_grpc
-    from h3serve.transport.grpc import channel_options, iter_tensor_chunks
-
     with grpc.insecure_channel(addresses["muxer"], options=channel_options()) as mc, \
             grpc.insecure_channel(addresses["vae"], options=channel_options()) as vc:
         mux, vae = muxer_pb2_grpc.MuxerStub(mc), vae_pb2_grpc.VAEStub(vc)
@@ -177,9 +173,6 @@ def services_tail(addresses: dict, req, latents) -> tuple[float, bytes, dict]:
 
 
 def tail(checkpoint: str, size: str, seconds: str, threads: int, repeats: int, frame_format: str) -> dict:
-    from h3serve.pipeline import Pipeline
-    from h3serve.config.request import validate_request
-
     torch.set_num_threads(threads)
     req = validate_request(prompt="a red kite over a windy beach", seconds=seconds, size=size, seed=0, steps=3,
                            dtype="fp32")
@@ -228,8 +221,6 @@ def main() -> None:
     if args.sink:
         run_sink(args.sink)
         return
-    from h3serve.testing.tiny import init_tiny_checkpoint
-
     if not Path(args.checkpoint, "modular_model_index.json").exists():
         init_tiny_checkpoint(args.checkpoint)
     w, h = (int(x) for x in args.canvas.split("x"))

@@ -27,15 +27,32 @@ the gateway's `tail_s` (last latent in -> MP4 ready), `mux_tail_s` (last byte se
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import multiprocessing as mp
 import os
 import platform
 import resource
+import signal
 import statistics
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import torch
+
+from h3serve._proto import common_pb2
+from h3serve.client import Client
+from h3serve.testing.tiny import init_tiny_checkpoint
+from h3serve.transport.nixl.probe import nixl_version
+from h3serve.transport.nixl.receiver import NixlReceiver
+from h3serve.transport.nixl.sender import NixlSender
+from h3serve.transport.pipes import QueuePipe
 
 CLIP = (17, 768, 1344, 3)
 SERVICE = "h3serve.bench.FrameEdge"
@@ -53,13 +70,6 @@ def _cpu() -> float:
 
 
 def receiver_main(port_q, opts: dict) -> None:
-    import grpc
-    import numpy as np
-    import torch
-
-    from h3serve._proto import common_pb2
-    from h3serve.transport.nixl import NixlReceiver, QueuePipe
-
     torch.set_num_threads(1)
 
     def run_pipe(pipe: QueuePipe, mode: str) -> None:
@@ -115,12 +125,6 @@ def receiver_main(port_q, opts: dict) -> None:
 
 
 def sender_main(port: int, result_q, opts: dict) -> None:
-    import grpc
-    import torch
-
-    from h3serve._proto import common_pb2
-    from h3serve.transport.nixl import NixlSender, QueuePipe
-
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     base = torch.randint(0, 256, CLIP, generator=g, dtype=torch.uint8)
@@ -188,9 +192,6 @@ def sender_main(port: int, result_q, opts: dict) -> None:
 
 class _Stack:
     def __init__(self, checkpoint: str, transport: str, threads: int):
-        import subprocess
-        import sys
-
         argv = [sys.executable, "-m", "h3serve.cli", "--log-level", "WARNING", "serve", "--checkpoint", checkpoint,
                 "--port", "0", "--http-port", "0", "--threads", str(threads), "--json", "--transport", transport]
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
@@ -208,27 +209,18 @@ class _Stack:
         threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
 
     def stop(self) -> None:
-        import signal
-
         self.proc.send_signal(signal.SIGTERM)
         self.proc.wait(60)
 
 
 def services_tail(args) -> dict:
-    import hashlib
-    import tempfile
-
-    from h3serve.client import Client
-
     checkpoint = args.checkpoint
     tmp = None
     if checkpoint is None:
-        from h3serve.testing.tiny import init_tiny_checkpoint
-
         tmp = tempfile.TemporaryDirectory(prefix="h3bench-ckpt-")
         checkpoint = str(init_tiny_checkpoint(os.path.join(tmp.name, "tiny")))
-    request = dict(prompt="a kite over the sea", seconds=args.seconds, size=args.size, seed=0,
-                   num_inference_steps=args.steps)
+    request = {"prompt": "a kite over the sea", "seconds": args.seconds, "size": args.size, "seed": 0,
+               "num_inference_steps": args.steps}
     stacks = {}
     try:
         for t in ("grpc", "nixl"):
@@ -292,14 +284,12 @@ def main() -> None:
         rx.kill()
         rx.join()
 
-    from h3serve.transport.nixl import _nixl_version
-
     clip_bytes = 1
     for s in CLIP:
         clip_bytes *= s
     total = clip_bytes * args.clips
     out = {"bench": "transport_nixl", "edge": "vae->muxer (frames)", "host": platform.node(),
-           "cpus": os.cpu_count(), "nixl": _nixl_version(), "clip_shape": list(CLIP), "clip_bytes": clip_bytes,
+           "cpus": os.cpu_count(), "nixl": nixl_version(), "clip_shape": list(CLIP), "clip_bytes": clip_bytes,
            "clips": args.clips, "bytes_per_run": total, "repeats": args.repeats, "slots": args.slots,
            "slot_bytes": opts["slot_bytes"], "grpc_chunk_bytes": CHUNK, "methods": {}}
     for m, rs in runs.items():

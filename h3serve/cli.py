@@ -207,11 +207,14 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
 def _cmd_serve(args: argparse.Namespace) -> int:
     # lazy: torch, grpc and the models load only for the command that runs
     from h3serve.runtime.launcher import serve_main
-    from h3serve.services import dit, encoder, muxer, vae
-    from h3serve.services.gateway import server as gateway
+    from h3serve.services.dit import DiTServicer
+    from h3serve.services.encoder import EncoderServicer
+    from h3serve.services.gateway.server import GatewayServicer
+    from h3serve.services.muxer import MuxerServicer
+    from h3serve.services.vae import VAEServicer
 
-    servicers = {"encoder": encoder.create, "dit": dit.create, "vae": vae.create, "muxer": muxer.create,
-                 "gateway": gateway.create}
+    servicers = {"encoder": EncoderServicer, "dit": DiTServicer, "vae": VAEServicer, "muxer": MuxerServicer,
+                 "gateway": GatewayServicer}
     return serve_main(args, servicers)
 
 

@@ -27,8 +27,8 @@ log = logging.getLogger("h3serve.runtime.process")
 
 EXIT_LOAD_FAILED = 3
 
-# A stage's `create(config, health) -> StageBase`; the faces above (cli) pass it in, so the runtime never imports
-# a service.
+# A stage's servicer class (`XServicer(config, health) -> StageBase`); the faces above (cli) pass it in, so the
+# runtime never imports a service.
 ServicerFactory = Callable[[StageConfig, HealthHandle], Any]
 
 

@@ -1,8 +1,9 @@
 """The stage runtime every servicer shares.
 
-`StageBase` (one engine worker thread, status counters, drain and cancel), `RequestScope` (one request's cancel
-flag and deadline, wired to its gRPC context) and `HealthHandle` (the gRPC health status of the server and its
-service together).
+`StageBase` (one engine worker thread, status counters and the Status RPC, the transport choice, drain and
+cancel), `RequestScope` (one request's cancel flag and deadline, wired to its gRPC context) and `HealthHandle` (the
+gRPC health status of the server and its service together). A stage's servicer class is its factory:
+`XServicer(config, health)`.
 """
 
 from __future__ import annotations
@@ -14,17 +15,21 @@ import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable
 
+import grpc
 import torch
 from grpc_health.v1 import health_pb2
 
 from h3serve._proto import common_pb2
 from h3serve.config.stage import StageConfig
 from h3serve.errors import Cancelled
-from h3serve.errortable import DeadlineExceeded
+from h3serve.errortable import DeadlineExceeded, abort
 from h3serve.runtime.device import PeakMemory
 from h3serve.runtime.ranks import ParallelStage, degrees_of, stage_degree
+from h3serve.transport.grpc import insecure_channel
+from h3serve.transport.nixl.probe import select_transport, validate_transport
 
 log = logging.getLogger("h3serve.runtime.stage")
 
@@ -106,6 +111,20 @@ class RequestScope:
         self.stage.work_units_total += n
 
 
+@dataclass(frozen=True)
+class TransportChoice:
+    """The transport of a stage's edges: configured (`requested`), usable in this process (`chosen`), and why."""
+
+    requested: str
+    chosen: str = "grpc"
+    reason: str = "requested"
+
+    def details(self, edge: str, last_stream: dict | None) -> dict:
+        """An edge's entry in the Status details: this process's choice and what the edge's last stream used."""
+        return {"edge": edge, "requested": self.requested, "chosen": self.chosen, "reason": self.reason,
+                "last_stream": last_stream}
+
+
 class StageBase:
     """What every stage servicer shares. Subclasses set `stage`, implement `register`, `load` and their RPCs."""
 
@@ -131,6 +150,9 @@ class StageBase:
         self.load_seconds = 0.0
         self.ready = False
         self.parallel = None   # h3serve.runtime.ranks.ParallelStage when the stage has several ranks
+        self.transport = TransportChoice(config.transport or "grpc")   # decided at load by `choose_transport`
+        self._channels: dict[str, grpc.Channel] = {}   # to the stages this one streams to, by address
+        self._channels_lock = threading.Lock()
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     def _init_engine_thread(self) -> None:
@@ -152,6 +174,16 @@ class StageBase:
     def busy(self) -> bool:
         return bool(self.active) or self.engine_scope is not None
 
+    def choose_transport(self, *, probe: bool = True) -> None:
+        """Decide, once at load, the transport of this stage's edges: `nixl` when NIXL works in this process, else
+        `grpc` with the reason (logged). `probe=False`: a stage that moves no tensor by NIXL itself (the gateway)
+        only checks the name."""
+        requested = self.transport.requested
+        if probe:
+            self.transport = TransportChoice(requested, *select_transport(requested))
+        else:
+            validate_transport(requested)
+
     def _on_engine(self, scope: RequestScope, fn: Callable[[], Any]) -> Any:
         self.engine_scope = scope
         peak = PeakMemory(self.config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -172,6 +204,16 @@ class StageBase:
         self.executor.shutdown(wait=False, cancel_futures=True)
         if self.parallel is not None:   # the other ranks leave their command loop
             self.parallel.close()
+        for channel in self._channels.values():
+            channel.close()
+
+    def channel(self, address: str) -> grpc.Channel:
+        """The channel to another stage at `address` (one per address, for the life of this stage)."""
+        with self._channels_lock:
+            channel = self._channels.get(address)
+            if channel is None:
+                channel = self._channels[address] = insecure_channel(address)
+        return channel
 
     def start_ranks(self):
         """With a degree above 1 for this stage: start its world (this process = rank 0) and return the
@@ -257,6 +299,13 @@ class StageBase:
         except Cancelled:
             scope.check(f"after {scope.units} units")
             raise
+
+    def Status(self, request, context):
+        """The Status RPC of every stage."""
+        try:
+            return self.status()
+        except Exception as exc:  # noqa: BLE001 - the table decides
+            abort(context, exc, stage=self.stage)
 
     def status(self):
         current = next(iter(self.active.values()), None) or self.engine_scope

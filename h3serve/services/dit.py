@@ -8,18 +8,24 @@ progress event per denoising step, then the latents.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
+import torch
+
+from h3serve._proto import common_pb2, dit_pb2, dit_pb2_grpc, vae_pb2, vae_pb2_grpc
+from h3serve.config.stage import StageConfig
+from h3serve.distributed.proxies import DiTEngineProxy
 from h3serve.errors import RequestError
 from h3serve.errortable import grpc_method
-from h3serve.config.stage import StageConfig
+from h3serve.models.dit.engine import DiTEngine, DiTRequest
+from h3serve.runtime.device import DTYPES, pick_device
 from h3serve.runtime.stage import StageBase
+from h3serve.transport.control import LATENTS_EDGE, ControlSender
 from h3serve.transport.grpc import GrpcStreamReceiver, iter_tensor_chunks
+from h3serve.weights.adapter import Adapter
 
 log = logging.getLogger("h3serve.dit")
 
-LATENTS_EDGE = "dit->vae"
 SERVED_TASKS = ("t2va",)  # what this RPC carries: text states only (no keyframe or reference latents)
 
 
@@ -34,38 +40,16 @@ class DiTServicer(StageBase):
     def __init__(self, config: StageConfig, health=None):
         super().__init__(config, health)
         self.engine = None
-        # the latents edge (dit->vae): what this process can use (decided at load), the last stream's info
-        self.transport_requested = config.transport or "grpc"
-        self.transport_chosen, self.transport_reason = "grpc", "requested"
-        self.last_transport: dict | None = None
-        self._channels: dict[str, object] = {}
-        self._channels_lock = threading.Lock()
+        self.last_transport: dict | None = None   # the latents edge's last stream
 
     def register(self, server) -> None:
-        from h3serve._proto import dit_pb2_grpc
-
         dit_pb2_grpc.add_DiTServicer_to_server(self, server)
 
     def load(self) -> None:
-        from h3serve.transport.nixl import select_transport
-
-        if self.transport_requested in ("grpc", "nixl"):
-            self.transport_chosen, self.transport_reason = select_transport(self.transport_requested)
+        self.choose_transport()
         self.executor.submit(self._load).result()
 
-    def close(self) -> None:
-        super().close()
-        for channel in self._channels.values():
-            channel.close()
-
     def _load(self) -> None:
-        import torch
-
-        from h3serve.distributed.proxies import DiTEngineProxy
-        from h3serve.models.dit.engine import DiTEngine, DiTRequest
-        from h3serve.runtime.device import DTYPES, pick_device
-        from h3serve.weights.adapter import Adapter
-
         c = self.config
         device = pick_device(c.device)
         if self.start_ranks() is not None:   # --ulysses x --ring: every rank loads (and fuses) the DiT itself
@@ -85,15 +69,10 @@ class DiTServicer(StageBase):
 
     def info(self) -> dict:
         return {**super().info(), "tasks": list(SERVED_TASKS),
-                "transport": {"edge": LATENTS_EDGE, "requested": self.transport_requested,
-                              "chosen": self.transport_chosen, "reason": self.transport_reason,
-                              "last_stream": self.last_transport}}
+                "transport": self.transport.details(LATENTS_EDGE, self.last_transport)}
 
     @grpc_method("dit")
     def Generate(self, request_iterator, context):
-        from h3serve._proto import common_pb2, dit_pb2
-        from h3serve.models.dit.engine import DiTRequest
-
         first = next(request_iterator, None)
         if first is None or first.WhichOneof("input") != "params":
             raise RequestError("params", None, "the first message of a DiT stream carries the parameters")
@@ -143,86 +122,14 @@ class DiTServicer(StageBase):
         self.finish(scope)
 
     def _send_latents(self, scope, sink, result) -> dict:
-        """Send the latents to the VAE's latents session: `VAE.Control` carries a NixlSender's control pipe (the
-        bytes by NIXL WRITE, or inline in the stream when NIXL cannot be used). Returns the edge's transport info.
-        A broken stream raises StageUnavailable naming the VAE (or what the VAE said)."""
-        from h3serve._proto import vae_pb2, vae_pb2_grpc
-        from h3serve.errortable import StageUnavailable
-        from h3serve.errortable import from_grpc
-        from h3serve.transport.control import CONNECT_S, wait_s
-        from h3serve.transport.base import TransportError
-        from h3serve.transport.grpc import insecure_channel
-        from h3serve.transport.nixl import NixlSender, QueuePipe
-
-        def call_error(call, wait: float = 2.0):
-            end = time.monotonic() + wait
-            while not call.done() and time.monotonic() < end:
-                time.sleep(0.01)
-            if call.done() and not call.cancelled():
-                exc = call.exception()
-                if exc is not None:
-                    return from_grpc(exc, stage="vae")
-            return None
-
-        with self._channels_lock:
-            channel = self._channels.get(sink.address)
-            if channel is None:
-                channel = self._channels[sink.address] = insecure_channel(sink.address)
-        pipe = QueuePipe()
-        first = vae_pb2.LatentsControl(session_id=sink.session_id, transport="nixl")
-
-        def requests():
-            yield first
-            for data in pipe.outgoing():
-                yield vae_pb2.LatentsControl(data=data)
-
-        call = vae_pb2_grpc.VAEStub(channel).Control(requests(), timeout=scope.remaining())
-        pump = pipe.pump(m.data for m in call)
-        tx = None
-        ok = False
-        try:
-            try:
-                handshake = pipe.recv(wait_s(scope))
-            except (TimeoutError, EOFError) as e:
-                err = call_error(call)
-                if err is not None:
-                    raise err from None
-                raise StageUnavailable("vae", f"no NIXL handshake on {LATENTS_EDGE}: {e}") from None
-            tx = NixlSender(LATENTS_EDGE, pipe, timeout=wait_s(scope), connect_timeout=min(CONNECT_S, wait_s(scope)),
-                            transport=self.transport_chosen)
-            try:
-                tx.connect(handshake)
-                tx.send("video_latents", result.video.float().contiguous(), timeout=wait_s(scope))
-                tx.send("audio_latents", result.audio.float().contiguous(), timeout=wait_s(scope))
-                tx.close(timeout=wait_s(scope))
-            except TransportError as e:
-                scope.check("while sending the latents")
-                err = call_error(call)
-                if err is not None:
-                    raise err from None
-                raise StageUnavailable("vae", f"the latents stream ({LATENTS_EDGE}) broke: {e}") from None
-            pipe.close()
-            pump.join(wait_s(scope))
-            err = call_error(call) if call.done() else None
-            if err is not None:
-                raise err
-            ok = True
-            info = {"edge": LATENTS_EDGE, **tx.transport_info, "requested": "nixl"}
-            if info["chosen"] != "nixl" and self.transport_chosen != "nixl":
-                info["reason"] = f"dit: {self.transport_reason}"
-            self.last_transport = dict(info)
-            return info
-        finally:
-            if not ok:
-                if tx is not None:
-                    tx.abort("the DiT gave up on the request")
-                pipe.close()
-                call.cancel()
-
-    @grpc_method("dit")
-    def Status(self, request, context):
-        return self.status()
-
-
-def create(config: StageConfig, health=None) -> DiTServicer:
-    return DiTServicer(config, health)
+        """Send the latents to the VAE's latents session over `VAE.Control` (the bytes by NIXL WRITE, or inline on
+        the call when NIXL cannot be used); returns the edge's transport info."""
+        with ControlSender(LATENTS_EDGE, vae_pb2_grpc.VAEStub(self.channel(sink.address)).Control,
+                           vae_pb2.LatentsControl(session_id=sink.session_id, transport="nixl"),
+                           lambda data: vae_pb2.LatentsControl(data=data), scope,
+                           transport=self.transport.chosen, local_reason=f"dit: {self.transport.reason}") as tx:
+            tx.send("video_latents", result.video.float().contiguous(), scope)
+            tx.send("audio_latents", result.audio.float().contiguous(), scope)
+            tx.finish(scope)
+        self.last_transport = tx.info
+        return tx.info

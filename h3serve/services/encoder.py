@@ -5,9 +5,15 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
+
+from h3serve._proto import encoder_pb2, encoder_pb2_grpc
+from h3serve.config.stage import StageConfig
+from h3serve.distributed.proxies import EncoderProxy
 from h3serve.errors import RequestError
 from h3serve.errortable import grpc_method
-from h3serve.config.stage import StageConfig
+from h3serve.models.encoder.model import TextEncoder
+from h3serve.runtime.device import DTYPES, pick_device
 from h3serve.runtime.stage import StageBase
 from h3serve.transport.grpc import iter_tensor_chunks
 
@@ -24,17 +30,9 @@ class EncoderServicer(StageBase):
         self.encoder = None
 
     def register(self, server) -> None:
-        from h3serve._proto import encoder_pb2_grpc
-
         encoder_pb2_grpc.add_EncoderServicer_to_server(self, server)
 
     def load(self) -> None:
-        import torch
-
-        from h3serve.distributed.proxies import EncoderProxy
-        from h3serve.models.encoder.model import TextEncoder
-        from h3serve.runtime.device import DTYPES, pick_device
-
         def load():
             device = pick_device(self.config.device)
             if self.start_ranks() is not None:   # --encoder-tp: the decoder sharded over the stage's ranks
@@ -52,8 +50,6 @@ class EncoderServicer(StageBase):
 
     @grpc_method("encoder")
     def Encode(self, request, context):
-        from h3serve._proto import encoder_pb2
-
         if request.task not in SERVED_TASKS:
             raise RequestError("task", request.task, "the encoder service presents t2va")
         if not request.prompt:
@@ -75,11 +71,3 @@ class EncoderServicer(StageBase):
             self.finish(scope, exc)
             raise
         self.finish(scope)
-
-    @grpc_method("encoder")
-    def Status(self, request, context):
-        return self.status()
-
-
-def create(config: StageConfig, health=None) -> EncoderServicer:
-    return EncoderServicer(config, health)

@@ -13,7 +13,7 @@ cancelled) fails the session; Fetch then reports the VAE as unavailable. Unfetch
 
 from __future__ import annotations
 
-import json
+import io
 import logging
 import os
 import queue
@@ -24,21 +24,27 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from h3serve.errors import MediaError, RequestError
-from h3serve.models.vae.yuv import rgb_to_yuv420p
-from h3serve.errortable import NotFound, StageUnavailable, grpc_method
+import numpy as np
+
+from h3serve._proto import common_pb2, muxer_pb2, muxer_pb2_grpc
 from h3serve.config.stage import StageConfig
+from h3serve.errors import MediaError, RequestError
+from h3serve.errortable import NotFound, StageUnavailable, grpc_method
+from h3serve.media.mux import Mp4Writer
+from h3serve.models.vae.yuv import rgb_to_yuv420p
 from h3serve.runtime.stage import StageBase
 from h3serve.transport.base import TransportError
-from h3serve.transport.grpc import CHUNK_BYTES, GrpcStreamReceiver, handshake, make_receiver, receiver_metadata
+from h3serve.transport.control import FRAMES_EDGE, ControlReceiver
+from h3serve.transport.frames import session_offer
+from h3serve.transport.grpc import CHUNK_BYTES, GrpcStreamReceiver
+from h3serve.transport.nixl.probe import counters
+from h3serve.transport.nixl.receiver import DEFAULT_SLOT_BYTES
 
 log = logging.getLogger("h3serve.muxer")
 
 RECEIVE_DEPTH = 4    # messages buffered between the network reader and the encoder (<= 16 MiB)
-EDGE = "vae->muxer"
 NIXL_SLOTS = 3                 # K: clips the VAE may run ahead of the encoder over NIXL
 NIXL_CLIP_FRAMES = 17          # frames of one VAE clip: a slot holds one clip of RGB (or yuv420p) frames
-NIXL_WAIT_S = 60.0             # longest single wait of a NIXL stream (bounded by the request's deadline too)
 
 
 def _unwrap(msg):
@@ -85,29 +91,13 @@ class MuxerServicer(StageBase):
         os.makedirs(self.tmp_dir, exist_ok=True)
         self._sweeper = threading.Thread(target=self._sweep, name="h3serve-mux-sweeper", daemon=True)
         self.writer_options = dict(crf=config.crf, preset=config.preset, threads=config.mux_threads)
-        # NIXL on the frame edge: what this process can offer (decided at load, see `select_transport`)
-        self.transport_requested = config.transport or "grpc"
-        self.transport_chosen, self.transport_reason = "grpc", "requested"
-        self.last_transport: dict | None = None
+        self.last_transport: dict | None = None   # the frame edge's last stream
 
     def register(self, server) -> None:
-        from h3serve._proto import muxer_pb2_grpc
-
         muxer_pb2_grpc.add_MuxerServicer_to_server(self, server)
 
     def load(self) -> None:
-        import io
-
-        import numpy as np
-
-        from h3serve.media.mux import Mp4Writer
-
-        from h3serve.transport.nixl import select_transport
-
-        self.transport_chosen, self.transport_reason = select_transport(self.transport_requested)
-        if self.transport_chosen != self.transport_requested:
-            log.warning("%s: transport %s requested, using %s: %s", EDGE, self.transport_requested,
-                        self.transport_chosen, self.transport_reason)
+        self.choose_transport()   # what this replica can offer on the frame edge
         if self.config.warmup:   # PyAV, x264 and AAC present and working
             with Mp4Writer(io.BytesIO(), 64, 64, tmp_dir=self.tmp_dir, **self.writer_options) as writer:
                 writer.add_frames((np.zeros((2, 64, 64), np.uint8), np.zeros((2, 32, 32), np.uint8), np.zeros((2, 32, 32), np.uint8)))
@@ -132,9 +122,7 @@ class MuxerServicer(StageBase):
 
     def info(self) -> dict:
         return {**super().info(), "sessions": len(self.sessions), "writer": self.writer_options,
-                "transport": {"edge": EDGE, "requested": self.transport_requested, "chosen": self.transport_chosen,
-                              "reason": self.transport_reason, "last_stream": self.last_transport},
-                "nixl": _nixl_counters()}
+                "transport": self.transport.details(FRAMES_EDGE, self.last_transport), "nixl": counters()}
 
     def _sweep(self) -> None:
         while not self.stopping.wait(1.0):
@@ -159,8 +147,6 @@ class MuxerServicer(StageBase):
     # -- RPCs -----------------------------------------------------------------------------------------------
     @grpc_method("muxer")
     def OpenSession(self, request, context):
-        from h3serve._proto import muxer_pb2
-
         r = request
         for name, value, lo, hi in (("width", r.width, 2, 8192), ("height", r.height, 2, 8192),
                                     ("fps", r.fps, 1, 240), ("sample_rate", r.sample_rate, 8000, 192000),
@@ -172,12 +158,8 @@ class MuxerServicer(StageBase):
                                "even (yuv420p)")
         transport = r.transport or "grpc"
         sid = secrets.token_hex(12)
-        if transport == "nixl":   # what this replica offers; the pool is registered when the VAE connects
-            offer = self.transport_chosen == "nixl"
-            metadata = json.dumps({"nixl": offer, "reason": self.transport_reason if offer else
-                                   f"muxer: {self.transport_reason}"}).encode()
-        else:
-            metadata = receiver_metadata(transport, sid)
+        # nixl: what this replica offers (the pool is registered when the VAE connects); grpc needs nothing
+        metadata = session_offer(self.transport.chosen, self.transport.reason) if transport == "nixl" else b""
         session = Session(id=sid, request_id=r.request_id, width=r.width, height=r.height, fps=r.fps,
                           sample_rate=r.sample_rate, channels=r.channels, expected_frames=r.expected_frames,
                           transport=transport, ttl_s=r.ttl_s if r.ttl_s > 0 else self.config.session_ttl_s,
@@ -189,18 +171,12 @@ class MuxerServicer(StageBase):
 
     @grpc_method("muxer")
     def Handshake(self, request, context):
-        from h3serve._proto import common_pb2
-
+        """Nothing to exchange ahead of a stream: grpc needs none, and nixl's handshake travels on Control."""
         self._get(request.session_id)
-        md = handshake(request.transport, request.session_id, request.transport_metadata)
-        return common_pb2.TransportHandshake(transport=request.transport, session_id=request.session_id,
-                                             transport_metadata=md)
+        return common_pb2.TransportHandshake(transport=request.transport, session_id=request.session_id)
 
     @grpc_method("muxer")
     def Push(self, request_iterator, context):
-        from h3serve._proto import muxer_pb2
-        from h3serve.media.mux import Mp4Writer
-
         first = next(request_iterator, None)
         if first is None or first.WhichOneof("item") != "open":
             raise RequestError("open", None, "the first message of a Push stream names the session")
@@ -212,13 +188,10 @@ class MuxerServicer(StageBase):
         scope = self.scope(context, session.request_id)
         writer = None
         try:
-            control = GrpcStreamReceiver(request_iterator, _unwrap, edge=EDGE)
-            transport = first.open.transport or session.transport
-            if transport == "nixl":   # Push always carries the bytes itself (nixl uses Control)
-                transport = "grpc"
-            receiver = make_receiver(transport, control, session.id)
+            receiver = GrpcStreamReceiver(request_iterator, _unwrap, edge=FRAMES_EDGE)   # Push carries the bytes
+            # a nixl session pushed here fell back: the VAE sends the reason along
             reason = first.open.transport_metadata.decode(errors="replace") if session.transport != "grpc" else ""
-            session.transport_info = {"edge": EDGE, "requested": session.transport, "chosen": "grpc",
+            session.transport_info = {"edge": FRAMES_EDGE, "requested": session.transport, "chosen": "grpc",
                                       "reason": reason or "requested"}
             self.last_transport = session.transport_info
             inbox: queue.Queue = queue.Queue(maxsize=RECEIVE_DEPTH)
@@ -267,8 +240,6 @@ class MuxerServicer(StageBase):
 
     @grpc_method("muxer")
     def Fetch(self, request, context):
-        from h3serve._proto import muxer_pb2
-
         session = self._get(request.session_id)
         remaining = context.time_remaining()
         end = None if remaining is None or remaining > 1e8 else time.monotonic() + remaining
@@ -295,8 +266,6 @@ class MuxerServicer(StageBase):
 
     @grpc_method("muxer")
     def Abort(self, request, context):
-        from h3serve._proto import muxer_pb2
-
         with self.sessions_lock:
             session = self.sessions.pop(request.session_id, None)
         if session is None:
@@ -312,9 +281,6 @@ class MuxerServicer(StageBase):
         each message carries one control-pipe message (handshake, hello, put headers, credits, end, closed).
         A worker thread runs the NixlReceiver (zero copy: the planes are wrapped where NIXL wrote them) and the
         encoder; the response stream ends when the MP4 is closed, or with the session's error."""
-        from h3serve._proto import muxer_pb2
-        from h3serve.transport.nixl import QueuePipe
-
         first = next(request_iterator, None)
         if first is None or not first.session_id:
             raise RequestError("session_id", None, "the first message of a Control stream names the session")
@@ -326,54 +292,30 @@ class MuxerServicer(StageBase):
                 raise RequestError("session_id", session.id, f"a session that is open, not {session.state}")
             session.state = "pushing"
         scope = self.scope(context, session.request_id)
-        pipe = QueuePipe()
-        if first.data:
-            pipe.feed(first.data)
-        pipe.pump(m.data for m in request_iterator)
-        context.add_callback(lambda: pipe.feed_eof("gRPC call ended"))
-        outcome: dict = {}
-        worker = threading.Thread(target=self._control_receive, args=(session, scope, pipe, outcome), daemon=True,
-                                  name=f"h3serve-mux-nixl-{session.id[:6]}")
-        worker.start()
-        for data in pipe.outgoing():
-            yield muxer_pb2.ControlMessage(data=data)
-        worker.join(5.0)
-        if outcome.get("error") is not None:
-            raise outcome["error"]
-
-    def _control_receive(self, session: Session, scope, pipe, outcome: dict) -> None:
-        """Worker of a Control stream: NixlReceiver -> Mp4Writer; closes `pipe` (ends the response) when done."""
-        from h3serve.media.mux import Mp4Writer
-        from h3serve.transport.nixl import DEFAULT_SLOT_BYTES, NixlReceiver
-
-        writer = None
         slot = min(DEFAULT_SLOT_BYTES, max(1 << 20, NIXL_CLIP_FRAMES * session.width * session.height * 3))
+        stream = ControlReceiver(FRAMES_EDGE, first.data, (m.data for m in request_iterator), context,
+                                 transport=self.transport.chosen, pool_buffers=NIXL_SLOTS, buffer_bytes=slot,
+                                 zero_copy=True)
+        yield from stream.serve(lambda: self._control_receive(session, scope, stream),
+                                lambda data: muxer_pb2.ControlMessage(data=data))
 
-        def wait() -> float:
-            left = scope.remaining()
-            return NIXL_WAIT_S if left is None else max(0.1, min(NIXL_WAIT_S, left))
-
+    def _control_receive(self, session: Session, scope, stream: ControlReceiver) -> None:
+        """Worker of a Control stream: the NIXL stream's messages -> Mp4Writer."""
+        writer = None
         try:
-            with NixlReceiver(EDGE, pipe, pool_buffers=NIXL_SLOTS, buffer_bytes=slot, zero_copy=True,
-                              transport=self.transport_chosen, timeout=wait()) as rx:
-                pipe.send(rx.handshake(), timeout=wait())
-                writer = Mp4Writer(session.path, session.width, session.height, fps=session.fps,
-                                   sample_rate=session.sample_rate, channels=session.channels,
-                                   **self.writer_options)
-                planes: dict = {}
-                while (msg := rx.recv(timeout=wait())) is not None:
-                    if session.state == "aborted":
-                        raise session.error or StageUnavailable("muxer", "session aborted")
-                    _add(writer, planes, session, msg, scope, copy=True)
-                info = rx.transport_info
-                session.transport_info = self.last_transport = {"edge": EDGE, **info, "requested": session.transport}
+            writer = Mp4Writer(session.path, session.width, session.height, fps=session.fps,
+                               sample_rate=session.sample_rate, channels=session.channels, **self.writer_options)
+            planes: dict = {}
+            for msg in stream.messages():
+                if session.state == "aborted":
+                    raise session.error or StageUnavailable("muxer", "session aborted")
+                _add(writer, planes, session, msg, scope, copy=True)
+            session.transport_info = self.last_transport = stream.info
             t_end = time.perf_counter()
             stats = writer.close()
             if session.expected_frames and stats.frames != session.expected_frames:
                 raise MediaError(f"muxer: received {stats.frames} frames, the session expects "
                                  f"{session.expected_frames}")
-            from h3serve._proto import muxer_pb2
-
             session.result = muxer_pb2.PushResult(frames=stats.frames, audio_samples=stats.audio_samples,
                                                   mp4_bytes=stats.bytes, encode_seconds=stats.encode_seconds,
                                                   tail_seconds=time.perf_counter() - t_end)
@@ -383,17 +325,9 @@ class MuxerServicer(StageBase):
         except BaseException as exc:  # noqa: BLE001 - reported on the response stream and to Fetch
             if writer is not None:
                 writer.abort()
-            if isinstance(exc, TransportError):   # the VAE died, gave up, or stalled past the timeout
-                exc = StageUnavailable("vae", f"the frame stream ({EDGE}, nixl) broke: {exc}")
             session.fail(exc if isinstance(exc, Exception) else StageUnavailable("muxer", "push interrupted"))
             self.finish(scope, exc)
-            outcome["error"] = exc
-        finally:
-            pipe.close()
-
-    @grpc_method("muxer")
-    def Status(self, request, context):
-        return self.status()
+            raise
 
 
 def _add(writer, planes: dict, session: Session, item, scope, copy: bool = False) -> None:
@@ -448,18 +382,9 @@ def _read_into(receiver, inbox: queue.Queue, scope) -> None:
         put(exc)
 
 
-def _nixl_counters() -> dict:
-    from h3serve.transport.nixl import counters
-
-    return counters()
-
-
 def _unlink(path: str) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
 
-
-def create(config: StageConfig, health=None) -> MuxerServicer:
-    return MuxerServicer(config, health)

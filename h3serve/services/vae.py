@@ -11,23 +11,27 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
+from dataclasses import dataclass, field
 
-from h3serve.errors import RequestError
-from h3serve.errortable import StageUnavailable, grpc_method
+import torch
+
+from h3serve._proto import common_pb2, muxer_pb2_grpc, vae_pb2, vae_pb2_grpc
 from h3serve.config.stage import StageConfig
+from h3serve.distributed.proxies import VideoVAEProxy
+from h3serve.errors import RequestError
+from h3serve.errortable import NotFound, StageUnavailable, grpc_method
+from h3serve.models.vae.audio import AudioVAE
+from h3serve.models.vae.video import VideoVAE
+from h3serve.runtime.device import DTYPES, pick_device
 from h3serve.runtime.stage import StageBase
-from h3serve.transport.base import TransportError
-from h3serve.transport.grpc import (
-    CHUNK_BYTES,
-    GrpcStreamReceiver,
-    handshake,
-    insecure_channel,
-)
+from h3serve.transport.control import FRAMES_EDGE, LATENTS_EDGE, ControlReceiver
+from h3serve.transport.frames import open_sink
+from h3serve.transport.grpc import CHUNK_BYTES, GrpcStreamReceiver
+from h3serve.transport.nixl.probe import counters
 
 log = logging.getLogger("h3serve.vae")
 
-SEND_DEPTH = 4   # frame messages the VAE may run ahead of the muxer (<= 16 MiB in flight)
-LATENTS_EDGE = "dit->vae"
 LATENTS_SLOT_BYTES = 32 << 20   # one slot holds the full-size video latents (27.9 MB with the audio)
 
 
@@ -36,10 +40,15 @@ def _unwrap(msg):
     return ("chunk", msg.chunk) if kind == "chunk" else ("end", msg.end) if kind == "end" else (kind, msg)
 
 
-def _push_message(chunk=None, end=None):
-    from h3serve._proto import muxer_pb2
+@dataclass
+class LatentsSession:
+    """A Decode waiting for the DiT to deliver its latents over `Control` (dit->vae)."""
 
-    return muxer_pb2.PushMessage(chunk=chunk) if chunk is not None else muxer_pb2.PushMessage(end=end)
+    done: threading.Event = field(default_factory=threading.Event)
+    tensors: dict | None = None
+    error: BaseException | None = None
+    info: dict | None = None     # the stream's transport info
+    taken: bool = False          # a Control call has claimed the session
 
 
 class VAEServicer(StageBase):
@@ -49,81 +58,26 @@ class VAEServicer(StageBase):
         super().__init__(config, health)
         self.video_vae = None
         self.audio_vae = None
-        self._channels: dict[str, object] = {}
-        self._channels_lock = threading.Lock()
-        # the frame edge: what this process can use (decided at load by select_transport), the last stream's info
-        self.transport_requested = config.transport or "grpc"
-        self.transport_chosen, self.transport_reason = "grpc", "requested"
+        # the last stream of each edge (vae->muxer, dit->vae), for the Status details
         self.last_transport: dict | None = None
         self.last_latents_transport: dict | None = None
-        self._warned: set[str] = set()
-        # latents sessions (dit->vae over Control): id -> {"done": Event, "tensors", "error", "info", "taken"}
-        self._latents: dict[str, dict] = {}
+        self._warned: set[str] = set()   # frame-edge fallback reasons already logged
+        self._latents: dict[str, LatentsSession] = {}
         self._latents_lock = threading.Lock()
 
     def register(self, server) -> None:
-        from h3serve._proto import vae_pb2_grpc
-
         vae_pb2_grpc.add_VAEServicer_to_server(self, server)
 
     def load(self) -> None:
-        from h3serve.transport.nixl import select_transport
-
-        if self.transport_requested in ("grpc", "nixl"):
-            self.transport_chosen, self.transport_reason = select_transport(self.transport_requested)
+        self.choose_transport()
         self.executor.submit(self._load).result()
 
     def info(self) -> dict:
-        return {**super().info(), "transport": {"edge": "vae->muxer", "requested": self.transport_requested,
-                                                "chosen": self.transport_chosen, "reason": self.transport_reason,
-                                                "last_stream": self.last_transport},
-                "latents_transport": {"edge": LATENTS_EDGE, "requested": self.transport_requested,
-                                      "chosen": self.transport_chosen, "reason": self.transport_reason,
-                                      "last_stream": self.last_latents_transport},
-                "nixl": __import__("h3serve.transport.nixl", fromlist=["counters"]).counters()}
-
-    def _frame_sink(self, sink, scope):
-        """The path to the muxer session for this request (NixlSink or PushSink) and its transport info."""
-        import json
-
-        from h3serve.transport.control import EDGE, ControlUnavailable, NixlSink, PushSink
-
-        requested = sink.transport or "grpc"
-        stub = self._muxer(sink.address)
-        if requested != "nixl":
-            info = {"edge": EDGE, "requested": requested, "chosen": requested, "reason": "requested"}
-            return PushSink(stub, sink.session_id, scope, info, requested, sink.transport_metadata)
-        try:
-            offer = json.loads(sink.transport_metadata or b"{}")
-        except ValueError:
-            offer = {}
-        if self.transport_chosen != "nixl":
-            reason = f"vae: {self.transport_reason}"
-        elif not offer.get("nixl"):
-            reason = offer.get("reason") or "muxer: NIXL not offered for the session"
-        else:
-            try:
-                staging = "cpu"   # CUDA frames: pinned D2H staging, then NIXL
-                return NixlSink(stub, sink.session_id, scope, staging_device=staging)
-            except ControlUnavailable as e:
-                reason = str(e)
-        if reason not in self._warned:
-            self._warned.add(reason)
-            log.warning("vae->muxer: transport nixl requested, using grpc (Push): %s", reason)
-        from h3serve.transport.nixl import _count
-
-        _count("fallbacks_total")
-        info = {"edge": EDGE, "requested": "nixl", "chosen": "grpc", "reason": reason}
-        return PushSink(stub, sink.session_id, scope, info)
+        return {**super().info(), "transport": self.transport.details(FRAMES_EDGE, self.last_transport),
+                "latents_transport": self.transport.details(LATENTS_EDGE, self.last_latents_transport),
+                "nixl": counters()}
 
     def _load(self) -> None:
-        import torch
-
-        from h3serve.distributed.proxies import VideoVAEProxy
-        from h3serve.models.vae.audio import AudioVAE
-        from h3serve.models.vae.video import VideoVAE
-        from h3serve.runtime.device import DTYPES, pick_device
-
         device = pick_device(self.config.device)
         if self.start_ranks() is not None:   # --vae-pp: tiles decoded on every rank, stitched here (rank 0)
             self.video_vae = VideoVAEProxy(self.parallel)
@@ -135,32 +89,13 @@ class VAEServicer(StageBase):
                 pass
             self.audio_vae.decode(torch.zeros(2, self.audio_vae.latent_channels, 4))
 
-    def close(self) -> None:
-        super().close()
-        for channel in self._channels.values():
-            channel.close()
-
-    def _muxer(self, address: str):
-        from h3serve._proto import muxer_pb2_grpc
-
-        with self._channels_lock:
-            channel = self._channels.get(address)
-            if channel is None:
-                channel = self._channels[address] = insecure_channel(address)
-        return muxer_pb2_grpc.MuxerStub(channel)
-
     @grpc_method("vae")
     def Handshake(self, request, context):
-        from h3serve._proto import common_pb2
-
-        md = handshake(request.transport, request.session_id, request.transport_metadata)
-        return common_pb2.TransportHandshake(transport=request.transport, session_id=request.session_id,
-                                             transport_metadata=md)
+        """Nothing to exchange ahead of a stream: grpc needs none, and nixl's handshake travels on Control."""
+        return common_pb2.TransportHandshake(transport=request.transport, session_id=request.session_id)
 
     @grpc_method("vae")
     def Decode(self, request_iterator, context):
-        from h3serve._proto import vae_pb2
-
         first = next(request_iterator, None)
         if first is None or first.WhichOneof("input") != "params":
             raise RequestError("params", None, "the first message of a Decode stream carries the parameters")
@@ -184,8 +119,6 @@ class VAEServicer(StageBase):
             done = yield from self.engine_events(scope, lambda emit: self._decode(scope, p, video, audio, emit),
                                                  lambda clip: vae_pb2.DecodeEvent(clip=clip))
             if latents_info is not None:
-                from h3serve._proto import common_pb2
-
                 done.latents_transport.CopyFrom(common_pb2.TransportInfo(**latents_info))
             done.peak_memory_mb = scope.peak_memory_mb   # known once the engine work has returned
             yield vae_pb2.DecodeEvent(done=done)
@@ -197,92 +130,54 @@ class VAEServicer(StageBase):
     def _latents_session(self, scope, context):
         """Open a latents session, announce it (DecodeEvent.latents), wait for the DiT's Control stream to deliver
         both tensors; returns (tensors, transport info of the dit->vae edge)."""
-        import uuid
-
-        from h3serve._proto import vae_pb2
-
         sid = uuid.uuid4().hex
-        entry = {"done": threading.Event(), "tensors": None, "error": None, "info": None, "taken": False,
-                 "request_id": scope.request_id if hasattr(scope, "request_id") else ""}
+        session = LatentsSession()
         with self._latents_lock:
-            self._latents[sid] = entry
+            self._latents[sid] = session
         try:
             yield vae_pb2.DecodeEvent(latents=vae_pb2.LatentsSession(address=self.config.address, session_id=sid))
-            while not entry["done"].wait(0.1):
+            while not session.done.wait(0.1):
                 scope.check("while waiting for the latents")
                 if not context.is_active():
                     raise StageUnavailable("vae", "the Decode call ended while waiting for the latents")
         finally:
             with self._latents_lock:
                 self._latents.pop(sid, None)
-        if entry["error"] is not None:
-            raise entry["error"]
-        return entry["tensors"], entry["info"]
+        if session.error is not None:
+            raise session.error
+        return session.tensors, session.info
 
     @grpc_method("vae")
     def Control(self, request_iterator, context):
         """The control pipe of the latents edge: a NixlReceiver (copies out of its pool) gets "video_latents" and
         "audio_latents" for the session the DiT's first message names, and hands them to the waiting Decode."""
-        from h3serve._proto import vae_pb2
-        from h3serve.transport.nixl import NixlReceiver, QueuePipe
-
         first = next(request_iterator, None)
         if first is None or not first.session_id:
             raise RequestError("session_id", None, "the first message of a Control stream names the latents session")
         with self._latents_lock:
-            entry = self._latents.get(first.session_id)
-            if entry is not None and entry["taken"]:
-                entry = None
-            if entry is not None:
-                entry["taken"] = True
-        if entry is None:
-            from h3serve.errortable import NotFound
-
-            raise NotFound(f"vae: no latents session {first.session_id!r}", stage="vae")
-        pipe = QueuePipe()
-        if first.data:
-            pipe.feed(first.data)
-        pipe.pump(m.data for m in request_iterator)
-        context.add_callback(lambda: pipe.feed_eof("gRPC call ended"))
-        remaining = context.time_remaining()
-        wait = 60.0 if remaining is None else max(0.1, min(60.0, remaining))
+            session = self._latents.get(first.session_id)
+            if session is None or session.taken:
+                raise NotFound(f"vae: no latents session {first.session_id!r}", stage="vae")
+            session.taken = True
+        stream = ControlReceiver(LATENTS_EDGE, first.data, (m.data for m in request_iterator), context,
+                                 transport=self.transport.chosen, pool_buffers=2, buffer_bytes=LATENTS_SLOT_BYTES)
 
         def receive():
             try:
-                with NixlReceiver(LATENTS_EDGE, pipe, pool_buffers=2, buffer_bytes=LATENTS_SLOT_BYTES,
-                                  transport=self.transport_chosen, timeout=wait) as rx:
-                    pipe.send(rx.handshake(), timeout=wait)
-                    tensors = {}
-                    while (msg := rx.recv(timeout=wait)) is not None:
-                        tensors[msg.header.name] = msg.tensor
-                    info = rx.transport_info
-                entry["info"] = {"edge": LATENTS_EDGE, "requested": "nixl", "chosen": info.get("chosen", "grpc"),
-                                 "reason": info.get("reason", "")}
-                self.last_latents_transport = dict(entry["info"])
-                entry["tensors"] = tensors
+                session.tensors = {m.header.name: m.tensor for m in stream.messages()}
+                session.info = self.last_latents_transport = stream.info
             except BaseException as exc:  # noqa: BLE001 - handed to the Decode
-                if isinstance(exc, TransportError):
-                    exc = StageUnavailable("dit", f"the latents stream ({LATENTS_EDGE}, nixl) broke: {exc}")
-                entry["error"] = exc if isinstance(exc, Exception) else StageUnavailable("vae", "interrupted")
+                session.error = exc if isinstance(exc, Exception) else StageUnavailable("vae", "interrupted")
+                raise session.error from None
             finally:
-                entry["done"].set()
-                pipe.close()
+                session.done.set()
 
-        worker = threading.Thread(target=receive, daemon=True, name=f"h3serve-vae-latents-{first.session_id[:6]}")
-        worker.start()
-        for data in pipe.outgoing():
-            yield vae_pb2.LatentsControl(data=data)
-        worker.join(5.0)
-        if entry["error"] is not None:
-            raise entry["error"]
+        yield from stream.serve(receive, lambda data: vae_pb2.LatentsControl(data=data))
 
     def _decode(self, scope, p, video, audio, emit):
         """On the engine thread: decode clip by clip into the muxer session; returns DecodeDone."""
-        from h3serve._proto import vae_pb2
-
-        from h3serve._proto import common_pb2
-
-        out = self._frame_sink(p.sink, scope)
+        out = open_sink(muxer_pb2_grpc.MuxerStub(self.channel(p.sink.address)), p.sink, scope,
+                        transport=self.transport.chosen, reason=self.transport.reason, warned=self._warned)
         ok = False
         try:
             plan = self.video_vae.plan_windows(int(video.shape[2]))
@@ -342,11 +237,3 @@ class VAEServicer(StageBase):
             n = int(clip.shape[0])
             per = n if whole else max(1, CHUNK_BYTES // clip[0].numel())
             yield n, [("frames", clip[s:s + per] if whole else clip[s:s + per].cpu()) for s in range(0, n, per)]
-
-    @grpc_method("vae")
-    def Status(self, request, context):
-        return self.status()
-
-
-def create(config: StageConfig, health=None) -> VAEServicer:
-    return VAEServicer(config, health)

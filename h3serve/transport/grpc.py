@@ -13,20 +13,12 @@ explicitly; a stream that stops without it means the sender died or cancelled, a
 `send` blocks when `depth` messages wait (back-pressure from the network and the receiver), and fails at once
 once the call has ended. Transport code knows no model: names, dtypes and shapes are the caller's business.
 
-Transport selection is one function pair, `make_sender` / `make_receiver`: "grpc" carries the bytes inside the
-stream; any other name ("nixl") is the module `h3serve.transport.<name>`, which moves the bytes out of band and
-uses the gRPC stream as its control channel (TensorChunk.transport_metadata carries its descriptors; the muxer's
-OpenSession / PushOpen / Handshake carry its agent metadata). Such a module provides:
-
-    receiver_metadata(session_id: str) -> bytes                       # receiver side, at session open
-    make_receiver(control: GrpcStreamReceiver, session_id: str) -> TensorReceiver
-    make_sender(control: GrpcStreamSender, peer_metadata: bytes) -> TensorSender
-    handshake(session_id: str, metadata: bytes) -> bytes              # optional extra exchange
+The other transport, NIXL, moves the bytes out of band and uses a gRPC bidi `Control` call as its control pipe
+(h3serve.transport.control).
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import queue
 import time
@@ -365,64 +357,6 @@ class GrpcStreamReceiver(TensorReceiver):
                     return out
         finally:
             self.recv_seconds += time.perf_counter() - t0
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Transport selection: the one place that maps a transport name to its implementation
-
-GRPC = "grpc"
-
-
-PLUGIN_API = ("receiver_metadata", "make_receiver", "make_sender")
-
-
-def _plugin(transport: str):
-    if not transport.isidentifier() or transport in ("base", "inproc", "grpc"):
-        raise TransportError(f"unknown transport {transport!r}")
-    try:
-        module = importlib.import_module(f"h3serve.transport.{transport}")
-    except ImportError as exc:
-        raise TransportError(f"transport {transport!r} is not available here ({exc})") from None
-    missing = [name for name in PLUGIN_API if not callable(getattr(module, name, None))]
-    if missing:
-        raise TransportError(f"transport {transport!r} does not plug into the service streams yet (it lacks "
-                             f"{', '.join(missing)}); use --transport grpc")
-    return module
-
-
-def check_transport(transport: str) -> None:
-    """Raise TransportError unless `transport` can carry the VAE -> muxer stream here (checked at start-up)."""
-    if transport not in ("", GRPC):
-        _plugin(transport)
-
-
-def receiver_metadata(transport: str, session_id: str) -> bytes:
-    """What a receiver publishes when a session opens (empty for gRPC)."""
-    if transport in ("", GRPC):
-        return b""
-    return _plugin(transport).receiver_metadata(session_id)
-
-
-def make_sender(transport: str, control: GrpcStreamSender, peer_metadata: bytes = b"") -> TensorSender:
-    """The sender for `transport`, riding on (gRPC) or controlled through (others) the stream `control`."""
-    if transport in ("", GRPC):
-        return control
-    return _plugin(transport).make_sender(control=control, peer_metadata=peer_metadata)
-
-
-def make_receiver(transport: str, control: GrpcStreamReceiver, session_id: str = "") -> TensorReceiver:
-    if transport in ("", GRPC):
-        return control
-    return _plugin(transport).make_receiver(control=control, session_id=session_id)
-
-
-def handshake(transport: str, session_id: str, metadata: bytes) -> bytes:
-    if transport in ("", GRPC):
-        return b""
-    plugin = _plugin(transport)
-    if not hasattr(plugin, "handshake"):
-        raise TransportError(f"transport {transport!r} has no handshake")
-    return plugin.handshake(session_id, metadata)
 
 
 def wait_serving(address: str, timeout: float, *, service: str = "", alive: Callable[[], bool] = lambda: True) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import queue
 
-
 from h3serve.transport.base import Message, TensorHeader, TensorReceiver, TensorSender, TransportError
 
 _END = object()

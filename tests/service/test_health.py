@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from h3serve.config.stage import StageConfig
 from h3serve.runtime.process import StageProcess
-from h3serve.services import dit
+from h3serve.services.dit import DiTServicer
 
 
 def _health(address: str, service: str = "") -> int:
@@ -54,7 +54,7 @@ def test_stop_cancels_inflight_work_after_the_grace_period(tiny_checkpoint):
     from h3serve.transport.grpc import iter_tensor_chunks
 
     cfg = StageConfig(stage="dit", checkpoint=str(tiny_checkpoint), threads=1, port=0, warmup=False)
-    proc = StageProcess(cfg, dit.create)
+    proc = StageProcess(cfg, DiTServicer)
     proc.load()
     params = dit_pb2.DiTParams(request_id="long", latent_frames=37, latent_height=16, latent_width=20,
                                audio_latents=207, seed=0, task="t2va", profile="base", steps=400)

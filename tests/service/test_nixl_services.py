@@ -23,9 +23,11 @@ import sys
 import threading
 import time
 
+import grpc
 import httpx
 import pytest
 
+from h3serve._proto import common_pb2, muxer_pb2_grpc
 from h3serve.client import Client, Progress, StageUnavailable
 
 from .conftest import REPO, REQUEST, THREADS, Stack
@@ -168,10 +170,6 @@ def test_nixl_disabled_on_the_muxer_falls_back_to_grpc_and_says_why(tiny_checkpo
             with Client(s.grpc, timeout=120) as client:
                 result = client.generate(**REQUEST)
             assert result.mp4 == grpc_mp4
-            import grpc
-
-            from h3serve._proto import common_pb2, muxer_pb2_grpc
-
             with grpc.insecure_channel(muxer.address) as channel:
                 st = muxer_pb2_grpc.MuxerStub(channel).Status(common_pb2.StatusRequest(), timeout=5)
             t = json.loads(st.info_json)["transport"]

@@ -21,7 +21,6 @@ from h3serve.transport.grpc import (
     TensorAssembler,
     channel_options,
     iter_tensor_chunks,
-    make_sender,
     server_options,
 )
 
@@ -90,10 +89,9 @@ def test_tensors_arrive_in_order_and_messages_stay_under_the_limit(sink):
             ("big", torch.randn(3, 1024, 1024)),                                          # 12 MiB: three
             ("bf", torch.randn(5, 7).to(torch.bfloat16)),
             ("empty", torch.zeros(0, 3))]
-    s = make_sender("grpc", sender)
     for i, (name, t) in enumerate(sent):
-        s.send(name, t, {"index": i})
-    s.close()
+        sender.send(name, t, {"index": i})
+    sender.close()
     assert call.result().frames == len(sent)
     assert servicer.error is None
     assert [n for n, _, _ in servicer.got] == [n for n, _ in sent]
@@ -149,5 +147,3 @@ def test_assembler_refuses_malformed_chunks():
     huge = common_pb2.TensorChunk(name="z", dtype="uint8", shape=[1 << 20, 1 << 20], total_bytes=1 << 40, last=False)
     with pytest.raises(TransportError, match="limit"):
         TensorAssembler(edge="e").add(huge)
-    with pytest.raises(TransportError, match="unknown transport|not available"):
-        make_sender("no-such-transport", GrpcStreamSender(_wrap))

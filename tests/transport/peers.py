@@ -10,12 +10,19 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
+import psutil
 import torch
 
 from h3serve.transport.base import TransportError
+from h3serve.transport.nixl.probe import counters, nixl_available, select_transport
+from h3serve.transport.nixl.receiver import NixlReceiver
+from h3serve.transport.nixl.sender import NixlSender
+from h3serve.transport.pipes import QueuePipe, SocketPipe
 
 EDGE = "vae->muxer"
 CLIP = (17, 768, 1344, 3)   # one clip of frames, (T, H, W, C) uint8: 52.6 MB
@@ -80,7 +87,7 @@ class _Capture(logging.Handler):
 
 def _capture() -> _Capture:
     h = _Capture()
-    lg = logging.getLogger("h3serve.transport.nixl")
+    lg = logging.getLogger("h3serve.transport.nixl")   # every module of the package logs below it
     lg.addHandler(h)
     lg.setLevel(logging.INFO)
     return h
@@ -103,8 +110,6 @@ def _error_info(e: BaseException, t0: float) -> dict:
 
 
 def receiver_main(pipe, q, opts: dict) -> None:
-    from h3serve.transport import nixl as nx
-
     cap = _setup(opts)
     res = {"role": "receiver", "pid": os.getpid(), "got": [], "error": None}
     rx = None
@@ -112,10 +117,10 @@ def receiver_main(pipe, q, opts: dict) -> None:
     try:
         if opts.get("stale_handshake"):
             # A handshake whose agent is gone (its NIXL endpoint is dead) while the control pipe works.
-            ghost = nx.NixlReceiver(EDGE, nx.SocketPipe.pair()[0], **opts.get("rx", {}))
+            ghost = NixlReceiver(EDGE, SocketPipe.pair()[0], **opts.get("rx", {}))
             stale = ghost.handshake()
             ghost.close()
-        rx = nx.NixlReceiver(EDGE, pipe, **opts.get("rx", {}))
+        rx = NixlReceiver(EDGE, pipe, **opts.get("rx", {}))
         res["offered"] = rx.transport_info
         pipe.send(stale if opts.get("stale_handshake") else rx.handshake())
         n = 0
@@ -147,7 +152,7 @@ def receiver_main(pipe, q, opts: dict) -> None:
             res["transport"] = rx.transport_info
             res["stats"] = dict(rx.stats)
             rx.close()
-        res["counters"] = nx.counters()
+        res["counters"] = counters()
         res["logs"] = cap.lines
         q.put(res)
 
@@ -180,14 +185,12 @@ def sender_main(pipe, q, opts: dict, progress=None) -> None:
     (its feeder blocks on that lock, and its exit waits on the feeder). `Connection.send` returns once the bytes are
     written, with no lock held.
     """
-    from h3serve.transport import nixl as nx
-
     cap = _setup(opts)
     res = {"role": "sender", "pid": os.getpid(), "sent": [], "error": None}
     tx = None
     t0 = time.monotonic()
     try:
-        tx = nx.NixlSender(EDGE, pipe, **opts.get("tx", {}))
+        tx = NixlSender(EDGE, pipe, **opts.get("tx", {}))
         tx.connect(pipe.recv(30))
         res["chosen"] = tx.transport
         t_start = time.monotonic()
@@ -212,7 +215,7 @@ def sender_main(pipe, q, opts: dict, progress=None) -> None:
             res["transport"] = tx.transport_info
             res["stats"] = dict(tx.stats)
             tx.abort("test peer finished")
-        res["counters"] = nx.counters()
+        res["counters"] = counters()
         res["logs"] = cap.lines
         q.put(res)
 
@@ -222,24 +225,22 @@ def sender_main(pipe, q, opts: dict, progress=None) -> None:
 
 
 def select_main(q, opts: dict) -> None:
-    from h3serve.transport import nixl as nx
-
     cap = _setup(opts)
     out = {}
-    out["available"] = nx.nixl_available()
-    out["grpc"] = nx.select_transport("grpc")
-    out["nixl"] = nx.select_transport("nixl")
+    out["available"] = nixl_available()
+    out["grpc"] = select_transport("grpc")
+    out["nixl"] = select_transport("nixl")
 
     def probe():
         raise ConnectionRefusedError("no route to the muxer's NIXL agent")
 
-    out["nixl_probe_fails"] = nx.select_transport("nixl", probe=probe)
+    out["nixl_probe_fails"] = select_transport("nixl", probe=probe)
     try:
-        nx.select_transport("rdma")
+        select_transport("rdma")
     except ValueError as e:
         out["invalid"] = str(e)
     out["logs"] = cap.lines
-    out["counters"] = nx.counters()
+    out["counters"] = counters()
     q.put(out)
 
 
@@ -250,10 +251,6 @@ def select_main(q, opts: dict) -> None:
 def survivor_main(conn, opts: dict) -> None:
     """Serve one stream per command on a loopback listener, playing the role the connecting peer does not (the peer
     names its role first). Reports each stream's outcome with RSS / fds / threads / NIXL counters after it."""
-    import psutil
-
-    from h3serve.transport import nixl as nx
-
     _setup(opts)
     proc = psutil.Process()
     lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -266,19 +263,19 @@ def survivor_main(conn, opts: dict) -> None:
         if cmd is None:
             break
         s, _ = lsock.accept()
-        pipe = nx.SocketPipe(s)
+        pipe = SocketPipe(s)
         role = "sender" if pipe.recv(30) == b"receiver" else "receiver"   # the peer says what it plays
         r = {"role": role, "error": None, "ok": 0}
         t0 = time.monotonic()
         try:
             if role == "receiver":
-                with nx.NixlReceiver(EDGE, pipe, **opts.get("rx", {})) as rx:
+                with NixlReceiver(EDGE, pipe, **opts.get("rx", {})) as rx:
                     pipe.send(rx.handshake())
                     r["transport"] = rx.transport
                     while rx.recv(timeout=opts.get("timeout", 20)) is not None:
                         r["ok"] += 1
             else:
-                with nx.NixlSender(EDGE, pipe, **opts.get("tx", {})) as tx:
+                with NixlSender(EDGE, pipe, **opts.get("tx", {})) as tx:
                     tx.connect(pipe.recv(30))
                     r["transport"] = tx.transport
                     for name, t, meta in _payload({"payload": "blobs", "count": cmd.get("count", 12),
@@ -293,7 +290,7 @@ def survivor_main(conn, opts: dict) -> None:
         r["rss"] = proc.memory_info().rss
         r["fds"] = proc.num_fds()
         r["threads"] = proc.num_threads()
-        r["counters"] = nx.counters()
+        r["counters"] = counters()
         rounds.append(r)
         conn.send(r)
     lsock.close()
@@ -301,20 +298,18 @@ def survivor_main(conn, opts: dict) -> None:
 
 def dying_peer_main(port: int, role: str, opts: dict) -> None:
     """Connect to the survivor, play `role` for a few messages, then SIGKILL ourselves mid-stream."""
-    from h3serve.transport import nixl as nx
-
     _setup(opts)
     s = socket.create_connection(("127.0.0.1", port))
-    pipe = nx.SocketPipe(s)
+    pipe = SocketPipe(s)
     pipe.send(role.encode())
     if role == "receiver":
-        rx = nx.NixlReceiver(EDGE, pipe, **opts.get("rx", {}))
+        rx = NixlReceiver(EDGE, pipe, **opts.get("rx", {}))
         pipe.send(rx.handshake())
         for _ in range(opts.get("die_after", 2)):
             rx.recv(timeout=20)
         os.kill(os.getpid(), signal.SIGKILL)
     else:
-        tx = nx.NixlSender(EDGE, pipe, **opts.get("tx", {}))
+        tx = NixlSender(EDGE, pipe, **opts.get("tx", {}))
         tx.connect(pipe.recv(30))
         for n, (name, t, meta) in enumerate(_payload({"payload": "blobs", "count": 12,
                                                        "size": opts.get("size", 4 << 20)})):
@@ -324,22 +319,20 @@ def dying_peer_main(port: int, role: str, opts: dict) -> None:
 
 
 def healthy_peer_main(port: int, role: str, opts: dict, q) -> None:
-    from h3serve.transport import nixl as nx
-
     _setup(opts)
     s = socket.create_connection(("127.0.0.1", port))
-    pipe = nx.SocketPipe(s)
+    pipe = SocketPipe(s)
     pipe.send(role.encode())
     out = {"role": role, "n": 0}
     try:
         if role == "receiver":
-            with nx.NixlReceiver(EDGE, pipe, **opts.get("rx", {})) as rx:
+            with NixlReceiver(EDGE, pipe, **opts.get("rx", {})) as rx:
                 pipe.send(rx.handshake())
                 while (m := rx.recv(timeout=20)) is not None:
                     out["n"] += int(bool((m.tensor == m.meta["i"] % 251).all()))
                 out["transport"] = rx.transport
         else:
-            with nx.NixlSender(EDGE, pipe, **opts.get("tx", {})) as tx:
+            with NixlSender(EDGE, pipe, **opts.get("tx", {})) as tx:
                 tx.connect(pipe.recv(30))
                 for name, t, meta in _payload({"payload": "blobs", "count": 12, "size": opts.get("size", 4 << 20)}):
                     tx.send(name, t, meta, timeout=20)
@@ -359,20 +352,16 @@ GRPC_SERVICE = "h3serve.test.Edge"
 
 def grpc_receiver_main(port_q, q, opts: dict) -> None:
     """A gRPC server whose bidi method `Pipe` runs one NixlReceiver per call over a QueuePipe."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    import grpc
-
-    from h3serve.transport import nixl as nx
+    import grpc  # lazy: only the gRPC peers load grpc, not the forkserver every peer is forked from
 
     cap = _setup(opts)
-    done = __import__("threading").Event()
+    done = threading.Event()
 
     def run(pipe):
         res = {"role": "receiver", "got": [], "error": None}
         t0 = time.monotonic()
         try:
-            with nx.NixlReceiver(EDGE, pipe, **opts.get("rx", {})) as rx:
+            with NixlReceiver(EDGE, pipe, **opts.get("rx", {})) as rx:
                 pipe.send(rx.handshake())
                 try:
                     while (msg := rx.recv(timeout=opts.get("recv_timeout", 20))) is not None:
@@ -385,16 +374,16 @@ def grpc_receiver_main(port_q, q, opts: dict) -> None:
                 res["transport"] = rx.transport_info
         finally:
             pipe.close()
-            res["counters"] = nx.counters()
+            res["counters"] = counters()
             res["logs"] = cap.lines
             q.put(res)
             done.set()
 
     def handler(request_iterator, context):
-        pipe = nx.QueuePipe()
+        pipe = QueuePipe()
         pipe.pump(request_iterator)
         context.add_callback(lambda: pipe.feed_eof("gRPC call ended"))
-        __import__("threading").Thread(target=run, args=(pipe,), daemon=True).start()
+        threading.Thread(target=run, args=(pipe,), daemon=True).start()
         return pipe.outgoing()
 
     server = grpc.server(ThreadPoolExecutor(max_workers=2))
@@ -407,17 +396,15 @@ def grpc_receiver_main(port_q, q, opts: dict) -> None:
 
 
 def grpc_sender_main(port: int, q, opts: dict) -> None:
-    import grpc
-
-    from h3serve.transport import nixl as nx
+    import grpc  # lazy: only the gRPC peers load grpc, not the forkserver every peer is forked from
 
     cap = _setup(opts)
     res = {"role": "sender", "sent": [], "error": None}
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    pipe = nx.QueuePipe()
+    pipe = QueuePipe()
     pipe.pump(channel.stream_stream(f"/{GRPC_SERVICE}/Pipe")(pipe.outgoing()))
     try:
-        with nx.NixlSender(EDGE, pipe, **opts.get("tx", {})) as tx:
+        with NixlSender(EDGE, pipe, **opts.get("tx", {})) as tx:
             tx.connect(pipe.recv(30))
             for n, (name, tensor, meta) in enumerate(_payload(opts)):
                 if opts.get("die_after") is not None and n == opts["die_after"]:
@@ -428,6 +415,6 @@ def grpc_sender_main(port: int, q, opts: dict) -> None:
     except TransportError as e:
         res["error"] = str(e)
     pipe.close()
-    res["counters"] = nx.counters()
+    res["counters"] = counters()
     res["logs"] = cap.lines
     q.put(res)

@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from h3serve.transport.nixl import QueuePipe, SocketPipe, _decode_handshake, _encode_handshake
+from h3serve.transport.nixl.wire import decode_handshake, encode_handshake
+from h3serve.transport.pipes import QueuePipe, SocketPipe
 
 from . import peers
 
@@ -27,7 +28,7 @@ MB = 1 << 20
 @pytest.fixture(scope="module")
 def ctx():
     c = mp.get_context("forkserver")
-    c.set_forkserver_preload(["torch", "h3serve.transport.nixl", peers.__name__])
+    c.set_forkserver_preload(["torch", peers.__name__])   # peers imports the transport
     return c
 
 
@@ -84,10 +85,10 @@ def _no_leaks(res: dict) -> None:
 
 
 def test_handshake_and_queue_pipe_units():
-    hs = _encode_handshake({"k": 3, "nixl": False, "reason": "x"}, b"\x00md")
-    assert _decode_handshake(hs) == ({"k": 3, "nixl": False, "reason": "x"}, b"\x00md")
+    hs = encode_handshake({"k": 3, "nixl": False, "reason": "x"}, b"\x00md")
+    assert decode_handshake(hs) == ({"k": 3, "nixl": False, "reason": "x"}, b"\x00md")
     with pytest.raises(ValueError):
-        _decode_handshake(b"junk")
+        decode_handshake(b"junk")
     p = QueuePipe(maxsize=1)
     p.feed(b"a")
     assert p.recv(0.1) == b"a"

@@ -62,10 +62,7 @@ class GatewayServicer(StageBase):
         gateway_pb2_grpc.add_GatewayServicer_to_server(self, server)
 
     def load(self) -> None:
-        from h3serve.transport.grpc import check_transport
-
-        if self.config.transport != "nixl":   # nixl: chosen (or fallen back from) by the VAE and the muxer
-            check_transport(self.config.transport)
+        self.choose_transport(probe=False)   # nixl: chosen (or fallen back from) by the DiT, the VAE and the muxer
         self.gateway.start()
         if self.config.http_port is not None:
             self.start_http()
@@ -191,7 +188,3 @@ class GatewayServicer(StageBase):
             model=served_models(c)[0], profile=c.profile, dtype=dtype, max_inflight=c.max_inflight,
             queue_size=c.queue_size, max_sync_bytes=c.max_sync_bytes, max_message_bytes=self.max_message,
             stages=dict(self.gateway.stages.status), draining=self.gateway.draining)
-
-
-def create(config: StageConfig, health=None) -> GatewayServicer:
-    return GatewayServicer(config, health)

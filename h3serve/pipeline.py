@@ -21,8 +21,8 @@ from PIL import Image
 from tqdm import tqdm
 
 from h3serve.config.parallel import ParallelDegrees
-from h3serve.config.vocab import DEFAULT_DTYPE, PROFILES
 from h3serve.config.request import SAMPLE_RATE, GenerationRequest
+from h3serve.config.vocab import DEFAULT_DTYPE, PROFILES
 from h3serve.distributed.proxies import DiTEngineProxy, EncoderProxy, VideoVAEProxy
 from h3serve.distributed.world import launch
 from h3serve.errors import CheckpointError, H3Error, ProfileError

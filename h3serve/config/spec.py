@@ -24,7 +24,14 @@ from typing import Any, Optional
 
 from h3serve.config.rules import RULES
 from h3serve.config.vocab import (
-    DIST_PORT, DIT_HEADS, ENCODER_HEADS, ENCODER_KV_HEADS, GRPC_PORT, HEALTH_SERVICE, HTTP_PORT, PIPELINE_STAGES,
+    DIST_PORT,
+    DIT_HEADS,
+    ENCODER_HEADS,
+    ENCODER_KV_HEADS,
+    GRPC_PORT,
+    HEALTH_SERVICE,
+    HTTP_PORT,
+    PIPELINE_STAGES,
     PROFILES,
 )
 from h3serve.errors import H3Error

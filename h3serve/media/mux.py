@@ -36,6 +36,7 @@ from av.codec.context import Flags, ThreadType
 from h3serve.config.request import SAMPLE_RATE
 from h3serve.errors import MediaError
 
+
 # ---------------------------------------------------------------------------------------------------------------
 def _to_numpy(x: Any) -> np.ndarray:
     if type(x).__module__.split(".")[0] == "torch":

@@ -20,10 +20,10 @@ import threading
 
 import kopf
 
+from h3serve.config.spec import GROUP, PLURAL, VERSION, H3DeploymentSpec, SpecError, validate
 from h3serve.operator import kube
 from h3serve.operator import manifests as M
 from h3serve.operator import status as S
-from h3serve.config.spec import GROUP, PLURAL, VERSION, H3DeploymentSpec, SpecError, validate
 
 RESYNC_SECONDS = float(os.environ.get("H3SERVE_RESYNC_SECONDS", "60"))
 DEBOUNCE_SECONDS = float(os.environ.get("H3SERVE_DEBOUNCE_SECONDS", "0.5"))

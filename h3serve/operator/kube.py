@@ -16,8 +16,8 @@ from kubernetes import client, config
 from kubernetes import dynamic as kdyn
 from kubernetes.dynamic.exceptions import NotFoundError
 
-from h3serve.operator import manifests as M
 from h3serve.config.spec import GROUP, PLURAL, VERSION
+from h3serve.operator import manifests as M
 
 FIELD_MANAGER = "h3serve-operator"
 log = logging.getLogger("h3serve.operator")

@@ -33,7 +33,13 @@ import yaml
 from h3serve.config.spec import API_VERSION, KIND, H3DeploymentSpec, ServiceConfig
 from h3serve.config.stage import CONFIG_ENV
 from h3serve.config.vocab import (
-    DIST_PORT, GRPC_PORT, HEALTH_SERVICE, HTTP_PORT, MODEL_STAGES, PIPELINE_STAGES, PORT_OFFSETS,
+    DIST_PORT,
+    GRPC_PORT,
+    HEALTH_SERVICE,
+    HTTP_PORT,
+    MODEL_STAGES,
+    PIPELINE_STAGES,
+    PORT_OFFSETS,
 )
 
 MANAGER = "h3serve-operator"

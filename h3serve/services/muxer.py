@@ -28,12 +28,11 @@ import numpy as np
 
 from h3serve._proto import common_pb2, muxer_pb2, muxer_pb2_grpc
 from h3serve.config.stage import StageConfig
-from h3serve.errors import MediaError, RequestError
+from h3serve.errors import MediaError, RequestError, TransportError
 from h3serve.errortable import NotFound, StageUnavailable, grpc_method
 from h3serve.media.mux import Mp4Writer
 from h3serve.models.vae.yuv import rgb_to_yuv420p
 from h3serve.runtime.stage import StageBase
-from h3serve.transport.base import TransportError
 from h3serve.transport.control import FRAMES_EDGE, ControlReceiver
 from h3serve.transport.frames import session_offer
 from h3serve.transport.grpc import CHUNK_BYTES, GrpcStreamReceiver

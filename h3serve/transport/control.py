@@ -25,8 +25,9 @@ from typing import Any, Callable, Iterable, Iterator
 import grpc
 import torch
 
+from h3serve.errors import TransportError
 from h3serve.errortable import StageUnavailable, from_grpc
-from h3serve.transport.base import Message, TransportError
+from h3serve.transport.base import Message
 from h3serve.transport.nixl.receiver import NixlReceiver
 from h3serve.transport.nixl.sender import NixlSender
 from h3serve.transport.pipes import QueuePipe

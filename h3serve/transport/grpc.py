@@ -29,13 +29,13 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from h3serve._proto import common_pb2
+from h3serve.errors import TransportError
 from h3serve.transport.base import (
     DTYPES,
     Message,
     TensorHeader,
     TensorReceiver,
     TensorSender,
-    TransportError,
     tensor_bytes,
     tensor_from_bytes,
 )

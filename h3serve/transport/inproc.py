@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import queue
 
-from h3serve.transport.base import Message, TensorHeader, TensorReceiver, TensorSender, TransportError
+from h3serve.errors import TransportError
+from h3serve.transport.base import Message, TensorHeader, TensorReceiver, TensorSender
 
 _END = object()
 

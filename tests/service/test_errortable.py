@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from h3serve._proto import gateway_pb2, gateway_pb2_grpc
-from h3serve.errors import Cancelled, MediaError, RequestError
+from h3serve.errors import Cancelled, MediaError, RequestError, TransportError
 from h3serve.errortable import (
     DeadlineExceeded,
     Draining,
@@ -22,7 +22,6 @@ from h3serve.errortable import (
     grpc_method,
     http_error,
 )
-from h3serve.transport.base import TransportError
 
 CASES = [
     (RequestError("seconds", 3, "4..15"), grpc.StatusCode.INVALID_ARGUMENT, 422, RequestError, "seconds", None),

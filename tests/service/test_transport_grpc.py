@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from h3serve._proto import common_pb2, muxer_pb2, muxer_pb2_grpc
-from h3serve.transport.base import TransportError
+from h3serve.errors import TransportError
 from h3serve.transport.grpc import (
     CHUNK_BYTES,
     MESSAGE_LIMIT,

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import torch
 
-from h3serve.transport.base import TransportError
+from h3serve.errors import TransportError
 from h3serve.transport.nixl.probe import counters, nixl_available, select_transport
 from h3serve.transport.nixl.receiver import NixlReceiver
 from h3serve.transport.nixl.sender import NixlSender

@@ -3,7 +3,8 @@ import threading
 import pytest
 import torch
 
-from h3serve.transport.base import TensorHeader, TransportError, tensor_bytes, tensor_from_bytes
+from h3serve.errors import TransportError
+from h3serve.transport.base import TensorHeader, tensor_bytes, tensor_from_bytes
 from h3serve.transport.inproc import InProcChannel
 
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from h3serve.config.request import GenerationRequest, validate_request
-from h3serve.config.vocab import TASKS
 from h3serve.config.stage import StageConfig
+from h3serve.config.vocab import TASKS
 from h3serve.errors import RequestError
 
 SERVED_TASKS = ("t2va",)

@@ -11,8 +11,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from h3serve._proto import dit_pb2_grpc, encoder_pb2_grpc, muxer_pb2_grpc, vae_pb2_grpc
-from h3serve.config.vocab import PIPELINE_STAGES
 from h3serve.config.stage import StageConfig
+from h3serve.config.vocab import PIPELINE_STAGES
 from h3serve.transport.grpc import insecure_channel
 
 from .metrics import GatewayMetrics

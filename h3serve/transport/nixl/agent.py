@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from h3serve.transport.base import TransportError
+from h3serve.errors import TransportError
 from h3serve.transport.nixl.probe import count, import_nixl
 from h3serve.transport.nixl.wire import pack_message, unpack_message
 from h3serve.transport.pipes import ControlPipe

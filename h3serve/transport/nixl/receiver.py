@@ -7,7 +7,8 @@ import time
 
 import torch
 
-from h3serve.transport.base import Message, TensorReceiver, TransportError
+from h3serve.errors import TransportError
+from h3serve.transport.base import Message, TensorReceiver
 from h3serve.transport.nixl.agent import DEFAULT_TIMEOUT, Agent, Backoff, Endpoint, alloc, device_mem
 from h3serve.transport.nixl.probe import count, nixl_available, validate_transport
 from h3serve.transport.nixl.wire import encode_handshake, from_bytes, header_from, pack_message

@@ -9,7 +9,8 @@ import time
 
 import torch
 
-from h3serve.transport.base import TensorHeader, TensorSender, TransportError
+from h3serve.errors import TransportError
+from h3serve.transport.base import TensorHeader, TensorSender
 from h3serve.transport.nixl.agent import DEFAULT_TIMEOUT, Agent, Backoff, Endpoint, alloc, device_mem
 from h3serve.transport.nixl.probe import count, nixl_available, validate_transport
 from h3serve.transport.nixl.wire import byte_view, decode_handshake, header_json, pack_message

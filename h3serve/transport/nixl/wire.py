@@ -8,7 +8,8 @@ import struct
 
 import torch
 
-from h3serve.transport.base import DTYPES, TensorHeader, TransportError
+from h3serve.errors import TransportError
+from h3serve.transport.base import DTYPES, TensorHeader
 
 _HS_MAGIC = b"H3NX"
 _HS_VERSION = 1

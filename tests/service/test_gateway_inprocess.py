@@ -31,7 +31,7 @@ from h3serve.services.gateway.fields import (
 from h3serve.services.gateway.orchestrate import DIRECT, RELAY, Gateway, choose_plan
 from h3serve.services.gateway.sinks import END, StreamSink
 from h3serve.testing.mp4check import check_mp4
-from h3serve.transport.nixl import nixl_available
+from h3serve.transport.nixl.probe import nixl_available
 
 from .conftest import REQUEST, THREADS, embedded_request
 

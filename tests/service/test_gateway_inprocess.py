@@ -20,7 +20,8 @@ from h3serve.config.stage import StageConfig
 from h3serve.config.vocab import START_ORDER
 from h3serve.errors import RequestError
 from h3serve.runtime.process import StageProcess
-from h3serve.services import dit, encoder, muxer, vae
+from h3serve.services.dit import DiTServicer
+from h3serve.services.encoder import EncoderServicer
 from h3serve.services.gateway.fields import (
     check_request_id,
     fields_from_http,
@@ -30,13 +31,15 @@ from h3serve.services.gateway.fields import (
 )
 from h3serve.services.gateway.orchestrate import DIRECT, RELAY, Gateway, choose_plan
 from h3serve.services.gateway.sinks import END, StreamSink
+from h3serve.services.muxer import MuxerServicer
+from h3serve.services.vae import VAEServicer
 from h3serve.testing.mp4check import check_mp4
 from h3serve.transport.nixl.probe import nixl_available
 
 from .conftest import REQUEST, THREADS, embedded_request
 
 CONFIG = StageConfig()   # profile base, fp32: the deployment the fields are validated for
-CREATE = {"encoder": encoder.create, "dit": dit.create, "vae": vae.create, "muxer": muxer.create}
+SERVICERS = {"encoder": EncoderServicer, "dit": DiTServicer, "vae": VAEServicer, "muxer": MuxerServicer}
 
 
 def _request(**fields):
@@ -145,10 +148,10 @@ def stages(tiny_checkpoint):
     falls back to gRPC where it cannot load NIXL)."""
     procs = {}
     try:
-        for stage in (s for s in START_ORDER if s in CREATE):
+        for stage in (s for s in START_ORDER if s in SERVICERS):
             cfg = StageConfig(stage=stage, checkpoint=str(tiny_checkpoint), threads=THREADS, port=0,
                               warmup=False, transport="nixl")
-            procs[stage] = StageProcess(cfg, CREATE[stage])
+            procs[stage] = StageProcess(cfg, SERVICERS[stage])
             procs[stage].load()
         yield {s: p.address for s, p in procs.items()}
     finally:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark suite, run from the repository root on a CUDA machine whose Python has torch but neither
 # diffusers nor h3serve installed. Wheels / zips / tarballs carried in .whl/ (built by bench/pack_wheels.sh) are
-# installed into /tmp/site; h3serve is made importable from a copy of the package with `services` linked in. Every
+# installed into /tmp/site; h3serve is imported from the repository root (PYTHONPATH). Every
 # bench prints one JSON line; all output goes to $OUT (default ./out).
 # Steps: env | layer | attention | vae | full50 | tail | parallel | parallel6 | pipeline | gputest | fullckpt |
 # e2e_ours | e2e_variants | e2e_diffusers (default: env,layer,vae,full50). `pipeline` runs `h3serve generate` on a
@@ -29,8 +29,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
 fi
 for z in .whl/*.zip; do [ -e "$z" ] && python3 -m zipfile -e "$z" /tmp/site; done
-rm -rf /tmp/pkg && mkdir -p /tmp/pkg && cp -r h3serve /tmp/pkg/ && ln -s "$PWD/services" /tmp/pkg/h3serve/services
-export PYTHONPATH=/tmp/pkg:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
+export PYTHONPATH=$PWD:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
 
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
 run() {  # name timeout_s command...
@@ -79,7 +78,7 @@ if has parallel6; then  # per layer = (T6 - T2) / 4 with the 2-layer run above
       --baseline-attention ${BASELINES:-fa3} --iters 3 --warmup 1
 fi
 REPO=$PWD
-if has pipeline; then  # from /tmp: the repository root must not be on sys.path (operator/ is a package there)
+if has pipeline; then
   (cd /tmp && python3 -m h3serve.cli checkpoint init --preset tiny /tmp/h3-tiny) > "$OUT/pipeline_init.log" 2>&1
   i=0
   while IFS= read -r deg; do

@@ -14,6 +14,7 @@ from h3serve.config.vocab import DEFAULT_DTYPE, MODEL_STAGES, PIPELINE_STAGES, P
 
 CONFIG_ENV = "H3SERVE_CONFIG"  # path of the mounted ServiceConfig
 
+
 @dataclass
 class StageConfig:
     """Every knob of every stage (a stage reads the ones it uses; see docs/services.md)."""
@@ -48,7 +49,7 @@ class StageConfig:
     max_sync_bytes: int = 64 << 20
     transport: str = "grpc"
     model_name: str | None = None
-    # parallel degrees of the model stages (encoder TP, DiT Ulysses x Ring, VAE patch parallel); see stage_ranks
+    # parallel degrees of the model stages (encoder TP, DiT Ulysses x Ring, VAE patch parallel): config/parallel.py
     encoder_tp: int = 1
     ulysses: int = 1
     ring: int = 1
@@ -96,7 +97,7 @@ def service_config_values(service_config: dict, stage: str) -> dict[str, Any]:
                    vae_pp=spec.vae.patch_parallel)
     if (colocated or stage == "dit") and spec.model.adapter is not None:
         out.update(adapter=spec.model.adapter.path, adapter_sha256=spec.model.adapter.sha256)
-    if colocated or stage in ("vae", "gateway"):  # the edges whose transport is chosen: VAE -> muxer, the plan
+    if stage != "encoder":  # every end of a tensor edge (dit -> vae, vae -> muxer) and the gateway's plan
         out["transport"] = spec.transport
     if colocated or stage == "muxer":
         out["mux_threads"] = spec.muxer.workers

@@ -226,6 +226,8 @@ def test_pods_read_their_stage_config_from_the_mounted_service_config(path, tmp_
                 assert (sc.adapter, sc.adapter_sha256) == (spec.model.adapter.path, spec.model.adapter.sha256)
             if colocated or stage == "muxer":
                 assert sc.mux_threads == spec.muxer.workers
+            # every end of a tensor edge (and the gateway, which picks the plan) runs the deployment's transport
+            assert sc.transport == (spec.transport if stage != "encoder" else "grpc")
             if stage == "gateway":
                 assert (sc.http_host, sc.http_port, sc.queue_size) == ("0.0.0.0", 8000, spec.gateway.queue_size)
                 want = (f"127.0.0.1:{50051 + M.PORT_OFFSETS['dit']}" if colocated else f"{name}-dit.h3.svc:50051")
@@ -245,10 +247,13 @@ def test_stage_config_is_a_slice_of_the_rendered_service_config():
     common = dict(host="0.0.0.0", port=50051, profile="fasth3", grace_s=900.0)
     model = dict(checkpoint="/models/MiniMax-H3", dtype="bf16", device="cuda", encoder_tp=4, ulysses=4, ring=2,
                  vae_pp=1)
+    assert StageConfig.from_service_config(d, "encoder") == StageConfig(stage="encoder", **common, **model)
     assert StageConfig.from_service_config(d, "dit") == StageConfig(
-        stage="dit", **common, **model, adapter=spec.model.adapter.path, adapter_sha256=spec.model.adapter.sha256)
+        stage="dit", **common, **model, adapter=spec.model.adapter.path, adapter_sha256=spec.model.adapter.sha256,
+        transport="nixl")
     assert StageConfig.from_service_config(d, "vae") == StageConfig(stage="vae", **common, **model, transport="nixl")
-    assert StageConfig.from_service_config(d, "muxer") == StageConfig(stage="muxer", **common, mux_threads=8)
+    assert StageConfig.from_service_config(d, "muxer") == StageConfig(stage="muxer", **common, mux_threads=8,
+                                                                       transport="nixl")
     assert StageConfig.from_service_config(d, "gateway") == StageConfig(
         stage="gateway", **common, transport="nixl", http_host="0.0.0.0", http_port=8000, queue_size=16,
         encoder="f-encoder.ns.svc:50051", dit="f-dit.ns.svc:50051", vae="f-vae.ns.svc:50051",

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from h3serve._proto import common_pb2, muxer_pb2, muxer_pb2_grpc
+from h3serve.config.request import FRAMES_PER_CLIP
 from h3serve.config.stage import StageConfig
 from h3serve.errors import MediaError, RequestError, TransportError
 from h3serve.errortable import NotFound, StageUnavailable, grpc_method
@@ -42,8 +43,7 @@ from h3serve.transport.nixl.receiver import DEFAULT_SLOT_BYTES
 log = logging.getLogger("h3serve.muxer")
 
 RECEIVE_DEPTH = 4    # messages buffered between the network reader and the encoder (<= 16 MiB)
-NIXL_SLOTS = 3                 # K: clips the VAE may run ahead of the encoder over NIXL
-NIXL_CLIP_FRAMES = 17          # frames of one VAE clip: a slot holds one clip of RGB (or yuv420p) frames
+NIXL_SLOTS = 3       # K: clips the VAE may run ahead of the encoder over NIXL
 
 
 def _unwrap(msg):
@@ -99,7 +99,7 @@ class MuxerServicer(StageBase):
         self.choose_transport()   # what this replica can offer on the frame edge
         if self.config.warmup:   # PyAV, x264 and AAC present and working
             with Mp4Writer(io.BytesIO(), 64, 64, tmp_dir=self.tmp_dir, **self.writer_options) as writer:
-                writer.add_frames((np.zeros((2, 64, 64), np.uint8), np.zeros((2, 32, 32), np.uint8), np.zeros((2, 32, 32), np.uint8)))
+                writer.add_frames(tuple(np.zeros((2, s, s), np.uint8) for s in (64, 32, 32)))   # Y, U, V
                 writer.add_audio(np.zeros((2, 2048), np.float32))
         self._sweeper.start()
 
@@ -291,7 +291,7 @@ class MuxerServicer(StageBase):
                 raise RequestError("session_id", session.id, f"a session that is open, not {session.state}")
             session.state = "pushing"
         scope = self.scope(context, session.request_id)
-        slot = min(DEFAULT_SLOT_BYTES, max(1 << 20, NIXL_CLIP_FRAMES * session.width * session.height * 3))
+        slot = min(DEFAULT_SLOT_BYTES, max(1 << 20, FRAMES_PER_CLIP * session.width * session.height * 3))
         stream = ControlReceiver(FRAMES_EDGE, first.data, (m.data for m in request_iterator), context,
                                  transport=self.transport.chosen, pool_buffers=NIXL_SLOTS, buffer_bytes=slot,
                                  zero_copy=True)

@@ -28,7 +28,7 @@ from h3serve.config.stage import CONFIG_ENV, StageConfig, connect_host, service_
 from h3serve.config.vocab import HTTP_PORT, MODEL_STAGES, PORT_OFFSETS, STAGES, START_ORDER
 from h3serve.distributed.world import free_port
 from h3serve.errors import H3Error, RequestError
-from h3serve.runtime import ranks as stage_ranks
+from h3serve.runtime import ranks
 from h3serve.runtime.process import EXIT_LOAD_FAILED, ServicerFactory, announce, run_stage
 from h3serve.transport.grpc import wait_serving
 
@@ -202,8 +202,15 @@ def config_from_args(args: argparse.Namespace, stage: str, environ: Mapping[str,
     values["warmup"] = not getattr(args, "no_warmup", False)
     path = environ.get(CONFIG_ENV)
     if path:
-        with open(path) as fh:
-            values.update(service_config_values(json.load(fh), stage))  # the renderer writes JSON (which is YAML)
+        try:
+            with open(path) as fh:
+                doc = json.load(fh)  # the renderer writes JSON (which is YAML)
+        except (OSError, ValueError) as exc:
+            raise H3Error(f"{CONFIG_ENV}={path}: cannot read the mounted ServiceConfig: {exc}") from None
+        try:
+            values.update(service_config_values(doc, stage))
+        except (KeyError, TypeError, ValueError) as exc:   # not a ServiceConfig the operator rendered
+            raise H3Error(f"{CONFIG_ENV}={path}: not a ServiceConfig ({type(exc).__name__}: {exc})") from None
     return StageConfig(**values)
 
 
@@ -215,14 +222,14 @@ def serve_main(args: argparse.Namespace, servicers: dict[str, ServicerFactory]) 
         config = replace(config, http_port=HTTP_PORT)
     if any(s in MODEL_STAGES for s in stages) and not config.checkpoint:
         raise H3Error("--checkpoint DIR is required to serve " + ", ".join(s for s in stages if s in MODEL_STAGES))
-    degrees = stage_ranks.validate_degrees(stage_ranks.degrees_of(config), config.checkpoint)
-    env = stage_ranks.dist_env() if any(stage_ranks.stage_degree(degrees, s) > 1 for s in stages) else None
+    degrees = ranks.validate_degrees(ranks.degrees_of(config), config.checkpoint)
+    env = ranks.dist_env() if any(ranks.stage_degree(degrees, s) > 1 for s in stages) else None
     if env is not None and len(stages) > 1:
         raise H3Error(f"--stages {args.stages} with RANK/WORLD_SIZE of a multi-node or torchrun world: each model "
                       "stage is its own world there; run one stage per process (--stages encoder|dit|vae)")
     if len(stages) == 1:
         if env is not None and env["rank"] != 0:   # a joined rank other than 0: its part of the model, no gRPC
-            return stage_ranks.run_peer(stages[0], config, degrees)
+            return ranks.run_peer(stages[0], config, degrees)
         if stages[0] == "gateway":
             missing = [s for s in MODEL_STAGES + ("muxer",) if not getattr(config, s)]
             if missing:

@@ -269,6 +269,22 @@ def test_without_the_service_config_argv_alone_configures_the_stage():
     assert (sc.checkpoint, sc.ulysses, sc.dtype, sc.port) == ("/c", 2, "fp32", 50051)
 
 
+@pytest.mark.parametrize("content, says", [(None, "cannot read"), ('{"spec":', "cannot read"),
+                                           ('{"name": "x"}', "not a ServiceConfig")])
+def test_an_unreadable_service_config_is_one_line_naming_the_variable(tmp_path, content, says):
+    from h3serve.cli import build_parser
+    from h3serve.config.stage import CONFIG_ENV
+    from h3serve.errors import H3Error
+    from h3serve.runtime.launcher import config_from_args
+
+    path = tmp_path / "service.json"
+    if content is not None:
+        path.write_text(content)
+    ns = build_parser().parse_args(["serve", "--stages", "dit"])
+    with pytest.raises(H3Error, match=f"{CONFIG_ENV}={path}: {says}"):
+        config_from_args(ns, "dit", {CONFIG_ENV: str(path)})
+
+
 def test_network_policies_expose_only_the_gateway():
     objs = render_example(ROOT / "examples" / "base-disaggregated.yaml", "ns")
     nps = {o["metadata"]["name"]: o["spec"] for o in objs if o["kind"] == "NetworkPolicy"}

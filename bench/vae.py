@@ -18,29 +18,12 @@ import time
 
 import torch
 
+from h3serve.testing.modules import random_video_vae
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def build_vae(preset: str, dtype: torch.dtype, device: torch.device, seed: int = 0):
-    from diffusers import AutoencoderKLMiniMaxH3
-
-    from h3serve.testing import presets
-    from h3serve.weights.load import KEEP_FP32, name_matches
-
-    cfg = dict(presets.TINY_VIDEO_VAE) if preset == "tiny" else {}
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = AutoencoderKLMiniMaxH3(**cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name_matches(name, ("scale1", "scale2", "register_tokens")):
-                p.normal_(0, 0.1)
-            keep = name_matches(name, KEEP_FP32["vae"])
-            p.data = p.data.to(torch.float32 if keep else dtype)
-    return model
 
 
 def main() -> None:
@@ -70,7 +53,7 @@ def main() -> None:
     device = torch.device(a.device)
     dtype = DTYPES[a.dtype]
     t_, h_, w_ = (int(v) for v in (a.latents or ("12x4x6" if a.preset == "tiny" else "72x48x84")).split("x"))
-    model = build_vae(a.preset, dtype, device, a.seed)
+    model = random_video_vae(a.preset, dtype, device, a.seed)
     tile = 256 if a.preset == "full" else 32
     overlap = 64 if a.preset == "full" else 16
     model.enable_tiling(tile, tile, overlap, overlap)

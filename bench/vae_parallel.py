@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 
@@ -26,18 +25,10 @@ def _decode_all(vae, z):
 
 
 def _rank(rank: int, args, port: int) -> None:
-    import importlib.util
-
-    # bench/ is not a package, and the repository root must not go on sys.path (its operator/ folder would shadow
-    # the standard library's operator module): load the sibling file directly.
-    spec = importlib.util.spec_from_file_location("bench_vae", os.path.join(os.path.dirname(__file__), "vae.py"))
-    bench_vae = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_vae)
-    build_vae = bench_vae.build_vae
-
     from h3serve.models.vae.parallel import PatchParallelVAE
     from h3serve.models.vae.video import VideoVAE
     from h3serve.runtime.device import DTYPES
+    from h3serve.testing.modules import random_video_vae
 
     cuda = args.device == "cuda"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -46,7 +37,7 @@ def _rank(rank: int, args, port: int) -> None:
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=args.world, device_id=device if cuda else None)
     dtype = DTYPES[args.dtype]
-    vae = VideoVAE(build_vae(args.preset, dtype, device, seed=0))
+    vae = VideoVAE(random_video_vae(args.preset, dtype, device, seed=0))
     t, h, w = (int(x) for x in args.latents.split("x"))
     z = torch.randn(1, 24, t, h, w, generator=torch.Generator().manual_seed(1)).to(device)
 

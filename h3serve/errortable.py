@@ -301,7 +301,3 @@ def http_error(exc: BaseException, *, stage: str | None = None) -> tuple[int, di
 def error_object(c: Classified) -> dict[str, Any]:
     return {"code": c.kind.code, "message": c.message, "field": c.field, "param": c.field, "stage": c.stage,
             "retryable": c.kind.retryable}
-
-
-def http_status_for_code(code: str) -> int:
-    return _KINDS.get(code, INTERNAL).http

@@ -480,10 +480,3 @@ def reference_pipeline(path: str | os.PathLike, workflow: str = "t2va", dtype: t
     if missing:
         raise CheckpointError(f"{path}: diffusers could not load {', '.join(missing)}")
     return pipe
-
-
-def build_and_time(dir: str | os.PathLike, seed: int = 0) -> float:
-    """Build a tiny checkpoint (replacing `dir`) and return the wall time in seconds."""
-    start = time.perf_counter()
-    init_tiny_checkpoint(dir, seed, overwrite=True)
-    return time.perf_counter() - start

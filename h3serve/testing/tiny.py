@@ -35,7 +35,6 @@ import json
 import os
 import shutil
 import tempfile
-import time
 import warnings
 from pathlib import Path
 

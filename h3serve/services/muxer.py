@@ -136,6 +136,10 @@ class MuxerServicer(StageBase):
                 s.fail(NotFound(f"muxer: session {s.id} expired"), "aborted")
                 _unlink(s.path)
 
+    def _writer(self, session: Session) -> Mp4Writer:
+        return Mp4Writer(session.path, session.width, session.height, fps=session.fps,
+                         sample_rate=session.sample_rate, channels=session.channels, **self.writer_options)
+
     def _get(self, session_id: str) -> Session:
         with self.sessions_lock:
             session = self.sessions.get(session_id)
@@ -198,8 +202,7 @@ class MuxerServicer(StageBase):
                                       name=f"h3serve-mux-read-{session.id[:6]}")
             reader.start()
             planes: dict = {}
-            writer = Mp4Writer(session.path, session.width, session.height, fps=session.fps,
-                               sample_rate=session.sample_rate, channels=session.channels, **self.writer_options)
+            writer = self._writer(session)
             while True:
                 try:
                     item = inbox.get(timeout=0.1)
@@ -215,17 +218,7 @@ class MuxerServicer(StageBase):
                 if session.state == "aborted":
                     raise session.error or StageUnavailable("muxer", "session aborted")
                 _add(writer, planes, session, item, scope)
-            t_end = time.perf_counter()
-            stats = writer.close()
-            if session.expected_frames and stats.frames != session.expected_frames:
-                raise MediaError(f"muxer: received {stats.frames} frames, the session expects "
-                                 f"{session.expected_frames}")
-            result = muxer_pb2.PushResult(frames=stats.frames, audio_samples=stats.audio_samples,
-                                          mp4_bytes=stats.bytes, encode_seconds=stats.encode_seconds,
-                                          tail_seconds=time.perf_counter() - t_end)
-            session.result = result
-            session.state = "done"
-            session.done.set()
+            result = _close(writer, session)
         except BaseException as exc:
             if writer is not None:
                 writer.abort()
@@ -302,24 +295,14 @@ class MuxerServicer(StageBase):
         """Worker of a Control stream: the NIXL stream's messages -> Mp4Writer."""
         writer = None
         try:
-            writer = Mp4Writer(session.path, session.width, session.height, fps=session.fps,
-                               sample_rate=session.sample_rate, channels=session.channels, **self.writer_options)
+            writer = self._writer(session)
             planes: dict = {}
             for msg in stream.messages():
                 if session.state == "aborted":
                     raise session.error or StageUnavailable("muxer", "session aborted")
                 _add(writer, planes, session, msg, scope, copy=True)
             session.transport_info = self.last_transport = stream.info
-            t_end = time.perf_counter()
-            stats = writer.close()
-            if session.expected_frames and stats.frames != session.expected_frames:
-                raise MediaError(f"muxer: received {stats.frames} frames, the session expects "
-                                 f"{session.expected_frames}")
-            session.result = muxer_pb2.PushResult(frames=stats.frames, audio_samples=stats.audio_samples,
-                                                  mp4_bytes=stats.bytes, encode_seconds=stats.encode_seconds,
-                                                  tail_seconds=time.perf_counter() - t_end)
-            session.state = "done"
-            session.done.set()
+            _close(writer, session)
             self.finish(scope)
         except BaseException as exc:  # noqa: BLE001 - reported on the response stream and to Fetch
             if writer is not None:
@@ -327,6 +310,20 @@ class MuxerServicer(StageBase):
             session.fail(exc if isinstance(exc, Exception) else StageUnavailable("muxer", "push interrupted"))
             self.finish(scope, exc)
             raise
+
+
+def _close(writer: Mp4Writer, session: Session) -> muxer_pb2.PushResult:
+    """Close the MP4 (the frame count checked against the session's) and mark the session done."""
+    t_end = time.perf_counter()
+    stats = writer.close()
+    if session.expected_frames and stats.frames != session.expected_frames:
+        raise MediaError(f"muxer: received {stats.frames} frames, the session expects {session.expected_frames}")
+    session.result = muxer_pb2.PushResult(frames=stats.frames, audio_samples=stats.audio_samples,
+                                          mp4_bytes=stats.bytes, encode_seconds=stats.encode_seconds,
+                                          tail_seconds=time.perf_counter() - t_end)
+    session.state = "done"
+    session.done.set()
+    return session.result
 
 
 def _add(writer, planes: dict, session: Session, item, scope, copy: bool = False) -> None:

@@ -25,6 +25,24 @@ class DegreeError(H3Error, ValueError):
     """A parallel degree cannot work with this model or this number of ranks; the message says what to change."""
 
 
+# The degree rules' messages, written once for the runtime and the spec: `{encoder_tp}`, `{ulysses}`, `{ring}` and
+# `{vae_pp}` are how the caller spells each degree (FLAG_NAMES for `h3serve generate / serve`, the CRD field paths
+# for the spec), the other placeholders the values.
+ENCODER_TP_MESSAGE = ("{encoder_tp}={tp:d} cannot split the encoder's {heads} query heads / {kv} KV heads (it must "
+                      "divide the heads, and divide the KV heads or be a multiple of them): use {choices}")
+ULYSSES_MESSAGE = ("{ulysses}={u:d} must divide the DiT's {heads} attention heads (Ulysses gives each rank whole "
+                   "heads): use {choices} and put the rest of the DiT's GPUs into {ring} ({ulysses} x {ring} = GPUs "
+                   "of the DiT)")
+VAE_PP_MESSAGE = "{vae_pp}={pp:d} must be 1 or the whole DiT group ({ulysses} x {ring} = {sp:d})"
+FLAG_NAMES = {"encoder_tp": "encoder_tp", "ulysses": "ulysses", "ring": "ring", "vae_pp": "vae_pp"}
+
+
+def join_choices(xs) -> str:
+    """1, 2, 4 or 8."""
+    xs = [str(x) for x in xs]
+    return ", ".join(xs[:-1]) + " or " + xs[-1] if len(xs) > 1 else xs[0]
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -80,23 +98,17 @@ class ParallelDegrees:
             if not isinstance(v, int) or v < 1:
                 raise DegreeError(f"{name}={v!r} is invalid: a parallel degree is a positive integer (1 = off)")
         if self.ulysses not in ulysses_choices(dit_heads):
-            raise DegreeError(
-                f"ulysses={self.ulysses} does not divide the DiT's {dit_heads} attention heads (Ulysses gives each "
-                f"rank whole heads). Use ulysses in {ulysses_choices(dit_heads)} and put the remaining factor of the "
-                f"DiT's GPUs into ring (ulysses x ring = GPUs of the DiT), e.g. 16 GPUs = ulysses 8 x ring 2.")
+            raise DegreeError(ULYSSES_MESSAGE.format(**FLAG_NAMES, u=self.ulysses, heads=dit_heads,
+                                                     choices=join_choices(ulysses_choices(dit_heads))))
         tp, h, kv = self.encoder_tp, encoder_heads, encoder_kv_heads
         if tp not in encoder_tp_choices(h, kv):
-            raise DegreeError(
-                f"encoder_tp={tp} cannot split the text encoder's {h} attention heads / {kv} KV heads: TP must "
-                f"divide the heads, and divide the KV heads or be a multiple of them. Use encoder_tp in "
-                f"{encoder_tp_choices(h, kv)}.")
+            raise DegreeError(ENCODER_TP_MESSAGE.format(**FLAG_NAMES, tp=tp, heads=h, kv=kv,
+                                                        choices=join_choices(encoder_tp_choices(h, kv))))
         if encoder_intermediate is not None and encoder_intermediate % tp:
             raise DegreeError(f"encoder_tp={tp} does not divide the encoder MLP width {encoder_intermediate}; "
                               f"use a divisor of it")
         if self.vae_pp not in vae_pp_choices(self.dit_world):
-            raise DegreeError(
-                f"vae_pp={self.vae_pp} is invalid: the VAE patch-parallel group is 1 or the whole DiT group "
-                f"(ulysses x ring = {self.dit_world}); set vae_pp to 1 or {self.dit_world}.")
+            raise DegreeError(VAE_PP_MESSAGE.format(**FLAG_NAMES, pp=self.vae_pp, sp=self.dit_world))
         if world_size is not None and world_size != self.world_size:
             raise DegreeError(
                 f"WORLD_SIZE={world_size} but these degrees (encoder_tp={self.encoder_tp}, ulysses={self.ulysses}, "

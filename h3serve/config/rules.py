@@ -15,7 +15,15 @@ import string
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from h3serve.config.parallel import encoder_tp_choices, ulysses_choices, vae_pp_choices
+from h3serve.config.parallel import (
+    ENCODER_TP_MESSAGE,
+    ULYSSES_MESSAGE,
+    VAE_PP_MESSAGE,
+    encoder_tp_choices,
+    join_choices,
+    ulysses_choices,
+    vae_pp_choices,
+)
 from h3serve.config.vocab import DIT_HEADS, ENCODER_HEADS, ENCODER_KV_HEADS, PIPELINE_STAGES
 
 # ---- expressions: evaluated in Python, rendered as CEL -----------------------------------------------------------
@@ -175,11 +183,9 @@ class Rule:
         return f"{json.dumps(text)}.format([{', '.join(cel_args)}])" if cel_args else json.dumps(text)
 
 
-def _join(xs) -> str:
-    xs = [str(x) for x in xs]
-    return ", ".join(xs[:-1]) + " or " + xs[-1]
-
-
+# How the spec spells each degree in the degree rules' messages (h3serve.config.parallel).
+FIELD_NAMES = {"encoder_tp": "encoder.tensorParallel", "ulysses": "dit.ulysses", "ring": "dit.ring",
+               "vae_pp": "vae.patchParallel"}
 TP = Field("encoder.tensorParallel")
 DIT_SP = op("*", Field("dit.ulysses"), Field("dit.ring"))  # the DiT's GPUs: one per sequence-parallel rank
 GPN = Field("gpusPerNode")
@@ -193,17 +199,13 @@ def _inside_mount(path: str) -> Op:
 
 
 RULES: tuple[Rule, ...] = (
-    Rule("encoder.tensorParallel", op("in", TP, encoder_tp_choices()),
-         "encoder.tensorParallel={tp:d} cannot split the encoder's {heads} query heads / {kv} KV heads (it must divide "
-         "the heads, and divide the KV heads or be a multiple of them): use {choices}",
-         dict(tp=TP, heads=ENCODER_HEADS, kv=ENCODER_KV_HEADS, choices=_join(encoder_tp_choices()))),
-    Rule("dit.ulysses", op("in", Field("dit.ulysses"), ulysses_choices()),
-         "dit.ulysses={u:d} must divide the DiT's {heads} attention heads (Ulysses gives each rank whole heads): use "
-         "{choices} and put the rest of the DiT's GPUs into dit.ring (dit.ulysses x dit.ring = GPUs of the DiT)",
-         dict(u=Field("dit.ulysses"), heads=DIT_HEADS, choices=_join(ulysses_choices()))),
-    Rule("vae.patchParallel", op("in", Field("vae.patchParallel"), vae_pp_choices(DIT_SP)),
-         "vae.patchParallel={pp:d} must be 1 or the whole DiT group (dit.ulysses x dit.ring = {sp:d})",
-         dict(pp=Field("vae.patchParallel"), sp=DIT_SP)),
+    Rule("encoder.tensorParallel", op("in", TP, encoder_tp_choices()), ENCODER_TP_MESSAGE,
+         dict(FIELD_NAMES, tp=TP, heads=ENCODER_HEADS, kv=ENCODER_KV_HEADS,
+              choices=join_choices(encoder_tp_choices()))),
+    Rule("dit.ulysses", op("in", Field("dit.ulysses"), ulysses_choices()), ULYSSES_MESSAGE,
+         dict(FIELD_NAMES, u=Field("dit.ulysses"), heads=DIT_HEADS, choices=join_choices(ulysses_choices()))),
+    Rule("vae.patchParallel", op("in", Field("vae.patchParallel"), vae_pp_choices(DIT_SP)), VAE_PP_MESSAGE,
+         dict(FIELD_NAMES, pp=Field("vae.patchParallel"), sp=DIT_SP)),
     Rule("model.adapter", any_of(op("!=", Field("profile"), "fasth3"),
                                  all_of(has("model.adapter"), has("model.adapter.sha256"))),
          "profile fasth3 needs model.adapter with path and sha256 (the FastH3 4-step adapter file and its checksum)"),

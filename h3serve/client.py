@@ -17,7 +17,13 @@
         gen = client.stream("a kite"); async for event in gen: ...; await gen.result(); await gen.cancel()
 
 Request fields (keyword arguments): seconds, size, width, height, num_frames, fps, seed, num_inference_steps
-(alias steps), task, quality, model, request_id. `timeout` is the call's deadline in seconds; the gateway passes
+(alias steps), task, quality, model, request_id; fl2va keyframes first_image / last_image and ref2va references
+(a list, in model order) as bytes or paths (a reference as "kind:path", (kind, bytes) or a path whose extension
+says the kind):
+
+    client.generate("the kite lands", first_image="kite.png", last_image=Path("beach.jpg").read_bytes())
+    client.generate("she sings", references=["subject.png", "audio:voice.wav"])
+ `timeout` is the call's deadline in seconds; the gateway passes
 what remains of it to every stage. Failures raise typed errors (all `H3Error`): `RequestError` (its `.field`
 names the field), `QueueFull`, `Draining`, `StageUnavailable` (`.stage`), `DeadlineExceeded`, `Cancelled`,
 `NotFound`, `TooLarge`, `StageFailed`.
@@ -56,8 +62,22 @@ __all__ = ["Client", "AsyncClient", "Generation", "AsyncGeneration", "Generation
            "NotFound", "TooLarge", "StageFailed"]
 
 MAX_RECEIVE = 256 << 20   # the largest GenerateSync response this client accepts
+MEDIA = ("first_image", "last_image", "references")
 _FIELDS = ("seconds", "size", "width", "height", "num_frames", "fps", "seed", "num_inference_steps", "task",
-           "quality", "model", "request_id")
+           "quality", "model", "request_id", *MEDIA)
+
+
+def _media_bytes(name: str, value: Any) -> tuple[bytes, str]:
+    """(bytes, file name) of a media argument: bytes as given, or the file at a path."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value), ""
+    if isinstance(value, (str, os.PathLike)):
+        path = Path(value)
+        try:
+            return path.read_bytes(), path.name
+        except OSError as exc:
+            raise RequestError(name, str(value), f"a readable file ({exc.strerror})") from None
+    raise RequestError(name, type(value).__name__, "bytes or a path to a file")
 
 
 @dataclass(frozen=True)
@@ -105,7 +125,21 @@ def build_request(prompt: str, *, validate_only: bool = False, **fields: Any):
     unknown = sorted(set(fields) - set(_FIELDS))
     if unknown:
         raise TypeError(f"unknown request fields {unknown}; allowed: {', '.join(_FIELDS)}")
+    media = {k: fields.pop(k) for k in MEDIA if k in fields}
     msg = gateway_pb2.GenerateRequest(prompt=prompt, validate_only=validate_only)
+    for name in ("first_image", "last_image"):
+        if media.get(name) is not None:
+            setattr(msg, name, _media_bytes(name, media[name])[0])
+    for i, ref in enumerate(media.get("references") or ()):
+        kind = ""
+        if isinstance(ref, tuple) and len(ref) == 2:
+            kind, ref = ref
+        elif isinstance(ref, str):
+            head, sep, tail = ref.partition(":")
+            if sep and head.lower() in ("image", "audio", "video"):
+                kind, ref = head.lower(), tail
+        data, filename = _media_bytes(f"references[{i}]", ref)
+        msg.references.add(kind=kind, data=data, filename=filename)
     for name, value in fields.items():
         if value is None:
             continue

@@ -21,7 +21,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from h3serve.config.parallel import ParallelDegrees
-from h3serve.config.request import SAMPLE_RATE, GenerationRequest
+from h3serve.config.request import SAMPLE_RATE, GenerationRequest, media_source
 from h3serve.config.vocab import DEFAULT_DTYPE, PROFILES
 from h3serve.distributed.proxies import DiTEngineProxy, EncoderProxy, VideoVAEProxy
 from h3serve.distributed.world import launch
@@ -29,9 +29,8 @@ from h3serve.errors import CheckpointError, H3Error, ProfileError
 from h3serve.media.audio import read_audio_reference
 from h3serve.media.mux import Mp4Writer
 from h3serve.models.dit.engine import COMPONENT_FOR_TASK, DiTEngine, DiTRequest
-from h3serve.models.dit.layout import AudioRef, ImageRef
+from h3serve.models import conditions as cond
 from h3serve.models.dit.parallel import build_dit_rank
-from h3serve.models.encoder import presentation as pres
 from h3serve.models.encoder.model import TextEncoder
 from h3serve.models.encoder.parallel import build_encoder_rank
 from h3serve.models.vae.audio import AudioVAE
@@ -206,45 +205,35 @@ class Pipeline:
     @property
     def reference_short_edge(self) -> int:
         """ref2va image references are encoded at this short edge (the checkpoint's pipeline config; 2048 released)."""
-        config = CheckpointFolder(self.checkpoint, components=[]).pipeline_config
-        return int(config.get("reference_image_short_edge", 2048))
+        return cond.reference_short_edge(CheckpointFolder(self.checkpoint, components=[]).pipeline_config)
 
     # -- stages -------------------------------------------------------------------------------------------------
 
     def _conditions(self, req: GenerationRequest):
-        """Encoder inputs and DiT conditions for fl2va / ref2va (images resized, encoded by the VAE encoder)."""
-        images, refs, cond_latents, layout_refs, ref_audio, anchors = [], None, [], [], [], ()
+        """Encoder inputs and DiT conditions for fl2va / ref2va (models/conditions.py: resized, VAE-encoded)."""
+        kinds, visual, pcms = [], [], {}
         if req.task == "fl2va":
-            anchors = tuple(a for a, p in (("first", req.first_image), ("last", req.last_image)) if p)
-            for anchor in anchors:
-                path = req.first_image if anchor == "first" else req.last_image
-                img = Image.open(path).convert("RGB")
-                resize = pres.resize_keyframe_last if (anchor == "last" and req.first_image) \
-                    else pres.resize_keyframe_first
-                img = resize(img, req.height, req.width)
-                images.append(img)
-                cond_latents.append(self.video_vae.encode_keyframe(img))
+            for kind, source in (("first", req.first_image), ("last", req.last_image)):
+                if source:
+                    kinds.append(kind)
+                    visual.append(Image.open(media_source(source)).convert("RGB"))
         elif req.task == "ref2va":
-            refs = []
             max_samples = int(req.num_frames / req.fps * SAMPLE_RATE)  # as the reference truncates
             for spec in req.references:
                 if spec.kind == "image":
-                    img = pres.resize_reference_image(Image.open(spec.path).convert("RGB"),
-                                                      short_edge=self.reference_short_edge)
-                    z = self.video_vae.encode_keyframe(img)
-                    refs.append(pres.Reference(kind="image", image=img))
-                    cond_latents.append(z)
-                    layout_refs.append(ImageRef(latent_h=int(z.shape[-2]), latent_w=int(z.shape[-1])))
+                    visual.append(Image.open(media_source(spec.path)).convert("RGB"))
                 elif spec.kind == "audio":
-                    pcm = read_audio_reference(spec.path, max_samples, SAMPLE_RATE)
-                    rows = self.audio_vae.encode_reference(pcm.to(self.device))
-                    refs.append(pres.Reference(kind="audio", has_audio=True))
-                    ref_audio.append(rows)
-                    layout_refs.append(AudioRef(audio_latents=int(rows.shape[0]) // 2))
+                    pcms[len(kinds)] = read_audio_reference(media_source(spec.path), max_samples, SAMPLE_RATE)
                 else:
                     raise H3Error(f"references: kind={spec.kind!r} is not supported here (image or audio); video "
                                   "references need Qwen3-VL's video processor")
-        return images, refs, cond_latents, layout_refs, ref_audio, anchors
+                kinds.append(spec.kind)
+        resized = cond.resize(kinds, visual, req.height, req.width, self.reference_short_edge)
+        images, refs = cond.encoder_inputs(kinds, resized, req.task)
+        it = iter(resized)
+        encoded = [self.audio_vae.encode_reference(pcms[i].to(self.device)) if kind == "audio"
+                   else self.video_vae.encode_keyframe(next(it)) for i, kind in enumerate(kinds)]
+        return images, refs, cond.dit_conditions(kinds, encoded, req.task)
 
     def generate_latents(self, req: GenerationRequest, *, progress: bool | Callable[[int, int], None] = False,
                          should_stop: Callable[[], bool] | None = None) -> Latents:
@@ -253,7 +242,7 @@ class Pipeline:
                                f"{req.profile!r}")
         timings = {}
         t0 = time.perf_counter()
-        images, refs, cond_latents, layout_refs, ref_audio, anchors = self._conditions(req)
+        images, refs, c = self._conditions(req)
         encoded = self.encoder.encode(req.prompt, images=images, task=req.task, references=refs)
         _sync(self.device)
         timings["encoder_s"] = time.perf_counter() - t0
@@ -271,8 +260,8 @@ class Pipeline:
                     text_states=encoded.states, text_tags=encoded.tags, latent_frames=req.latent_frames,
                     latent_h=req.latent_height, latent_w=req.latent_width, audio_latents=req.audio_latents,
                     seed=req.seed, task=req.task, profile=req.profile,
-                    steps=req.steps, anchors=anchors,
-                    condition_latents=cond_latents, references=layout_refs, reference_audio_rows=ref_audio,
+                    steps=req.steps, anchors=c.anchors, condition_latents=c.condition_latents,
+                    references=c.references, reference_audio_rows=c.reference_audio_rows,
                 ),
                 on_step=on_step, should_stop=should_stop,
             )

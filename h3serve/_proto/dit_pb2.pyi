@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DiTParams(_message.Message):
-    __slots__ = ("request_id", "latent_frames", "latent_height", "latent_width", "audio_latents", "seed", "task", "profile", "steps", "latents_sink")
+    __slots__ = ("request_id", "latent_frames", "latent_height", "latent_width", "audio_latents", "seed", "task", "profile", "steps", "latents_sink", "condition_kinds")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LATENT_FRAMES_FIELD_NUMBER: _ClassVar[int]
     LATENT_HEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class DiTParams(_message.Message):
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     LATENTS_SINK_FIELD_NUMBER: _ClassVar[int]
+    CONDITION_KINDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     latent_frames: int
     latent_height: int
@@ -29,7 +30,8 @@ class DiTParams(_message.Message):
     profile: str
     steps: int
     latents_sink: _common_pb2.Sink
-    def __init__(self, request_id: _Optional[str] = ..., latent_frames: _Optional[int] = ..., latent_height: _Optional[int] = ..., latent_width: _Optional[int] = ..., audio_latents: _Optional[int] = ..., seed: _Optional[int] = ..., task: _Optional[str] = ..., profile: _Optional[str] = ..., steps: _Optional[int] = ..., latents_sink: _Optional[_Union[_common_pb2.Sink, _Mapping]] = ...) -> None: ...
+    condition_kinds: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., latent_frames: _Optional[int] = ..., latent_height: _Optional[int] = ..., latent_width: _Optional[int] = ..., audio_latents: _Optional[int] = ..., seed: _Optional[int] = ..., task: _Optional[str] = ..., profile: _Optional[str] = ..., steps: _Optional[int] = ..., latents_sink: _Optional[_Union[_common_pb2.Sink, _Mapping]] = ..., condition_kinds: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DiTInput(_message.Message):
     __slots__ = ("params", "chunk", "end")

@@ -40,6 +40,11 @@ class EncoderStub:
                 request_serializer=h3serve_dot_v1_dot_encoder__pb2.EncodeRequest.SerializeToString,
                 response_deserializer=h3serve_dot_v1_dot_encoder__pb2.EncodeEvent.FromString,
                 _registered_method=True)
+        self.EncodeConditioned = channel.stream_stream(
+                '/h3serve.v1.Encoder/EncodeConditioned',
+                request_serializer=h3serve_dot_v1_dot_encoder__pb2.EncodeInput.SerializeToString,
+                response_deserializer=h3serve_dot_v1_dot_encoder__pb2.EncodeEvent.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/h3serve.v1.Encoder/Status',
                 request_serializer=h3serve_dot_v1_dot_common__pb2.StatusRequest.SerializeToString,
@@ -57,6 +62,14 @@ class EncoderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EncodeConditioned(self, request_iterator, context):
+        """Encode a prompt with its conditions (fl2va keyframes, ref2va references). Client stream: EncodeInput.params,
+        then one "condition.{i}" tensor per visual condition, then EncodeInput.end; the response is Encode's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Status(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -69,6 +82,11 @@ def add_EncoderServicer_to_server(servicer, server):
             'Encode': grpc.unary_stream_rpc_method_handler(
                     servicer.Encode,
                     request_deserializer=h3serve_dot_v1_dot_encoder__pb2.EncodeRequest.FromString,
+                    response_serializer=h3serve_dot_v1_dot_encoder__pb2.EncodeEvent.SerializeToString,
+            ),
+            'EncodeConditioned': grpc.stream_stream_rpc_method_handler(
+                    servicer.EncodeConditioned,
+                    request_deserializer=h3serve_dot_v1_dot_encoder__pb2.EncodeInput.FromString,
                     response_serializer=h3serve_dot_v1_dot_encoder__pb2.EncodeEvent.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
@@ -103,6 +121,33 @@ class Encoder:
             target,
             '/h3serve.v1.Encoder/Encode',
             h3serve_dot_v1_dot_encoder__pb2.EncodeRequest.SerializeToString,
+            h3serve_dot_v1_dot_encoder__pb2.EncodeEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EncodeConditioned(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/h3serve.v1.Encoder/EncodeConditioned',
+            h3serve_dot_v1_dot_encoder__pb2.EncodeInput.SerializeToString,
             h3serve_dot_v1_dot_encoder__pb2.EncodeEvent.FromString,
             options,
             channel_credentials,

@@ -2,13 +2,13 @@ from h3serve._proto import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "seconds", "size", "width", "height", "num_frames", "fps", "seed", "num_inference_steps", "task", "quality", "model", "request_id", "validate_only")
+    __slots__ = ("prompt", "seconds", "size", "width", "height", "num_frames", "fps", "seed", "num_inference_steps", "task", "quality", "model", "request_id", "validate_only", "first_image", "last_image", "references")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,9 @@ class GenerateRequest(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     VALIDATE_ONLY_FIELD_NUMBER: _ClassVar[int]
+    FIRST_IMAGE_FIELD_NUMBER: _ClassVar[int]
+    LAST_IMAGE_FIELD_NUMBER: _ClassVar[int]
+    REFERENCES_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     seconds: float
     size: str
@@ -37,7 +40,20 @@ class GenerateRequest(_message.Message):
     model: str
     request_id: str
     validate_only: bool
-    def __init__(self, prompt: _Optional[str] = ..., seconds: _Optional[float] = ..., size: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_frames: _Optional[int] = ..., fps: _Optional[int] = ..., seed: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., task: _Optional[str] = ..., quality: _Optional[str] = ..., model: _Optional[str] = ..., request_id: _Optional[str] = ..., validate_only: _Optional[bool] = ...) -> None: ...
+    first_image: bytes
+    last_image: bytes
+    references: _containers.RepeatedCompositeFieldContainer[MediaReference]
+    def __init__(self, prompt: _Optional[str] = ..., seconds: _Optional[float] = ..., size: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_frames: _Optional[int] = ..., fps: _Optional[int] = ..., seed: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., task: _Optional[str] = ..., quality: _Optional[str] = ..., model: _Optional[str] = ..., request_id: _Optional[str] = ..., validate_only: _Optional[bool] = ..., first_image: _Optional[bytes] = ..., last_image: _Optional[bytes] = ..., references: _Optional[_Iterable[_Union[MediaReference, _Mapping]]] = ...) -> None: ...
+
+class MediaReference(_message.Message):
+    __slots__ = ("kind", "data", "filename")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    FILENAME_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    data: bytes
+    filename: str
+    def __init__(self, kind: _Optional[str] = ..., data: _Optional[bytes] = ..., filename: _Optional[str] = ...) -> None: ...
 
 class Accepted(_message.Message):
     __slots__ = ("request_id", "num_frames", "width", "height", "fps", "seed", "num_inference_steps", "task", "profile", "media_seconds", "queue_position")

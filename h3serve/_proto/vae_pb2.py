@@ -25,27 +25,35 @@ _sym_db = _symbol_database.Default()
 from h3serve._proto import common_pb2 as h3serve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14h3serve/v1/vae.proto\x12\nh3serve.v1\x1a\x17h3serve/v1/common.proto\"\x90\x01\n\x0c\x44\x65\x63odeParams\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1e\n\x04sink\x18\x02 \x01(\x0b\x32\x10.h3serve.v1.Sink\x12\x12\n\nnum_frames\x18\x03 \x01(\x05\x12\r\n\x05width\x18\x04 \x01(\x05\x12\x0e\n\x06height\x18\x05 \x01(\x05\x12\x19\n\x11latents_transport\x18\x06 \x01(\t\"5\n\x0eLatentsSession\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\"E\n\x0eLatentsControl\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttransport\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x92\x01\n\x0b\x44\x65\x63odeInput\x12*\n\x06params\x18\x01 \x01(\x0b\x32\x18.h3serve.v1.DecodeParamsH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.h3serve.v1.TensorChunkH\x00\x12$\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x15.h3serve.v1.StreamEndH\x00\x42\x07\n\x05input\"\\\n\x08\x43lipSent\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x13\n\x0b\x66irst_frame\x18\x02 \x01(\x05\x12\x0e\n\x06\x66rames\x18\x03 \x01(\x05\x12\r\n\x05\x63lips\x18\x04 \x01(\x05\x12\r\n\x05\x62ytes\x18\x05 \x01(\x03\"\x8a\x02\n\nDecodeDone\x12\x0e\n\x06\x66rames\x18\x01 \x01(\x05\x12\x13\n\x0bpcm_samples\x18\x02 \x01(\x03\x12\x15\n\rvideo_seconds\x18\x03 \x01(\x01\x12\x15\n\raudio_seconds\x18\x04 \x01(\x01\x12\x19\n\x11sink_tail_seconds\x18\x05 \x01(\x01\x12\x12\n\nbytes_sent\x18\x06 \x01(\x03\x12,\n\ttransport\x18\x07 \x01(\x0b\x32\x19.h3serve.v1.TransportInfo\x12\x34\n\x11latents_transport\x18\x08 \x01(\x0b\x32\x19.h3serve.v1.TransportInfo\x12\x16\n\x0epeak_memory_mb\x18\t \x01(\x01\"\x93\x01\n\x0b\x44\x65\x63odeEvent\x12$\n\x04\x63lip\x18\x01 \x01(\x0b\x32\x14.h3serve.v1.ClipSentH\x00\x12&\n\x04\x64one\x18\x02 \x01(\x0b\x32\x16.h3serve.v1.DecodeDoneH\x00\x12-\n\x07latents\x18\x03 \x01(\x0b\x32\x1a.h3serve.v1.LatentsSessionH\x00\x42\x07\n\x05\x65vent2\x97\x02\n\x03VAE\x12>\n\x06\x44\x65\x63ode\x12\x17.h3serve.v1.DecodeInput\x1a\x17.h3serve.v1.DecodeEvent(\x01\x30\x01\x12K\n\tHandshake\x12\x1e.h3serve.v1.TransportHandshake\x1a\x1e.h3serve.v1.TransportHandshake\x12\x45\n\x07\x43ontrol\x12\x1a.h3serve.v1.LatentsControl\x1a\x1a.h3serve.v1.LatentsControl(\x01\x30\x01\x12<\n\x06Status\x12\x19.h3serve.v1.StatusRequest\x1a\x17.h3serve.v1.StageStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14h3serve/v1/vae.proto\x12\nh3serve.v1\x1a\x17h3serve/v1/common.proto\"a\n\x0f\x43onditionParams\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04task\x18\x02 \x01(\t\x12\r\n\x05width\x18\x03 \x01(\x05\x12\x0e\n\x06height\x18\x04 \x01(\x05\x12\r\n\x05kinds\x18\x05 \x03(\t\"\x98\x01\n\x0e\x43onditionInput\x12-\n\x06params\x18\x01 \x01(\x0b\x32\x1b.h3serve.v1.ConditionParamsH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.h3serve.v1.TensorChunkH\x00\x12$\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x15.h3serve.v1.StreamEndH\x00\x42\x07\n\x05input\"8\n\rConditionDone\x12\x0f\n\x07seconds\x18\x01 \x01(\x01\x12\x16\n\x0epeak_memory_mb\x18\x02 \x01(\x01\"n\n\x0e\x43onditionEvent\x12(\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x17.h3serve.v1.TensorChunkH\x00\x12)\n\x04\x64one\x18\x02 \x01(\x0b\x32\x19.h3serve.v1.ConditionDoneH\x00\x42\x07\n\x05\x65vent\"\x90\x01\n\x0c\x44\x65\x63odeParams\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1e\n\x04sink\x18\x02 \x01(\x0b\x32\x10.h3serve.v1.Sink\x12\x12\n\nnum_frames\x18\x03 \x01(\x05\x12\r\n\x05width\x18\x04 \x01(\x05\x12\x0e\n\x06height\x18\x05 \x01(\x05\x12\x19\n\x11latents_transport\x18\x06 \x01(\t\"5\n\x0eLatentsSession\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\"E\n\x0eLatentsControl\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttransport\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x92\x01\n\x0b\x44\x65\x63odeInput\x12*\n\x06params\x18\x01 \x01(\x0b\x32\x18.h3serve.v1.DecodeParamsH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.h3serve.v1.TensorChunkH\x00\x12$\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x15.h3serve.v1.StreamEndH\x00\x42\x07\n\x05input\"\\\n\x08\x43lipSent\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x13\n\x0b\x66irst_frame\x18\x02 \x01(\x05\x12\x0e\n\x06\x66rames\x18\x03 \x01(\x05\x12\r\n\x05\x63lips\x18\x04 \x01(\x05\x12\r\n\x05\x62ytes\x18\x05 \x01(\x03\"\x8a\x02\n\nDecodeDone\x12\x0e\n\x06\x66rames\x18\x01 \x01(\x05\x12\x13\n\x0bpcm_samples\x18\x02 \x01(\x03\x12\x15\n\rvideo_seconds\x18\x03 \x01(\x01\x12\x15\n\raudio_seconds\x18\x04 \x01(\x01\x12\x19\n\x11sink_tail_seconds\x18\x05 \x01(\x01\x12\x12\n\nbytes_sent\x18\x06 \x01(\x03\x12,\n\ttransport\x18\x07 \x01(\x0b\x32\x19.h3serve.v1.TransportInfo\x12\x34\n\x11latents_transport\x18\x08 \x01(\x0b\x32\x19.h3serve.v1.TransportInfo\x12\x16\n\x0epeak_memory_mb\x18\t \x01(\x01\"\x93\x01\n\x0b\x44\x65\x63odeEvent\x12$\n\x04\x63lip\x18\x01 \x01(\x0b\x32\x14.h3serve.v1.ClipSentH\x00\x12&\n\x04\x64one\x18\x02 \x01(\x0b\x32\x16.h3serve.v1.DecodeDoneH\x00\x12-\n\x07latents\x18\x03 \x01(\x0b\x32\x1a.h3serve.v1.LatentsSessionH\x00\x42\x07\n\x05\x65vent2\xe7\x02\n\x03VAE\x12>\n\x06\x44\x65\x63ode\x12\x17.h3serve.v1.DecodeInput\x1a\x17.h3serve.v1.DecodeEvent(\x01\x30\x01\x12K\n\tHandshake\x12\x1e.h3serve.v1.TransportHandshake\x1a\x1e.h3serve.v1.TransportHandshake\x12\x45\n\x07\x43ontrol\x12\x1a.h3serve.v1.LatentsControl\x1a\x1a.h3serve.v1.LatentsControl(\x01\x30\x01\x12N\n\x10\x45ncodeConditions\x12\x1a.h3serve.v1.ConditionInput\x1a\x1a.h3serve.v1.ConditionEvent(\x01\x30\x01\x12<\n\x06Status\x12\x19.h3serve.v1.StatusRequest\x1a\x17.h3serve.v1.StageStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'h3serve.v1.vae_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DECODEPARAMS']._serialized_start=62
-  _globals['_DECODEPARAMS']._serialized_end=206
-  _globals['_LATENTSSESSION']._serialized_start=208
-  _globals['_LATENTSSESSION']._serialized_end=261
-  _globals['_LATENTSCONTROL']._serialized_start=263
-  _globals['_LATENTSCONTROL']._serialized_end=332
-  _globals['_DECODEINPUT']._serialized_start=335
-  _globals['_DECODEINPUT']._serialized_end=481
-  _globals['_CLIPSENT']._serialized_start=483
-  _globals['_CLIPSENT']._serialized_end=575
-  _globals['_DECODEDONE']._serialized_start=578
-  _globals['_DECODEDONE']._serialized_end=844
-  _globals['_DECODEEVENT']._serialized_start=847
-  _globals['_DECODEEVENT']._serialized_end=994
-  _globals['_VAE']._serialized_start=997
-  _globals['_VAE']._serialized_end=1276
+  _globals['_CONDITIONPARAMS']._serialized_start=61
+  _globals['_CONDITIONPARAMS']._serialized_end=158
+  _globals['_CONDITIONINPUT']._serialized_start=161
+  _globals['_CONDITIONINPUT']._serialized_end=313
+  _globals['_CONDITIONDONE']._serialized_start=315
+  _globals['_CONDITIONDONE']._serialized_end=371
+  _globals['_CONDITIONEVENT']._serialized_start=373
+  _globals['_CONDITIONEVENT']._serialized_end=483
+  _globals['_DECODEPARAMS']._serialized_start=486
+  _globals['_DECODEPARAMS']._serialized_end=630
+  _globals['_LATENTSSESSION']._serialized_start=632
+  _globals['_LATENTSSESSION']._serialized_end=685
+  _globals['_LATENTSCONTROL']._serialized_start=687
+  _globals['_LATENTSCONTROL']._serialized_end=756
+  _globals['_DECODEINPUT']._serialized_start=759
+  _globals['_DECODEINPUT']._serialized_end=905
+  _globals['_CLIPSENT']._serialized_start=907
+  _globals['_CLIPSENT']._serialized_end=999
+  _globals['_DECODEDONE']._serialized_start=1002
+  _globals['_DECODEDONE']._serialized_end=1268
+  _globals['_DECODEEVENT']._serialized_start=1271
+  _globals['_DECODEEVENT']._serialized_end=1418
+  _globals['_VAE']._serialized_start=1421
+  _globals['_VAE']._serialized_end=1780
 # @@protoc_insertion_point(module_scope)

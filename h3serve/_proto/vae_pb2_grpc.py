@@ -50,6 +50,11 @@ class VAEStub:
                 request_serializer=h3serve_dot_v1_dot_vae__pb2.LatentsControl.SerializeToString,
                 response_deserializer=h3serve_dot_v1_dot_vae__pb2.LatentsControl.FromString,
                 _registered_method=True)
+        self.EncodeConditions = channel.stream_stream(
+                '/h3serve.v1.VAE/EncodeConditions',
+                request_serializer=h3serve_dot_v1_dot_vae__pb2.ConditionInput.SerializeToString,
+                response_deserializer=h3serve_dot_v1_dot_vae__pb2.ConditionEvent.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/h3serve.v1.VAE/Status',
                 request_serializer=h3serve_dot_v1_dot_common__pb2.StatusRequest.SerializeToString,
@@ -86,6 +91,14 @@ class VAEServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EncodeConditions(self, request_iterator, context):
+        """The conditions of an fl2va / ref2va request encoded for the DiT. Client stream: ConditionParams, then
+        "condition.{i}" per kind, then end. Server stream: "condition.{i}" per kind (same index), then ConditionDone.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Status(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -109,6 +122,11 @@ def add_VAEServicer_to_server(servicer, server):
                     servicer.Control,
                     request_deserializer=h3serve_dot_v1_dot_vae__pb2.LatentsControl.FromString,
                     response_serializer=h3serve_dot_v1_dot_vae__pb2.LatentsControl.SerializeToString,
+            ),
+            'EncodeConditions': grpc.stream_stream_rpc_method_handler(
+                    servicer.EncodeConditions,
+                    request_deserializer=h3serve_dot_v1_dot_vae__pb2.ConditionInput.FromString,
+                    response_serializer=h3serve_dot_v1_dot_vae__pb2.ConditionEvent.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -197,6 +215,33 @@ class VAE:
             '/h3serve.v1.VAE/Control',
             h3serve_dot_v1_dot_vae__pb2.LatentsControl.SerializeToString,
             h3serve_dot_v1_dot_vae__pb2.LatentsControl.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EncodeConditions(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/h3serve.v1.VAE/EncodeConditions',
+            h3serve_dot_v1_dot_vae__pb2.ConditionInput.SerializeToString,
+            h3serve_dot_v1_dot_vae__pb2.ConditionEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -16,6 +16,8 @@ No torch, grpc or av imports here: every part of the system may import this modu
 
 from __future__ import annotations
 
+import hashlib
+import io
 import math
 import os
 import secrets
@@ -60,6 +62,13 @@ _EXTENSION_KIND = {
     **{e: "audio" for e in (".wav", ".flac", ".mp3", ".m4a", ".ogg", ".opus", ".aac")},
 }
 _DTYPE_ALIASES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
+
+# Media given as bytes (uploads, data URLs, gRPC bytes fields) and every media file: bounds checked before any
+# model work. Audio seconds are checked where the audio is decoded (the gateway; PyAV is not imported here).
+MAX_MEDIA_BYTES = {"image": 20 << 20, "audio": 20 << 20, "video": 100 << 20}
+MAX_IMAGE_PIXELS = 4096 * 4096
+MIN_IMAGE_SIDE = 16
+MAX_AUDIO_SECONDS = 60.0
 
 RAW_FIELDS = ("prompt", "task", "profile", "seconds", "num_frames", "width", "height", "size", "aspect", "seed",
               "steps", "fps", "first_image", "last_image", "references", "dtype")
@@ -155,6 +164,33 @@ DEFAULT_CANVAS = canvas_for_aspect((16, 9))   # 1344x768
 # ---------------------------------------------------------------------------------------------------------------
 # The request
 
+class Upload:
+    """Media given as bytes instead of a path: `field` is the caller's name for it (`input_reference`,
+    `audio_reference[0]`, ...), used in every error about it; `filename` is what the caller called the file."""
+
+    __slots__ = ("data", "field", "filename", "sha256")
+
+    def __init__(self, data: bytes, field: str, filename: str = ""):
+        self.data = bytes(data)
+        self.field = field
+        self.filename = filename
+        self.sha256 = hashlib.sha256(self.data).hexdigest()
+
+    def open(self) -> io.BytesIO:
+        return io.BytesIO(self.data)
+
+    def __repr__(self) -> str:
+        return f"<{self.field}: {len(self.data)} bytes{', ' + self.filename if self.filename else ''}>"
+
+    def __deepcopy__(self, memo):  # immutable: dataclasses.asdict keeps it as is
+        return self
+
+
+def media_source(value: "str | Upload"):
+    """What a decoder opens: the path, or the upload's bytes as a file object."""
+    return value.open() if isinstance(value, Upload) else value
+
+
 @dataclass(frozen=True)
 class ReferenceSpec:
     """One ref2va reference, in the order the model reads it.
@@ -163,7 +199,7 @@ class ReferenceSpec:
     sample_rate: the rate of an audio file or a video's soundtrack (None: read it from the file).
     """
     kind: str
-    path: str
+    path: "str | Upload"
     fps: float | None = None
     sample_rate: int | None = None
 
@@ -185,8 +221,8 @@ class GenerationRequest:
     seed: int = 0
     steps: int = DEFAULT_STEPS["base"]
     fps: int = FPS
-    first_image: str | None = None
-    last_image: str | None = None
+    first_image: "str | Upload | None" = None
+    last_image: "str | Upload | None" = None
     references: tuple[ReferenceSpec, ...] = ()
     dtype: str = DEFAULT_DTYPE
     # derived
@@ -225,6 +261,10 @@ class GenerationRequest:
         """JSON-ready dict of every field (derived ones included); references as dicts."""
         out = asdict(self)
         out["references"] = [asdict(r) for r in self.references]
+        for r in out["references"]:
+            r["path"] = repr(r["path"]) if isinstance(r["path"], Upload) else r["path"]
+        for key in ("first_image", "last_image"):
+            out[key] = repr(out[key]) if isinstance(out[key], Upload) else out[key]
         return out
 
 
@@ -285,14 +325,27 @@ def _choice(name: str, value: Any, choices: Sequence[str], aliases: Mapping[str,
     return key
 
 
-def _path(name: str, value: Any, what: str) -> str:
-    """An existing regular file, as a str path."""
+def _check_upload(name: str, upload: Upload, kind: str) -> Upload:
+    cap = MAX_MEDIA_BYTES[kind]
+    if not upload.data:
+        raise RequestError(upload.field or name, repr(upload), f"a non-empty {kind} file")
+    if len(upload.data) > cap:
+        raise RequestError(upload.field or name, repr(upload), f"a {kind} file of at most {cap:,} bytes")
+    return upload
+
+
+def _path(name: str, value: Any, what: str) -> "str | Upload":
+    """An existing regular file, as a str path, or an upload within the bounds of its kind."""
+    if isinstance(value, Upload):
+        return _check_upload(name, value, what)
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
     if not isinstance(value, str) or not value or "\x00" in value:
         raise RequestError(name, _brief(value), f"a path to an existing {what} file")
     if not os.path.isfile(value):
         raise RequestError(name, _brief(value), f"no such file: a path to an existing {what} file")
+    if os.path.getsize(value) > MAX_MEDIA_BYTES[what]:
+        raise RequestError(name, _brief(value), f"a {what} file of at most {MAX_MEDIA_BYTES[what]:,} bytes")
     return value
 
 
@@ -350,14 +403,20 @@ def _other_side(given: int, exact: float) -> int:
     return side
 
 
-def _image_size(name: str, path: str) -> tuple[int, int]:
+def _image_size(name: str, path: "str | Upload") -> tuple[int, int]:
+    """The image's size from its header (the pixels are not decoded), within the pixel bounds."""
+    name = path.field if isinstance(path, Upload) else name
+    shown = repr(path) if isinstance(path, Upload) else _brief(path)
     try:
-        with Image.open(path) as image:  # header only: Image.open does not decode the pixels
+        with Image.open(media_source(path)) as image:  # header only: Image.open does not decode the pixels
             width, height = image.size
     except Exception:  # noqa: BLE001 - any decoder failure means "not an image we can read"
-        raise RequestError(name, _brief(path), "a readable image file (PNG, JPEG, WebP, ...)") from None
-    if width <= 0 or height <= 0:
-        raise RequestError(name, _brief(path), "an image with a non-empty size")
+        raise RequestError(name, shown, "a readable image file (PNG, JPEG, WebP, ...)") from None
+    if width < MIN_IMAGE_SIDE or height < MIN_IMAGE_SIDE:
+        raise RequestError(name, f"{width}x{height}", f"an image with sides of at least {MIN_IMAGE_SIDE} pixels")
+    if width * height > MAX_IMAGE_PIXELS:
+        raise RequestError(name, f"{width}x{height}", f"an image of at most {MAX_IMAGE_PIXELS:,} pixels "
+                                                      f"(4096x4096); got {width * height:,}")
     return width, height
 
 
@@ -374,6 +433,8 @@ def _reference(index: int, item: Any) -> ReferenceSpec:
                                "allowed kind, path, fps, sample_rate")
         kind, path = item.get("kind"), item.get("path")
         fps, sample_rate = item.get("fps"), item.get("sample_rate")
+    elif isinstance(item, Upload):
+        kind, path, fps, sample_rate = None, item, None, None
     elif isinstance(item, (str, os.PathLike)):
         text = os.fspath(item)
         kind = None
@@ -386,7 +447,14 @@ def _reference(index: int, item: Any) -> ReferenceSpec:
         raise RequestError(name, _brief(item), f"{where}: a path, 'kind:path' or {{kind, path, fps, sample_rate}}")
     if isinstance(path, os.PathLike):
         path = os.fspath(path)
-    if not isinstance(path, str) or not path or "\x00" in path:
+    if isinstance(path, Upload):
+        name = where = path.field
+        if kind is None:
+            kind = _EXTENSION_KIND.get(os.path.splitext(path.filename)[1].lower())
+            if kind is None:
+                raise RequestError(name, repr(path), "kind must be given (image | video | audio); the file name "
+                                                     "does not say")
+    elif not isinstance(path, str) or not path or "\x00" in path:
         raise RequestError(name, _brief(item), f"{where}: a path to an existing media file")
     if kind is None:
         kind = _EXTENSION_KIND.get(os.path.splitext(path)[1].lower())
@@ -396,8 +464,14 @@ def _reference(index: int, item: Any) -> ReferenceSpec:
     if not isinstance(kind, str) or kind.lower() not in REFERENCE_KINDS:
         raise RequestError(name, _brief(kind), f"{where}: kind must be one of image | video | audio")
     kind = kind.lower()
-    if not os.path.isfile(path):
+    if isinstance(path, Upload):
+        _check_upload(name, path, kind)
+    elif not os.path.isfile(path):
         raise RequestError(name, _brief(path), f"{where}: no such file; a path to an existing {kind} file")
+    elif os.path.getsize(path) > MAX_MEDIA_BYTES[kind]:
+        raise RequestError(name, _brief(path), f"{where}: a {kind} file of at most {MAX_MEDIA_BYTES[kind]:,} bytes")
+    if kind == "image":
+        _image_size(where, path)
     if fps is not None:
         if kind != "video":
             raise RequestError(name, _brief(item), f"{where}: fps is only for video references")
@@ -415,7 +489,7 @@ def _reference(index: int, item: Any) -> ReferenceSpec:
 
 def _check_references(references: Any) -> tuple[ReferenceSpec, ...]:
     allowed = f"a list of 1..{MAX_REFERENCES} references (at most 9 images, 3 videos, 3 audio; not audio only)"
-    if isinstance(references, (str, bytes, os.PathLike, Mapping, ReferenceSpec)) \
+    if isinstance(references, (str, bytes, os.PathLike, Mapping, ReferenceSpec, Upload)) \
             or not isinstance(references, (list, tuple)):
         raise RequestError("references", _brief(references), allowed)
     if not 1 <= len(references) <= MAX_REFERENCES:
@@ -517,8 +591,10 @@ def validate_request(**raw: Any) -> GenerationRequest:
             raise RequestError("first_image", None, "task fl2va needs first_image and/or last_image")
         if get("first_image") is not None:
             first_image = _path("first_image", get("first_image"), "image")
+            _image_size("first_image", first_image)
         if get("last_image") is not None:
             last_image = _path("last_image", get("last_image"), "image")
+            _image_size("last_image", last_image)
     else:
         for name in ("first_image", "last_image"):
             if get(name) is not None:

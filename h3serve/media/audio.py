@@ -33,3 +33,21 @@ def read_audio_reference(path: str, max_samples: int, sample_rate: int) -> torch
     if pcm.shape[0] != 2:
         raise H3Error(f"references: audio {path} has {pcm.shape[0]} channels; mono or stereo only")
     return pcm.contiguous()
+
+
+def audio_seconds(source) -> float:
+    """Seconds of the first audio stream of a file (path or file object), from its header where it says, else by
+    counting the decoded samples."""
+    try:
+        with av.open(source) as container:
+            if not container.streams.audio:
+                raise H3Error("no audio stream")
+            stream = container.streams.audio[0]
+            if stream.duration is not None and stream.time_base is not None:
+                return float(stream.duration * stream.time_base)
+            if container.duration is not None:
+                return container.duration / 1e6
+            rate = int(stream.codec_context.sample_rate) or 1
+            return sum(f.samples for f in container.decode(stream)) / rate
+    except av.error.FFmpegError as exc:
+        raise H3Error(f"cannot decode audio: {exc}") from None

@@ -17,16 +17,24 @@ from h3serve.config.stage import StageConfig
 from h3serve.distributed.proxies import DiTEngineProxy
 from h3serve.errors import RequestError
 from h3serve.errortable import grpc_method
-from h3serve.models.dit.engine import DiTEngine, DiTRequest
+from h3serve.models import conditions as cond
+from h3serve.models.dit.engine import COMPONENT_FOR_TASK, DiTEngine, DiTRequest
 from h3serve.runtime.device import DTYPES, pick_device
 from h3serve.runtime.stage import StageBase
 from h3serve.transport.control import LATENTS_EDGE, ControlSender
 from h3serve.transport.grpc import GrpcStreamReceiver, iter_tensor_chunks
 from h3serve.weights.adapter import Adapter
+from h3serve.weights.folder import CheckpointFolder
 
 log = logging.getLogger("h3serve.dit")
 
-SERVED_TASKS = ("t2va",)  # what this RPC carries: text states only (no keyframe or reference latents)
+PROFILE_TASKS = {"base": ("t2va", "fl2va", "ref2va"), "fasth3": ("t2va",)}
+
+
+def served_tasks(profile: str, checkpoint) -> tuple[str, ...]:
+    """The profile's tasks whose DiT partition the checkpoint holds (ref2va needs `transformer_ref/`)."""
+    entries = set(CheckpointFolder(checkpoint, components=[]).components)
+    return tuple(t for t in PROFILE_TASKS.get(profile, ("t2va",)) if COMPONENT_FOR_TASK[t] in entries)
 
 
 def _unwrap(msg):
@@ -40,6 +48,7 @@ class DiTServicer(StageBase):
     def __init__(self, config: StageConfig, health=None):
         super().__init__(config, health)
         self.engine = None
+        self.tasks: tuple[str, ...] = ("t2va",)
         self.last_transport: dict | None = None   # the latents edge's last stream
 
     def register(self, server) -> None:
@@ -52,11 +61,15 @@ class DiTServicer(StageBase):
     def _load(self) -> None:
         c = self.config
         device = pick_device(c.device)
+        self.tasks = served_tasks(c.profile, c.checkpoint)
+        components = tuple(sorted({COMPONENT_FOR_TASK[t] for t in self.tasks}))
         if self.start_ranks() is not None:   # --ulysses x --ring: every rank loads (and fuses) the DiT itself
             self.engine = DiTEngineProxy(self.parallel)
+            # the ranks load the t2va / fl2va partition only (runtime/ranks.py)
+            self.tasks = tuple(t for t in self.tasks if COMPONENT_FOR_TASK[t] == "transformer")
         else:
             adapter = Adapter.open(c.adapter, c.adapter_sha256) if c.profile == "fasth3" else None
-            self.engine = DiTEngine.load(c.checkpoint, components=("transformer",), dtype=DTYPES[c.dtype],
+            self.engine = DiTEngine.load(c.checkpoint, components=components, dtype=DTYPES[c.dtype],
                                          device=device, profile=c.profile, adapter=adapter)
             if adapter is not None:
                 adapter.close()
@@ -68,7 +81,7 @@ class DiTServicer(StageBase):
             self.engine.generate(req)
 
     def info(self) -> dict:
-        return {**super().info(), "tasks": list(SERVED_TASKS),
+        return {**super().info(), "tasks": list(self.tasks),
                 "transport": self.transport.details(LATENTS_EDGE, self.last_transport)}
 
     @grpc_method("dit")
@@ -77,9 +90,15 @@ class DiTServicer(StageBase):
         if first is None or first.WhichOneof("input") != "params":
             raise RequestError("params", None, "the first message of a DiT stream carries the parameters")
         p = first.params
-        if (p.task or "t2va") not in SERVED_TASKS:   # no keyframe / reference latents travel on this RPC yet
-            raise RequestError("task", p.task, "the DiT service runs t2va (fl2va / ref2va run in the embedded "
-                                               "pipeline)")
+        task = p.task or "t2va"
+        if task not in self.tasks:
+            raise RequestError("task", p.task, f"this DiT serves {' | '.join(self.tasks)} (profile "
+                                               f"{self.config.profile})")
+        kinds = list(p.condition_kinds)
+        try:
+            cond.check_kinds(kinds, task)
+        except ValueError as exc:
+            raise RequestError("condition_kinds", kinds, str(exc)) from None
         scope = self.scope(context, p.request_id)
         try:
             tensors = {}
@@ -90,10 +109,19 @@ class DiTServicer(StageBase):
                     raise RequestError(name, None, "the DiT needs text_states (1, L, D) and text_tags (L,)")
             if p.profile != self.config.profile:
                 raise RequestError("profile", p.profile, f"this DiT serves profile {self.config.profile!r}")
+            missing = [f"condition.{i}" for i in range(len(kinds)) if f"condition.{i}" not in tensors]
+            if missing:
+                raise RequestError(missing[0], None, "one encoded condition per condition kind")
+            try:
+                c = cond.dit_conditions(kinds, [tensors[f"condition.{i}"] for i in range(len(kinds))], task)
+            except ValueError as exc:
+                raise RequestError("condition", None, str(exc)) from None
             req = DiTRequest(
                 text_states=tensors["text_states"], text_tags=tensors["text_tags"], latent_frames=p.latent_frames,
                 latent_h=p.latent_height, latent_w=p.latent_width, audio_latents=p.audio_latents, seed=int(p.seed),
-                task=p.task or "t2va", profile=p.profile, steps=p.steps or None)
+                task=task, profile=p.profile, steps=p.steps or None, anchors=c.anchors,
+                condition_latents=c.condition_latents, references=c.references,
+                reference_audio_rows=c.reference_audio_rows)
             t0 = time.perf_counter()
 
             def work(emit):

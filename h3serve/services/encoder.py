@@ -12,14 +12,22 @@ from h3serve.config.stage import StageConfig
 from h3serve.distributed.proxies import EncoderProxy
 from h3serve.errors import RequestError
 from h3serve.errortable import grpc_method
+from h3serve.models import conditions as cond
 from h3serve.models.encoder.model import TextEncoder
 from h3serve.runtime.device import DTYPES, pick_device
 from h3serve.runtime.stage import StageBase
-from h3serve.transport.grpc import iter_tensor_chunks
+from h3serve.transport.grpc import GrpcStreamReceiver, iter_tensor_chunks
+from h3serve.weights.folder import CheckpointFolder
 
 log = logging.getLogger("h3serve.encoder")
 
-SERVED_TASKS = ("t2va",)
+SERVED_TASKS = ("t2va",)              # Encode
+CONDITIONED_TASKS = ("fl2va", "ref2va")  # EncodeConditioned
+
+
+def _unwrap(msg):
+    kind = msg.WhichOneof("input")
+    return ("chunk", msg.chunk) if kind == "chunk" else ("end", msg.end) if kind == "end" else (kind, msg)
 
 
 class EncoderServicer(StageBase):
@@ -28,12 +36,15 @@ class EncoderServicer(StageBase):
     def __init__(self, config: StageConfig, health=None):
         super().__init__(config, health)
         self.encoder = None
+        self.short_edge = cond.DEFAULT_REFERENCE_SHORT_EDGE
 
     def register(self, server) -> None:
         encoder_pb2_grpc.add_EncoderServicer_to_server(self, server)
 
     def load(self) -> None:
         def load():
+            self.short_edge = cond.reference_short_edge(
+                CheckpointFolder(self.config.checkpoint, components=[]).pipeline_config)
             device = pick_device(self.config.device)
             if self.start_ranks() is not None:   # --encoder-tp: the decoder sharded over the stage's ranks
                 self.encoder = EncoderProxy(self.parallel)
@@ -55,9 +66,45 @@ class EncoderServicer(StageBase):
         if not request.prompt:
             raise RequestError("prompt", request.prompt, "a non-empty prompt")
         scope = self.scope(context, request.request_id)
+        yield from self._encode(scope, lambda: self.encoder.encode(request.prompt, task=request.task))
+
+    @grpc_method("encoder")
+    def EncodeConditioned(self, request_iterator, context):
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("input") != "params":
+            raise RequestError("params", None, "the first message of an EncodeConditioned stream carries the "
+                                               "parameters")
+        p = first.params
+        if p.task not in CONDITIONED_TASKS:
+            raise RequestError("task", p.task, "fl2va or ref2va (t2va: Encode)")
+        if not p.prompt:
+            raise RequestError("prompt", p.prompt, "a non-empty prompt")
+        kinds = list(p.kinds)
+        try:
+            cond.check_kinds(kinds, p.task)
+        except ValueError as exc:
+            raise RequestError("kinds", kinds, str(exc)) from None
+        tensors = {m.header.name: m.tensor for m in GrpcStreamReceiver(request_iterator, _unwrap,
+                                                                       edge="gateway->encoder")}
+        visual = [i for i, k in enumerate(kinds) if k in cond.VISUAL_KINDS]
+        missing = [f"condition.{i}" for i in visual if f"condition.{i}" not in tensors]
+        if missing:
+            raise RequestError(missing[0], None, "(H, W, 3) uint8 RGB, one per visual condition")
+        scope = self.scope(context, p.request_id)
+
+        def run():
+            images = cond.resize(kinds, [tensors[f"condition.{i}"].numpy() for i in visual], p.height, p.width,
+                                 self.short_edge)
+            images, refs = cond.encoder_inputs(kinds, images, p.task)
+            return self.encoder.encode(p.prompt, images=images, task=p.task, references=refs)
+
+        yield from self._encode(scope, run)
+
+    def _encode(self, scope, work):
+        """Run `work` (-> EncodedText) on the engine thread and stream the two tensors and EncodeDone."""
         try:
             t0 = time.perf_counter()
-            encoded = self.run_engine(scope, lambda: self.encoder.encode(request.prompt, task=request.task))
+            encoded = self.run_engine(scope, work)
             seconds = time.perf_counter() - t0
             scope.unit_done()
             for chunk in iter_tensor_chunks("text_states", encoded.states):

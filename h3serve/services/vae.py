@@ -21,14 +21,16 @@ from h3serve.config.stage import StageConfig
 from h3serve.distributed.proxies import VideoVAEProxy
 from h3serve.errors import RequestError
 from h3serve.errortable import NotFound, StageUnavailable, grpc_method
+from h3serve.models import conditions as cond
 from h3serve.models.vae.audio import AudioVAE
 from h3serve.models.vae.video import VideoVAE
 from h3serve.runtime.device import DTYPES, pick_device
 from h3serve.runtime.stage import StageBase
 from h3serve.transport.control import FRAMES_EDGE, LATENTS_EDGE, ControlReceiver
 from h3serve.transport.frames import open_sink
-from h3serve.transport.grpc import CHUNK_BYTES, GrpcStreamReceiver
+from h3serve.transport.grpc import CHUNK_BYTES, GrpcStreamReceiver, iter_tensor_chunks
 from h3serve.transport.nixl.probe import counters
+from h3serve.weights.folder import CheckpointFolder
 
 log = logging.getLogger("h3serve.vae")
 
@@ -64,6 +66,7 @@ class VAEServicer(StageBase):
         self._warned: set[str] = set()   # frame-edge fallback reasons already logged
         self._latents: dict[str, LatentsSession] = {}
         self._latents_lock = threading.Lock()
+        self.short_edge = cond.DEFAULT_REFERENCE_SHORT_EDGE
 
     def register(self, server) -> None:
         vae_pb2_grpc.add_VAEServicer_to_server(self, server)
@@ -78,6 +81,8 @@ class VAEServicer(StageBase):
                 "nixl": counters()}
 
     def _load(self) -> None:
+        self.short_edge = cond.reference_short_edge(
+            CheckpointFolder(self.config.checkpoint, components=[]).pipeline_config)
         device = pick_device(self.config.device)
         if self.start_ranks() is not None:   # --vae-pp: tiles decoded on every rank, stitched here (rank 0)
             self.video_vae = VideoVAEProxy(self.parallel)
@@ -93,6 +98,57 @@ class VAEServicer(StageBase):
     def Handshake(self, request, context):
         """Nothing to exchange ahead of a stream: grpc needs none, and nixl's handshake travels on Control."""
         return common_pb2.TransportHandshake(transport=request.transport, session_id=request.session_id)
+
+    @grpc_method("vae")
+    def EncodeConditions(self, request_iterator, context):
+        """fl2va keyframes / ref2va references -> the DiT's condition latents and audio rows, in order."""
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("input") != "params":
+            raise RequestError("params", None, "the first message of an EncodeConditions stream carries the "
+                                               "parameters")
+        p = first.params
+        kinds = list(p.kinds)
+        try:
+            cond.check_kinds(kinds, p.task)
+        except ValueError as exc:
+            raise RequestError("kinds", kinds, str(exc)) from None
+        tensors = {m.header.name: m.tensor for m in GrpcStreamReceiver(request_iterator, _unwrap,
+                                                                       edge="gateway->vae")}
+        for i, kind in enumerate(kinds):
+            t = tensors.get(f"condition.{i}")
+            ok = t is not None and (t.dtype == torch.float32 and t.ndim == 2 and t.shape[0] == 2 if kind == "audio"
+                                    else t.dtype == torch.uint8 and t.ndim == 3 and t.shape[2] == 3)
+            if not ok:
+                raise RequestError(f"condition.{i}", None if t is None else tuple(t.shape),
+                                   "(2, N) float32 PCM" if kind == "audio" else "(H, W, 3) uint8 RGB")
+        scope = self.scope(context, p.request_id)
+        try:
+            t0 = time.perf_counter()
+            encoded = self.run_engine(scope, lambda: self._encode_conditions(p, kinds, tensors))
+            seconds = time.perf_counter() - t0
+            for i, z in enumerate(encoded):
+                for chunk in iter_tensor_chunks(f"condition.{i}", z.float().contiguous()):
+                    yield vae_pb2.ConditionEvent(chunk=chunk)
+            yield vae_pb2.ConditionEvent(done=vae_pb2.ConditionDone(seconds=seconds,
+                                                                    peak_memory_mb=scope.peak_memory_mb))
+        except BaseException as exc:
+            self.finish(scope, exc)
+            raise
+        self.finish(scope)
+
+    def _encode_conditions(self, p, kinds, tensors) -> list[torch.Tensor]:
+        """On the engine thread: each image resized (models/conditions.py) and VAE-encoded, each PCM audio-VAE
+        encoded; in the order of `kinds`."""
+        visual = [i for i, k in enumerate(kinds) if k in cond.VISUAL_KINDS]
+        images = iter(cond.resize(kinds, [tensors[f"condition.{i}"].numpy() for i in visual], p.height, p.width,
+                                  self.short_edge))
+        out = []
+        for i, kind in enumerate(kinds):
+            if kind == "audio":
+                out.append(self.audio_vae.encode_reference(tensors[f"condition.{i}"].to(self.audio_vae.device)))
+            else:
+                out.append(self.video_vae.encode_keyframe(next(images)))
+        return out
 
     @grpc_method("vae")
     def Decode(self, request_iterator, context):

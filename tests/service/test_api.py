@@ -105,8 +105,8 @@ def test_http_deadline_header_and_query_validation(stack):
     stack.wait_idle("dit")
 
 
-def test_dit_refuses_tasks_its_rpc_cannot_carry(stack):
-    """fl2va needs keyframe latents, which the DiT RPC does not carry: a clear error naming `task`, not a t2va run."""
+def test_dit_refuses_a_conditioned_task_without_its_conditions(stack):
+    """fl2va needs keyframe latents: without them, a clear error naming condition_kinds, not a t2va run."""
     import grpc
 
     from h3serve._proto import common_pb2, dit_pb2, dit_pb2_grpc
@@ -119,4 +119,4 @@ def test_dit_refuses_tasks_its_rpc_cannot_carry(stack):
             for _ in dit_pb2_grpc.DiTStub(ch).Generate(iter(inputs), timeout=30):
                 pass
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "task" in err.value.details() and "fl2va" in err.value.details()
+    assert "condition_kinds" in err.value.details() and "fl2va" in err.value.details()

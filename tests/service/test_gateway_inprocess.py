@@ -79,7 +79,7 @@ def test_http_json_and_form_fields_map_to_the_same_request_as_proto():
     ({"size": "300x256"}, "size"),
     ({"fps": 30}, "fps"),
     ({"seed": -1}, "seed"),
-    ({"task": "fl2va"}, "task"),
+    ({"task": "fl2va"}, "first_image"),        # fl2va is served; its keyframe is missing
     ({"model": "another-model"}, "model"),
     ({"quality": "fast"}, "quality"),
     ({"prompt": ""}, "prompt"),
@@ -99,7 +99,7 @@ def test_bad_proto_fields_are_refused_naming_the_field(fields, field):
     ({"size": [320, 256]}, "size"),
     ({"extra_params": {"duration": 99}, "seconds": None}, "extra_params.duration"),
     ({"extra_params": {"duration": 5}}, "extra_params.duration"),       # with seconds: not both
-    ({"extra_params": {"task": "ref2va"}}, "extra_params.task"),
+    ({"extra_params": {"task": "ref2va"}}, "image_reference"),   # served; the references are missing
     ({"extra_params": {"task": "video"}}, "extra_params.task"),
     ({"extra_params": {"audio_flow_shift": 3}}, "extra_params.audio_flow_shift"),
     ({"extra_params": {"colour": "red"}}, "extra_params.colour"),
@@ -112,7 +112,7 @@ def test_bad_proto_fields_are_refused_naming_the_field(fields, field):
 def test_bad_http_fields_are_refused_naming_the_field(body, field):
     with pytest.raises(RequestError) as info:
         fields, names = fields_from_http(dict(REQUEST, **body))
-        validate_fields(fields, config=CONFIG, names=names)
+        validate_fields(fields, config=CONFIG, names=names, http=True)
     assert info.value.field == field, info.value
 
 

@@ -12,35 +12,46 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from h3serve.config.request import GenerationRequest, validate_request
+from h3serve.config.request import GenerationRequest, Upload, validate_request
 from h3serve.config.stage import StageConfig
 from h3serve.config.vocab import TASKS
 from h3serve.errors import RequestError
 
-SERVED_TASKS = ("t2va",)
+from .uploads import VIDEO_REFUSED, Conditions, decode_conditions, from_data_url
+
+SERVED_TASKS = {"base": ("t2va", "fl2va", "ref2va"), "fasth3": ("t2va",)}
 QUALITIES = ("lossless",)
 # model ids a deployment accepts per profile; the first is the one it reports
 MODEL_IDS = {"base": ("MiniMax-H3", "h3", "base"), "fasth3": ("FastH3", "fasth3")}
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-NOT_SERVED = "this deployment serves t2va (fl2va / ref2va run in the embedded pipeline)"
 
 # Fields of the APIs and the request field each one feeds (h3serve.config.request names).
 API_FIELDS = {"prompt": "prompt", "seconds": "seconds", "size": "size", "width": "width", "height": "height",
               "num_frames": "num_frames", "fps": "fps", "seed": "seed", "num_inference_steps": "steps",
-              "task": "task"}
+              "task": "task", "first_image": "first_image", "last_image": "last_image",
+              "references": "references"}
 NUMERIC_FIELDS = ("seconds", "width", "height", "num_frames", "fps", "seed", "num_inference_steps")
 PROTO_FIELDS = ("seconds", "size", "width", "height", "num_frames", "fps", "seed", "num_inference_steps", "task",
                 "quality", "model")
 
 # The videos API (HTTP): top-level fields, fields refused with the reason, and extra_params.
+# Media fields (a file upload, a data URL, or a list of them where repeatable): input_reference is OpenAI's (the
+# first frame: fl2va; an image reference when the task is ref2va); the *_reference fields are vLLM-Omni's (ref2va,
+# in the order given); first_image / last_image are H3's keyframes (fl2va).
+MEDIA_FIELDS = ("input_reference", "first_image", "last_image", "image_reference", "audio_reference",
+                "video_reference")
+REPEATABLE = ("image_reference", "audio_reference", "video_reference")
+# what the videos API calls a missing keyframe / missing references (errors name these)
+HTTP_NAMES = {"first_image": "input_reference", "references": "image_reference"}
+REFERENCE_KIND = {"image_reference": "image", "audio_reference": "audio", "video_reference": "video"}
 TOP_LEVEL = ("prompt", "seconds", "size", "width", "height", "num_frames", "fps", "seed", "num_inference_steps",
-             "quality", "model", "extra_params")
+             "quality", "model", "extra_params", *MEDIA_FIELDS)
 UNSUPPORTED = {
     "negative_prompt": "negative prompts are not supported by H3 serving",
     "guidance_scale": "guidance is fixed by the model's schedule",
     "flow_shift": "the flow shift is the checkpoint's",
-    "input_reference": "reference inputs (fl2va / ref2va) are not served over the API yet",
-    "input_references": "reference inputs (fl2va / ref2va) are not served over the API yet",
+    "input_references": "give one input_reference (the first frame), or image_reference / audio_reference for "
+                        "ref2va",
 }
 EXTRA_PARAMS = ("task", "duration")
 EXTRA_UNSUPPORTED = {"audio_flow_shift": "the audio flow shift is the checkpoint's"}
@@ -53,6 +64,7 @@ class Validated:
     request: GenerationRequest
     names: dict[str, str]        # request field -> the caller's field name
     model: str                   # the model id reported back
+    conditions: Conditions | None = None   # fl2va / ref2va: the decoded keyframes / references
 
 
 def short(value: Any) -> Any:
@@ -73,7 +85,50 @@ def fields_from_proto(msg) -> dict[str, Any]:
     for name in PROTO_FIELDS:
         if msg.HasField(name):
             out[name] = getattr(msg, name)
+    for name in ("first_image", "last_image"):
+        if msg.HasField(name):
+            out[name] = Upload(getattr(msg, name), name)
+    if msg.references:
+        out["references"] = [{"kind": r.kind or None, "path": Upload(r.data, f"references[{i}]", r.filename)}
+                             for i, r in enumerate(msg.references)]
     return out
+
+
+def _uploads(key: str, value: Any) -> list[Upload]:
+    """A media field's value (an Upload, a data URL, or a list of them where repeatable) as Uploads named after the
+    caller's field (`image_reference[1]` for the second of a list)."""
+    items = value if isinstance(value, list) else [value]
+    if len(items) > 1 and key not in REPEATABLE:
+        raise RequestError(key, f"{len(items)} files", "one file")
+    out = []
+    for i, item in enumerate(items):
+        name = f"{key}[{i}]" if isinstance(value, list) and key in REPEATABLE else key
+        if isinstance(item, Upload):
+            out.append(Upload(item.data, name, item.filename))
+        else:
+            out.append(from_data_url(name, item))
+    return out
+
+
+def _media(fields: dict[str, Any], media: list[tuple[str, Any]], task: Any) -> None:
+    """The media fields, in the order given, into first_image / last_image / references."""
+    references = []
+    ref2va = isinstance(task, str) and task.strip().lower() == "ref2va"
+    for key, value in media:
+        uploads = _uploads(key, value)
+        if key == "video_reference":
+            raise RequestError(uploads[0].field, repr(uploads[0]), VIDEO_REFUSED)
+        if key in REFERENCE_KIND or (key == "input_reference" and ref2va):
+            kind = REFERENCE_KIND.get(key, "image")
+            references += [{"kind": kind, "path": u} for u in uploads]
+        else:
+            name = "first_image" if key == "input_reference" else key
+            if name in fields:
+                raise RequestError(key, repr(uploads[0]), "input_reference is the first frame; give it or "
+                                                          "first_image, not both")
+            fields[name] = uploads[0]
+    if references:
+        fields["references"] = references
 
 
 def fields_from_http(body: Any) -> tuple[dict[str, Any], dict[str, str]]:
@@ -83,6 +138,7 @@ def fields_from_http(body: Any) -> tuple[dict[str, Any], dict[str, str]]:
         raise RequestError("body", short(body), "a JSON object of request fields")
     fields: dict[str, Any] = {}
     names: dict[str, str] = {}
+    media: list[tuple[str, Any]] = []
     for key, value in body.items():
         if not isinstance(key, str) or not key:
             raise RequestError("body", short(key), "non-empty string field names")
@@ -92,7 +148,10 @@ def fields_from_http(body: Any) -> tuple[dict[str, Any], dict[str, str]]:
             raise RequestError(key, short(value), "not supported: " + UNSUPPORTED[key])
         if key not in TOP_LEVEL:
             raise RequestError(key, short(value), "unknown field; allowed: " + ", ".join(TOP_LEVEL))
-        if key != "extra_params" and value is not None:
+        if key in MEDIA_FIELDS:
+            if value is not None and value != "" and value != []:
+                media.append((key, value))
+        elif key != "extra_params" and value is not None:
             fields[key] = value
     extra = body.get("extra_params")
     if isinstance(extra, str):   # a form field carries the object as JSON text
@@ -117,6 +176,7 @@ def fields_from_http(body: Any) -> tuple[dict[str, Any], dict[str, str]]:
                 if "seconds" in fields:
                     raise RequestError(name, short(value), "give seconds or extra_params.duration, not both")
                 fields["seconds"], names["seconds"] = value, name
+    _media(fields, media, fields.get("task"))
     return fields, names
 
 
@@ -139,13 +199,15 @@ def check_request_id(request_id: str | None) -> None:
 
 
 def validate_fields(fields: dict[str, Any], *, config: StageConfig,
-                    names: dict[str, str] | None = None) -> Validated:
+                    names: dict[str, str] | None = None, http: bool = False) -> Validated:
     """Validate the caller's fields (API names) into a GenerationRequest for this deployment.
 
     `names` maps request fields to the caller's spelling when it differs from API_FIELDS (e.g. task given as
     extra_params.task). Raises RequestError naming the caller's field."""
     api_names = {internal: api for api, internal in API_FIELDS.items()}
     api_names["profile"] = "model"   # the profile is the deployment's; a caller names it through `model`
+    if http:
+        api_names.update(HTTP_NAMES)
     api_names.update(names or {})
     check_types(fields)
     served = served_models(config)
@@ -156,9 +218,11 @@ def validate_fields(fields: dict[str, Any], *, config: StageConfig,
     if quality is not None and quality not in QUALITIES:
         raise RequestError("quality", short(quality),
                            "'lossless' (the only mode served: no step caching or sparse attention)")
+    served_tasks = SERVED_TASKS.get(config.profile, ("t2va",))
+    not_served = f"this deployment serves {' | '.join(served_tasks)} (profile {config.profile})"
     task = fields.get("task")
-    if isinstance(task, str) and task.strip().lower() in TASKS and task.strip().lower() not in SERVED_TASKS:
-        raise RequestError(api_names.get("task", "task"), task, NOT_SERVED)
+    if isinstance(task, str) and task.strip().lower() in TASKS and task.strip().lower() not in served_tasks:
+        raise RequestError(api_names.get("task", "task"), task, not_served)
     raw = {internal: fields[api] for api, internal in API_FIELDS.items()
            if api in fields and fields[api] is not None}
     raw["profile"] = config.profile
@@ -169,9 +233,9 @@ def validate_fields(fields: dict[str, Any], *, config: StageConfig,
         req = validate_request(**raw)
     except RequestError as exc:
         raise _renamed(exc, api_names) from None
-    if req.task not in SERVED_TASKS:
-        raise RequestError(api_names.get("task", "task"), req.task, NOT_SERVED)
-    return Validated(req, api_names, served[0])
+    if req.task not in served_tasks:
+        raise RequestError(api_names.get("task", "task"), req.task, not_served)
+    return Validated(req, api_names, served[0], decode_conditions(req))
 
 
 def _renamed(exc: RequestError, names: dict[str, str]) -> RequestError:

@@ -30,13 +30,15 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from h3serve.config.request import Upload
 from h3serve.errors import H3Error, RequestError
 from h3serve.errortable import NotReady, error_object, http_error
 
-from .fields import fields_from_http, short
+from .fields import MEDIA_FIELDS, REPEATABLE, fields_from_http, short
 from .jobs import Job
 from .orchestrate import Gateway
 from .sinks import FileSink
+from .uploads import LARGEST as LARGEST_UPLOAD
 
 JSON_BODY = {
     "type": "object",
@@ -84,11 +86,22 @@ async def read_body(request: Request) -> Any:
         body: dict[str, Any] = {}
         for key, value in form.multi_items():
             if not isinstance(value, str):   # an uploaded file
-                raise RequestError(key, getattr(value, "filename", "file"),
-                                   "file inputs are not supported over the API yet")
+                if key not in MEDIA_FIELDS:
+                    raise RequestError(key, getattr(value, "filename", "file"),
+                                       "a form field; files go in " + ", ".join(MEDIA_FIELDS))
+                data = await value.read(LARGEST_UPLOAD + 1)
+                value = Upload(data, key, value.filename or "")
+                if len(data) > LARGEST_UPLOAD:
+                    raise RequestError(key, repr(value), f"a file of at most {LARGEST_UPLOAD:,} bytes")
+            if key in REPEATABLE:
+                body.setdefault(key, []).append(value)
+                continue
             if key in body:
-                raise RequestError(key, value, "given once")
+                raise RequestError(key, short(value), "given once")
             body[key] = value
+        for key in REPEATABLE:
+            if len(body.get(key, ())) == 1:
+                body[key] = body[key][0]
         return body
     if ctype not in ("", "application/json"):
         raise RequestError("content-type", ctype, "application/json, multipart/form-data or "

@@ -2,6 +2,7 @@
 
 Two plans; which one runs is chosen once per request from the deployment's transport (`choose_plan`):
 
+    (fl2va / ref2va first: vae EncodeConditions ─► condition latents / audio rows kept here for the dit)
     relay   encoder ─► dit (latents back here) ─► muxer session ─► vae (latents sent from here) ─► fetch MP4
     direct  encoder ─► muxer session ─► vae announces a latents session ─► dit sends the latents there over
             VAE.Control (NIXL, or inline in that stream where NIXL cannot be used) ─► fetch the MP4
@@ -82,14 +83,55 @@ class StageCalls:
         self.t = job.timings
         self.t_latents: float | None = None   # the tail starts: last latent out of the DiT
 
+    def conditions(self) -> list[torch.Tensor]:
+        """vae: the request's decoded keyframes / references -> condition latents and audio rows, in model order
+        (nothing for t2va)."""
+        job, req, conds = self.job, self.job.request, self.job.validated.conditions
+        if conds is None:
+            return []
+        t0 = time.perf_counter()
+        params = vae_pb2.ConditionParams(request_id=job.id, task=req.task, width=req.width, height=req.height,
+                                         kinds=list(conds.kinds))
+        inputs = itertools.chain(
+            [vae_pb2.ConditionInput(params=params)],
+            (vae_pb2.ConditionInput(chunk=c) for i, t in enumerate(conds.tensors)
+             for c in iter_tensor_chunks(f"condition.{i}", t)),
+            [vae_pb2.ConditionInput(end=common_pb2.StreamEnd(tensors=len(conds.tensors)))])
+        chunks = []
+        for ev in self._call("vae", lambda: self.stages.vae.EncodeConditions(inputs, timeout=job.remaining())):
+            if ev.WhichOneof("event") == "chunk":
+                chunks.append(ev.chunk)
+            else:
+                self._peak(ev.done.peak_memory_mb)
+        encoded = collect_tensors(chunks, edge="vae->gateway")
+        out = []
+        for i in range(len(conds.kinds)):
+            if f"condition.{i}" not in encoded:
+                raise StageUnavailable("vae", f"the VAE returned no condition.{i}")
+            out.append(encoded[f"condition.{i}"])
+        self.t["conditions_s"] = time.perf_counter() - t0
+        return out
+
+    def _encode_call(self):
+        job, req, conds = self.job, self.job.request, self.job.validated.conditions
+        if conds is None:
+            return self.stages.encoder.Encode(
+                encoder_pb2.EncodeRequest(request_id=job.id, prompt=req.prompt, task=req.task),
+                timeout=job.remaining())
+        params = encoder_pb2.EncodeParams(request_id=job.id, prompt=req.prompt, task=req.task, width=req.width,
+                                          height=req.height, kinds=list(conds.kinds))
+        visual = [(i, t) for i, (k, t) in enumerate(zip(conds.kinds, conds.tensors)) if k != "audio"]
+        inputs = itertools.chain(
+            [encoder_pb2.EncodeInput(params=params)],
+            (encoder_pb2.EncodeInput(chunk=c) for i, t in visual for c in iter_tensor_chunks(f"condition.{i}", t)),
+            [encoder_pb2.EncodeInput(end=common_pb2.StreamEnd(tensors=len(visual)))])
+        return self.stages.encoder.EncodeConditioned(inputs, timeout=job.remaining())
+
     def encode(self) -> Tensors:
-        """encoder: prompt -> text states + tags."""
-        job, req = self.job, self.job.request
+        """encoder: prompt (+ keyframes / references) -> text states + tags."""
         t0 = time.perf_counter()
         chunks = []
-        for ev in self._call("encoder", lambda: self.stages.encoder.Encode(
-                encoder_pb2.EncodeRequest(request_id=job.id, prompt=req.prompt, task=req.task),
-                timeout=job.remaining())):
+        for ev in self._call("encoder", self._encode_call):
             kind = ev.WhichOneof("event")
             if kind == "chunk":
                 chunks.append(ev.chunk)
@@ -100,19 +142,24 @@ class StageCalls:
         self._progress("encoder", 1, 1, self.t["encoder_s"], P_ENCODER)
         return text
 
-    def denoise(self, text: Tensors, latents_sink: common_pb2.Sink | None = None) -> Tensors | None:
-        """dit: text + geometry + seed -> latents, one progress event per step. The latents come back here, or go
-        to `latents_sink` (a VAE latents session) when given; then this returns None."""
-        job, req = self.job, self.job.request
+    def denoise(self, text: Tensors, conditions: list[torch.Tensor] = (),
+                latents_sink: common_pb2.Sink | None = None) -> Tensors | None:
+        """dit: text (+ condition latents / audio rows) + geometry + seed -> latents, one progress event per step.
+        The latents come back here, or go to `latents_sink` (a VAE latents session) when given; then this returns
+        None."""
+        job, req, conds = self.job, self.job.request, self.job.validated.conditions
         params = dit_pb2.DiTParams(
             request_id=job.id, latent_frames=req.latent_frames, latent_height=req.latent_height,
             latent_width=req.latent_width, audio_latents=req.audio_latents, seed=req.seed, task=req.task,
-            profile=req.profile, steps=req.steps, latents_sink=latents_sink)
+            profile=req.profile, steps=req.steps, latents_sink=latents_sink,
+            condition_kinds=list(conds.kinds) if conds is not None else [])
         inputs = itertools.chain(
             [dit_pb2.DiTInput(params=params)],
             (dit_pb2.DiTInput(chunk=c) for c in iter_tensor_chunks("text_states", text["text_states"])),
             (dit_pb2.DiTInput(chunk=c) for c in iter_tensor_chunks("text_tags", text["text_tags"])),
-            [dit_pb2.DiTInput(end=common_pb2.StreamEnd(tensors=2))])
+            (dit_pb2.DiTInput(chunk=c) for i, z in enumerate(conditions)
+             for c in iter_tensor_chunks(f"condition.{i}", z)),
+            [dit_pb2.DiTInput(end=common_pb2.StreamEnd(tensors=2 + len(conditions)))])
         t0 = time.perf_counter()
         chunks = []
         for ev in self._call("dit", lambda: self.stages.dit.Generate(inputs, timeout=job.remaining())):
@@ -269,8 +316,9 @@ class StageCalls:
 
 def relay(calls: StageCalls) -> None:
     """The latents come back from the DiT and the gateway sends them to the VAE in its Decode stream."""
+    conditions = calls.conditions()
     text = calls.encode()
-    latents = calls.denoise(text)
+    latents = calls.denoise(text, conditions)
     with calls.mux_session() as session:
         decode = calls.open_decode(session, latents)
         calls.decoded(decode)
@@ -279,10 +327,11 @@ def relay(calls: StageCalls) -> None:
 
 def direct(calls: StageCalls) -> None:
     """The DiT sends the latents to the VAE over VAE.Control; the gateway relays no latent bytes."""
+    conditions = calls.conditions()
     text = calls.encode()
     with calls.mux_session() as session:
         decode = calls.open_decode(session, None)
-        calls.denoise(text, latents_sink=calls.latents_session(decode))
+        calls.denoise(text, conditions, latents_sink=calls.latents_session(decode))
         calls.decoded(decode)
         calls.fetch(session)
 
@@ -340,7 +389,7 @@ class Gateway:
                 timeout: float | None = None, request_id: str | None = None,
                 names: dict[str, str] | None = None) -> Job:
         """Validate; raise RequestError naming the caller's field. The job is not admitted yet."""
-        validated = validate_fields(fields, config=self.config, names=names)
+        validated = validate_fields(fields, config=self.config, names=names, http=kind == "http")
         check_request_id(request_id)
         return self.jobs.new(validated, kind=kind, sink_factory=sink_factory, timeout=timeout, request_id=request_id)
 

@@ -1,0 +1,118 @@
+"""The fl2va / ref2va condition recipe, written once for the embedded pipeline and the stages.
+
+A request's conditions are a list of kinds in the order the model reads them:
+
+    fl2va    "first" and/or "last"          keyframes, stretched / cover-cropped onto the canvas
+    ref2va   "image" | "audio", in request order   images at the reference short edge; audio as 32 kHz PCM
+
+The encoder turns the resized images into vision blocks (`encoder_inputs`); the VAE encodes each image into its
+condition latents and each audio reference into clean audio rows (the VAE stage, or the pipeline in process); the
+DiT gets those in the same order (`dit_conditions`). The same PIL resize runs in every process, so the encoder's and
+the VAE's inputs are the embedded pipeline's, pixel for pixel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+
+from h3serve.models.dit.layout import AudioRef, ImageRef
+from h3serve.models.encoder import presentation as pres
+
+KEYFRAME_KINDS = ("first", "last")
+VISUAL_KINDS = ("first", "last", "image")
+CONDITION_KINDS = ("first", "last", "image", "audio")
+DEFAULT_REFERENCE_SHORT_EDGE = 2048   # the released pipeline config's reference_image_short_edge
+
+
+def reference_short_edge(pipeline_config: dict) -> int:
+    """ref2va image references are encoded at this short edge (the checkpoint's pipeline config)."""
+    return int(pipeline_config.get("reference_image_short_edge", DEFAULT_REFERENCE_SHORT_EDGE))
+
+
+def check_kinds(kinds: Sequence[str], task: str) -> None:
+    """Kinds allowed for a task, in a valid order (ValueError otherwise)."""
+    bad = [k for k in kinds if k not in CONDITION_KINDS]
+    if bad:
+        raise ValueError(f"condition kinds must be among {CONDITION_KINDS}, got {bad}")
+    if task == "fl2va" and (not kinds or any(k not in KEYFRAME_KINDS for k in kinds)
+                            or list(kinds) not in (["first"], ["last"], ["first", "last"])):
+        raise ValueError(f"fl2va conditions are first and/or last keyframes (in that order), got {list(kinds)}")
+    if task == "ref2va" and (not kinds or any(k in KEYFRAME_KINDS for k in kinds)):
+        raise ValueError(f"ref2va conditions are image / audio references, got {list(kinds)}")
+    if task == "t2va" and kinds:
+        raise ValueError("t2va takes no conditions")
+
+
+def resize(kinds: Sequence[str], images: Sequence[Any], height: int, width: int, short_edge: int) -> list[Image.Image]:
+    """The visual conditions (one PIL / uint8 (H, W, 3) per visual kind, in order) resized as the model reads them:
+    the first keyframe (or a last one alone) stretched onto the canvas, a last one beside a first cover-cropped,
+    an image reference at `short_edge`."""
+    visual = [k for k in kinds if k in VISUAL_KINDS]
+    if len(visual) != len(images):
+        raise ValueError(f"{len(visual)} visual conditions, {len(images)} images")
+    out = []
+    for kind, image in zip(visual, images):
+        img = pres.to_pil(image).convert("RGB")
+        if kind == "image":
+            out.append(pres.resize_reference_image(img, short_edge=short_edge))
+        elif kind == "last" and "first" in kinds:
+            out.append(pres.resize_keyframe_last(img, height, width))
+        else:
+            out.append(pres.resize_keyframe_first(img, height, width))
+    return out
+
+
+def encoder_inputs(kinds: Sequence[str], resized: Sequence[Image.Image], task: str):
+    """(images, references) for `TextEncoder.encode`: fl2va keyframes as images, ref2va references in order."""
+    if task == "fl2va":
+        return list(resized), None
+    if task != "ref2va":
+        return [], None
+    refs, it = [], iter(resized)
+    for kind in kinds:
+        if kind == "image":
+            refs.append(pres.Reference(kind="image", image=next(it)))
+        elif kind == "audio":
+            refs.append(pres.Reference(kind="audio", has_audio=True))
+    return [], refs
+
+
+@dataclass
+class DiTConditions:
+    """What `DiTRequest` takes from the encoded conditions."""
+
+    anchors: tuple[str, ...]
+    condition_latents: list[torch.Tensor]      # (1, 24, t, h, w) each, visual conditions in order
+    references: list                           # ImageRef / AudioRef in request order (ref2va)
+    reference_audio_rows: list[torch.Tensor]   # (2 * A_ref, 32) each, audio references in order
+
+
+def dit_conditions(kinds: Sequence[str], encoded: Sequence[torch.Tensor], task: str) -> DiTConditions:
+    """The VAE's encodings (one per kind, in order: latents for a visual kind, rows for audio) as DiT inputs."""
+    if len(encoded) != len(kinds):
+        raise ValueError(f"{len(kinds)} conditions, {len(encoded)} encodings")
+    anchors = tuple(k for k in kinds if k in KEYFRAME_KINDS)
+    latents, refs, rows = [], [], []
+    for kind, z in zip(kinds, encoded):
+        if kind == "audio":
+            if z.ndim != 2 or z.shape[0] % 2:
+                raise ValueError(f"audio reference rows must be (2*A, C), got {tuple(z.shape)}")
+            rows.append(z)
+            refs.append(AudioRef(audio_latents=int(z.shape[0]) // 2))
+        else:
+            if z.ndim != 5 or z.shape[0] != 1:
+                raise ValueError(f"condition latents must be (1, C, t, h, w), got {tuple(z.shape)}")
+            latents.append(z)
+            if kind == "image":
+                refs.append(ImageRef(latent_h=int(z.shape[-2]), latent_w=int(z.shape[-1])))
+    return DiTConditions(anchors, latents, refs if task == "ref2va" else [], rows)
+
+
+def as_uint8_image(image: Any) -> np.ndarray:
+    """(H, W, 3) uint8 C-contiguous array of an RGB image (what travels between the stages)."""
+    return np.ascontiguousarray(np.asarray(pres.to_pil(image).convert("RGB"), dtype=np.uint8))

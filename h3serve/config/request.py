@@ -393,6 +393,21 @@ def _check_canvas(width: int, height: int, source: str | None = None) -> None:
                            f"got {width * height:,}")
 
 
+def snap_canvas(width: int, height: int) -> Canvas:
+    """A requested WxH on H3's canvas: kept when it is a valid canvas (sides multiples of 32 in [256, 2048], aspect
+    1:4..4:1, area <= 1,032,192), else the model's canvas for that aspect (`canvas_for_aspect`, the reference's
+    resolve_canvas_size): OpenAI's 1280x720 -> 1344x768, 720x1280 -> 768x1344, 1792x1024 -> 1344x768,
+    1024x1792 -> 768x1344. An aspect outside 1:4..4:1 raises RequestError naming `size`."""
+    try:
+        _check_canvas(width, height)
+        return Canvas(width, height)
+    except RequestError:
+        pass
+    if width <= 0 or height <= 0:
+        raise RequestError("size", f"{width}x{height}", "positive sides")
+    return canvas_for_aspect((width, height), field_name="size")
+
+
 def _other_side(given: int, exact: float) -> int:
     """The side that follows from the given one and the aspect: the nearest multiple of 32, or the one below when
     the nearest would push the area over the canvas max (height 768 at 16:9 -> 1344, not 1376)."""

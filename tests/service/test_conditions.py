@@ -242,3 +242,22 @@ def test_grpc_bad_keyframe_is_invalid_argument(cond_stack):
         with pytest.raises(RequestError) as info:
             client.generate(**BASE, references=[("image", SUBJECT), ("video", b"\x00" * 16)])
         assert info.value.field == "references[1]" and "torchvision" in str(info.value)
+
+
+def test_openai_sdk_input_reference_upload_is_the_first_frame(cond_stack, embedded_cond, media):
+    """The official SDK's multipart upload (`input_reference`) runs fl2va with it as the first keyframe."""
+    import openai
+
+    expected = embedded_cond(**BASE, first_image=media["first.png"])
+    sdk = openai.OpenAI(base_url=f"{cond_stack.http}/v1", api_key="unused", max_retries=0, timeout=120)
+    try:
+        with pytest.warns(DeprecationWarning):
+            video = sdk.videos.create_and_poll(
+                prompt=BASE["prompt"], size=BASE["size"], seconds="5",
+                input_reference=("first.png", FIRST, "image/png"),
+                extra_body={"seed": BASE["seed"], "num_inference_steps": BASE["num_inference_steps"]},
+                poll_interval_ms=100)
+            assert video.status == "completed", video
+            assert sdk.videos.download_content(video.id).read() == expected
+    finally:
+        sdk.close()

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from h3serve.config.request import GenerationRequest, Upload, validate_request
+from h3serve.config.request import FASTH3_STEPS, GenerationRequest, Upload, snap_canvas, validate_request
 from h3serve.config.stage import StageConfig
 from h3serve.config.vocab import TASKS
 from h3serve.errors import RequestError
@@ -45,11 +45,25 @@ REPEATABLE = ("image_reference", "audio_reference", "video_reference")
 HTTP_NAMES = {"first_image": "input_reference", "references": "image_reference"}
 REFERENCE_KIND = {"image_reference": "image", "audio_reference": "audio", "video_reference": "video"}
 TOP_LEVEL = ("prompt", "seconds", "size", "width", "height", "num_frames", "fps", "seed", "num_inference_steps",
-             "quality", "model", "extra_params", *MEDIA_FIELDS)
+             "quality", "model", "extra_params", "video_params", "user", "guidance_scale", "generate_sound",
+             "enable_frame_interpolation", *MEDIA_FIELDS)
+VIDEO_PARAMS = ("width", "height", "num_frames", "fps")   # vLLM-Omni's video_params block
+# Fields other APIs define whose only value H3 can honour is the one it always runs (anything else is refused).
+FIXED = {"guidance_scale": (1.0, "H3 is guidance-distilled (one forward per step, no CFG): only 1.0"),
+         "generate_sound": (True, "H3 always generates the soundtrack with the video: only true"),
+         "enable_frame_interpolation": (False, "the MP4 holds the model's 24 fps frames: only false")}
+GUIDANCE_FREE = "H3 is guidance-distilled (no negative branch, no CFG)"
 UNSUPPORTED = {
-    "negative_prompt": "negative prompts are not supported by H3 serving",
-    "guidance_scale": "guidance is fixed by the model's schedule",
-    "flow_shift": "the flow shift is the checkpoint's",
+    "negative_prompt": f"{GUIDANCE_FREE}, so a negative prompt has nothing to steer",
+    "true_cfg_scale": GUIDANCE_FREE,
+    "guidance_scale_2": GUIDANCE_FREE,
+    "boundary_ratio": "H3 has one DiT (no high/low-noise split)",
+    "flow_shift": "the flow shift is the checkpoint's (12 video / 3 audio), part of the trained schedule",
+    "sound_duration": "the soundtrack always spans the video (A = round(F / 24 * 40) latents)",
+    "frame_interpolation_exp": "no frame interpolation: the MP4 holds the model's 24 fps frames",
+    "frame_interpolation_scale": "no frame interpolation: the MP4 holds the model's 24 fps frames",
+    "frame_interpolation_model_path": "no frame interpolation: the MP4 holds the model's 24 fps frames",
+    "lora": "per-request LoRA is not supported (FastH3's adapter is fused at load; see profile fasth3)",
     "input_references": "give one input_reference (the first frame), or image_reference / audio_reference for "
                         "ref2va",
 }
@@ -65,6 +79,8 @@ class Validated:
     names: dict[str, str]        # request field -> the caller's field name
     model: str                   # the model id reported back
     conditions: Conditions | None = None   # fl2va / ref2va: the decoded keyframes / references
+    requested_size: str | None = None      # the caller's size when it was mapped onto H3's canvas
+    user: str | None = None                # OpenAI's end-user id, reported on the job
 
 
 def short(value: Any) -> Any:
@@ -151,7 +167,17 @@ def fields_from_http(body: Any) -> tuple[dict[str, Any], dict[str, str]]:
         if key in MEDIA_FIELDS:
             if value is not None and value != "" and value != []:
                 media.append((key, value))
+        elif key in FIXED:
+            _fixed(key, value)
+        elif key == "user":
+            if value is not None and (not isinstance(value, str) or len(value) > 256):
+                raise RequestError(key, short(value), "a string of at most 256 characters (recorded on the job)")
+            fields["user"] = value
+        elif key == "video_params":
+            _video_params(fields, names, value)
         elif key != "extra_params" and value is not None:
+            if key in fields:
+                raise RequestError(key, short(value), f"given both as {key} and video_params.{key}")
             fields[key] = value
     extra = body.get("extra_params")
     if isinstance(extra, str):   # a form field carries the object as JSON text
@@ -178,6 +204,44 @@ def fields_from_http(body: Any) -> tuple[dict[str, Any], dict[str, str]]:
                 fields["seconds"], names["seconds"] = value, name
     _media(fields, media, fields.get("task"))
     return fields, names
+
+
+def _fixed(key: str, value: Any) -> None:
+    """A field whose only honoured value is the one H3 always runs (a form sends it as text)."""
+    want, reason = FIXED[key]
+    if value is None:
+        return
+    text = value.strip().lower() if isinstance(value, str) else value
+    if isinstance(want, bool):
+        ok = text is want or text == str(want).lower()
+    else:
+        try:
+            ok = not isinstance(text, bool) and float(text) == want
+        except (TypeError, ValueError):
+            ok = False
+    if not ok:
+        raise RequestError(key, short(value), "not supported: " + reason)
+
+
+def _video_params(fields: dict[str, Any], names: dict[str, str], value: Any) -> None:
+    if isinstance(value, str):   # a form field carries the object as JSON text
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except ValueError:
+            raise RequestError("video_params", short(value), "a JSON object") from None
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise RequestError("video_params", short(value), "a JSON object of " + ", ".join(VIDEO_PARAMS))
+    for key, v in value.items():
+        if key not in VIDEO_PARAMS:
+            raise RequestError(f"video_params.{key}", short(v), "unknown; allowed: " + ", ".join(VIDEO_PARAMS))
+        if v is None:
+            continue
+        if key in fields:
+            raise RequestError(f"video_params.{key}", short(v), f"given both as {key} and video_params.{key}")
+        fields[key] = v
+        names[API_FIELDS[key]] = f"video_params.{key}"
 
 
 def check_types(fields: dict[str, Any]) -> None:
@@ -225,6 +289,10 @@ def validate_fields(fields: dict[str, Any], *, config: StageConfig,
         raise RequestError(api_names.get("task", "task"), task, not_served)
     raw = {internal: fields[api] for api, internal in API_FIELDS.items()
            if api in fields and fields[api] is not None}
+    requested = _snap_size(raw) if http else None
+    if (config.profile == "fasth3" and http and "steps" in raw
+            and str(raw["steps"]).strip() == str(FASTH3_STEPS - 1)):
+        raw["steps"] = FASTH3_STEPS   # vLLM-Omni counts FastH3's 4 denoising steps; here 5 grid points
     raw["profile"] = config.profile
     raw["dtype"] = config.dtype
     if "prompt" not in raw:
@@ -235,7 +303,24 @@ def validate_fields(fields: dict[str, Any], *, config: StageConfig,
         raise _renamed(exc, api_names) from None
     if req.task not in served_tasks:
         raise RequestError(api_names.get("task", "task"), req.task, not_served)
-    return Validated(req, api_names, served[0], decode_conditions(req))
+    return Validated(req, api_names, served[0], decode_conditions(req), requested, fields.get("user"))
+
+
+def _snap_size(raw: dict[str, Any]) -> str | None:
+    """OpenAI / vLLM-Omni sizes off H3's grid mapped onto its canvas (`snap_canvas`); returns the size asked for
+    when it changed."""
+    size = raw.get("size")
+    if not isinstance(size, str):
+        return None
+    parts = size.strip().lower().split("x")
+    if len(parts) != 2 or not all(p.strip().isdigit() and len(p.strip()) <= 5 for p in parts):
+        return None   # the validator names what is wrong
+    width, height = int(parts[0]), int(parts[1])
+    canvas = snap_canvas(width, height)
+    if (canvas.width, canvas.height) == (width, height):
+        return None
+    raw["size"] = f"{canvas.width}x{canvas.height}"
+    return f"{width}x{height}"
 
 
 def _renamed(exc: RequestError, names: dict[str, str]) -> RequestError:

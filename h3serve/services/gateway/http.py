@@ -8,6 +8,10 @@ and Prometheus metrics. A thin adapter over `Gateway` (orchestrate.py); errors l
     DELETE /v1/videos/{id}            cancel it if unfinished, and delete it and its MP4   -> deletion object
     POST   /v1/videos/{id}/cancel     cancel, keep the job (status failed, code cancelled) -> job object
     POST   /v1/videos/sync            create and wait; the MP4 is the response body        -> video/mp4
+    GET    /v1/videos/{id}/content?variant=thumbnail   the first frame as JPEG
+    GET    /v1/models                 the model ids served                                 -> list object
+    POST   /v1/videos/{id}/remix, /v1/videos/edits, /v1/videos/extensions, /v1/videos/characters
+                                      refused by name (400 unsupported): H3 has no edit path
     GET    /health  /ready  /metrics  liveness, readiness (every stage SERVING, not draining), Prometheus
 
 Request fields: prompt, seconds, size | width + height, num_frames, fps, seed, num_inference_steps, quality,
@@ -33,8 +37,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from h3serve.config.request import Upload
 from h3serve.errors import H3Error, RequestError
 from h3serve.errortable import NotReady, error_object, http_error
+from h3serve.media.thumbnail import first_frame_jpeg
 
-from .fields import MEDIA_FIELDS, REPEATABLE, fields_from_http, short
+from .fields import MEDIA_FIELDS, REPEATABLE, SERVED_TASKS, fields_from_http, served_models, short
 from .jobs import Job
 from .orchestrate import Gateway
 from .sinks import FileSink
@@ -67,9 +72,29 @@ REQUEST_BODY = {"requestBody": {"required": True, "content": {
 }}}
 
 
+# OpenAI's error `type` by HTTP status (the SDK reads `error.type`, `error.param`, `error.code`, `error.message`)
+def error_type(status: int) -> str:
+    if status == 429:
+        return "rate_limit_error"
+    if status == 404:
+        return "not_found_error"
+    return "invalid_request_error" if status < 500 else "server_error"
+
+
 def _error_response(exc: BaseException) -> JSONResponse:
     status, body = http_error(exc)
+    body["error"]["type"] = error_type(status)
     return JSONResponse(body, status_code=status)
+
+
+def _refusal(status: int, code: str, param: str | None, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"type": error_type(status), "code": code, "message": message, "field": param,
+                                   "param": param, "stage": None, "retryable": False}}, status_code=status)
+
+
+NO_EDITS = ("H3 generates from a prompt and keyframes / references; it has no video-to-video edit path, so {what} "
+            "is not served")
+VARIANTS = ("video", "thumbnail")
 
 
 async def read_body(request: Request) -> Any:
@@ -85,6 +110,14 @@ async def read_body(request: Request) -> Any:
             raise RequestError("body", type(exc).__name__, "a well-formed form") from None
         body: dict[str, Any] = {}
         for key, value in form.multi_items():
+            outer, sep, inner = key.partition("[")
+            if sep and inner.endswith("]") and "[" not in inner and isinstance(value, str):
+                # a nested object as OpenAI's SDK flattens it into form keys: extra_params[task], ...
+                nested = body.setdefault(outer, {})
+                if not isinstance(nested, dict) or inner[:-1] in nested:
+                    raise RequestError(key, short(value), "given once")
+                nested[inner[:-1]] = value
+                continue
             if not isinstance(value, str):   # an uploaded file
                 if key not in MEDIA_FIELDS:
                     raise RequestError(key, getattr(value, "filename", "file"),
@@ -143,6 +176,8 @@ def job_object(job: Job, gateway: Gateway) -> dict:
         "inference_time_s": round(t["t_client"], 6) if job.status == "completed" and "t_client" in t else None,
         "stage_durations": durations, "rtf": round(t["rtf_client"], 6) if "rtf_client" in t else None,
         "mp4_bytes": job.mp4_bytes or None, "sha256": job.sha256 or None,
+        "requested_size": job.validated.requested_size, "media_type": "video/mp4", "remixed_from_video_id": None,
+        "user": job.validated.user,
         # the largest of the stages' peaks (device allocator on a GPU, RSS on the CPU; each stage is a process)
         "peak_memory_mb": round(t["peak_memory_mb"], 1) if t.get("peak_memory_mb") else None,
     }
@@ -170,8 +205,7 @@ def create_app(gateway: Gateway) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return JSONResponse({"error": {"code": code, "message": str(exc.detail), "field": None, "param": None,
-                                       "stage": None, "retryable": False}}, status_code=exc.status_code)
+        return _refusal(exc.status_code, code, None, str(exc.detail))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
@@ -235,15 +269,41 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def get_video(video_id: str):
         return job_object(gateway.jobs.get(video_id), gateway)
 
-    @app.get("/v1/videos/{video_id}/content", summary="Download the MP4", response_class=FileResponse,
-             responses={200: {"content": {"video/mp4": {}}}})
-    async def get_content(video_id: str):
+    @app.get("/v1/models", summary="The model ids served")
+    async def list_models():
+        ids = served_models(gateway.config)
+        return {"object": "list", "data": [{"id": ids[0], "object": "model", "created": int(app.state.started),
+                                            "owned_by": "h3serve", "profile": gateway.config.profile,
+                                            "tasks": list(SERVED_TASKS.get(gateway.config.profile, ())),
+                                            "aliases": list(ids[1:])}]}
+
+    @app.post("/v1/videos/{video_id}/remix", summary="Refused: H3 has no edit path")
+    async def remix(video_id: str):
+        return _refusal(400, "unsupported", "remix", NO_EDITS.format(what="remix"))
+
+    for path, what in (("/v1/videos/edits", "edits"), ("/v1/videos/extensions", "extensions"),
+                       ("/v1/videos/characters", "characters")):
+        async def refuse(what=what):
+            return _refusal(400, "unsupported", what, NO_EDITS.format(what=what))
+
+        app.post(path, summary=f"Refused: {what}")(refuse)
+
+    @app.get("/v1/videos/{video_id}/content", summary="Download the MP4 (or its thumbnail)",
+             response_class=FileResponse,
+             responses={200: {"content": {"video/mp4": {}, "image/jpeg": {}}}})
+    async def get_content(video_id: str, variant: str = "video"):
+        if variant not in VARIANTS:
+            return _refusal(400, "unsupported", "variant",
+                            f"variant={variant!r} is not served: {' or '.join(VARIANTS)} (no spritesheet)")
         job = gateway.jobs.get(video_id)
         if job.status == "failed":
             raise NotReady(f"video {video_id} failed ({job.error.kind.code}): no content")
         if job.status != "completed" or not job.output_path or not os.path.exists(job.output_path):
             raise NotReady(f"video {video_id} is {job.status} ({int(job.progress)}%); content is ready when "
                            "status is completed")
+        if variant == "thumbnail":
+            jpeg = await asyncio.to_thread(first_frame_jpeg, job.output_path)
+            return Response(jpeg, media_type="image/jpeg")
         return FileResponse(job.output_path, media_type="video/mp4", filename=f"{video_id}.mp4")
 
     @app.delete("/v1/videos/{video_id}", summary="Cancel (if unfinished) and delete a video job")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from h3serve._proto import common_pb2 as h3serve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18h3serve/v1/encoder.proto\x12\nh3serve.v1\x1a\x17h3serve/v1/common.proto\"A\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x0c\n\x04task\x18\x03 \x01(\t\"n\n\x0c\x45ncodeParams\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x0c\n\x04task\x18\x03 \x01(\t\x12\r\n\x05width\x18\x04 \x01(\x05\x12\x0e\n\x06height\x18\x05 \x01(\x05\x12\r\n\x05kinds\x18\x06 \x03(\t\"\x92\x01\n\x0b\x45ncodeInput\x12*\n\x06params\x18\x01 \x01(\x0b\x32\x18.h3serve.v1.EncodeParamsH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.h3serve.v1.TensorChunkH\x00\x12$\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x15.h3serve.v1.StreamEndH\x00\x42\x07\n\x05input\"h\n\x0b\x45ncodeEvent\x12(\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x17.h3serve.v1.TensorChunkH\x00\x12&\n\x04\x64one\x18\x02 \x01(\x0b\x32\x16.h3serve.v1.EncodeDoneH\x00\x42\x07\n\x05\x65vent\"E\n\nEncodeDone\x12\x0e\n\x06tokens\x18\x01 \x01(\x03\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x16\n\x0epeak_memory_mb\x18\x03 \x01(\x01\x32\xd2\x01\n\x07\x45ncoder\x12>\n\x06\x45ncode\x12\x19.h3serve.v1.EncodeRequest\x1a\x17.h3serve.v1.EncodeEvent0\x01\x12I\n\x11\x45ncodeConditioned\x12\x17.h3serve.v1.EncodeInput\x1a\x17.h3serve.v1.EncodeEvent(\x01\x30\x01\x12<\n\x06Status\x12\x19.h3serve.v1.StatusRequest\x1a\x17.h3serve.v1.StageStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18h3serve/v1/encoder.proto\x12\nh3serve.v1\x1a\x17h3serve/v1/common.proto\"A\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x0c\n\x04task\x18\x03 \x01(\t\"n\n\x0c\x45ncodeParams\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x0c\n\x04task\x18\x03 \x01(\t\x12\r\n\x05width\x18\x04 \x01(\x05\x12\x0e\n\x06height\x18\x05 \x01(\x05\x12\r\n\x05kinds\x18\x06 \x03(\t\"\x92\x01\n\x0b\x45ncodeInput\x12*\n\x06params\x18\x01 \x01(\x0b\x32\x18.h3serve.v1.EncodeParamsH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.h3serve.v1.TensorChunkH\x00\x12$\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x15.h3serve.v1.StreamEndH\x00\x42\x07\n\x05input\"h\n\x0b\x45ncodeEvent\x12(\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x17.h3serve.v1.TensorChunkH\x00\x12&\n\x04\x64one\x18\x02 \x01(\x0b\x32\x16.h3serve.v1.EncodeDoneH\x00\x42\x07\n\x05\x65vent\"X\n\nEncodeDone\x12\x0e\n\x06tokens\x18\x01 \x01(\x03\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x16\n\x0epeak_memory_mb\x18\x03 \x01(\x01\x12\x11\n\tcache_hit\x18\x04 \x01(\x08\x32\xd2\x01\n\x07\x45ncoder\x12>\n\x06\x45ncode\x12\x19.h3serve.v1.EncodeRequest\x1a\x17.h3serve.v1.EncodeEvent0\x01\x12I\n\x11\x45ncodeConditioned\x12\x17.h3serve.v1.EncodeInput\x1a\x17.h3serve.v1.EncodeEvent(\x01\x30\x01\x12<\n\x06Status\x12\x19.h3serve.v1.StatusRequest\x1a\x17.h3serve.v1.StageStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,7 +41,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENCODEEVENT']._serialized_start=393
   _globals['_ENCODEEVENT']._serialized_end=497
   _globals['_ENCODEDONE']._serialized_start=499
-  _globals['_ENCODEDONE']._serialized_end=568
-  _globals['_ENCODER']._serialized_start=571
-  _globals['_ENCODER']._serialized_end=781
+  _globals['_ENCODEDONE']._serialized_end=587
+  _globals['_ENCODER']._serialized_start=590
+  _globals['_ENCODER']._serialized_end=800
 # @@protoc_insertion_point(module_scope)

@@ -52,11 +52,13 @@ class EncodeEvent(_message.Message):
     def __init__(self, chunk: _Optional[_Union[_common_pb2.TensorChunk, _Mapping]] = ..., done: _Optional[_Union[EncodeDone, _Mapping]] = ...) -> None: ...
 
 class EncodeDone(_message.Message):
-    __slots__ = ("tokens", "seconds", "peak_memory_mb")
+    __slots__ = ("tokens", "seconds", "peak_memory_mb", "cache_hit")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     PEAK_MEMORY_MB_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
     tokens: int
     seconds: float
     peak_memory_mb: float
-    def __init__(self, tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., peak_memory_mb: _Optional[float] = ...) -> None: ...
+    cache_hit: bool
+    def __init__(self, tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., peak_memory_mb: _Optional[float] = ..., cache_hit: _Optional[bool] = ...) -> None: ...

@@ -54,6 +54,8 @@ class StageConfig:
     ulysses: int = 1
     ring: int = 1
     vae_pp: int = 1
+    # encoder: bytes of encodings kept for repeated prompts / references (0: no cache)
+    encoder_cache_bytes: int = 512 << 20
     # vae
     frame_format: str = "yuv420p"    # what the VAE sends the muxer: yuv420p planes (1.5 B/px) or rgb24 (3 B/px)
     # muxer

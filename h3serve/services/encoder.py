@@ -13,7 +13,8 @@ from h3serve.distributed.proxies import EncoderProxy
 from h3serve.errors import RequestError
 from h3serve.errortable import grpc_method
 from h3serve.models import conditions as cond
-from h3serve.models.encoder.model import TextEncoder
+from h3serve.models.encoder.cache import EncodeCache, cache_key, checkpoint_identity
+from h3serve.models.encoder.model import DEFAULT_LAYER, TextEncoder
 from h3serve.runtime.device import DTYPES, pick_device
 from h3serve.runtime.stage import StageBase
 from h3serve.transport.grpc import GrpcStreamReceiver, iter_tensor_chunks
@@ -37,6 +38,8 @@ class EncoderServicer(StageBase):
         super().__init__(config, health)
         self.encoder = None
         self.short_edge = cond.DEFAULT_REFERENCE_SHORT_EDGE
+        self.cache = EncodeCache(config.encoder_cache_bytes)
+        self.identity = ""
 
     def register(self, server) -> None:
         encoder_pb2_grpc.add_EncoderServicer_to_server(self, server)
@@ -45,6 +48,7 @@ class EncoderServicer(StageBase):
         def load():
             self.short_edge = cond.reference_short_edge(
                 CheckpointFolder(self.config.checkpoint, components=[]).pipeline_config)
+            self.identity = checkpoint_identity(self.config.checkpoint)
             device = pick_device(self.config.device)
             if self.start_ranks() is not None:   # --encoder-tp: the decoder sharded over the stage's ranks
                 self.encoder = EncoderProxy(self.parallel)
@@ -66,7 +70,8 @@ class EncoderServicer(StageBase):
         if not request.prompt:
             raise RequestError("prompt", request.prompt, "a non-empty prompt")
         scope = self.scope(context, request.request_id)
-        yield from self._encode(scope, lambda: self.encoder.encode(request.prompt, task=request.task))
+        key = self._key(task=request.task, prompt=request.prompt)
+        yield from self._encode(scope, lambda: self.encoder.encode(request.prompt, task=request.task), key)
 
     @grpc_method("encoder")
     def EncodeConditioned(self, request_iterator, context):
@@ -98,22 +103,38 @@ class EncoderServicer(StageBase):
             images, refs = cond.encoder_inputs(kinds, images, p.task)
             return self.encoder.encode(p.prompt, images=images, task=p.task, references=refs)
 
-        yield from self._encode(scope, run)
+        key = self._key(task=p.task, prompt=p.prompt, width=p.width, height=p.height, kinds=kinds,
+                        images=[tensors[f"condition.{i}"] for i in visual])
+        yield from self._encode(scope, run, key)
 
-    def _encode(self, scope, work):
-        """Run `work` (-> EncodedText) on the engine thread and stream the two tensors and EncodeDone."""
+    def info(self) -> dict:
+        return {**super().info(), "cache": self.cache.snapshot()}
+
+    def _key(self, **parts) -> str:
+        return cache_key(identity=self.identity, dtype=self.config.dtype, layer=DEFAULT_LAYER,
+                         short_edge=self.short_edge, **parts)
+
+    def _encode(self, scope, work, key: str):
+        """The cached encoding for `key`, else run `work` (-> EncodedText) on the engine thread and keep it; stream
+        the two tensors and EncodeDone."""
         try:
             t0 = time.perf_counter()
-            encoded = self.run_engine(scope, work)
+            cached = self.cache.get(key) if self.cache.capacity else None
+            if cached is None:
+                encoded = self.run_engine(scope, work)
+                states, tags = (self.cache.put(key, encoded.states, encoded.tags) if self.cache.capacity
+                                else (encoded.states, encoded.tags))
+            else:
+                states, tags = cached
             seconds = time.perf_counter() - t0
             scope.unit_done()
-            for chunk in iter_tensor_chunks("text_states", encoded.states):
+            for chunk in iter_tensor_chunks("text_states", states):
                 yield encoder_pb2.EncodeEvent(chunk=chunk)
-            for chunk in iter_tensor_chunks("text_tags", encoded.tags):
+            for chunk in iter_tensor_chunks("text_tags", tags):
                 yield encoder_pb2.EncodeEvent(chunk=chunk)
-            yield encoder_pb2.EncodeEvent(done=encoder_pb2.EncodeDone(tokens=int(encoded.tags.shape[0]),
-                                                                      seconds=seconds,
-                                                                      peak_memory_mb=scope.peak_memory_mb))
+            yield encoder_pb2.EncodeEvent(done=encoder_pb2.EncodeDone(tokens=int(tags.shape[0]), seconds=seconds,
+                                                                      peak_memory_mb=scope.peak_memory_mb,
+                                                                      cache_hit=cached is not None))
         except BaseException as exc:
             self.finish(scope, exc)
             raise

@@ -145,7 +145,8 @@ def test_grpc_fields_never_crash_and_rejections_name_the_field(gateway_stub, pro
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (err.code(), err.details(), fields)
         md = dict(err.trailing_metadata() or ())
         assert md[MD_CODE] == "invalid_request"
-        assert md[MD_FIELD] in set(fields) | {"prompt"}, (md, fields)
+        # a given field, or one the task requires (fl2va: a keyframe; ref2va: references)
+        assert md[MD_FIELD] in set(fields) | {"prompt", "first_image", "references"}, (md, fields)
         assert md[MD_FIELD] in err.details()
         return
     event("OK")

@@ -38,6 +38,10 @@ class GatewayMetrics:
         self.latents_relayed_bytes = Counter(
             "h3serve_gateway_latents_bytes", "Latent bytes the gateway carried from the DiT to the VAE (0 while the "
             "dit->vae edge goes direct)", registry=r)
+        self.encoder_cache = Counter("h3serve_encoder_cache", "Encodes served from the encoder's cache (hit) or "
+                                     "computed (miss)", ["result"], registry=r)
+        for result in ("hit", "miss"):
+            self.encoder_cache.labels(result=result)
         self._transport_labels: dict[str, tuple] = {}
         for outcome in ("completed", "invalid_request", "queue_full", "draining", "stage_unavailable",
                         "deadline_exceeded", "cancelled", "stage_failed", "internal"):

@@ -137,6 +137,8 @@ class StageCalls:
                 chunks.append(ev.chunk)
             elif kind == "done":
                 self._peak(ev.done.peak_memory_mb)
+                self.metrics.encoder_cache.labels(result="hit" if ev.done.cache_hit else "miss").inc()
+                self.t["encoder_cache_hit"] = float(ev.done.cache_hit)
         text = collect_tensors(chunks, edge="encoder->gateway")
         self.t["encoder_s"] = time.perf_counter() - t0
         self._progress("encoder", 1, 1, self.t["encoder_s"], P_ENCODER)

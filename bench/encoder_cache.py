@@ -132,7 +132,7 @@ def main() -> None:
         enc.close()
 
         served = {}
-        base = dict(seconds=args.seconds, size=args.size, seed=0, num_inference_steps=args.steps)
+        base = dict(seconds=float(args.seconds), size=args.size, seed=0, num_inference_steps=args.steps)
         with Client(stack.serving["gateway"]["grpc"], timeout=600) as client:
             client.generate_sync(prompt="warm-up", **base)
             client.generate_sync(prompt="warm-up fl2va", first_image=first, last_image=last, **base)

@@ -191,6 +191,8 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="VAE -> muxer frame transport: grpc, or nixl (falls back to grpc with a warning when NIXL "
                         "cannot be loaded or the peers cannot connect)")
     p.add_argument("--model-name", default=None, help="gateway: model id reported and accepted in requests")
+    p.add_argument("--fasth3-dit", default=None, metavar="HOST:PORT",
+                   help="gateway of a base deployment: a FastH3 DiT pool (profile fasth3), used for model FastH3")
     p.add_argument("--encoder-cache-bytes", type=int, default=d.encoder_cache_bytes,
                    help="encoder: bytes of encodings cached for repeated prompts / references (0: off)")
     p.add_argument("--frame-format", default=d.frame_format, choices=("yuv420p", "rgb24"),

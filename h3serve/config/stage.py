@@ -49,6 +49,7 @@ class StageConfig:
     max_sync_bytes: int = 64 << 20
     transport: str = "grpc"
     model_name: str | None = None
+    fasth3_dit: str | None = None    # gateway of a base deployment: a FastH3 DiT pool, routed to by `model`
     # parallel degrees of the model stages (encoder TP, DiT Ulysses x Ring, VAE patch parallel): config/parallel.py
     encoder_tp: int = 1
     ulysses: int = 1

@@ -90,9 +90,31 @@ def short(value: Any) -> Any:
 
 
 def served_models(config: StageConfig) -> tuple[str, ...]:
-    """The model ids this deployment accepts in `model`; the first is the one it reports."""
+    """The model ids the deployment's own profile answers to in `model`; the first is the one it reports."""
     served = MODEL_IDS.get(config.profile, (config.profile,))
     return (config.model_name, *served) if config.model_name else served
+
+
+def served_pools(config: StageConfig) -> dict[str, tuple[str, ...]]:
+    """profile -> its model ids, for every pool behind this gateway: the deployment's profile, and a FastH3 DiT
+    pool when one is configured (`--fasth3-dit`) beside a base deployment. The first pool is the default."""
+    pools = {config.profile: served_models(config)}
+    if config.fasth3_dit and config.profile != "fasth3":
+        pools["fasth3"] = MODEL_IDS["fasth3"]
+    return pools
+
+
+def _pool(config: StageConfig, model: Any) -> tuple[str, str]:
+    """(profile, reported model id) of the pool a request's `model` names (None: the default pool)."""
+    pools = served_pools(config)
+    if model is None:
+        profile = next(iter(pools))
+        return profile, pools[profile][0]
+    for profile, ids in pools.items():
+        if model in ids:
+            return profile, ids[0]
+    listed = ", ".join(f"{ids[0]!r} (profile {p})" for p, ids in pools.items())
+    raise RequestError("model", short(model), f"this deployment serves {listed}")
 
 
 def fields_from_proto(msg) -> dict[str, Any]:
@@ -274,26 +296,23 @@ def validate_fields(fields: dict[str, Any], *, config: StageConfig,
         api_names.update(HTTP_NAMES)
     api_names.update(names or {})
     check_types(fields)
-    served = served_models(config)
-    model = fields.get("model")
-    if model is not None and model not in served:
-        raise RequestError("model", short(model), f"this deployment serves {served[0]!r} (profile {config.profile})")
+    profile, model_id = _pool(config, fields.get("model"))
     quality = fields.get("quality")
     if quality is not None and quality not in QUALITIES:
         raise RequestError("quality", short(quality),
                            "'lossless' (the only mode served: no step caching or sparse attention)")
-    served_tasks = SERVED_TASKS.get(config.profile, ("t2va",))
-    not_served = f"this deployment serves {' | '.join(served_tasks)} (profile {config.profile})"
+    served_tasks = SERVED_TASKS.get(profile, ("t2va",))
+    not_served = f"{model_id} serves {' | '.join(served_tasks)} (profile {profile})"
     task = fields.get("task")
     if isinstance(task, str) and task.strip().lower() in TASKS and task.strip().lower() not in served_tasks:
         raise RequestError(api_names.get("task", "task"), task, not_served)
     raw = {internal: fields[api] for api, internal in API_FIELDS.items()
            if api in fields and fields[api] is not None}
     requested = _snap_size(raw) if http else None
-    if (config.profile == "fasth3" and http and "steps" in raw
+    if (profile == "fasth3" and http and "steps" in raw
             and str(raw["steps"]).strip() == str(FASTH3_STEPS - 1)):
         raw["steps"] = FASTH3_STEPS   # vLLM-Omni counts FastH3's 4 denoising steps; here 5 grid points
-    raw["profile"] = config.profile
+    raw["profile"] = profile
     raw["dtype"] = config.dtype
     if "prompt" not in raw:
         raise RequestError("prompt", None, "a prompt is required")
@@ -303,7 +322,7 @@ def validate_fields(fields: dict[str, Any], *, config: StageConfig,
         raise _renamed(exc, api_names) from None
     if req.task not in served_tasks:
         raise RequestError(api_names.get("task", "task"), req.task, not_served)
-    return Validated(req, api_names, served[0], decode_conditions(req), requested, fields.get("user"))
+    return Validated(req, api_names, model_id, decode_conditions(req), requested, fields.get("user"))
 
 
 def _snap_size(raw: dict[str, Any]) -> str | None:

@@ -164,7 +164,8 @@ class StageCalls:
             [dit_pb2.DiTInput(end=common_pb2.StreamEnd(tensors=2 + len(conditions)))])
         t0 = time.perf_counter()
         chunks = []
-        for ev in self._call("dit", lambda: self.stages.dit.Generate(inputs, timeout=job.remaining())):
+        dit = self.stages.dits[req.profile]
+        for ev in self._call("dit", lambda: dit.Generate(inputs, timeout=job.remaining())):
             kind = ev.WhichOneof("event")
             if kind == "progress":
                 p = ev.progress
@@ -397,7 +398,7 @@ class Gateway:
 
     def submit(self, job: Job) -> Job:
         """Admit a job or refuse it at once: Draining, StageUnavailable (a stage not ready), QueueFull."""
-        return self.jobs.admit(job, self.stages.not_ready())
+        return self.jobs.admit(job, self.stages.not_ready(job.request.profile))
 
     def drain(self) -> None:
         """Stop admitting; queued jobs fail with Draining; health NOT_SERVING."""

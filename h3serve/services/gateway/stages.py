@@ -1,8 +1,15 @@
 """The gateway's view of the four stages: channels and stubs, a health monitor that keeps each stage's serving
-status (readiness = every stage SERVING), and the transport each NIXL-capable edge used last."""
+status (readiness = every stage SERVING), and the transport each NIXL-capable edge used last.
+
+A stage's address may name several replicas: `dns:///h3-encoder.ns.svc:50052` (a headless Service: every pod's
+address), `ipv4:10.0.0.1:50052,10.0.0.2:50052`, or one host:port. Each channel balances per call (round_robin over
+every resolved address) and health-checks each replica (gRPC client-side health checking on the standard Health
+service), so a replica that turns NOT_SERVING (draining) or goes away stops receiving calls while the others keep
+serving."""
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from typing import Callable
@@ -13,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from h3serve._proto import dit_pb2_grpc, encoder_pb2_grpc, muxer_pb2_grpc, vae_pb2_grpc
 from h3serve.config.stage import StageConfig
 from h3serve.config.vocab import PIPELINE_STAGES
-from h3serve.transport.grpc import insecure_channel
+from h3serve.transport.grpc import channel_options, insecure_channel
 
 from .metrics import GatewayMetrics
 
@@ -26,6 +33,14 @@ UNBOUND_HOSTS = ("", "0.0.0.0", "[::]")
 # TransportInfo that names none is the frame edge.
 EDGES = {"vae->muxer": "the VAE and the muxer", "dit->vae": "the DiT and the VAE"}
 FRAME_EDGE = "vae->muxer"
+FASTH3_DIT = "dit-fasth3"   # the FastH3 DiT pool's name in the stage status
+# per-call round robin over the resolved replicas, each health-checked (service "" = the server's overall status)
+BALANCED = json.dumps({"loadBalancingConfig": [{"round_robin": {}}], "healthCheckConfig": {"serviceName": ""}})
+
+
+def balanced_channel(target: str) -> grpc.Channel:
+    """A channel to every replica `target` resolves to, balanced per call over the SERVING ones."""
+    return grpc.insecure_channel(target, options=[*channel_options(), ("grpc.service_config", BALANCED)])
 
 
 def unbound(address: str) -> bool:
@@ -38,14 +53,22 @@ class StageClients:
 
     def __init__(self, config: StageConfig, on_change: Callable[[], None] = lambda: None):
         self.addresses = {s: getattr(config, s) for s in PIPELINE_STAGES}
-        self.channels = {s: insecure_channel(a) for s, a in self.addresses.items()}
+        if config.fasth3_dit and config.profile != "fasth3":   # a FastH3 DiT pool beside the base one
+            self.addresses[FASTH3_DIT] = config.fasth3_dit
+        self.channels = {s: balanced_channel(a) for s, a in self.addresses.items()}
+        # the health monitor's own channels: its Checks must not advance the request channels' round robin
+        self._health_channels = {s: balanced_channel(a) for s, a in self.addresses.items()}
         self.encoder = encoder_pb2_grpc.EncoderStub(self.channels["encoder"])
         self.dit = dit_pb2_grpc.DiTStub(self.channels["dit"])
+        # the DiT pool per profile: the deployment's own, and the FastH3 pool when configured
+        self.dits = {config.profile: self.dit}
+        if FASTH3_DIT in self.channels:
+            self.dits["fasth3"] = dit_pb2_grpc.DiTStub(self.channels[FASTH3_DIT])
         self.vae = vae_pb2_grpc.VAEStub(self.channels["vae"])
         self.muxer = muxer_pb2_grpc.MuxerStub(self.channels["muxer"])
         self._extra: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
-        self.status = {s: "UNKNOWN" for s in PIPELINE_STAGES}
+        self.status = {s: "UNKNOWN" for s in self.addresses}
         self.on_change = on_change
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._monitor, name="h3serve-health", daemon=True)
@@ -70,12 +93,14 @@ class StageClients:
     def ready(self) -> bool:
         return all(v == "SERVING" for v in self.status.values())
 
-    def not_ready(self) -> dict[str, str]:
-        """stage -> health, of the stages not SERVING."""
-        return {s: v for s, v in self.status.items() if v != "SERVING"}
+    def not_ready(self, profile: str | None = None) -> dict[str, str]:
+        """stage -> health, of the stages not SERVING (of those a request of `profile` uses, when given)."""
+        dit = FASTH3_DIT if profile == "fasth3" and FASTH3_DIT in self.status else "dit"
+        used = None if profile is None else {*PIPELINE_STAGES, dit} - ({"dit"} if dit != "dit" else set())
+        return {s: v for s, v in self.status.items() if v != "SERVING" and (used is None or s in used)}
 
     def _monitor(self) -> None:
-        stubs = {s: health_pb2_grpc.HealthStub(c) for s, c in self.channels.items()}
+        stubs = {s: health_pb2_grpc.HealthStub(c) for s, c in self._health_channels.items()}
         while not self._stop.is_set():
             changed = False
             for stage, stub in stubs.items():
@@ -94,7 +119,7 @@ class StageClients:
 
     def close(self) -> None:
         self._stop.set()
-        for c in [*self.channels.values(), *self._extra.values()]:
+        for c in [*self.channels.values(), *self._health_channels.values(), *self._extra.values()]:
             c.close()
 
 

@@ -1,0 +1,75 @@
+"""Base and FastH3 behind one gateway: a base deployment (`h3serve serve --stages all`) and a FastH3 DiT pool
+(`h3serve serve --stages dit --profile fasth3`) on the same machine, the gateway routing by `model`. Each pool's MP4
+is its embedded pipeline's; FastH3 keeps its contract (t2va only, its fixed schedule); `/v1/models` lists both."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from h3serve.client import Client
+from h3serve.errors import RequestError
+
+from .conftest import REQUEST, THREADS, Stack, embedded_request
+from .test_conditions import FIRST
+from .test_nixl_services import _LoneStage
+
+FAST = dict(prompt="a kite, fast", seconds=5, size="320x256", seed=1)
+
+
+@pytest.fixture(scope="module")
+def pools(tiny_checkpoint, tiny_adapter):
+    dit = _LoneStage("dit", "--checkpoint", str(tiny_checkpoint), "--profile", "fasth3", "--adapter",
+                     str(tiny_adapter.path), "--adapter-sha256", tiny_adapter.sha256, env={})
+    try:
+        s = Stack(tiny_checkpoint, "--fasth3-dit", dit.address, "--queue-size", "2")
+        s.wait_ready()
+        yield s
+        assert s.stop() == 0
+    finally:
+        dit.stop()
+
+
+def _embedded_fasth3(tiny_checkpoint, tiny_adapter, tmp_path) -> bytes:
+    import torch
+
+    from h3serve.config.request import validate_request
+    from h3serve.pipeline import Pipeline
+
+    pipe = Pipeline.load(tiny_checkpoint, profile="fasth3", adapter=str(tiny_adapter.path),
+                         adapter_sha256=tiny_adapter.sha256, dtype="fp32", device="cpu")
+    before = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    try:
+        pipe.generate(validate_request(**dict(FAST, profile="fasth3", dtype="fp32")), tmp_path / "fast.mp4")
+    finally:
+        torch.set_num_threads(before)
+    return (tmp_path / "fast.mp4").read_bytes()
+
+
+def test_model_routes_to_its_pool_and_each_equals_embedded(pools, embedded, tiny_checkpoint, tiny_adapter,
+                                                          tmp_path):
+    expected_fast = _embedded_fasth3(tiny_checkpoint, tiny_adapter, tmp_path)
+    with Client(pools.grpc, timeout=120) as client:
+        fast = client.generate_sync(**FAST, model="FastH3")
+        assert fast.accepted.profile == "fasth3" and fast.accepted.num_inference_steps == 5
+        assert fast.mp4 == expected_fast
+        base = client.generate_sync(**REQUEST)   # no model: the deployment's own (base) pool
+        assert base.accepted.profile == "base" and base.mp4 == embedded(**REQUEST)
+        with pytest.raises(RequestError) as info:      # FastH3 serves t2va only
+            client.generate(**FAST, model="FastH3", first_image=FIRST)
+        assert info.value.field == "task"
+        with pytest.raises(RequestError) as info:      # and its own schedule
+            client.generate(**FAST, model="FastH3", num_inference_steps=8)
+        assert info.value.field == "num_inference_steps"
+    r = httpx.post(f"{pools.http}/v1/videos", params={"validate_only": "true"},
+                   json={**FAST, "model": "fasth3", "num_inference_steps": 4}, timeout=30)
+    assert r.status_code == 200 and r.json()["num_inference_steps"] == 5 and r.json()["model"] == "FastH3"
+
+
+def test_models_lists_both_pools(pools):
+    data = httpx.get(f"{pools.http}/v1/models", timeout=10).json()["data"]
+    assert [(m["id"], m["profile"], m["tasks"]) for m in data] == [
+        ("MiniMax-H3", "base", ["t2va", "fl2va", "ref2va"]), ("FastH3", "fasth3", ["t2va"])]
+    ready = httpx.get(f"{pools.http}/ready", timeout=10).json()
+    assert ready["stages"]["dit-fasth3"] == "SERVING"

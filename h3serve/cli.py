@@ -193,6 +193,9 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-name", default=None, help="gateway: model id reported and accepted in requests")
     p.add_argument("--fasth3-dit", default=None, metavar="HOST:PORT",
                    help="gateway of a base deployment: a FastH3 DiT pool (profile fasth3), used for model FastH3")
+    p.add_argument("--fasth3-adapter", default=None,
+                   help="launcher of a base deployment: also run a FastH3 DiT pool with this adapter on this host")
+    p.add_argument("--fasth3-adapter-sha256", default=None)
     p.add_argument("--encoder-cache-bytes", type=int, default=d.encoder_cache_bytes,
                    help="encoder: bytes of encodings cached for repeated prompts / references (0: off)")
     p.add_argument("--frame-format", default=d.frame_format, choices=("yuv420p", "rgb24"),

@@ -50,6 +50,8 @@ class StageConfig:
     transport: str = "grpc"
     model_name: str | None = None
     fasth3_dit: str | None = None    # gateway of a base deployment: a FastH3 DiT pool, routed to by `model`
+    fasth3_adapter: str | None = None         # `h3serve serve` of a base deployment: also run that pool here
+    fasth3_adapter_sha256: str | None = None
     # parallel degrees of the model stages (encoder TP, DiT Ulysses x Ring, VAE patch parallel): config/parallel.py
     encoder_tp: int = 1
     ulysses: int = 1

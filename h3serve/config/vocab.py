@@ -8,6 +8,9 @@ PIPELINE_STAGES = ("encoder", "dit", "vae", "muxer")  # the stages a request flo
 MODEL_STAGES = ("encoder", "dit", "vae")               # the ones that load weights and run on GPUs
 STAGES = (*PIPELINE_STAGES, "gateway")                 # every process `h3serve serve` can run
 START_ORDER = ("muxer", "vae", "dit", "encoder", "gateway")
+# A FastH3 DiT pool beside a base deployment (`--fasth3-dit` of the gateway; `h3serve serve --fasth3-adapter`
+# runs it on the same host, on the base port + its offset)
+FASTH3_DIT = "dit-fasth3"
 SERVICE_NAMES = {"encoder": "h3serve.v1.Encoder", "dit": "h3serve.v1.DiT", "vae": "h3serve.v1.VAE",
                  "muxer": "h3serve.v1.Muxer", "gateway": "h3serve.v1.Gateway"}
 
@@ -25,7 +28,7 @@ HTTP_PORT = 8000
 DIST_PORT = 29500  # torch.distributed rendezvous (MASTER_PORT)
 # One host running several stages (`h3serve serve --stages all`, a colocated replica pod) puts the gateway on the
 # base gRPC port and each stage on the base port + its offset.
-PORT_OFFSETS = {"gateway": 0, "encoder": 1, "dit": 2, "vae": 3, "muxer": 4}
+PORT_OFFSETS = {"gateway": 0, "encoder": 1, "dit": 2, "vae": 3, "muxer": 4, FASTH3_DIT: 5}
 # grpc.health.v1 service the probes check: "" = the whole server, SERVING once the weights are loaded and one
 # warm-up pass ran, NOT_SERVING again while it drains.
 HEALTH_SERVICE = ""

@@ -25,7 +25,7 @@ from dataclasses import fields, replace
 from typing import Mapping
 
 from h3serve.config.stage import CONFIG_ENV, StageConfig, connect_host, service_config_values
-from h3serve.config.vocab import HTTP_PORT, MODEL_STAGES, PORT_OFFSETS, STAGES, START_ORDER
+from h3serve.config.vocab import FASTH3_DIT, HTTP_PORT, MODEL_STAGES, PORT_OFFSETS, STAGES, START_ORDER
 from h3serve.distributed.world import free_port
 from h3serve.errors import H3Error, RequestError
 from h3serve.runtime import ranks
@@ -63,6 +63,8 @@ def child_argv(config: StageConfig, stage: str, port: int, addresses: dict[str, 
         for s in MODEL_STAGES + ("muxer",):
             if s in addresses:
                 argv += [f"--{s}", addresses[s]]
+        if FASTH3_DIT in addresses:
+            argv += ["--fasth3-dit", addresses[FASTH3_DIT]]
         if http_port is not None:
             argv += ["--http-port", str(http_port)]
     return argv
@@ -75,7 +77,12 @@ class Launcher:
     def __init__(self, config: StageConfig, stages: list[str], *, base_port: int, http_port: int | None,
                  start_timeout: float, restart: bool, log_level: str, json_output: bool):
         self.config = config
+        if config.fasth3_adapter and "dit" in stages and config.profile == "base":
+            stages = [*stages, FASTH3_DIT]   # the FastH3 DiT pool beside the base one (gateway: --fasth3-dit)
         self.stages = stages
+        self.order = [s for s in START_ORDER if s in stages]
+        if FASTH3_DIT in stages:
+            self.order.insert(self.order.index("dit") + 1, FASTH3_DIT)
         self.start_timeout = start_timeout
         self.restart = restart
         self.log_level = log_level
@@ -94,7 +101,13 @@ class Launcher:
         self.stopping = threading.Event()
 
     def spawn(self, stage: str) -> subprocess.Popen:
-        argv = child_argv(self.config, stage, self.ports[stage], self.addresses, self.http_port, self.log_level)
+        if stage == FASTH3_DIT:
+            fast = replace(self.config, profile="fasth3", adapter=self.config.fasth3_adapter,
+                           adapter_sha256=self.config.fasth3_adapter_sha256, fasth3_adapter=None,
+                           fasth3_adapter_sha256=None)
+            argv = child_argv(fast, "dit", self.ports[stage], self.addresses, None, self.log_level)
+        else:
+            argv = child_argv(self.config, stage, self.ports[stage], self.addresses, self.http_port, self.log_level)
         env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"))
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, start_new_session=True)
         self.procs[stage] = proc
@@ -109,13 +122,10 @@ class Launcher:
         return out
 
     def start(self) -> bool:
-        for stage in START_ORDER:
-            if stage in self.stages:
-                self.spawn(stage)
+        for stage in self.order:
+            self.spawn(stage)
         end = time.monotonic() + self.start_timeout
-        for stage in START_ORDER:
-            if stage not in self.stages:
-                continue
+        for stage in self.order:
             proc = self.procs[stage]
             ok = wait_serving(self.addresses[stage], max(0.0, end - time.monotonic()),
                               alive=lambda p=proc: p.poll() is None)
@@ -170,7 +180,7 @@ class Launcher:
         """SIGTERM the gateway, wait for it to drain, then the stages; SIGKILL what overstays."""
         self.stopping.set()
         grace = self.config.grace_s
-        order = ["gateway"] + [s for s in START_ORDER if s != "gateway"]
+        order = ["gateway"] + [s for s in self.order if s != "gateway"]
         codes = {}
         for group in (["gateway"], [s for s in order if s != "gateway"]):
             live = [s for s in group if s in self.procs and self.procs[s].poll() is None]

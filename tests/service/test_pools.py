@@ -1,6 +1,6 @@
-"""Base and FastH3 behind one gateway: a base deployment (`h3serve serve --stages all`) and a FastH3 DiT pool
-(`h3serve serve --stages dit --profile fasth3`) on the same machine, the gateway routing by `model`. Each pool's MP4
-is its embedded pipeline's; FastH3 keeps its contract (t2va only, its fixed schedule); `/v1/models` lists both."""
+"""Base and FastH3 behind one gateway: one `h3serve serve --fasth3-adapter ...` runs the base stages and a FastH3
+DiT pool on this machine, the gateway routing by `model` (--fasth3-dit). Each pool's MP4 is its embedded
+pipeline's; FastH3 keeps its contract (t2va only, its fixed schedule); `/v1/models` lists both."""
 
 from __future__ import annotations
 
@@ -12,22 +12,17 @@ from h3serve.errors import RequestError
 
 from .conftest import REQUEST, THREADS, Stack, embedded_request
 from .test_conditions import FIRST
-from .test_nixl_services import _LoneStage
 
 FAST = dict(prompt="a kite, fast", seconds=5, size="320x256", seed=1)
 
 
 @pytest.fixture(scope="module")
 def pools(tiny_checkpoint, tiny_adapter):
-    dit = _LoneStage("dit", "--checkpoint", str(tiny_checkpoint), "--profile", "fasth3", "--adapter",
-                     str(tiny_adapter.path), "--adapter-sha256", tiny_adapter.sha256, env={})
-    try:
-        s = Stack(tiny_checkpoint, "--fasth3-dit", dit.address, "--queue-size", "2")
-        s.wait_ready()
-        yield s
-        assert s.stop() == 0
-    finally:
-        dit.stop()
+    s = Stack(tiny_checkpoint, "--fasth3-adapter", str(tiny_adapter.path), "--fasth3-adapter-sha256",
+              tiny_adapter.sha256, "--queue-size", "2")
+    s.wait_ready()
+    yield s
+    assert s.stop() == 0
 
 
 def _embedded_fasth3(tiny_checkpoint, tiny_adapter, tmp_path) -> bytes:
@@ -73,3 +68,5 @@ def test_models_lists_both_pools(pools):
         ("MiniMax-H3", "base", ["t2va", "fl2va", "ref2va"]), ("FastH3", "fasth3", ["t2va"])]
     ready = httpx.get(f"{pools.http}/ready", timeout=10).json()
     assert ready["stages"]["dit-fasth3"] == "SERVING"
+    serving = next(e for e in pools.events if e["event"] == "serving")
+    assert set(serving["stages"]) == {"encoder", "dit", "dit-fasth3", "vae", "muxer", "gateway"}

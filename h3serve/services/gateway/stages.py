@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from h3serve._proto import dit_pb2_grpc, encoder_pb2_grpc, muxer_pb2_grpc, vae_pb2_grpc
 from h3serve.config.stage import StageConfig
-from h3serve.config.vocab import PIPELINE_STAGES
+from h3serve.config.vocab import FASTH3_DIT, PIPELINE_STAGES
 from h3serve.transport.grpc import channel_options, insecure_channel
 
 from .metrics import GatewayMetrics
@@ -33,7 +33,6 @@ UNBOUND_HOSTS = ("", "0.0.0.0", "[::]")
 # TransportInfo that names none is the frame edge.
 EDGES = {"vae->muxer": "the VAE and the muxer", "dit->vae": "the DiT and the VAE"}
 FRAME_EDGE = "vae->muxer"
-FASTH3_DIT = "dit-fasth3"   # the FastH3 DiT pool's name in the stage status
 # per-call round robin over the resolved replicas, each health-checked (service "" = the server's overall status)
 BALANCED = json.dumps({"loadBalancingConfig": [{"round_robin": {}}], "healthCheckConfig": {"serviceName": ""}})
 

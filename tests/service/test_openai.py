@@ -122,3 +122,18 @@ def test_curl_multipart_with_flattened_extra_params(stack, embedded, tmp_path):
     r = subprocess.run([curl, "-sS", f"{stack.http}/v1/videos", "-F", "prompt=a kite",
                         "-F", "extra_params[colour]=red"], capture_output=True, text=True, timeout=30)
     assert json.loads(r.stdout)["error"]["param"] == "extra_params.colour"
+
+
+def test_a_body_past_the_bound_is_413_before_it_is_read(stack):
+    import socket
+    from urllib.parse import urlparse
+
+    from h3serve.services.gateway.http import MAX_BODY_BYTES
+
+    url = urlparse(stack.http)
+    with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
+        sock.sendall(f"POST /v1/videos HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {MAX_BODY_BYTES + 1}\r\n\r\n{{".encode())
+        head = sock.recv(65536).decode(errors="replace")
+    assert head.startswith("HTTP/1.1 413"), head[:200]
+    assert '"param":"body"' in head or "body" in head.split("\r\n\r\n", 1)[-1]

@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from h3serve.config.request import Upload
 from h3serve.errors import H3Error, RequestError
-from h3serve.errortable import NotReady, error_object, http_error
+from h3serve.errortable import NotReady, TooLarge, error_object, http_error
 from h3serve.media.thumbnail import first_frame_jpeg
 
 from .fields import MEDIA_FIELDS, REPEATABLE, SERVED_TASKS, fields_from_http, served_pools, short
@@ -97,7 +97,14 @@ NO_EDITS = ("H3 generates from a prompt and keyframes / references; it has no vi
 VARIANTS = ("video", "thumbnail")
 
 
+# A request body's bound: every reference at its largest (12 files of 20 MiB), base64-inflated in JSON
+MAX_BODY_BYTES = 12 * LARGEST_UPLOAD * 4 // 3 + (1 << 20)
+
+
 async def read_body(request: Request) -> Any:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise TooLarge(f"body: {int(length):,} bytes; a request body is at most {MAX_BODY_BYTES:,} bytes")
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype == "application/x-www-form-urlencoded":
         raw = await request.body()
@@ -139,7 +146,13 @@ async def read_body(request: Request) -> Any:
     if ctype not in ("", "application/json"):
         raise RequestError("content-type", ctype, "application/json, multipart/form-data or "
                                                   "application/x-www-form-urlencoded")
-    raw = await request.body()
+    raw = bytearray()
+    async for part in request.stream():   # bounded also without a Content-Length (chunked)
+        raw += part
+        if len(raw) > MAX_BODY_BYTES:
+            raise TooLarge(f"body: more than {MAX_BODY_BYTES:,} bytes; a request body is at most "
+                           f"{MAX_BODY_BYTES:,} bytes")
+    raw = bytes(raw)
     try:
         return json.loads(raw, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
     except (ValueError, UnicodeDecodeError, RecursionError):

@@ -15,7 +15,8 @@ and Prometheus metrics. A thin adapter over `Gateway` (orchestrate.py); errors l
     GET    /health  /ready  /metrics  liveness, readiness (every stage SERVING, not draining), Prometheus
 
 Request fields: prompt, seconds, size | width + height, num_frames, fps, seed, num_inference_steps, quality,
-model, extra_params {task, duration}. `?validate_only=true` validates and aligns without generating. The header
+model, extra_params {task, duration}, video_params, user, and the media fields input_reference, first_image,
+last_image, image_reference, audio_reference (docs/api.md; the OpenAI / vLLM-Omni mapping: docs/openai-compat.md). `?validate_only=true` validates and aligns without generating. The header
 `X-Request-Timeout: SECONDS` sets the request's deadline (default and upper bound: the server's request timeout).
 """
 
@@ -61,14 +62,26 @@ JSON_BODY = {
                                                                   "(N -> N-1 steps); base default 50, fasth3 5"},
         "quality": {"type": "string", "enum": ["lossless"]},
         "model": {"type": "string"},
-        "extra_params": {"type": "object", "properties": {"task": {"type": "string", "enum": ["t2va"]},
+        "extra_params": {"type": "object", "properties": {"task": {"type": "string",
+                                                                   "enum": ["t2va", "fl2va", "ref2va"]},
                                                           "duration": {"type": ["string", "number"]}}},
+        "video_params": {"type": "object", "description": "width, height, num_frames, fps (vLLM-Omni)"},
+        "user": {"type": "string"},
+        "input_reference": {"type": "string", "description": "the first frame (fl2va): a data URL here, a file "
+                                                             "in multipart; docs/api.md"},
+        "first_image": {"type": "string", "description": "fl2va first keyframe (data URL)"},
+        "last_image": {"type": "string", "description": "fl2va last keyframe (data URL)"},
+        "image_reference": {"type": ["string", "array"], "description": "ref2va image reference(s), data URLs"},
+        "audio_reference": {"type": ["string", "array"], "description": "ref2va audio reference(s) at 32 kHz"},
     },
 }
+FILE = {"type": "string", "format": "binary"}
 REQUEST_BODY = {"requestBody": {"required": True, "content": {
     "application/json": {"schema": JSON_BODY},
     "multipart/form-data": {"schema": {**JSON_BODY, "properties": {
-        **JSON_BODY["properties"], "extra_params": {"type": "string", "description": "a JSON object"}}}},
+        **JSON_BODY["properties"], "extra_params": {"type": "string", "description": "a JSON object"},
+        "input_reference": FILE, "first_image": FILE, "last_image": FILE,
+        "image_reference": {"type": "array", "items": FILE}, "audio_reference": {"type": "array", "items": FILE}}}},
 }}}
 
 
@@ -234,7 +247,7 @@ def create_app(gateway: Gateway) -> FastAPI:
     @app.post("/v1/videos", openapi_extra=REQUEST_BODY, summary="Create a video job")
     async def create_video(request: Request, validate_only: bool = False):
         fields, names = fields_from_http(await read_body(request))
-        job = new_job(fields, names, request, "http")
+        job = await asyncio.to_thread(new_job, fields, names, request, "http")   # decodes uploads off the loop
         if validate_only:
             obj = job_object(job, gateway)
             obj["status"], obj["object"] = "validated", "video.validation"
@@ -246,7 +259,7 @@ def create_app(gateway: Gateway) -> FastAPI:
               responses={200: {"content": {"video/mp4": {}}}})
     async def create_video_sync(request: Request):
         fields, names = fields_from_http(await read_body(request))
-        job = gateway.submit(new_job(fields, names, request, "http"))
+        job = gateway.submit(await asyncio.to_thread(new_job, fields, names, request, "http"))
         while not job.done.is_set():
             if await request.is_disconnected():
                 job.cancel("the HTTP client disconnected")

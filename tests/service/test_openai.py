@@ -137,3 +137,19 @@ def test_a_body_past_the_bound_is_413_before_it_is_read(stack):
         head = sock.recv(65536).decode(errors="replace")
     assert head.startswith("HTTP/1.1 413"), head[:200]
     assert '"param":"body"' in head or "body" in head.split("\r\n\r\n", 1)[-1]
+
+
+def test_sdk_input_reference_object_and_flattened_video_params(sdk):
+    """OpenAI's reference object `{"image_url": data URL}` (the SDK sends it as form keys `input_reference[image_url]`,
+    as it flattens `video_params`)."""
+    import base64
+
+    buf = io.BytesIO()
+    Image.new("RGB", (96, 64), (200, 30, 30)).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    video = sdk.videos.create(prompt="a kite", seconds="5",
+                              extra_body={"input_reference": {"image_url": url},
+                                          "video_params": {"width": 384, "height": 256}},
+                              extra_query={"validate_only": "true"})
+    job = video.model_dump()
+    assert (job["task"], job["size"]) == ("fl2va", "384x256"), job

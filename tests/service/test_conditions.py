@@ -21,7 +21,7 @@ from PIL import Image
 
 from h3serve.client import Client
 from h3serve.errors import RequestError
-from h3serve.testing.mp4check import check_mp4
+from h3serve.testing.mp4check import check_mp4, ffprobe_report
 
 from .conftest import THREADS, Stack, embedded_request
 
@@ -122,6 +122,10 @@ def _check(mp4: bytes, tmp_path, name: str, width: int = 320, height: int = 256)
     path = tmp_path / name
     path.write_bytes(mp4)
     check_mp4(path, expect_frames=124, fps=24, width=width, height=height, sample_rate=32000, channels=2)
+    probe = ffprobe_report(path)   # the system ffprobe, a decoder independent of our writer
+    assert (probe.video_codec, probe.pix_fmt, probe.width, probe.height, probe.frames) == \
+        ("h264", "yuv420p", width, height, 124), probe
+    assert (probe.audio_codec, probe.sample_rate, probe.channels) == ("aac", 32000, 2), probe
 
 
 def test_fl2va_grpc_multipart_and_data_urls_equal_embedded(cond_stack, embedded_cond, media, tmp_path):

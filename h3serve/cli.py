@@ -102,8 +102,7 @@ def _generate_remote(args: argparse.Namespace, t0: float) -> int:
     from h3serve.client import Client
 
     server_side = {"--device": args.device, "--adapter": args.adapter, "--adapter-sha256": args.adapter_sha256,
-                   "--first-image": args.first_image, "--last-image": args.last_image,
-                   "--reference": args.reference or None, "--checkpoint": args.checkpoint,
+                   "--checkpoint": args.checkpoint,
                    "--dtype": None if args.dtype == DEFAULT_DTYPE else args.dtype,
                    "--profile": None if args.profile == "base" else args.profile}
     given = [flag for flag, value in server_side.items() if value is not None]
@@ -111,7 +110,9 @@ def _generate_remote(args: argparse.Namespace, t0: float) -> int:
         raise H3Error(f"{', '.join(given)}: set on the server (h3serve serve), not with --server")
     fields = dict(seconds=float(args.seconds) if args.seconds is not None else None, size=args.size,
                   seed=int(args.seed) if args.seed is not None else None, task=args.task,
-                  num_inference_steps=int(args.steps) if args.steps is not None else None)
+                  num_inference_steps=int(args.steps) if args.steps is not None else None,
+                  first_image=args.first_image, last_image=args.last_image,   # the files' bytes go to the server
+                  references=args.reference or None)
     bar = None
     if not args.no_progress:
         from tqdm import tqdm

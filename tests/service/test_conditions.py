@@ -265,3 +265,21 @@ def test_openai_sdk_input_reference_upload_is_the_first_frame(cond_stack, embedd
             assert sdk.videos.download_content(video.id).read() == expected
     finally:
         sdk.close()
+
+
+def test_cli_generate_server_sends_the_reference_files(cond_stack, embedded_cond, media, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from .conftest import REPO
+
+    expected = embedded_cond(**BASE, references=[f"image:{media['subject.png']}", f"audio:{media['voice.wav']}"])
+    out = tmp_path / "cli.mp4"
+    r = subprocess.run([sys.executable, "-m", "h3serve.cli", "generate", "--server", cond_stack.grpc, "--prompt",
+                        BASE["prompt"], "--task", "ref2va", "--seconds", "5", "--size", "320x256", "--seed", "3",
+                        "--steps", "3", "--reference", f"image:{media['subject.png']}", "--reference",
+                        media["voice.wav"], "--no-progress", "--json", "-o", str(out)],
+                       capture_output=True, text=True, timeout=180, cwd=REPO, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert r.returncode == 0, r.stderr
+    assert out.read_bytes() == expected

@@ -197,6 +197,9 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fasth3-adapter", default=None,
                    help="launcher of a base deployment: also run a FastH3 DiT pool with this adapter on this host")
     p.add_argument("--fasth3-adapter-sha256", default=None)
+    p.add_argument("--tasks", default=d.tasks,
+                   help="tasks served: a comma list of t2va, fl2va, ref2va (ref2va: the DiT also loads "
+                        "transformer_ref/, as large as transformer/)")
     p.add_argument("--encoder-cache-bytes", type=int, default=d.encoder_cache_bytes,
                    help="encoder: bytes of encodings cached for repeated prompts / references (0: off)")
     p.add_argument("--frame-format", default=d.frame_format, choices=("yuv420p", "rgb24"),

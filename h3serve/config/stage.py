@@ -10,7 +10,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from h3serve.config.spec import ServiceConfig
-from h3serve.config.vocab import DEFAULT_DTYPE, MODEL_STAGES, PIPELINE_STAGES, PORT_OFFSETS
+from h3serve.config.vocab import (
+    DEFAULT_DTYPE,
+    DEFAULT_TASKS,
+    MODEL_STAGES,
+    PIPELINE_STAGES,
+    PORT_OFFSETS,
+    PROFILE_TASKS,
+    TASKS,
+)
+from h3serve.errors import H3Error
 
 CONFIG_ENV = "H3SERVE_CONFIG"  # path of the mounted ServiceConfig
 
@@ -57,6 +66,7 @@ class StageConfig:
     ulysses: int = 1
     ring: int = 1
     vae_pp: int = 1
+    tasks: str = DEFAULT_TASKS       # comma list the DiT loads partitions for and the gateway admits
     # encoder: bytes of encodings kept for repeated prompts / references (0: no cache)
     encoder_cache_bytes: int = 512 << 20
     # vae
@@ -73,6 +83,15 @@ class StageConfig:
     def from_service_config(cls, service_config: dict, stage: str) -> "StageConfig":
         """The StageConfig of `stage` in a deployment rendered as `service_config` (`ServiceConfig.to_dict()`)."""
         return cls(**service_config_values(service_config, stage))
+
+    def tasks_for(self, profile: str | None = None) -> tuple[str, ...]:
+        """The tasks served for `profile` (default: this config's): --tasks within what the profile can run."""
+        wanted = [t.strip().lower() for t in self.tasks.split(",") if t.strip()]
+        bad = [t for t in wanted if t not in TASKS]
+        if bad or not wanted:
+            raise H3Error(f"--tasks={self.tasks!r} is invalid: a comma list of {', '.join(TASKS)}")
+        allowed = PROFILE_TASKS.get(profile or self.profile, ("t2va",))
+        return tuple(t for t in TASKS if t in wanted and t in allowed) or ("t2va",)
 
     @property
     def address(self) -> str:

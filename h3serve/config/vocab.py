@@ -17,6 +17,10 @@ SERVICE_NAMES = {"encoder": "h3serve.v1.Encoder", "dit": "h3serve.v1.DiT", "vae"
 # ---- what a request may ask for, and how the engines run ------------------------------------------------------
 TASKS = ("t2va", "fl2va", "ref2va")
 PROFILES = ("base", "fasth3")
+PROFILE_TASKS = {"base": TASKS, "fasth3": ("t2va",)}   # FastH3 is distilled for t2va only
+# What a deployment serves unless told (--tasks): ref2va needs the DiT's second partition (transformer_ref/, as
+# large as the first), so it is loaded only where asked for.
+DEFAULT_TASKS = "t2va,fl2va"
 DTYPES = ("fp32", "bf16")
 # The engines' dtype when nobody names one (the embedded pipeline, `h3serve serve`, `h3serve generate`, a request
 # without dtype): fp32, what the pipeline and the services have always run in; the operator's GPU pods set bf16.

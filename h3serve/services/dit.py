@@ -28,13 +28,10 @@ from h3serve.weights.folder import CheckpointFolder
 
 log = logging.getLogger("h3serve.dit")
 
-PROFILE_TASKS = {"base": ("t2va", "fl2va", "ref2va"), "fasth3": ("t2va",)}
-
-
-def served_tasks(profile: str, checkpoint) -> tuple[str, ...]:
-    """The profile's tasks whose DiT partition the checkpoint holds (ref2va needs `transformer_ref/`)."""
-    entries = set(CheckpointFolder(checkpoint, components=[]).components)
-    return tuple(t for t in PROFILE_TASKS.get(profile, ("t2va",)) if COMPONENT_FOR_TASK[t] in entries)
+def served_tasks(config: StageConfig) -> tuple[str, ...]:
+    """--tasks within the profile, whose DiT partition the checkpoint holds (ref2va needs `transformer_ref/`)."""
+    entries = set(CheckpointFolder(config.checkpoint, components=[]).components)
+    return tuple(t for t in config.tasks_for() if COMPONENT_FOR_TASK[t] in entries)
 
 
 def _unwrap(msg):
@@ -61,7 +58,7 @@ class DiTServicer(StageBase):
     def _load(self) -> None:
         c = self.config
         device = pick_device(c.device)
-        self.tasks = served_tasks(c.profile, c.checkpoint)
+        self.tasks = served_tasks(c)
         components = tuple(sorted({COMPONENT_FOR_TASK[t] for t in self.tasks}))
         if self.start_ranks() is not None:   # --ulysses x --ring: every rank loads (and fuses) the DiT itself
             self.engine = DiTEngineProxy(self.parallel)

@@ -84,7 +84,7 @@ def ckpt(tiny_checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cond_stack(ckpt):
-    s = Stack(ckpt, "--queue-size", "2", "--max-inflight", "1", "--grace-s", "10")
+    s = Stack(ckpt, "--queue-size", "2", "--max-inflight", "1", "--grace-s", "10", "--tasks", "t2va,fl2va,ref2va")
     yield s
     assert s.stop() == 0
 

@@ -55,3 +55,17 @@ def test_data_urls():
         with pytest.raises(RequestError) as info:
             from_data_url("input_reference", bad)
         assert info.value.field == "input_reference"
+
+
+def test_tasks_follow_the_servers_tasks_and_the_profile():
+    import dataclasses
+
+    assert BASE.tasks_for() == ("t2va", "fl2va") and FAST.tasks_for() == ("t2va",)
+    with pytest.raises(RequestError) as info:
+        _validate({"prompt": "a kite", "extra_params": {"task": "ref2va"}})
+    assert info.value.field == "extra_params.task" and "--tasks" in str(info.value)
+    full = dataclasses.replace(BASE, tasks="t2va,fl2va,ref2va")
+    assert full.tasks_for() == ("t2va", "fl2va", "ref2va") and full.tasks_for("fasth3") == ("t2va",)
+    with pytest.raises(RequestError) as info:   # served now: what is missing is the references
+        _validate({"prompt": "a kite", "extra_params": {"task": "ref2va"}}, full)
+    assert info.value.field == "image_reference"

@@ -99,7 +99,7 @@ def test_bad_proto_fields_are_refused_naming_the_field(fields, field):
     ({"size": [320, 256]}, "size"),
     ({"extra_params": {"duration": 99}, "seconds": None}, "extra_params.duration"),
     ({"extra_params": {"duration": 5}}, "extra_params.duration"),       # with seconds: not both
-    ({"extra_params": {"task": "ref2va"}}, "image_reference"),   # served; the references are missing
+    ({"extra_params": {"task": "ref2va"}}, "extra_params.task"),   # not in the default --tasks
     ({"extra_params": {"task": "video"}}, "extra_params.task"),
     ({"extra_params": {"audio_flow_shift": 3}}, "extra_params.audio_flow_shift"),
     ({"extra_params": {"colour": "red"}}, "extra_params.colour"),

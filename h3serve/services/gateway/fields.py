@@ -19,7 +19,6 @@ from h3serve.errors import RequestError
 
 from .uploads import VIDEO_REFUSED, Conditions, decode_conditions, from_data_url
 
-SERVED_TASKS = {"base": ("t2va", "fl2va", "ref2va"), "fasth3": ("t2va",)}
 QUALITIES = ("lossless",)
 # model ids a deployment accepts per profile; the first is the one it reports
 MODEL_IDS = {"base": ("MiniMax-H3", "h3", "base"), "fasth3": ("FastH3", "fasth3")}
@@ -301,8 +300,8 @@ def validate_fields(fields: dict[str, Any], *, config: StageConfig,
     if quality is not None and quality not in QUALITIES:
         raise RequestError("quality", short(quality),
                            "'lossless' (the only mode served: no step caching or sparse attention)")
-    served_tasks = SERVED_TASKS.get(profile, ("t2va",))
-    not_served = f"{model_id} serves {' | '.join(served_tasks)} (profile {profile})"
+    served_tasks = config.tasks_for(profile)
+    not_served = f"{model_id} serves {' | '.join(served_tasks)} (profile {profile}; the server's --tasks)"
     task = fields.get("task")
     if isinstance(task, str) and task.strip().lower() in TASKS and task.strip().lower() not in served_tasks:
         raise RequestError(api_names.get("task", "task"), task, not_served)

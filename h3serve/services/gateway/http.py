@@ -40,7 +40,7 @@ from h3serve.errors import H3Error, RequestError
 from h3serve.errortable import NotReady, TooLarge, error_object, http_error
 from h3serve.media.thumbnail import first_frame_jpeg
 
-from .fields import MEDIA_FIELDS, REPEATABLE, SERVED_TASKS, fields_from_http, served_pools, short
+from .fields import MEDIA_FIELDS, REPEATABLE, fields_from_http, served_pools, short
 from .jobs import Job
 from .orchestrate import Gateway
 from .sinks import FileSink
@@ -299,7 +299,7 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def list_models():
         return {"object": "list", "data": [
             {"id": ids[0], "object": "model", "created": int(app.state.started), "owned_by": "h3serve",
-             "profile": profile, "tasks": list(SERVED_TASKS.get(profile, ())), "aliases": list(ids[1:])}
+             "profile": profile, "tasks": list(gateway.config.tasks_for(profile)), "aliases": list(ids[1:])}
             for profile, ids in served_pools(gateway.config).items()]}
 
     @app.post("/v1/videos/{video_id}/remix", summary="Refused: H3 has no edit path")

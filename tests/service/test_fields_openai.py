@@ -69,3 +69,22 @@ def test_tasks_follow_the_servers_tasks_and_the_profile():
     with pytest.raises(RequestError) as info:   # served now: what is missing is the references
         _validate({"prompt": "a kite", "extra_params": {"task": "ref2va"}}, full)
     assert info.value.field == "image_reference"
+
+
+def test_a_finished_job_drops_its_media(tmp_path):
+    import io
+
+    from PIL import Image
+
+    from h3serve.config.request import Upload
+    from h3serve.services.gateway.fields import without_media
+
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 48)).save(buf, format="PNG")
+    v = validate_fields({"prompt": "a kite", "size": "320x256", "first_image": Upload(buf.getvalue(), "first_image")},
+                        config=BASE)
+    assert v.conditions is not None and isinstance(v.request.first_image, Upload)
+    light = without_media(v)
+    assert light.conditions is None and isinstance(light.request.first_image, str)
+    assert "first_image" in light.request.first_image
+    assert (light.request.task, light.request.width, light.request.num_frames) == ("fl2va", 320, 124)

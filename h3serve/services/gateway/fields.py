@@ -7,6 +7,7 @@ the validator's internal name, and a value of the wrong JSON type is refused the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -322,6 +323,19 @@ def validate_fields(fields: dict[str, Any], *, config: StageConfig,
     if req.task not in served_tasks:
         raise RequestError(api_names.get("task", "task"), req.task, not_served)
     return Validated(req, api_names, model_id, decode_conditions(req), requested, fields.get("user"))
+
+
+def without_media(v: Validated) -> Validated:
+    """The same validated request with its uploads and decoded conditions dropped (labels kept), so that a finished
+    job kept for its TTL holds no media bytes."""
+    if v.conditions is None:
+        return v
+    label = lambda x: repr(x) if isinstance(x, Upload) else x  # noqa: E731
+    r = v.request
+    refs = tuple(dataclasses.replace(spec, path=label(spec.path)) for spec in r.references)
+    request = dataclasses.replace(r, first_image=label(r.first_image), last_image=label(r.last_image),
+                                  references=refs)
+    return dataclasses.replace(v, request=request, conditions=None)
 
 
 def _snap_size(raw: dict[str, Any]) -> str | None:

@@ -34,7 +34,7 @@ from h3serve.errortable import StageUnavailable, from_grpc
 from h3serve.models.dit.layout import AUDIO_CHANNELS
 from h3serve.transport.grpc import collect_tensors, iter_tensor_chunks
 
-from .fields import check_request_id, validate_fields
+from .fields import check_request_id, validate_fields, without_media
 from .jobs import SHUTDOWN_REASON, Job, JobTable
 from .metrics import GatewayMetrics
 from .sinks import Sink
@@ -419,6 +419,7 @@ class Gateway:
                 self._run(job)
             except BaseException as e:  # noqa: BLE001 - every failure is reported through the table
                 exc = e
+            job.validated = without_media(job.validated)   # a finished job keeps no uploads for its TTL
             self.jobs.finish(job, exc)
 
     def _run(self, job: Job) -> None:

@@ -58,6 +58,21 @@ def test_offload_matches_resident_bitwise(r):
     assert torch.equal(model.run_blocks(x.clone(), ctx, 1, 4), ref.run_blocks(y_ref.clone(), ctx, 1, 4))
 
 
+@torch.no_grad()
+def test_resize_moves_the_window_both_ways():
+    ref = tiny_model()
+    want = ref(*inputs())
+    model = tiny_model()
+    off = attach_offload(model, 2, "cpu")
+    for r in (6, 4, 2, 5):
+        off.resize(r)
+        got = model(*inputs())
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), r
+    off = attach_offload(tiny_model(), 4, "cpu")
+    with pytest.raises(ValueError, match="smallest r"):
+        off.resize(2)
+
+
 def test_offload_plan_arithmetic():
     p = OffloadPlan(50, 2, "allgather", world=8)
     assert list(p.resident) == [] and len(p.streamed) == 50

@@ -27,6 +27,7 @@ from h3serve.models.dit.layout import (
 )
 from h3serve.models.dit.loop import denoise, noise_condition_rows, prepare_noise
 from h3serve.models.dit.model import FP32_MODULES, H3DiT, H3DiTConfig
+from h3serve.models.dit.reuse import ReuseConfig, StepReuse
 from h3serve.models.dit.scheduler import schedules_for
 from h3serve.weights.folder import CheckpointFolder
 from h3serve.weights.load import load_module_weights
@@ -61,6 +62,7 @@ class DiTRequest:
     condition_latents: Sequence[torch.Tensor] = ()
     references: Sequence[ImageRef | AudioRef] = ()
     reference_audio_rows: Sequence[torch.Tensor] = ()
+    quality: str = "lossless"  # "high": step reuse (models/dit/reuse.py); "lossless": every block of every step
 
 
 @dataclass
@@ -70,15 +72,19 @@ class DiTResult:
     seconds: float = 0.0
     steps: int = 0
     step_seconds: list[float] = field(default_factory=list)
+    forwards_computed: int = 0  # steps whose whole block stack ran (= steps unless quality=high reused some)
+    block_evaluations: int = 0
 
 
 class DiTEngine:
     """One DiT partition (or two: t2va/fl2va and ref2va) on one device."""
 
-    def __init__(self, models: dict[str, H3DiT], *, device: torch.device, profile: str):
+    def __init__(self, models: dict[str, H3DiT], *, device: torch.device, profile: str,
+                 reuse: ReuseConfig = ReuseConfig()):
         self.models = models
         self.device = device
         self.profile = profile
+        self.reuse = reuse
 
     @classmethod
     def load(
@@ -157,15 +163,39 @@ class DiTEngine:
                 on_step(done, total)
 
         text_states = req.text_states.to(self.device, model.dtype)
-        video_out, audio_out = denoise(
+        inner = getattr(model, "model", model)  # the H3DiT under a sequence-parallel wrapper
+        layers = inner.config.num_layers
+        policy = None
+        if req.quality == "high":
+            if req.profile != "base":
+                raise ProfileError(f"quality='high' (step reuse) is for profile 'base', not {req.profile!r}")
+            groups = getattr(model, "groups", None)  # every sequence-parallel rank must take the same decision
+            policy = StepReuse(layers, self.reuse, group=groups.data if groups is not None else None)
+            policy.begin(video_schedule.num_steps)
+            inner.step_policy = policy
+        try:
+            video_out, audio_out = self._denoise(model, video_rows, audio_rows, text_states, layout, video_schedule,
+                                                 audio_schedule, _on_step, should_stop)
+        finally:
+            if policy is not None:
+                inner.step_policy = None
+                policy.end()
+        n = video_schedule.num_steps
+        computed = policy.forwards_computed if policy is not None else n
+        evaluations = policy.block_evaluations if policy is not None else n * layers
+        video = unpatchify(video_out[layout.num_condition_video_rows:], req.latent_frames, req.latent_h,
+                           req.latent_w)
+        audio = rows_to_audio(audio_out[layout.num_condition_audio_rows:])
+        return DiTResult(video=video, audio=audio, seconds=time.perf_counter() - t0, steps=n,
+                         step_seconds=step_times, forwards_computed=computed, block_evaluations=evaluations)
+
+    @staticmethod
+    def _denoise(model, video_rows, audio_rows, text_states, layout, video_schedule, audio_schedule, on_step,
+                 should_stop):
+        return denoise(
             model, video_rows=video_rows, audio_rows=audio_rows, text_states=text_states, layout=layout,
             video_schedule=video_schedule, audio_schedule=audio_schedule,
             num_condition_video_rows=layout.num_condition_video_rows,
             num_condition_audio_rows=layout.num_condition_audio_rows,
-            on_step=_on_step, should_stop=should_stop,
+            on_step=on_step, should_stop=should_stop,
         )
-        video = unpatchify(video_out[layout.num_condition_video_rows:], req.latent_frames, req.latent_h,
-                           req.latent_w)
-        audio = rows_to_audio(audio_out[layout.num_condition_audio_rows:])
-        return DiTResult(video=video, audio=audio, seconds=time.perf_counter() - t0,
-                         steps=video_schedule.num_steps, step_seconds=step_times)

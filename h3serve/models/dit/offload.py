@@ -146,7 +146,8 @@ class LayerwiseOffload:
         for j in plan.streamed:
             entries, nbytes = _entries(blocks[j])
             self.block_bytes = nbytes
-            full = torch.empty(nbytes, dtype=torch.uint8)
+            local = plan.mode == "local" or plan.world == 1
+            full = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin and local)  # device -> pinned: one fast copy
             for e, v in zip(entries, _views(full, entries)):
                 t = e.owner._parameters[e.name] if e.is_param else e.owner._buffers[e.name]
                 v.copy_(t.detach())
@@ -158,9 +159,9 @@ class LayerwiseOffload:
                 mine[:n].copy_(full[a : a + n])
                 self.host[j] = mine
                 # the block's own tensors are not on this rank: empty placeholders until it runs
-                _point(entries, [torch.empty(0, dtype=e.dtype) for e in entries])
+                _point(entries, self._placeholders(entries))
             else:
-                self.host[j] = full.pin_memory() if pin else full
+                self.host[j] = full
                 self.host_views[j] = _views(self.host[j], entries)
                 _point(entries, self.host_views[j])
             self.entries[j] = entries
@@ -181,6 +182,32 @@ class LayerwiseOffload:
         self.free = [torch.cuda.Event() for _ in self.slots] if self.copy_stream else []
         self._in_slot: list[int | None] = [None] * len(self.slots)  # which block each slot holds (or is fetching)
         self.copies = 0  # blocks copied host -> device so far
+
+    @staticmethod
+    def _placeholders(entries: Sequence[_Entry]) -> list[torch.Tensor]:
+        """What a streamed block's tensors are between its runs when this rank holds only a shard of them."""
+        return [torch.empty(0, dtype=e.dtype) for e in entries]
+
+    def resize(self, resident_blocks: int) -> None:
+        """Change r in place (local mode): blocks entering the resident range get device copies of their host copy,
+        blocks leaving it point at their host copy again. Every block keeps its host copy, so r can go either way
+        without reloading; only blocks streamed at construction can move."""
+        if self.plan.mode != "local" and self.plan.world > 1:
+            raise ValueError("resize is for local mode (an allgather rank holds only shards)")
+        new = OffloadPlan(self.plan.num_layers, resident_blocks, self.plan.mode, self.plan.world)
+        if not set(new.streamed) <= set(self.host):
+            raise ValueError(f"r={resident_blocks} would stream blocks this offload keeps no host copy of: build it "
+                             f"with the smallest r (here {self.plan.resident_blocks})")
+        for j in self.host:
+            if j in new.resident:
+                _point(self.entries[j], [v.to(self.device, non_blocking=True) for v in self.host_views[j]])
+            else:
+                _point(self.entries[j], self.host_views[j])
+        self.plan = new
+        self._in_slot = [None] * len(self.slots)
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     # -- copies ---------------------------------------------------------------------------------------------------
 
@@ -245,8 +272,7 @@ class LayerwiseOffload:
             x = self.blocks[j](x, ctx)
             if self.copy_stream is not None:
                 self.free[s].record(torch.cuda.current_stream(self.device))
-            _point(entries, self.host_views[j] if j in self.host_views else
-                   [torch.empty(0, dtype=e.dtype) for e in entries])
+            _point(entries, self.host_views[j] if j in self.host_views else self._placeholders(entries))
         if stop == len(self.blocks) and streamed:
             self._fetch(streamed.start)  # the next forward's first streamed block, under this forward's heads
         return x

@@ -16,8 +16,10 @@ import os
 import sys
 import time
 
+from h3serve.config.levers import CLI_NAMES, Levers, check_combination
 from h3serve.config.stage import StageConfig
-from h3serve.config.vocab import DEFAULT_DTYPE, DTYPES, GRPC_PORT, HTTP_PORT, MODEL_STAGES
+from h3serve.config.vocab import (DEFAULT_DTYPE, DIT_LAYERS, DTYPES, GRPC_PORT, HTTP_PORT, MIN_RESIDENT_BLOCKS,
+                                  MODEL_STAGES, OFFLOAD_MODES)
 from h3serve.errors import H3Error
 
 EXIT_USER_ERROR = 2
@@ -38,6 +40,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--task", default="t2va", help="t2va | fl2va | ref2va")
     p.add_argument("--profile", default="base", help="base | fasth3")
     p.add_argument("--steps", default=None, help="sigma grid points incl. the terminal 0 (base default 50)")
+    p.add_argument("--quality", default=None, help="lossless (default) | high: step reuse (profile base)")
     p.add_argument("--dtype", default=DEFAULT_DTYPE, help=" | ".join(DTYPES))
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when present)")
     for flag, what in (("--encoder-tp", "text encoder tensor-parallel degree"),
@@ -63,7 +66,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     raw = dict(prompt=args.prompt, seconds=args.seconds, size=args.size, seed=args.seed, task=args.task,
                profile=args.profile, steps=args.steps, dtype=args.dtype, first_image=args.first_image,
-               last_image=args.last_image, references=args.reference or None)
+               last_image=args.last_image, references=args.reference or None, quality=args.quality)
     request = validate_request(**{k: v for k, v in raw.items() if v is not None})
     if args.server:
         return _generate_remote(args, t0)
@@ -178,6 +181,22 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                        help=f"{what}; >1 runs that stage as one process per rank, rank 0 serving gRPC (default 1)")
     for s in MODEL_STAGES + ("muxer",):
         p.add_argument(f"--{s}", default=None, metavar="HOST:PORT", help=f"gateway: address of the {s} stage")
+    p.add_argument("--dit-resident-blocks", type=int, default=None, metavar="R",
+                   help=f"dit: layerwise offload, R DiT blocks on the GPU ({MIN_RESIDENT_BLOCKS}..{DIT_LAYERS}), the "
+                        "rest streamed from pinned host memory (default: all resident)")
+    p.add_argument("--dit-offload-mode", default=d.dit_offload_mode, choices=OFFLOAD_MODES,
+                   help="dit: with several ranks, each pins the whole host copy (local) or a shard (allgather)")
+    p.add_argument("--fp8", type=_on_off, default=d.fp8, metavar="on|off",
+                   help="dit: FP8 linear layers in the DiT blocks (lossy; default off)")
+    p.add_argument("--fp8-attention", type=_on_off, default=d.fp8_attention, metavar="on|off",
+                   help="dit: FP8 attention, FlashAttention-3's FP8 forward (lossy; default off)")
+
+
+def _on_off(text: str) -> bool:
+    value = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False}.get(str(text).lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"{text!r} must be on or off")
+    return value
     p.add_argument("--queue-size", type=int, default=d.queue_size, help="gateway: requests that may wait")
     p.add_argument("--max-inflight", type=int, default=d.max_inflight, help="gateway: requests run at once")
     p.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s,
@@ -215,6 +234,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     servicers = {"encoder": EncoderServicer, "dit": DiTServicer, "vae": VAEServicer, "muxer": MuxerServicer,
                  "gateway": GatewayServicer}
+    levers = Levers(args.dit_resident_blocks, args.dit_offload_mode, args.fp8, args.fp8_attention).check()
+    check_combination(args.profile, levers, names=CLI_NAMES)  # before anything starts
     return serve_main(args, servicers)
 
 

@@ -271,7 +271,7 @@ class Pipeline:
                     text_states=encoded.states, text_tags=encoded.tags, latent_frames=req.latent_frames,
                     latent_h=req.latent_height, latent_w=req.latent_width, audio_latents=req.audio_latents,
                     seed=req.seed, task=req.task, profile=req.profile,
-                    steps=req.steps, anchors=anchors,
+                    steps=req.steps, anchors=anchors, quality=req.quality,
                     condition_latents=cond_latents, references=layout_refs, reference_audio_rows=ref_audio,
                 ),
                 on_step=on_step, should_stop=should_stop,
@@ -281,6 +281,7 @@ class Pipeline:
                 bar.close()
         timings["dit_s"] = time.perf_counter() - t1
         timings["dit_steps"] = result.steps
+        timings["dit_forwards_computed"] = result.forwards_computed  # < steps when quality=high reused some
         return Latents(video=result.video, audio=result.audio, timings=timings)
 
     def decode_video_float(self, video: torch.Tensor) -> torch.Tensor:

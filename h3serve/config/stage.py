@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from h3serve.config.levers import Levers
 from h3serve.config.spec import ServiceConfig
 from h3serve.config.vocab import DEFAULT_DTYPE, MODEL_STAGES, PIPELINE_STAGES, PORT_OFFSETS
 
@@ -54,6 +55,11 @@ class StageConfig:
     ulysses: int = 1
     ring: int = 1
     vae_pp: int = 1
+    # DiT capacity / speed levers (config/levers.py), all off by default
+    dit_resident_blocks: int | None = None
+    dit_offload_mode: str = "local"
+    fp8: bool = False
+    fp8_attention: bool = False
     # vae
     frame_format: str = "yuv420p"    # what the VAE sends the muxer: yuv420p planes (1.5 B/px) or rgb24 (3 B/px)
     # muxer
@@ -68,6 +74,10 @@ class StageConfig:
     def from_service_config(cls, service_config: dict, stage: str) -> "StageConfig":
         """The StageConfig of `stage` in a deployment rendered as `service_config` (`ServiceConfig.to_dict()`)."""
         return cls(**service_config_values(service_config, stage))
+
+    @property
+    def levers(self) -> Levers:
+        return Levers(self.dit_resident_blocks, self.dit_offload_mode, bool(self.fp8), bool(self.fp8_attention))
 
     @property
     def address(self) -> str:
@@ -95,6 +105,10 @@ def service_config_values(service_config: dict, stage: str) -> dict[str, Any]:
         out.update(checkpoint=spec.model.path, dtype=sc.dtype, device=sc.device,
                    encoder_tp=spec.encoder.tensor_parallel, ulysses=spec.dit.ulysses, ring=spec.dit.ring,
                    vae_pp=spec.vae.patch_parallel)
+    if colocated or stage == "dit":
+        lv = spec.dit.levers
+        out.update(dit_resident_blocks=lv.resident_blocks, dit_offload_mode=lv.offload_mode, fp8=lv.fp8,
+                   fp8_attention=lv.fp8_attention)
     if (colocated or stage == "dit") and spec.model.adapter is not None:
         out.update(adapter=spec.model.adapter.path, adapter_sha256=spec.model.adapter.sha256)
     if stage != "encoder":  # every end of a tensor edge (dit -> vae, vae -> muxer) and the gateway's plan

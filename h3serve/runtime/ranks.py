@@ -137,7 +137,7 @@ def _build_args(stage: str, c, degrees: ParallelDegrees) -> tuple:
         args = (c.checkpoint, dtype, degrees.encoder_tp)
     elif stage == "dit":
         args = (c.checkpoint, dtype, ("transformer",), c.profile, c.adapter, c.adapter_sha256, degrees.ulysses,
-                degrees.ring)
+                degrees.ring, c.levers)
     elif stage == "vae":
         args = (c.checkpoint, dtype, degrees.vae_pp)
     else:

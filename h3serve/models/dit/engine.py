@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from h3serve.config.levers import CLI_NAMES, REQUEST_NAMES, Levers, lever_conflict
 from h3serve.config.request import DEFAULT_STEPS
 from h3serve.errors import ProfileError
 from h3serve.models.dit.layout import (
@@ -26,7 +27,10 @@ from h3serve.models.dit.layout import (
     unpatchify,
 )
 from h3serve.models.dit.loop import denoise, noise_condition_rows, prepare_noise
+from h3serve.models.dit import kernels
 from h3serve.models.dit.model import FP32_MODULES, H3DiT, H3DiTConfig
+from h3serve.models.dit.offload import attach_offload
+from h3serve.models.dit.quant import quantize_dit
 from h3serve.models.dit.reuse import ReuseConfig, StepReuse
 from h3serve.models.dit.scheduler import schedules_for
 from h3serve.weights.folder import CheckpointFolder
@@ -85,6 +89,7 @@ class DiTEngine:
         self.device = device
         self.profile = profile
         self.reuse = reuse
+        self.levers = Levers()
 
     @classmethod
     def load(
@@ -96,10 +101,16 @@ class DiTEngine:
         device: str | torch.device = "cpu",
         profile: str = "base",
         adapter=None,
+        levers: Levers = Levers(),
     ) -> "DiTEngine":
         """Build each partition on the meta device and stream its weights in; the adapter (FastH3) is fused tensor
-        by tensor before the cast, i.e. before any later sharding sees the weights."""
+        by tensor before the cast, i.e. before any later sharding sees the weights. `levers`: FP8 linears are made
+        here, FP8 attention is chosen here; offload is `apply_offload` (after any cross-rank weight check)."""
         device = torch.device(device)
+        conflict = lever_conflict(profile, levers, names=CLI_NAMES)
+        if conflict is not None:
+            raise ProfileError(conflict)
+        levers.check()
         folder = CheckpointFolder(Path(checkpoint), components=list(components))
         models = {}
         for component in components:
@@ -112,8 +123,24 @@ class DiTEngine:
             )
             model.init_buffers(device).eval().requires_grad_(False)
             log.info("%s: %s", component, report.summary())
+            if levers.fp8:
+                log.info("%s: %d linear layers in FP8", component, len(quantize_dit(model)))
             models[component] = model
-        return cls(models, device=device, profile=profile)
+        if levers.fp8_attention:
+            kernels.choose_attention(device, "fp8")
+        engine = cls(models, device=device, profile=profile)
+        engine.levers = levers
+        return engine
+
+    def apply_offload(self, levers: Levers, group=None) -> None:
+        """Layerwise offload of every partition's blocks (`levers.resident_blocks`; no-op when unset). `group`: the
+        DiT ranks (allgather mode shards the host copies over them)."""
+        if levers.resident_blocks is None:
+            return
+        for name, model in self.models.items():
+            inner = getattr(model, "model", model)
+            off = attach_offload(inner, levers.resident_blocks, self.device, mode=levers.offload_mode, group=group)
+            log.info("%s: layerwise offload %s", name, off.report())
 
     def layout_for(self, req: DiTRequest) -> PackedLayout:
         text_len = int(req.text_states.shape[1])
@@ -166,9 +193,10 @@ class DiTEngine:
         inner = getattr(model, "model", model)  # the H3DiT under a sequence-parallel wrapper
         layers = inner.config.num_layers
         policy = None
+        conflict = lever_conflict(req.profile, quality=req.quality, names=REQUEST_NAMES)
+        if conflict is not None:
+            raise ProfileError(conflict)
         if req.quality == "high":
-            if req.profile != "base":
-                raise ProfileError(f"quality='high' (step reuse) is for profile 'base', not {req.profile!r}")
             groups = getattr(model, "groups", None)  # every sequence-parallel rank must take the same decision
             policy = StepReuse(layers, self.reuse, group=groups.data if groups is not None else None)
             policy.begin(video_schedule.num_steps)

@@ -49,7 +49,7 @@ class FP8Linear(nn.Module):
         super().__init__()
         w = linear.weight.detach()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.out_dtype = w.dtype if w.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        self.out_dtype = w.dtype  # the layer's output keeps the precision it had
         w8, s = quantize_rows(w)
         self.weight = nn.Parameter(w8, requires_grad=False)  # (N, K) e4m3
         self.register_buffer("weight_scale", s)  # (N, 1) fp32

@@ -3,9 +3,6 @@ gloo ranks in both modes), and the plan's arithmetic holds for any rank count.""
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -89,10 +86,10 @@ def test_offload_plan_arithmetic():
         OffloadPlan(50, 4, "gather")
 
 
-def _rank(rank: int, world: int, port: int, mode: str, r: int, q) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _rank(rank: int, world: int, store: str, mode: str, r: int, q) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # a file rendezvous: no port to race for with other processes on the machine
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         with torch.no_grad():
             model = tiny_model()
@@ -103,21 +100,15 @@ def _rank(rank: int, world: int, port: int, mode: str, r: int, q) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("mode", ["allgather", "local"])
-def test_two_gloo_ranks_match_resident(mode):
+def test_two_gloo_ranks_match_resident(mode, tmp_path):
     with torch.no_grad():
         ref = tiny_model()
         want = [ref(*inputs(t=t)) for t in ((0.7, 0.4), (0.3, 0.2), (0.7, 0.4))]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(k, 2, port, mode, 3, q)) for k in range(2)]
+    store = str(tmp_path / "rendezvous")
+    procs = [ctx.Process(target=_rank, args=(k, 2, store, mode, 3, q)) for k in range(2)]
     for p in procs:
         p.start()
     got = [q.get(timeout=120) for _ in procs]

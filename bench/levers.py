@@ -214,8 +214,21 @@ def part_layer(a, cfg, device, dtype) -> None:
         out["variants"]["fp8_attention"] = {"layer_s": round(t, 5), "rel_l2_vs_bf16": rel_l2(y, y_bf16)}
         set_attention(device, None)
         quantize_dit(model)
+        from h3serve.models.dit import quant
+
+        quant._COMPILED = quant.quantize_rows  # the activation quantization as separate eager ops
+        t, y = run("fp8_linear_eager_quant")
+        out["variants"]["fp8_linear_eager_quant"] = {"layer_s": round(t, 5), "rel_l2_vs_bf16": rel_l2(y, y_bf16)}
+        quant._COMPILED = None  # the default: one compiled kernel
         t, y = run("fp8_linear")
-        out["variants"]["fp8_linear"] = {"layer_s": round(t, 5), "rel_l2_vs_bf16": rel_l2(y, y_bf16)}
+        out["variants"]["fp8_linear"] = {"layer_s": round(t, 5), "rel_l2_vs_bf16": rel_l2(y, y_bf16),
+                                         "quantizer": getattr(quant._COMPILED, "__name__", "compiled")}
+        act = torch.randn(args[-1].seq_len, cfg["ffn_dim"], device=device, dtype=dtype)
+        for tag, fn in (("eager", quant.quantize_rows), ("fused", quant.quantize_rows_fused)):
+            fn(act)
+            ts = sorted(timed(lambda: fn(act), device)[0] for _ in range(5))
+            out[f"act_quant_{tag}_ms_{act.shape[0]}x{act.shape[1]}"] = round(ts[2] * 1e3, 3)
+        del act
         set_attention(device, "fp8")
         t, y = run("fp8_both")
         out["variants"]["fp8_linear_fp8_attention"] = {"layer_s": round(t, 5), "rel_l2_vs_bf16": rel_l2(y, y_bf16)}
@@ -282,6 +295,57 @@ def part_quality(a, cfg, device) -> None:
     emit(out)
 
 
+def part_encoder(a, device) -> None:
+    """Qwen3-VL-32B truncated to the 50 decoder layers H3 reads (+ vision tower): weight bytes in bf16 and with the
+    text decoder in FP8, counted on the built modules (meta device: no memory, exact shapes and dtypes); on CUDA also
+    built for real (random weights), its HBM and one 256-token forward timed, bf16 vs FP8."""
+    from transformers import Qwen3VLConfig, Qwen3VLModel
+
+    from h3serve.models.encoder.fp8 import quantize_text_decoder
+    from h3serve.testing.presets import (TEXT_ENCODER_LAYER, text_encoder_text_config,
+                                         text_encoder_vision_config)
+
+    text = dict(text_encoder_text_config("full"), num_hidden_layers=TEXT_ENCODER_LAYER)
+    config = Qwen3VLConfig(text_config=text, vision_config=text_encoder_vision_config("full"))
+    config._attn_implementation = config.text_config._attn_implementation = "sdpa"
+    config.vision_config._attn_implementation = "sdpa"
+    build_on = device if device.type == "cuda" else torch.device("meta")
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)  # built (and initialized by transformers) straight in bf16 on the device
+    try:
+        with torch.device(build_on):
+            model = Qwen3VLModel(config).eval().requires_grad_(False)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    model.language_model.norm = torch.nn.Identity()
+    out = {"part": "encoder", "layers": TEXT_ENCODER_LAYER, "bytes_bf16": weight_bytes(model)}
+    if build_on.type == "cuda":
+        ids = torch.randint(0, 150000, (1, a.text_len), generator=torch.Generator().manual_seed(1)).to(build_on)
+        mask = torch.ones_like(ids)
+
+        def fwd():
+            return model(input_ids=ids, attention_mask=mask).last_hidden_state
+
+        with torch.no_grad():
+            fwd()
+            out["hbm_weights_gib_bf16"] = alloc_gib(build_on)
+            reset_peak(build_on)
+            sec, want = timed(fwd, build_on)
+            out.update(forward_s_bf16=round(sec, 4), peak_gib_bf16=peak_gib(build_on))
+    names = quantize_text_decoder(model)
+    out.update(linears_quantized=len(names), bytes_fp8=weight_bytes(model))
+    if build_on.type == "cuda":
+        torch.cuda.empty_cache()
+        with torch.no_grad():
+            fwd()
+            out["hbm_weights_gib_fp8"] = alloc_gib(build_on)
+            reset_peak(build_on)
+            sec, got = timed(fwd, build_on)
+        out.update(forward_s_fp8=round(sec, 4), peak_gib_fp8=peak_gib(build_on),
+                   rel_l2_states_vs_bf16=rel_l2(got, want))
+    emit(out)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", default="dlo,fp8model,layer,quality")
@@ -319,6 +383,8 @@ def main() -> None:
         part_layer(a, cfg, device, torch.bfloat16)
     if "quality" in a.parts:
         part_quality(a, cfg, device)
+    if "encoder" in a.parts:
+        part_encoder(a, device)
 
 
 if __name__ == "__main__":

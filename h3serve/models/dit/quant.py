@@ -15,11 +15,15 @@ the same rounding of the operands, for tests; `fp8_gemm_available` says which pa
 
 from __future__ import annotations
 
+import logging
+import os
 import re
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+log = logging.getLogger("h3serve.dit.quant")
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn
@@ -42,6 +46,26 @@ def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (t.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+_COMPILED = None  # the activation quantization as one fused kernel (torch.compile), built on first CUDA use
+
+
+def quantize_rows_fused(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows` of a CUDA activation as one compiled kernel (read once, write e4m3 + scales; no fp32
+    temporaries), falling back to the eager ops if compilation fails. H3SERVE_FP8_COMPILE=0 keeps the eager ops."""
+    global _COMPILED
+    if _COMPILED is None:
+        if os.environ.get("H3SERVE_FP8_COMPILE", "1") == "0":
+            _COMPILED = quantize_rows
+        else:
+            _COMPILED = torch.compile(quantize_rows, dynamic=True)
+    try:
+        return _COMPILED(t)
+    except Exception as exc:  # noqa: BLE001 - no compiler on this host: the same numbers, eagerly
+        log.warning("FP8 activation quantization: compile failed (%s: %s); using eager ops", type(exc).__name__, exc)
+        _COMPILED = quantize_rows
+        return quantize_rows(t)
+
+
 class FP8Linear(nn.Module):
     """A drop-in for nn.Linear (same call, out dtype = the original weight's); weight (N, K) e4m3 + scale (N, 1)."""
 
@@ -59,11 +83,12 @@ class FP8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape  # (..., K)
         x2 = x.reshape(-1, shape[-1])  # (M, K)
-        x8, sx = quantize_rows(x2)
-        if fp8_gemm_available(x.device) and x.is_cuda:
+        if x.is_cuda and fp8_gemm_available(x.device):
+            x8, sx = quantize_rows_fused(x2)
             y = torch._scaled_mm(x8, self.weight.t(), scale_a=sx, scale_b=self.weight_scale.t(),
                                  bias=self.bias, out_dtype=self.out_dtype)  # (M, N)
         else:
+            x8, sx = quantize_rows(x2)
             y = F.linear(x8.float() * sx, self.weight.float() * self.weight_scale)
             if self.bias is not None:
                 y = y + self.bias.float()

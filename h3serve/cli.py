@@ -187,7 +187,7 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dit-offload-mode", default=d.dit_offload_mode, choices=OFFLOAD_MODES,
                    help="dit: with several ranks, each pins the whole host copy (local) or a shard (allgather)")
     p.add_argument("--fp8", type=_on_off, default=d.fp8, metavar="on|off",
-                   help="dit: FP8 linear layers in the DiT blocks (lossy; default off)")
+                   help="dit, encoder: FP8 linear layers in the DiT blocks and the text decoder (lossy; default off)")
     p.add_argument("--fp8-attention", type=_on_off, default=d.fp8_attention, metavar="on|off",
                    help="dit: FP8 attention, FlashAttention-3's FP8 forward (lossy; default off)")
 

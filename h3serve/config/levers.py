@@ -2,7 +2,7 @@
 
 Levers of a deployment (CLI `h3serve serve` flags, the CRD's `dit.levers`): DiT layerwise offload (a window of
 `resident_blocks` DiT blocks on the device, the rest streamed from pinned host memory, `offload_mode` with several
-ranks), FP8 linear layers (the DiT blocks), FP8 attention. Lever of a request: `quality` (`high` =
+ranks), FP8 linear layers (the DiT blocks and the text decoder), FP8 attention. Lever of a request: `quality` (`high` =
 step reuse). Every lever is off by default.
 
 The rule: profile fasth3 takes none of them (the published work has not certified the student with offload, caching

@@ -142,7 +142,8 @@ class DitLeversSpec:
     offload_mode: str = f("offloadMode", "With several DiT ranks: local (each rank pins the whole host copy) or "
                           "allgather (each rank pins 1/ranks of it; blocks are all-gathered).", "local",
                           enum=list(OFFLOAD_MODES))
-    fp8: bool = f("fp8", "FP8 (e4m3, row-wise scales) linear layers in the DiT blocks (attention and FFN); lossy.",
+    fp8: bool = f("fp8", "FP8 (e4m3, row-wise scales) linear layers in the DiT blocks (attention and FFN) and the "
+                  "text encoder's decoder layers; lossy.",
                   False)
     fp8_attention: bool = f("fp8Attention", "FP8 DiT attention (FlashAttention-3's FP8 forward); lossy.", False)
 

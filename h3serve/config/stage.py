@@ -105,10 +105,12 @@ def service_config_values(service_config: dict, stage: str) -> dict[str, Any]:
         out.update(checkpoint=spec.model.path, dtype=sc.dtype, device=sc.device,
                    encoder_tp=spec.encoder.tensor_parallel, ulysses=spec.dit.ulysses, ring=spec.dit.ring,
                    vae_pp=spec.vae.patch_parallel)
+    lv = spec.dit.levers
     if colocated or stage == "dit":
-        lv = spec.dit.levers
         out.update(dit_resident_blocks=lv.resident_blocks, dit_offload_mode=lv.offload_mode, fp8=lv.fp8,
                    fp8_attention=lv.fp8_attention)
+    elif stage == "encoder":
+        out.update(fp8=lv.fp8)  # FP8 covers the text decoder's projections too
     if (colocated or stage == "dit") and spec.model.adapter is not None:
         out.update(adapter=spec.model.adapter.path, adapter_sha256=spec.model.adapter.sha256)
     if stage != "encoder":  # every end of a tensor edge (dit -> vae, vae -> muxer) and the gateway's plan

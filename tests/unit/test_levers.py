@@ -92,7 +92,7 @@ def test_spec_levers_reach_the_dit_stage_and_its_children(placement, stage):
                        "cuda").to_dict()
     c = StageConfig.from_service_config(sc, stage)
     if stage == "encoder" and placement == "disaggregated":
-        assert c.levers == Levers()  # only the DiT reads them
+        assert c.levers == Levers(fp8=True)  # the encoder reads FP8 only
         return
     assert c.levers == Levers(6, "allgather", True, True)
     argv = child_argv(c, "dit", 1234, {}, None, "WARNING")

@@ -120,3 +120,32 @@ def test_two_gloo_ranks_match_resident(mode, tmp_path):
             assert torch.equal(v, wv) and torch.equal(a, wa), (rank, mode)
         block = report["block_bytes"]
         assert report["host_bytes_per_rank"] == 5 * (block if mode == "local" else -(-block // 512) * 256)
+
+
+def test_engine_applies_the_levers_and_offload_changes_nothing(tiny_checkpoint):
+    """The serve path: DiTEngine.apply_offload on a loaded engine; DiTEngine.load with FP8 from a checkpoint."""
+    from h3serve.config.levers import Levers
+    from h3serve.models.dit.engine import DiTEngine, DiTRequest
+
+    def request(text_dim):
+        g = torch.Generator().manual_seed(3)
+        return DiTRequest(text_states=torch.randn(1, 5, text_dim, generator=g), text_tags=torch.ones(5, dtype=torch.long),
+                          latent_frames=2, latent_h=4, latent_w=6, audio_latents=3, seed=5, steps=6)
+
+    cpu = torch.device("cpu")
+    want = DiTEngine({"transformer": tiny_model()}, device=cpu, profile="base").generate(request(TINY["text_dim"]))
+    engine = DiTEngine({"transformer": tiny_model()}, device=cpu, profile="base")
+    engine.apply_offload(Levers(resident_blocks=3))
+    runner = engine.models["transformer"].block_runner
+    assert runner.report()["streamed_blocks"] == 5
+    got = engine.generate(request(TINY["text_dim"]))
+    assert torch.equal(got.video, want.video) and torch.equal(got.audio, want.audio) and runner.copies >= 5
+
+    plain = DiTEngine.load(tiny_checkpoint)
+    text_dim = plain.models["transformer"].config.text_dim
+    ref = plain.generate(request(text_dim))
+    fp8 = DiTEngine.load(tiny_checkpoint, levers=Levers(fp8=True))
+    assert sum(type(m).__name__ == "FP8Linear" for m in fp8.models["transformer"].modules()) == 6 * 2
+    got = fp8.generate(request(text_dim))
+    rel = float((got.video - ref.video).norm() / ref.video.norm())
+    assert 0 < rel < 0.05

@@ -91,3 +91,44 @@ def test_text_decoder_fp8_keeps_embeddings_norms_and_vision(tiny_checkpoint):
     assert all(type(m) is nn.Linear for m in enc.model.visual.modules() if isinstance(m, (nn.Linear, FP8Linear)))
     got = enc.encode("a red kite over the sea").states
     assert got.shape == want.shape and 0 < rel_l2(got, want) < 0.1
+
+
+def _encoder_rank(rank: int, store: str, ckpt: str, q) -> None:
+    import torch.distributed as dist
+
+    from h3serve.models.encoder.fp8 import quantize_text_decoder
+    from h3serve.models.encoder.model import TextEncoder
+    from h3serve.models.encoder.parallel import RowParallelLinear, parallelize_encoder
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        enc = parallelize_encoder(TextEncoder.load(ckpt, dtype=torch.float32), dist.group.WORLD, rank, 2)
+        names = quantize_text_decoder(enc.model, row_parallel=(RowParallelLinear,))
+        q.put((rank, len(names), enc.encode("a red kite over the sea").states))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_text_decoder_fp8_under_tensor_parallel_two_gloo_ranks(tiny_checkpoint, tmp_path):
+    import torch.multiprocessing as mp
+
+    from h3serve.models.encoder.model import TextEncoder
+
+    want = TextEncoder.load(tiny_checkpoint, dtype=torch.float32)
+    layers = want.num_layers
+    want = want.encode("a red kite over the sea").states
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_encoder_rank, args=(k, str(tmp_path / "store"), str(tiny_checkpoint), q))
+             for k in range(2)]
+    for p in procs:
+        p.start()
+    got = [q.get(timeout=180) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    for rank, n, states in got:
+        assert n == 7 * layers  # o_proj and down_proj are the row-parallel shards, quantized too
+        assert 0 < rel_l2(states, want) < 0.1, rank
+    assert torch.equal(got[0][2], got[1][2])  # every rank ends with the same hidden state

@@ -102,7 +102,8 @@ class FP8Linear(nn.Module):
 def quantize_linears(model: nn.Module, pattern: re.Pattern) -> list[str]:
     """Replace every nn.Linear whose qualified name matches `pattern` by an FP8Linear (in place, module by module:
     the bf16 weight is freed as its FP8 copy is made); returns the names replaced."""
-    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and pattern.search(n)]
+    # exactly nn.Linear: a subclass (or a parallel linear) may do more in its forward than the product
+    names = [n for n, m in model.named_modules() if type(m) is nn.Linear and pattern.search(n)]
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

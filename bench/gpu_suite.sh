@@ -63,7 +63,7 @@ if has vae; then
       --warmup 1 --ref-warmup 0 --compile --tail --x264-threads 8
 fi
 if has levers; then  # offload Pareto, FP8 linears / attention, step reuse (bench/levers.py)
-  run levers 560 python3 bench/levers.py --parts ${LEVER_PARTS:-dlo,fp8model,layer,quality}
+  run levers 560 python3 bench/levers.py --parts ${LEVER_PARTS:-dlo,fp8model,layer,quality} ${LEVER_ARGS:-}
 fi
 if has full50; then
   run dit_full50 240 python3 bench/dit_layer.py $GEO --layers 50 --iters 1 --warmup 0 --variants fa3:1

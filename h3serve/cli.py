@@ -153,6 +153,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_serve)
 
 
+def _on_off(text: str) -> bool:
+    value = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False}.get(str(text).lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"{text!r} must be on or off")
+    return value
+
+
 def _serve_arguments(p: argparse.ArgumentParser) -> None:
     """`h3serve serve`'s flags; each --NAME fills StageConfig.NAME (defaults shown are StageConfig's)."""
     d = StageConfig()
@@ -181,22 +188,6 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                        help=f"{what}; >1 runs that stage as one process per rank, rank 0 serving gRPC (default 1)")
     for s in MODEL_STAGES + ("muxer",):
         p.add_argument(f"--{s}", default=None, metavar="HOST:PORT", help=f"gateway: address of the {s} stage")
-    p.add_argument("--dit-resident-blocks", type=int, default=None, metavar="R",
-                   help=f"dit: layerwise offload, R DiT blocks on the GPU ({MIN_RESIDENT_BLOCKS}..{DIT_LAYERS}), the "
-                        "rest streamed from pinned host memory (default: all resident)")
-    p.add_argument("--dit-offload-mode", default=d.dit_offload_mode, choices=OFFLOAD_MODES,
-                   help="dit: with several ranks, each pins the whole host copy (local) or a shard (allgather)")
-    p.add_argument("--fp8", type=_on_off, default=d.fp8, metavar="on|off",
-                   help="dit, encoder: FP8 linear layers in the DiT blocks and the text decoder (lossy; default off)")
-    p.add_argument("--fp8-attention", type=_on_off, default=d.fp8_attention, metavar="on|off",
-                   help="dit: FP8 attention, FlashAttention-3's FP8 forward (lossy; default off)")
-
-
-def _on_off(text: str) -> bool:
-    value = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False}.get(str(text).lower())
-    if value is None:
-        raise argparse.ArgumentTypeError(f"{text!r} must be on or off")
-    return value
     p.add_argument("--queue-size", type=int, default=d.queue_size, help="gateway: requests that may wait")
     p.add_argument("--max-inflight", type=int, default=d.max_inflight, help="gateway: requests run at once")
     p.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s,
@@ -221,6 +212,15 @@ def _on_off(text: str) -> bool:
     p.add_argument("--start-timeout", type=float, default=600.0, help="launcher: seconds to wait for health")
     p.add_argument("--no-restart", action="store_true", help="launcher: stop everything when a stage dies")
     p.add_argument("--json", action="store_true", help="launcher: print endpoints and events as JSON lines")
+    p.add_argument("--dit-resident-blocks", type=int, default=None, metavar="R",
+                   help=f"dit: layerwise offload, R DiT blocks on the GPU ({MIN_RESIDENT_BLOCKS}..{DIT_LAYERS}), the "
+                        "rest streamed from pinned host memory (default: all resident)")
+    p.add_argument("--dit-offload-mode", default=d.dit_offload_mode, choices=OFFLOAD_MODES,
+                   help="dit: with several ranks, each pins the whole host copy (local) or a shard (allgather)")
+    p.add_argument("--fp8", type=_on_off, default=d.fp8, metavar="on|off",
+                   help="dit, encoder: FP8 linear layers in the DiT blocks and the text decoder (lossy; default off)")
+    p.add_argument("--fp8-attention", type=_on_off, default=d.fp8_attention, metavar="on|off",
+                   help="dit: FP8 attention, FlashAttention-3's FP8 forward (lossy; default off)")
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

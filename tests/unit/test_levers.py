@@ -95,6 +95,8 @@ def test_spec_levers_reach_the_dit_stage_and_its_children(placement, stage):
         assert c.levers == Levers(fp8=True)  # the encoder reads FP8 only
         return
     assert c.levers == Levers(6, "allgather", True, True)
+    every = build_parser().parse_args(["serve", "--json", "--queue-size", "1", "--fp8", "on", "--fp8-attention", "off"])
+    assert every.json and every.queue_size == 1 and every.fp8 and not every.fp8_attention  # the other flags stay
     argv = child_argv(c, "dit", 1234, {}, None, "WARNING")
     args = build_parser().parse_args(argv[3:])
     assert (args.dit_resident_blocks, args.dit_offload_mode, args.fp8, args.fp8_attention) == (6, "allgather", True,

@@ -2,6 +2,7 @@
 
     python bench/levers.py --parts dlo,fp8model,layer --device cuda      # the 10 s 1344x768 geometry, 50 layers
     python bench/levers.py --parts quality --device cuda                 # whole 49-step requests, smaller geometry
+    python bench/levers.py --parts fp8model --fp8-offload-r 2 --device cuda  # FP8 + FP8 attention + offload together
     python bench/levers.py --parts quality --device cpu --quality-layers 3 --quality-geometry 22x64x96 --width 64  # smoke
 
 Parts:
@@ -10,6 +11,8 @@ Parts:
   fp8model  the same 50-layer DiT with its block linears in FP8 (weights on the device, peak HBM, one forward with
             bf16 FA3 and one with FP8 attention, relative L2 of the velocities vs the bf16 forward).
   layer     per-layer time of 2 blocks: bf16 | FP8 linears | FP8 attention | both; rel L2 of the block output.
+  encoder   the Qwen3-VL text encoder (50 decoder layers + vision tower) in bf16 and with FP8 projections: bytes (CPU:
+            counted on the meta device), HBM and one 256-token forward on CUDA, rel L2 of the states.
   quality   whole requests through DiTEngine (49 forwards, base schedule) at a smaller geometry: fp32, bf16,
             quality=high (step reuse, per threshold), FP8 linears, FP8 attention, both; final-latent relative L2 vs
             bf16 and vs fp32 on the same seed, PSNR of decoded frames (tiny random video VAE) vs the bf16 decode,

@@ -95,7 +95,8 @@ def _rank(rank: int, world: int, store: str, mode: str, r: int, q) -> None:
             model = tiny_model()
             off = attach_offload(model, r, "cpu", mode=mode, group=dist.group.WORLD)
             outs = [model(*inputs(t=t)) for t in ((0.7, 0.4), (0.3, 0.2), (0.7, 0.4))]
-        q.put((rank, [tuple(o) for o in outs], off.report()))
+        # numpy arrays travel by value: a torch tensor would travel as a file descriptor this process must outlive
+        q.put((rank, [tuple(t.numpy() for t in o) for o in outs], off.report()))
     finally:
         dist.destroy_process_group()
 
@@ -117,7 +118,7 @@ def test_two_gloo_ranks_match_resident(mode, tmp_path):
         assert p.exitcode == 0
     for rank, outs, report in got:
         for (v, a), (wv, wa) in zip(outs, want):
-            assert torch.equal(v, wv) and torch.equal(a, wa), (rank, mode)
+            assert torch.equal(torch.from_numpy(v), wv) and torch.equal(torch.from_numpy(a), wa), (rank, mode)
         block = report["block_bytes"]
         assert report["host_bytes_per_rank"] == 5 * (block if mode == "local" else -(-block // 512) * 256)
 

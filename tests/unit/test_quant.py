@@ -105,7 +105,8 @@ def _encoder_rank(rank: int, store: str, ckpt: str, q) -> None:
     try:
         enc = parallelize_encoder(TextEncoder.load(ckpt, dtype=torch.float32), dist.group.WORLD, rank, 2)
         names = quantize_text_decoder(enc.model, row_parallel=(RowParallelLinear,))
-        q.put((rank, len(names), enc.encode("a red kite over the sea").states))
+        # numpy travels by value (a tensor would travel as a file descriptor this process must outlive)
+        q.put((rank, len(names), enc.encode("a red kite over the sea").states.numpy()))
     finally:
         dist.destroy_process_group()
 
@@ -128,6 +129,7 @@ def test_text_decoder_fp8_under_tensor_parallel_two_gloo_ranks(tiny_checkpoint, 
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
+    got = [(rank, n, torch.from_numpy(states)) for rank, n, states in got]
     for rank, n, states in got:
         assert n == 7 * layers  # o_proj and down_proj are the row-parallel shards, quantized too
         assert 0 < rel_l2(states, want) < 0.1, rank

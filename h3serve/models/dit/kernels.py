@@ -119,6 +119,21 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Te
     return F.scaled_dot_product_attention(*deq).to(q.dtype)
 
 
+def fp8_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fp8_attention` returning the log-sum-exp too (a Ring chunk): (B, H, Nq, Dh) x (B, H, Nk, Dh) -> out
+    (B, H, Nq, Dh) in q's dtype, lse (B, H, Nq) fp32. Off Hopper: the dequantized operands, exact fp32 math."""
+    q8, sq = _quantize_heads(q.transpose(1, 2))
+    k8, sk = _quantize_heads(k.transpose(1, 2))
+    v8, sv = _quantize_heads(v.transpose(1, 2))
+    if q.is_cuda and fa3_available(q.device):
+        out, lse = _fa3_func()(q8, k8, v8, q_descale=sq, k_descale=sk, v_descale=sv, return_attn_probs=True)[:2]
+        return out.transpose(1, 2).to(q.dtype), lse.float()
+    qf, kf, vf = [(t8.float() * s[:, None, :, None]).transpose(1, 2) for t8, s in ((q8, sq), (k8, sk), (v8, sv))]
+    scores = torch.matmul(qf, kf.transpose(-1, -2)) * qf.shape[-1] ** -0.5  # (B, H, Nq, Nk)
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse[..., None]), vf).to(q.dtype), lse
+
+
 _IMPLS: dict[str, AttentionFn] = {
     "sdpa": sdpa_attention,
     "cudnn": cudnn_attention,

@@ -38,7 +38,7 @@ from h3serve.distributed.world import Runtime, check_identical, weights_digest
 from h3serve.weights.adapter import Adapter
 
 from .engine import DiTEngine
-from .kernels import HALF_DTYPES, chosen_attention, fa3_attention_with_lse
+from .kernels import HALF_DTYPES, chosen_attention, fa3_attention_with_lse, fp8_attention_with_lse
 from .layout import PackedLayout, RowShard, row_shards
 from .model import H3DiT
 
@@ -106,6 +106,8 @@ class USPGroups:
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Unmasked attention (B, H, Nq, D) x (B, H, Nk, D) -> out (B, H, Nq, D), log-sum-exp (B, H, Nq) fp32."""
     nq = q.shape[-2]
+    if chosen_attention(q.device)[0] == "fp8":  # the FP8 attention lever: Ring chunks in FP8 too
+        return fp8_attention_with_lse(q, k, v)
     if q.device.type == "cuda" and q.dtype in HALF_DTYPES and chosen_attention(q.device)[0] == "fa3":
         return fa3_attention_with_lse(q, k, v)  # the fastest kernel on Hopper, LSE included
     try:

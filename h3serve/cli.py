@@ -16,8 +16,10 @@ import os
 import sys
 import time
 
+from h3serve.config.levers import CLI_NAMES, Levers, check_combination
 from h3serve.config.stage import StageConfig
-from h3serve.config.vocab import DEFAULT_DTYPE, DTYPES, GRPC_PORT, HTTP_PORT, MODEL_STAGES
+from h3serve.config.vocab import (DEFAULT_DTYPE, DIT_LAYERS, DTYPES, GRPC_PORT, HTTP_PORT, MIN_RESIDENT_BLOCKS,
+                                  MODEL_STAGES, OFFLOAD_MODES)
 from h3serve.errors import H3Error
 
 EXIT_USER_ERROR = 2
@@ -38,6 +40,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--task", default="t2va", help="t2va | fl2va | ref2va")
     p.add_argument("--profile", default="base", help="base | fasth3")
     p.add_argument("--steps", default=None, help="sigma grid points incl. the terminal 0 (base default 50)")
+    p.add_argument("--quality", default=None, help="lossless (default) | high: step reuse (profile base)")
     p.add_argument("--dtype", default=DEFAULT_DTYPE, help=" | ".join(DTYPES))
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when present)")
     for flag, what in (("--encoder-tp", "text encoder tensor-parallel degree"),
@@ -63,7 +66,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     raw = dict(prompt=args.prompt, seconds=args.seconds, size=args.size, seed=args.seed, task=args.task,
                profile=args.profile, steps=args.steps, dtype=args.dtype, first_image=args.first_image,
-               last_image=args.last_image, references=args.reference or None)
+               last_image=args.last_image, references=args.reference or None, quality=args.quality)
     request = validate_request(**{k: v for k, v in raw.items() if v is not None})
     if args.server:
         return _generate_remote(args, t0)
@@ -151,6 +154,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_serve)
 
 
+def _on_off(text: str) -> bool:
+    value = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False}.get(str(text).lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"{text!r} must be on or off")
+    return value
+
+
 def _serve_arguments(p: argparse.ArgumentParser) -> None:
     """`h3serve serve`'s flags; each --NAME fills StageConfig.NAME (defaults shown are StageConfig's)."""
     d = StageConfig()
@@ -213,6 +223,15 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--start-timeout", type=float, default=600.0, help="launcher: seconds to wait for health")
     p.add_argument("--no-restart", action="store_true", help="launcher: stop everything when a stage dies")
     p.add_argument("--json", action="store_true", help="launcher: print endpoints and events as JSON lines")
+    p.add_argument("--dit-resident-blocks", type=int, default=None, metavar="R",
+                   help=f"dit: layerwise offload, R DiT blocks on the GPU ({MIN_RESIDENT_BLOCKS}..{DIT_LAYERS}), the "
+                        "rest streamed from pinned host memory (default: all resident)")
+    p.add_argument("--dit-offload-mode", default=d.dit_offload_mode, choices=OFFLOAD_MODES,
+                   help="dit: with several ranks, each pins the whole host copy (local) or a shard (allgather)")
+    p.add_argument("--fp8", type=_on_off, default=d.fp8, metavar="on|off",
+                   help="dit, encoder: FP8 linear layers in the DiT blocks and the text decoder (lossy; default off)")
+    p.add_argument("--fp8-attention", type=_on_off, default=d.fp8_attention, metavar="on|off",
+                   help="dit: FP8 attention, FlashAttention-3's FP8 forward (lossy; default off)")
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -226,6 +245,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     servicers = {"encoder": EncoderServicer, "dit": DiTServicer, "vae": VAEServicer, "muxer": MuxerServicer,
                  "gateway": GatewayServicer}
+    levers = Levers(args.dit_resident_blocks, args.dit_offload_mode, args.fp8, args.fp8_attention).check()
+    check_combination(args.profile, levers, names=CLI_NAMES)  # before anything starts
     return serve_main(args, servicers)
 
 

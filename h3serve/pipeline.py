@@ -260,8 +260,9 @@ class Pipeline:
                     text_states=encoded.states, text_tags=encoded.tags, latent_frames=req.latent_frames,
                     latent_h=req.latent_height, latent_w=req.latent_width, audio_latents=req.audio_latents,
                     seed=req.seed, task=req.task, profile=req.profile,
-                    steps=req.steps, anchors=c.anchors, condition_latents=c.condition_latents,
-                    references=c.references, reference_audio_rows=c.reference_audio_rows,
+                    steps=req.steps, anchors=c.anchors, quality=req.quality,
+                    condition_latents=c.condition_latents, references=c.references,
+                    reference_audio_rows=c.reference_audio_rows,
                 ),
                 on_step=on_step, should_stop=should_stop,
             )
@@ -270,6 +271,7 @@ class Pipeline:
                 bar.close()
         timings["dit_s"] = time.perf_counter() - t1
         timings["dit_steps"] = result.steps
+        timings["dit_forwards_computed"] = result.forwards_computed  # < steps when quality=high reused some
         return Latents(video=result.video, audio=result.audio, timings=timings)
 
     def decode_video_float(self, video: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,8 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 from PIL import Image
 
-from h3serve.config.vocab import DEFAULT_DTYPE, DTYPES, PROFILES, TASKS
+from h3serve.config.levers import REQUEST_NAMES, lever_conflict
+from h3serve.config.vocab import DEFAULT_DTYPE, DEFAULT_QUALITY, DTYPES, PROFILES, QUALITIES, TASKS
 from h3serve.errors import RequestError
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -71,7 +72,7 @@ MIN_IMAGE_SIDE = 16
 MAX_AUDIO_SECONDS = 60.0
 
 RAW_FIELDS = ("prompt", "task", "profile", "seconds", "num_frames", "width", "height", "size", "aspect", "seed",
-              "steps", "fps", "first_image", "last_image", "references", "dtype")
+              "steps", "fps", "first_image", "last_image", "references", "dtype", "quality")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -225,6 +226,7 @@ class GenerationRequest:
     last_image: "str | Upload | None" = None
     references: tuple[ReferenceSpec, ...] = ()
     dtype: str = DEFAULT_DTYPE
+    quality: str = DEFAULT_QUALITY  # lossless | high (step reuse, profile base): config/levers.py
     # derived
     num_frames: int = field(init=False)
     latent_frames: int = field(init=False)
@@ -528,7 +530,8 @@ def validate_request(**raw: Any) -> GenerationRequest:
       profile (base | fasth3), seconds (4..15, requested; or num_frames: requested frames at 24 fps),
       width / height (ints) or size ('WxH') or aspect ('16:9', W/H, (W, H)), seed (0..2**63-1; drawn at random
       when absent), steps (grid points incl. terminal 0; base 2..1000, default 50; fasth3 only 5),
-      fps (24 only), first_image / last_image (fl2va), references (ref2va), dtype (fp32 | bf16).
+      fps (24 only), first_image / last_image (fl2va), references (ref2va), dtype (fp32 | bf16),
+      quality (lossless | high: step reuse, profile base only).
 
     Canvas: explicit sizes must be multiples of 32 within [256, 2048], aspect 1:4..4:1, area <= 1,032,192 (the
     canvas max). With neither side given, the canvas is canvas_for_aspect(aspect), where aspect is the `aspect`
@@ -553,6 +556,10 @@ def validate_request(**raw: Any) -> GenerationRequest:
         task = "ref2va" if get("references") is not None else "fl2va" if has_images else "t2va"
     if profile == "fasth3" and task != "t2va":
         raise RequestError("task", task, "profile fasth3 serves t2va only; use profile base for fl2va / ref2va")
+    quality = DEFAULT_QUALITY if get("quality") is None else _choice("quality", get("quality"), QUALITIES)
+    conflict = lever_conflict(profile, quality=quality, names=REQUEST_NAMES)
+    if conflict is not None:
+        raise RequestError("quality", quality, conflict)
 
     # duration
     seconds_allowed = f"requested duration between {MIN_SECONDS:g} and {MAX_SECONDS:g} seconds"
@@ -658,4 +665,4 @@ def validate_request(**raw: Any) -> GenerationRequest:
 
     return GenerationRequest(prompt=prompt, task=task, profile=profile, seconds=seconds, width=width, height=height,
                              seed=seed, steps=steps, fps=fps, first_image=first_image, last_image=last_image,
-                             references=references, dtype=dtype)
+                             references=references, dtype=dtype, quality=quality)

@@ -24,6 +24,7 @@ from h3serve.config.parallel import (
     ulysses_choices,
     vae_pp_choices,
 )
+from h3serve.config.levers import LEVERS_MESSAGE, SPEC_NAMES
 from h3serve.config.vocab import DIT_HEADS, ENCODER_HEADS, ENCODER_KV_HEADS, PIPELINE_STAGES
 
 # ---- expressions: evaluated in Python, rendered as CEL -----------------------------------------------------------
@@ -209,6 +210,10 @@ RULES: tuple[Rule, ...] = (
     Rule("model.adapter", any_of(op("!=", Field("profile"), "fasth3"),
                                  all_of(has("model.adapter"), has("model.adapter.sha256"))),
          "profile fasth3 needs model.adapter with path and sha256 (the FastH3 4-step adapter file and its checksum)"),
+    Rule("dit.levers", any_of(op("!=", Field("profile"), "fasth3"),
+                              all_of(unset("dit.levers.residentBlocks"), op("!", Field("dit.levers.fp8")),
+                                     op("!", Field("dit.levers.fp8Attention")))),
+         LEVERS_MESSAGE, dict(SPEC_NAMES)),
     Rule("replicas", any_of(COLOCATED, unset("replicas")),
          "spec.replicas only applies to colocated placement: set encoder.replicas, dit.replicas, vae.replicas and "
          "muxer.replicas instead"),

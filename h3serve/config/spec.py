@@ -24,6 +24,9 @@ from typing import Any, Optional
 
 from h3serve.config.rules import RULES
 from h3serve.config.vocab import (
+    DIT_LAYERS,
+    MIN_RESIDENT_BLOCKS,
+    OFFLOAD_MODES,
     DIST_PORT,
     DIT_HEADS,
     ENCODER_HEADS,
@@ -131,6 +134,21 @@ class EncoderSpec:
 
 
 @dataclass(frozen=True)
+class DitLeversSpec:
+    resident_blocks: Optional[int] = f("residentBlocks", "Layerwise offload: DiT blocks kept on each GPU (the rest "
+                                       "stream from pinned host memory one block ahead of the compute); unset: all "
+                                       f"{DIT_LAYERS} resident.", None, minimum=MIN_RESIDENT_BLOCKS,
+                                       maximum=DIT_LAYERS)
+    offload_mode: str = f("offloadMode", "With several DiT ranks: local (each rank pins the whole host copy) or "
+                          "allgather (each rank pins 1/ranks of it; blocks are all-gathered).", "local",
+                          enum=list(OFFLOAD_MODES))
+    fp8: bool = f("fp8", "FP8 (e4m3, row-wise scales) linear layers in the DiT blocks (attention and FFN) and the "
+                  "text encoder's decoder layers; lossy.",
+                  False)
+    fp8_attention: bool = f("fp8Attention", "FP8 DiT attention (FlashAttention-3's FP8 forward); lossy.", False)
+
+
+@dataclass(frozen=True)
 class DitSpec:
     ulysses: int = f("ulysses", "Ulysses (head-split) sequence-parallel degree of the DiT; divides its "
                      f"{DIT_HEADS} heads.", 1, minimum=1, maximum=DIT_HEADS)
@@ -142,6 +160,8 @@ class DitSpec:
                                   "engine pod that runs every stage); the GPU count is set from ulysses x ring.", None, **RESOURCES_SCHEMA)
     node_selector: Optional[dict] = f("nodeSelector", "Replaces spec.nodeSelector for this stage.", None)
     tolerations: Optional[list] = f("tolerations", "Replaces spec.tolerations for this stage.", None)
+    levers: DitLeversSpec = f("levers", "Capacity and speed levers of the DiT, every one off by default; profile "
+                              "base only.", factory=DitLeversSpec)
 
     @property
     def sp(self) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from h3serve.config.levers import Levers
 from h3serve.config.spec import ServiceConfig
 from h3serve.config.vocab import (
     DEFAULT_DTYPE,
@@ -69,6 +70,11 @@ class StageConfig:
     tasks: str = DEFAULT_TASKS       # comma list the DiT loads partitions for and the gateway admits
     # encoder: bytes of encodings kept for repeated prompts / references (0: no cache)
     encoder_cache_bytes: int = 512 << 20
+    # DiT capacity / speed levers (config/levers.py), all off by default
+    dit_resident_blocks: int | None = None
+    dit_offload_mode: str = "local"
+    fp8: bool = False
+    fp8_attention: bool = False
     # vae
     frame_format: str = "yuv420p"    # what the VAE sends the muxer: yuv420p planes (1.5 B/px) or rgb24 (3 B/px)
     # muxer
@@ -92,6 +98,10 @@ class StageConfig:
             raise H3Error(f"--tasks={self.tasks!r} is invalid: a comma list of {', '.join(TASKS)}")
         allowed = PROFILE_TASKS.get(profile or self.profile, ("t2va",))
         return tuple(t for t in TASKS if t in wanted and t in allowed) or ("t2va",)
+
+    @property
+    def levers(self) -> Levers:
+        return Levers(self.dit_resident_blocks, self.dit_offload_mode, bool(self.fp8), bool(self.fp8_attention))
 
     @property
     def address(self) -> str:
@@ -119,6 +129,12 @@ def service_config_values(service_config: dict, stage: str) -> dict[str, Any]:
         out.update(checkpoint=spec.model.path, dtype=sc.dtype, device=sc.device,
                    encoder_tp=spec.encoder.tensor_parallel, ulysses=spec.dit.ulysses, ring=spec.dit.ring,
                    vae_pp=spec.vae.patch_parallel)
+    lv = spec.dit.levers
+    if colocated or stage == "dit":
+        out.update(dit_resident_blocks=lv.resident_blocks, dit_offload_mode=lv.offload_mode, fp8=lv.fp8,
+                   fp8_attention=lv.fp8_attention)
+    elif stage == "encoder":
+        out.update(fp8=lv.fp8)  # FP8 covers the text decoder's projections too
     if (colocated or stage == "dit") and spec.model.adapter is not None:
         out.update(adapter=spec.model.adapter.path, adapter_sha256=spec.model.adapter.sha256)
     if stage != "encoder":  # every end of a tensor edge (dit -> vae, vae -> muxer) and the gateway's plan

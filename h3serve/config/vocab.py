@@ -41,3 +41,10 @@ HEALTH_SERVICE = ""
 ENCODER_HEADS = 64     # Qwen3-VL text model: query heads
 ENCODER_KV_HEADS = 8   # ... and key/value heads (GQA)
 DIT_HEADS = 56         # H3 DiT: 56 heads x 128
+
+# ---- capacity and speed levers (h3serve.config.levers), every one off by default ------------------------------
+QUALITIES = ("lossless", "high")  # lossless: every block of every step; high: step reuse (base profile)
+DEFAULT_QUALITY = "lossless"
+OFFLOAD_MODES = ("local", "allgather")  # DiT layerwise offload over several ranks: each rank's own host copy / shards
+DIT_LAYERS = 50        # H3 DiT blocks: the bound of the resident-block window
+MIN_RESIDENT_BLOCKS = 2  # a copy one block ahead needs a second slot

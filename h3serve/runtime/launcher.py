@@ -46,7 +46,8 @@ def parse_stages(text: str) -> list[str]:
 _PASS = ("checkpoint", "profile", "adapter", "adapter_sha256", "dtype", "device", "threads", "host", "grace_s",
          "queue_size", "max_inflight", "request_timeout_s", "jobs_dir", "job_ttl_s", "max_jobs", "max_sync_bytes",
          "transport", "model_name", "frame_format", "mux_threads", "crf", "preset", "session_ttl_s", "tmp_dir", "http_host",
-         "encoder_tp", "ulysses", "ring", "vae_pp", "encoder_cache_bytes", "fasth3_dit", "tasks")
+         "encoder_tp", "ulysses", "ring", "vae_pp", "dit_resident_blocks", "dit_offload_mode", "fp8", "fp8_attention",
+         "encoder_cache_bytes", "fasth3_dit", "tasks")
 
 
 def child_argv(config: StageConfig, stage: str, port: int, addresses: dict[str, str], http_port: int | None,

@@ -134,10 +134,10 @@ def _build_args(stage: str, c, degrees: ParallelDegrees) -> tuple:
     """(build, build args) of the stage's world, from its StageConfig."""
     dtype = DTYPES[c.dtype]
     if stage == "encoder":
-        args = (c.checkpoint, dtype, degrees.encoder_tp)
+        args = (c.checkpoint, dtype, degrees.encoder_tp, c.fp8)
     elif stage == "dit":
         args = (c.checkpoint, dtype, ("transformer",), c.profile, c.adapter, c.adapter_sha256, degrees.ulysses,
-                degrees.ring)
+                degrees.ring, c.levers)
     elif stage == "vae":
         args = (c.checkpoint, dtype, degrees.vae_pp)
     else:

@@ -67,7 +67,8 @@ class DiTServicer(StageBase):
         else:
             adapter = Adapter.open(c.adapter, c.adapter_sha256) if c.profile == "fasth3" else None
             self.engine = DiTEngine.load(c.checkpoint, components=components, dtype=DTYPES[c.dtype],
-                                         device=device, profile=c.profile, adapter=adapter)
+                                         device=device, profile=c.profile, adapter=adapter, levers=c.levers)
+            self.engine.apply_offload(c.levers)
             if adapter is not None:
                 adapter.close()
         if c.warmup:   # one forward at the smallest geometry: kernels, allocator, lazy init

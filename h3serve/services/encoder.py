@@ -14,6 +14,7 @@ from h3serve.errors import RequestError
 from h3serve.errortable import grpc_method
 from h3serve.models import conditions as cond
 from h3serve.models.encoder.cache import EncodeCache, cache_key, checkpoint_identity
+from h3serve.models.encoder.fp8 import quantize_text_decoder
 from h3serve.models.encoder.model import DEFAULT_LAYER, TextEncoder
 from h3serve.runtime.device import DTYPES, pick_device
 from h3serve.runtime.stage import StageBase
@@ -56,6 +57,8 @@ class EncoderServicer(StageBase):
             else:
                 self.encoder = TextEncoder.load(self.config.checkpoint, dtype=DTYPES[self.config.dtype],
                                                 device=device)
+                if self.config.fp8:  # the text decoder's projections in FP8 (lever --fp8)
+                    quantize_text_decoder(self.encoder.model)
             if self.config.warmup:
                 self.encoder.encode("warm-up", task="t2va")
             if device.type == "cuda":

@@ -205,6 +205,8 @@ BAD_SPECS = {
     "model-path": {"model": {"path": "/weights/H3", "volume": {"persistentVolumeClaim": {"claimName": "w"}}}},
     "adapter-path": {"model": {"adapter": {"path": "/elsewhere/a.safetensors", "sha256": SHA}}},
     "encoder-gang": {"placement": "disaggregated", "gpusPerNode": 3, "encoder": {"tensorParallel": 4}},
+    "fasth3-levers": {"profile": "fasth3", "model": {"adapter": {"path": "/models/a.safetensors", "sha256": SHA}},
+                      "dit": {"levers": {"residentBlocks": 2, "fp8": True}}},
 }
 
 

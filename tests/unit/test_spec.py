@@ -193,6 +193,7 @@ def test_every_rule_fires():
         base(dit={"ulysses": 3}),
         base(vae={"patchParallel": 2}, dit={"ulysses": 4}),
         base(profile="fasth3"),
+        base(profile="fasth3", dit={"levers": {"fp8": True}}),
         base(placement="disaggregated", replicas=1),
         base(vae={"replicas": 1}),
         base(encoder={"tensorParallel": 2}),

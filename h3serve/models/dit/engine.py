@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from h3serve.config.levers import CLI_NAMES, REQUEST_NAMES, Levers, lever_conflict
 from h3serve.config.request import DEFAULT_STEPS
 from h3serve.errors import ProfileError
 from h3serve.models.dit.layout import (
@@ -26,7 +27,11 @@ from h3serve.models.dit.layout import (
     unpatchify,
 )
 from h3serve.models.dit.loop import denoise, noise_condition_rows, prepare_noise
+from h3serve.models.dit import kernels
 from h3serve.models.dit.model import FP32_MODULES, H3DiT, H3DiTConfig
+from h3serve.models.dit.offload import attach_offload
+from h3serve.models.dit.quant import quantize_dit
+from h3serve.models.dit.reuse import ReuseConfig, StepReuse
 from h3serve.models.dit.scheduler import schedules_for
 from h3serve.weights.folder import CheckpointFolder
 from h3serve.weights.load import load_module_weights
@@ -61,6 +66,7 @@ class DiTRequest:
     condition_latents: Sequence[torch.Tensor] = ()
     references: Sequence[ImageRef | AudioRef] = ()
     reference_audio_rows: Sequence[torch.Tensor] = ()
+    quality: str = "lossless"  # "high": step reuse (models/dit/reuse.py); "lossless": every block of every step
 
 
 @dataclass
@@ -70,15 +76,20 @@ class DiTResult:
     seconds: float = 0.0
     steps: int = 0
     step_seconds: list[float] = field(default_factory=list)
+    forwards_computed: int = 0  # steps whose whole block stack ran (= steps unless quality=high reused some)
+    block_evaluations: int = 0
 
 
 class DiTEngine:
     """One DiT partition (or two: t2va/fl2va and ref2va) on one device."""
 
-    def __init__(self, models: dict[str, H3DiT], *, device: torch.device, profile: str):
+    def __init__(self, models: dict[str, H3DiT], *, device: torch.device, profile: str,
+                 reuse: ReuseConfig = ReuseConfig()):
         self.models = models
         self.device = device
         self.profile = profile
+        self.reuse = reuse
+        self.levers = Levers()
 
     @classmethod
     def load(
@@ -90,10 +101,16 @@ class DiTEngine:
         device: str | torch.device = "cpu",
         profile: str = "base",
         adapter=None,
+        levers: Levers = Levers(),
     ) -> "DiTEngine":
         """Build each partition on the meta device and stream its weights in; the adapter (FastH3) is fused tensor
-        by tensor before the cast, i.e. before any later sharding sees the weights."""
+        by tensor before the cast, i.e. before any later sharding sees the weights. `levers`: FP8 linears are made
+        here, FP8 attention is chosen here; offload is `apply_offload` (after any cross-rank weight check)."""
         device = torch.device(device)
+        conflict = lever_conflict(profile, levers, names=CLI_NAMES)
+        if conflict is not None:
+            raise ProfileError(conflict)
+        levers.check()
         folder = CheckpointFolder(Path(checkpoint), components=list(components))
         models = {}
         for component in components:
@@ -106,8 +123,24 @@ class DiTEngine:
             )
             model.init_buffers(device).eval().requires_grad_(False)
             log.info("%s: %s", component, report.summary())
+            if levers.fp8:
+                log.info("%s: %d linear layers in FP8", component, len(quantize_dit(model)))
             models[component] = model
-        return cls(models, device=device, profile=profile)
+        if levers.fp8_attention:
+            kernels.choose_attention(device, "fp8")
+        engine = cls(models, device=device, profile=profile)
+        engine.levers = levers
+        return engine
+
+    def apply_offload(self, levers: Levers, group=None) -> None:
+        """Layerwise offload of every partition's blocks (`levers.resident_blocks`; no-op when unset). `group`: the
+        DiT ranks (allgather mode shards the host copies over them)."""
+        if levers.resident_blocks is None:
+            return
+        for name, model in self.models.items():
+            inner = getattr(model, "model", model)
+            off = attach_offload(inner, levers.resident_blocks, self.device, mode=levers.offload_mode, group=group)
+            log.info("%s: layerwise offload %s", name, off.report())
 
     def layout_for(self, req: DiTRequest) -> PackedLayout:
         text_len = int(req.text_states.shape[1])
@@ -157,15 +190,40 @@ class DiTEngine:
                 on_step(done, total)
 
         text_states = req.text_states.to(self.device, model.dtype)
-        video_out, audio_out = denoise(
+        inner = getattr(model, "model", model)  # the H3DiT under a sequence-parallel wrapper
+        layers = inner.config.num_layers
+        policy = None
+        conflict = lever_conflict(req.profile, quality=req.quality, names=REQUEST_NAMES)
+        if conflict is not None:
+            raise ProfileError(conflict)
+        if req.quality == "high":
+            groups = getattr(model, "groups", None)  # every sequence-parallel rank must take the same decision
+            policy = StepReuse(layers, self.reuse, group=groups.data if groups is not None else None)
+            policy.begin(video_schedule.num_steps)
+            inner.step_policy = policy
+        try:
+            video_out, audio_out = self._denoise(model, video_rows, audio_rows, text_states, layout, video_schedule,
+                                                 audio_schedule, _on_step, should_stop)
+        finally:
+            if policy is not None:
+                inner.step_policy = None
+                policy.end()
+        n = video_schedule.num_steps
+        computed = policy.forwards_computed if policy is not None else n
+        evaluations = policy.block_evaluations if policy is not None else n * layers
+        video = unpatchify(video_out[layout.num_condition_video_rows:], req.latent_frames, req.latent_h,
+                           req.latent_w)
+        audio = rows_to_audio(audio_out[layout.num_condition_audio_rows:])
+        return DiTResult(video=video, audio=audio, seconds=time.perf_counter() - t0, steps=n,
+                         step_seconds=step_times, forwards_computed=computed, block_evaluations=evaluations)
+
+    @staticmethod
+    def _denoise(model, video_rows, audio_rows, text_states, layout, video_schedule, audio_schedule, on_step,
+                 should_stop):
+        return denoise(
             model, video_rows=video_rows, audio_rows=audio_rows, text_states=text_states, layout=layout,
             video_schedule=video_schedule, audio_schedule=audio_schedule,
             num_condition_video_rows=layout.num_condition_video_rows,
             num_condition_audio_rows=layout.num_condition_audio_rows,
-            on_step=_on_step, should_stop=should_stop,
+            on_step=on_step, should_stop=should_stop,
         )
-        video = unpatchify(video_out[layout.num_condition_video_rows:], req.latent_frames, req.latent_h,
-                           req.latent_w)
-        audio = rows_to_audio(audio_out[layout.num_condition_audio_rows:])
-        return DiTResult(video=video, audio=audio, seconds=time.perf_counter() - t0,
-                         steps=video_schedule.num_steps, step_seconds=step_times)

@@ -39,7 +39,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 log = logging.getLogger("h3serve.dit.kernels")
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-ATTENTION_NAMES = ("sdpa", "cudnn", "flash", "fa3")
+ATTENTION_NAMES = ("sdpa", "cudnn", "flash", "fa3", "fp8")
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -91,11 +91,55 @@ def fa3_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
     return out.transpose(1, 2), lse.float()
 
 
+_FP8 = torch.float8_e4m3fn
+_FP8_MAX = 448.0
+
+
+def _quantize_heads(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, N, H, Dh) -> e4m3 (B, N, H, Dh) contiguous and the descale (B, H) fp32: one scale per batch and head."""
+    amax = t.abs().amax(dim=(1, 3)).float().clamp_min(1e-12)  # (B, H)
+    scale = amax / _FP8_MAX
+    q8 = (t.float() / scale[:, None, :, None]).clamp_(-_FP8_MAX, _FP8_MAX).to(_FP8).contiguous()
+    return q8, scale
+
+
+def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """FP8 (e4m3) attention, a lossy quality mode: q, k, v quantized per batch and head, FA3's FP8 forward on Hopper;
+    elsewhere the same quantized operands dequantized into SDPA (same rounding of the inputs, for tests).
+    (B, H, N, Dh) x3 -> (B, H, N, Dh) in q's dtype."""
+    q8, sq = _quantize_heads(q.transpose(1, 2))  # (B, N, H, Dh)
+    k8, sk = _quantize_heads(k.transpose(1, 2))
+    v8, sv = _quantize_heads(v.transpose(1, 2))
+    if q.is_cuda and fa3_available(q.device):
+        out = _fa3_func()(q8, k8, v8, q_descale=sq, k_descale=sk, v_descale=sv)
+        if isinstance(out, tuple):
+            out = out[0]
+        return out.transpose(1, 2).to(q.dtype)
+    deq = [(t8.float() * s[:, None, :, None]).transpose(1, 2) for t8, s in ((q8, sq), (k8, sk), (v8, sv))]
+    return F.scaled_dot_product_attention(*deq).to(q.dtype)
+
+
+def fp8_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fp8_attention` returning the log-sum-exp too (a Ring chunk): (B, H, Nq, Dh) x (B, H, Nk, Dh) -> out
+    (B, H, Nq, Dh) in q's dtype, lse (B, H, Nq) fp32. Off Hopper: the dequantized operands, exact fp32 math."""
+    q8, sq = _quantize_heads(q.transpose(1, 2))
+    k8, sk = _quantize_heads(k.transpose(1, 2))
+    v8, sv = _quantize_heads(v.transpose(1, 2))
+    if q.is_cuda and fa3_available(q.device):
+        out, lse = _fa3_func()(q8, k8, v8, q_descale=sq, k_descale=sk, v_descale=sv, return_attn_probs=True)[:2]
+        return out.transpose(1, 2).to(q.dtype), lse.float()
+    qf, kf, vf = [(t8.float() * s[:, None, :, None]).transpose(1, 2) for t8, s in ((q8, sq), (k8, sk), (v8, sv))]
+    scores = torch.matmul(qf, kf.transpose(-1, -2)) * qf.shape[-1] ** -0.5  # (B, H, Nq, Nk)
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse[..., None]), vf).to(q.dtype), lse
+
+
 _IMPLS: dict[str, AttentionFn] = {
     "sdpa": sdpa_attention,
     "cudnn": cudnn_attention,
     "flash": flash_attention,
     "fa3": fa3_attention,
+    "fp8": fp8_attention,
 }
 
 
@@ -122,7 +166,7 @@ def resolve_attention(device: torch.device | str, name: str | None = None) -> tu
             name = "sdpa"
     if name not in _IMPLS:
         raise ValueError(f"unknown attention implementation {name!r}; choose one of {ATTENTION_NAMES} or 'auto'")
-    if name != "sdpa" and device.type != "cuda":
+    if name not in ("sdpa", "fp8") and device.type != "cuda":
         raise ValueError(f"attention {name!r} needs a CUDA device, got {device}")
     if name == "fa3":
         _fa3_func()  # fail loudly here when forced but missing
@@ -139,6 +183,13 @@ def chosen_attention(device: torch.device | str) -> tuple[str, AttentionFn]:
         _CHOSEN[dev.type] = resolve_attention(dev)
         log.info("DiT attention on %s: %s", dev.type, _CHOSEN[dev.type][0])
     return _CHOSEN[dev.type]
+
+
+def choose_attention(device: torch.device | str, name: str) -> None:
+    """Fix the per-process choice for `device`'s type (a deployment lever: `fp8` attention)."""
+    dev = torch.device(device)
+    _CHOSEN[dev.type] = resolve_attention(dev, name)
+    log.info("DiT attention on %s: %s (chosen)", dev.type, name)
 
 
 def reset_attention_choice() -> None:

@@ -403,6 +403,10 @@ class _RowPlan:
 
 class H3DiT(nn.Module):
     FP32_MODULES = FP32_MODULES
+    # Levers set from outside (off by default): a LayerwiseOffload (offload.py) streams the blocks; a StepReuse
+    # (reuse.py) decides per forward which blocks run.
+    block_runner = None
+    step_policy = None
 
     def __init__(self, config: H3DiTConfig):
         super().__init__()
@@ -468,7 +472,7 @@ class H3DiT(nn.Module):
         layout = layout.to(device)  # no-op when the caller already moved it (the loop does, once)
         timesteps = timesteps.to(device)
         x, ctx, plan = self.embed(video_rows, audio_rows, text_states, timesteps, timestep_indices, layout, shard)
-        x = self.run_blocks(x, ctx)
+        x = self.step_policy.run(self, x, ctx) if self.step_policy is not None else self.run_blocks(x, ctx)
         return self.heads(x, ctx, plan, timestep_indices, layout, shard)
 
     def plan_rows(self, timestep_indices: torch.Tensor, layout: PackedLayout) -> _RowPlan:
@@ -540,8 +544,11 @@ class H3DiT(nn.Module):
             ctx = ctx.shard(shard.start, shard.stop, shard.rows)
         return x, ctx, plan
 
-    def run_blocks(self, x: torch.Tensor, ctx: BlockContext) -> torch.Tensor:
-        for block in self.transformer_blocks:
+    def run_blocks(self, x: torch.Tensor, ctx: BlockContext, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Blocks [start, stop) on x (B, S, D), in place."""
+        if self.block_runner is not None:
+            return self.block_runner.run(x, ctx, start, stop)
+        for block in self.transformer_blocks[start:stop]:
             x = block(x, ctx)
         return x
 

@@ -31,13 +31,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from h3serve.config.levers import Levers
 from h3serve.config.parallel import ParallelDegrees
 from h3serve.distributed.proxies import DiTEngineProxy
 from h3serve.distributed.world import Runtime, check_identical, weights_digest
 from h3serve.weights.adapter import Adapter
 
 from .engine import DiTEngine
-from .kernels import HALF_DTYPES, chosen_attention, fa3_attention_with_lse
+from .kernels import HALF_DTYPES, chosen_attention, fa3_attention_with_lse, fp8_attention_with_lse
 from .layout import PackedLayout, RowShard, row_shards
 from .model import H3DiT
 
@@ -105,6 +106,8 @@ class USPGroups:
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Unmasked attention (B, H, Nq, D) x (B, H, Nk, D) -> out (B, H, Nq, D), log-sum-exp (B, H, Nq) fp32."""
     nq = q.shape[-2]
+    if chosen_attention(q.device)[0] == "fp8":  # the FP8 attention lever: Ring chunks in FP8 too
+        return fp8_attention_with_lse(q, k, v)
     if q.device.type == "cuda" and q.dtype in HALF_DTYPES and chosen_attention(q.device)[0] == "fa3":
         return fa3_attention_with_lse(q, k, v)  # the fastest kernel on Hopper, LSE included
     try:
@@ -298,13 +301,13 @@ def parallelize_dit(model: H3DiT, groups: USPGroups) -> USPDiT:
 
 
 def load_usp_engine(runtime: Runtime, usp: USPGroups, checkpoint: str, *, components, dtype: torch.dtype,
-                    profile: str, adapter: str | None, adapter_sha256: str | None):
+                    profile: str, adapter: str | None, adapter_sha256: str | None, levers: Levers = Levers()):
     """This DiT rank's engine: weights streamed (FastH3: the adapter fused into them, before any sharding), checked
     identical on every rank of the DiT group by digest, then each model wrapped in the USP plan."""
     fused = Adapter.open(adapter, adapter_sha256) if profile == "fasth3" else None
     try:
         engine = DiTEngine.load(checkpoint, components=components, dtype=dtype, device=runtime.device,
-                                profile=profile, adapter=fused)
+                                profile=profile, adapter=fused, levers=levers)
     finally:
         if fused is not None:
             fused.close()
@@ -312,6 +315,7 @@ def load_usp_engine(runtime: Runtime, usp: USPGroups, checkpoint: str, *, compon
         check_identical(runtime, weights_digest(model.state_dict().items()), f"DiT {name} weights",
                         control=usp.control)
         engine.models[name] = parallelize_dit(model, usp)
+    engine.apply_offload(levers, group=usp.data)  # after the digest check: allgather ranks keep only shards
     return engine
 
 
@@ -320,7 +324,8 @@ def load_usp_engine(runtime: Runtime, usp: USPGroups, checkpoint: str, *, compon
 
 
 def build_dit_rank(runtime: Runtime, checkpoint: str, dtype: torch.dtype, components: Sequence[str], profile: str,
-                   adapter: str | None, adapter_sha256: str | None, ulysses: int, ring: int) -> Callable[[], dict]:
+                   adapter: str | None, adapter_sha256: str | None, ulysses: int, ring: int,
+                 levers: Levers = Levers()) -> Callable[[], dict]:
     """Create the USP groups over ranks [0, ulysses x ring) now (every rank of the world calls this, in the same
     order) and return the load: the DiT engine under USP on the groups' members (`load_usp_engine`), then the ops
     for `DiTEngineProxy`: GENERATE request -> the result (None outside the groups; the stop flag is agreed across
@@ -333,7 +338,7 @@ def build_dit_rank(runtime: Runtime, checkpoint: str, dtype: torch.dtype, compon
         engine = None
         if usp is not None:
             engine = load_usp_engine(runtime, usp, checkpoint, components=components, dtype=dtype, profile=profile,
-                                     adapter=adapter, adapter_sha256=adapter_sha256)
+                                     adapter=adapter, adapter_sha256=adapter_sha256, levers=levers)
 
         def generate(req, local):
             if engine is None:

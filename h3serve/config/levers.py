@@ -1,0 +1,90 @@
+"""The capacity and speed levers and their one combination rule, written once.
+
+Levers of a deployment (CLI `h3serve serve` flags, the CRD's `dit.levers`): DiT layerwise offload (a window of
+`resident_blocks` DiT blocks on the device, the rest streamed from pinned host memory, `offload_mode` with several
+ranks), FP8 linear layers (the DiT blocks and the text decoder), FP8 attention. Lever of a request: `quality` (`high` =
+step reuse). Every lever is off by default.
+
+The rule: profile fasth3 takes none of them (the published work has not certified the student with offload, caching
+or quantization). `LEVERS_MESSAGE` is its one message; each surface fills in its own spelling of the fields
+(`CLI_NAMES`, `SPEC_NAMES`, `REQUEST_NAMES`), so the CLI, the request validation, the engine and the CRD's CEL rule
+say the same sentence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from h3serve.errors import H3Error
+from h3serve.config.vocab import (
+    DEFAULT_QUALITY,
+    DIT_LAYERS,
+    MIN_RESIDENT_BLOCKS,
+    OFFLOAD_MODES,
+    QUALITIES,
+)
+
+LEVERS_MESSAGE = ("profile fasth3 takes no {offload}, {fp8}, {fp8_attention} or {quality}=high: layerwise offload, "
+                  "FP8 and step reuse are certified for profile base only")
+CLI_NAMES = dict(offload="--dit-resident-blocks", fp8="--fp8", fp8_attention="--fp8-attention", quality="quality")
+SPEC_NAMES = dict(offload="dit.levers.residentBlocks", fp8="dit.levers.fp8", fp8_attention="dit.levers.fp8Attention",
+                  quality="quality")
+REQUEST_NAMES = dict(offload="resident_blocks", fp8="fp8", fp8_attention="fp8_attention", quality="quality")
+
+
+class LeverError(H3Error, ValueError):
+    """A lever value or combination is refused; `field` names it as the caller spelled it."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(message)
+
+
+@dataclass(frozen=True)
+class Levers:
+    resident_blocks: int | None = None  # None: every DiT block resident (no offload)
+    offload_mode: str = "local"
+    fp8: bool = False
+    fp8_attention: bool = False
+
+    @property
+    def any(self) -> bool:
+        return self.resident_blocks is not None or self.fp8 or self.fp8_attention
+
+    def lossy(self) -> bool:
+        """Whether the deployment's outputs differ from the dense bf16 path (offload does not change them)."""
+        return self.fp8 or self.fp8_attention
+
+    def check(self, num_layers: int = DIT_LAYERS, names: dict = CLI_NAMES) -> "Levers":
+        if self.resident_blocks is not None and not MIN_RESIDENT_BLOCKS <= self.resident_blocks <= num_layers:
+            raise LeverError(names["offload"], f"{names['offload']}={self.resident_blocks} must be between "
+                             f"{MIN_RESIDENT_BLOCKS} (a copy one block ahead needs two slots) and the {num_layers} "
+                             f"DiT layers")
+        if self.offload_mode not in OFFLOAD_MODES:
+            raise LeverError("offload_mode", f"offload mode {self.offload_mode!r} must be one of "
+                             f"{', '.join(OFFLOAD_MODES)}")
+        return self
+
+
+def check_quality(quality: str | None, field: str = "quality") -> str:
+    """The request's quality (default lossless), or LeverError naming the allowed values."""
+    if quality is None:
+        return DEFAULT_QUALITY
+    if not isinstance(quality, str) or quality.lower() not in QUALITIES:
+        raise LeverError(field, f"{field}={quality!r} must be one of {', '.join(QUALITIES)}")
+    return quality.lower()
+
+
+def lever_conflict(profile: str, levers: Levers = Levers(), quality: str = DEFAULT_QUALITY,
+                   names: dict = CLI_NAMES) -> str | None:
+    """The combination rule: None when allowed, else LEVERS_MESSAGE in the caller's spelling."""
+    if profile == "fasth3" and (levers.any or quality == "high"):
+        return LEVERS_MESSAGE.format(**names)
+    return None
+
+
+def check_combination(profile: str, levers: Levers = Levers(), quality: str = DEFAULT_QUALITY,
+                      names: dict = CLI_NAMES, field: str = "profile") -> None:
+    msg = lever_conflict(profile, levers, quality, names)
+    if msg is not None:
+        raise LeverError(field, msg)

@@ -14,6 +14,7 @@ import torch
 
 from h3serve._proto import common_pb2, dit_pb2, dit_pb2_grpc, vae_pb2, vae_pb2_grpc
 from h3serve.config.stage import StageConfig
+from h3serve.config.vocab import DEFAULT_QUALITY, QUALITIES
 from h3serve.distributed.proxies import DiTEngineProxy
 from h3serve.errors import RequestError
 from h3serve.errortable import grpc_method
@@ -92,6 +93,9 @@ class DiTServicer(StageBase):
         if task not in self.tasks:
             raise RequestError("task", p.task, f"this DiT serves {' | '.join(self.tasks)} (profile "
                                                f"{self.config.profile})")
+        quality = p.quality or DEFAULT_QUALITY
+        if quality not in QUALITIES:
+            raise RequestError("quality", p.quality, "one of " + " | ".join(QUALITIES))
         kinds = list(p.condition_kinds)
         try:
             cond.check_kinds(kinds, task)
@@ -119,7 +123,7 @@ class DiTServicer(StageBase):
                 latent_h=p.latent_height, latent_w=p.latent_width, audio_latents=p.audio_latents, seed=int(p.seed),
                 task=task, profile=p.profile, steps=p.steps or None, anchors=c.anchors,
                 condition_latents=c.condition_latents, references=c.references,
-                reference_audio_rows=c.reference_audio_rows)
+                reference_audio_rows=c.reference_audio_rows, quality=quality)
             t0 = time.perf_counter()
 
             def work(emit):
@@ -132,7 +136,8 @@ class DiTServicer(StageBase):
             sink = p.latents_sink
             result = yield from self.engine_events(scope, work, lambda p: dit_pb2.DiTEvent(progress=p))
             done = dit_pb2.DiTDone(steps=result.steps, seconds=result.seconds, step_seconds=result.step_seconds,
-                                   peak_memory_mb=scope.peak_memory_mb)
+                                   peak_memory_mb=scope.peak_memory_mb, forwards_computed=result.forwards_computed,
+                                   block_evaluations=result.block_evaluations)
             if sink.address and sink.session_id:   # the latents go straight to the VAE (dit->vae over Control)
                 info = self._send_latents(scope, sink, result)
                 done.transport.CopyFrom(common_pb2.TransportInfo(**info))

@@ -198,7 +198,7 @@ class DiTEngine:
             raise ProfileError(conflict)
         if req.quality == "high":
             groups = getattr(model, "groups", None)  # every sequence-parallel rank must take the same decision
-            policy = StepReuse(layers, self.reuse, group=groups.data if groups is not None else None)
+            policy = StepReuse(layers, self.reuse.fitted(layers), group=groups.data if groups is not None else None)
             policy.begin(video_schedule.num_steps)
             inner.step_policy = policy
         try:

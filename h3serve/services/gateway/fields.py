@@ -294,7 +294,10 @@ def validate_fields(fields: dict[str, Any], *, config: StageConfig,
     if http:
         api_names.update(HTTP_NAMES)
     api_names.update(names or {})
-    check_types(fields)
+    try:
+        check_types(fields)
+    except RequestError as exc:   # named as the caller spelled it (extra_params.task, video_params.width)
+        raise _renamed(exc, {f: api_names.get(API_FIELDS.get(f, f), f) for f in fields}) from None
     profile, model_id = _pool(config, fields.get("model"))
     served_tasks = config.tasks_for(profile)
     not_served = f"{model_id} serves {' | '.join(served_tasks)} (profile {profile}; the server's --tasks)"

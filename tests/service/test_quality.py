@@ -6,6 +6,10 @@ allowed values, at the gateway and at the DiT stage."""
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+import subprocess
+import sys
 import time
 
 import grpc
@@ -18,7 +22,7 @@ from h3serve.config.stage import StageConfig
 from h3serve.errors import RequestError
 from h3serve.services.gateway.fields import validate_fields
 
-from .conftest import REQUEST
+from .conftest import REPO, REQUEST
 
 # 13 grid points (12 forwards): past the policy's 4 warm-up and 2 final steps, so reuse engages on the tiny model
 REUSE = dict(REQUEST, num_inference_steps=13)
@@ -69,6 +73,19 @@ def test_http_job_reports_quality_and_forwards_computed(stack, embedded):
         assert 0 < job["dit_forwards_computed"] < FORWARDS
         content = http.get(f"/v1/videos/{job['id']}/content").content
         assert hashlib.sha256(content).hexdigest() == hashlib.sha256(expected).hexdigest()
+
+
+def test_cli_generate_server_carries_quality(stack, embedded, tmp_path):
+    out = tmp_path / "cli.mp4"
+    r = subprocess.run([sys.executable, "-m", "h3serve.cli", "generate", "--server", stack.grpc, "--prompt",
+                        REUSE["prompt"], "--seconds", "5", "--size", "320x256", "--seed", "0", "--steps",
+                        str(REUSE["num_inference_steps"]), "--quality", "high", "--no-progress", "--json", "-o",
+                        str(out)], capture_output=True, text=True, timeout=180, cwd=REPO,
+                       env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout.strip().splitlines()[-1])
+    assert 0 < info["timings"]["dit_forwards_computed"] < FORWARDS
+    assert out.read_bytes() == embedded(**REUSE, quality="high")
 
 
 def test_unknown_quality_is_refused_naming_the_field_and_values(stack):

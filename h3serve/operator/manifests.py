@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 
 from h3serve.config.spec import API_VERSION, KIND, H3DeploymentSpec, ServiceConfig
-from h3serve.config.stage import CONFIG_ENV
+from h3serve.config.stage import CONFIG_ENV, service_config_values
 from h3serve.config.vocab import (
     DIST_PORT,
     GRPC_PORT,
@@ -134,6 +134,19 @@ def service_config(spec: H3DeploymentSpec, name: str, namespace: str) -> Service
                          dtype=SERVE_DTYPE, device=SERVE_DEVICE)
 
 
+def component_stages(component: str) -> tuple[str, ...]:
+    """The stages the processes of a component's pods run."""
+    return (*PIPELINE_STAGES, GATEWAY) if component == ENGINE else (component,)
+
+
+def config_hash(service_cfg: dict, component: str) -> str:
+    """Hash of exactly the part of the service config a component's processes read (their
+    `service_config_values`): a pod restarts only when its own stage's configuration changes. Replicas, and other
+    stages' knobs, are not in it; the pod template itself rolls the pods when it changes."""
+    consumed = {st: service_config_values(service_cfg, st) for st in component_stages(component)}
+    return hashlib.sha256(_dump_yaml_like(consumed).encode()).hexdigest()[:16]
+
+
 def _dump_yaml_like(d: Any) -> str:
     # JSON is YAML; sorted keys make the ConfigMap (and its hash) stable.
     return json.dumps(d, indent=2, sort_keys=True) + "\n"
@@ -142,15 +155,15 @@ def _dump_yaml_like(d: Any) -> str:
 def render(spec: H3DeploymentSpec, name: str, namespace: str, owner: dict | None = None) -> list[dict]:
     """All desired objects, in apply order. `owner` = the H3Deployment's metadata (needs `uid`) -> ownerReferences."""
     objs: list[dict] = []
-    cfg_text = _dump_yaml_like(service_config(spec, name, namespace).to_dict())
-    cfg_hash = hashlib.sha256(cfg_text.encode()).hexdigest()[:16]
+    cfg = service_config(spec, name, namespace).to_dict()
+    cfg_text = _dump_yaml_like(cfg)
 
     objs.append(_meta({"apiVersion": "v1", "kind": "ServiceAccount", "automountServiceAccountToken": False},
                       name, name, namespace, None))
     objs.append(_meta({"apiVersion": "v1", "kind": "ConfigMap", "data": {"h3serve.yaml": cfg_text}},
                       f"{name}-config", name, namespace, None))
     for comp in components(spec):
-        objs += _component(spec, name, namespace, comp, cfg_hash)
+        objs += _component(spec, name, namespace, comp, config_hash(cfg, comp))
     objs += _network_policies(spec, name, namespace)
     if owner is not None:
         ref = {"apiVersion": API_VERSION, "kind": KIND, "name": owner["name"], "uid": owner["uid"],

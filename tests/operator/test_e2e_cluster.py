@@ -318,6 +318,7 @@ def test_example_reconciles_to_ready(operator, dyn, example):
 def test_scale_subresource_sets_colocated_replicas(operator, dyn):
     name = "h3-base"
     ready_cr(dyn, name)
+    first = pod_uids(dyn, name)["engine"]
     scale = R(dyn, "H3Deployment").subresources["scale"]
     s = scale.get(name=name, namespace=APPS_NS).to_dict()
     assert s["spec"]["replicas"] == 1 and s["status"]["replicas"] == 1 and "engine" in s["status"]["selector"]
@@ -327,6 +328,7 @@ def test_scale_subresource_sets_colocated_replicas(operator, dyn):
              .to_dict()["status"].get("readyReplicas") == 2, timeout=60)
     cr = ready_cr(dyn, name)
     assert cr["status"]["stages"]["dit"] == {"ready": 2, "desired": 2} and cr["status"]["replicas"] == 2
+    assert first < pod_uids(dyn, name)["engine"]  # scaled, not restarted: the first pod still runs
 
 
 def test_changing_dit_ulysses_rolls_out(operator, dyn):
@@ -351,6 +353,58 @@ def test_changing_dit_ulysses_rolls_out(operator, dyn):
     assert int(dit_pods[0]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]) == 4
     cfg = R(dyn, "ConfigMap").get(name=f"{name}-config", namespace=APPS_NS).to_dict()
     assert yaml.safe_load(cfg["data"]["h3serve.yaml"])["spec"]["dit"]["ulysses"] == 2
+
+
+def pod_uids(dyn, name) -> dict[str, set[str]]:
+    """component -> uids of its live (not terminating) pods."""
+    out: dict[str, set[str]] = {}
+    for p in pods(dyn, name):
+        if not p["metadata"].get("deletionTimestamp"):
+            out.setdefault(p["metadata"]["labels"][M.LABEL_COMPONENT], set()).add(p["metadata"]["uid"])
+    return out
+
+
+def patch_and_settle(dyn, name, spec_patch) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """Patch the spec, wait until the new generation is rolled out and Ready; (pods before, pods after)."""
+    before_cr = ready_cr(dyn, name)
+    before = pod_uids(dyn, name)
+    R(dyn, "H3Deployment").patch(body={"spec": spec_patch}, name=name, namespace=APPS_NS,
+                                 content_type="application/merge-patch+json")
+    cr = ready_cr(dyn, name, generation=before_cr["metadata"]["generation"] + 1)
+    want = expected_pod_count(cr)
+    after = wait_for("old pods gone", lambda: (lambda u: u if sum(map(len, u.values())) == want else None)(
+        pod_uids(dyn, name)), timeout=60)
+    return before, after
+
+
+def replaced(before, after) -> dict[str, int]:
+    """component -> pods of `before` that are gone in `after` (a rollout replaces, a scale-up only adds)."""
+    return {c: len(u - after.get(c, set())) for c, u in before.items() if u - after.get(c, set())}
+
+
+def test_rollout_scope_replica_changes_restart_nothing(operator, dyn):
+    name = "h3-split"
+    before, after = patch_and_settle(dyn, name, {"dit": {"replicas": 2}})
+    assert replaced(before, after) == {}
+    assert len(after["dit"]) == 2 and before["dit"] < after["dit"]
+    assert {c: u for c, u in after.items() if c != "dit"} == {c: u for c, u in before.items() if c != "dit"}
+    before, after = patch_and_settle(dyn, name, {"gateway": {"replicas": 3}, "dit": {"replicas": 1}})
+    assert replaced(before, after) == {"dit": 1}  # scaled down, not rolled
+    assert after["dit"] < before["dit"] and before["gateway"] < after["gateway"]
+
+
+def test_rollout_scope_a_stage_change_restarts_only_that_stage(operator, dyn):
+    name = "h3-split"
+    before, after = patch_and_settle(dyn, name, {"vae": {"resources": {"requests": {"cpu": "12", "memory": "64Gi"}}}})
+    assert replaced(before, after) == {"vae": 1}
+    before, after = patch_and_settle(dyn, name, {"muxer": {"workers": 6}})
+    assert replaced(before, after) == {"muxer": 1}
+    before, after = patch_and_settle(dyn, name, {"gateway": {"queueSize": 32}})
+    assert replaced(before, after) == {"gateway": 3}
+    # transport: both ends of every tensor edge and the gateway's plan; the encoder keeps its pod
+    before, after = patch_and_settle(dyn, name, {"transport": "nixl"})
+    assert replaced(before, after) == {"dit": 1, "vae": 1, "muxer": 1, "gateway": 3}
+    patch_and_settle(dyn, name, {"transport": "grpc", "gateway": {"replicas": 2}})
 
 
 def test_deleted_and_edited_children_are_repaired(operator, dyn):

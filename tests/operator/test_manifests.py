@@ -324,3 +324,46 @@ def test_cli_render(tmp_path):
     r = subprocess.run([sys.executable, "-m", "h3serve.operator.cli", "render", "-f", str(bad)],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "dit.ulysses=3 must divide" in r.stderr and not r.stdout
+
+
+def _templates(spec_doc: dict, name: str = "h3") -> dict[str, dict]:
+    """workload name -> its pod template (what the workload controller compares to decide on a rollout)."""
+    objs = M.render(parse_and_validate(spec_doc, name), name, "ns")
+    return {o["metadata"]["name"]: o["spec"]["template"] for o in objs if o["kind"] in ("Deployment", "StatefulSet")}
+
+
+def _changed(a: dict, b: dict) -> set[str]:
+    return {k for k in a if k in b and a[k] != b[k]}
+
+
+ROLLOUT_CASES = {  # spec change on the disaggregated example -> the workloads whose pods must roll
+    "dit-replicas": ({"dit": {"replicas": 3}}, set()),
+    "every-replica-count": ({"encoder": {"replicas": 2}, "vae": {"replicas": 4}, "muxer": {"replicas": 3},
+                             "gateway": {"replicas": 5}, "dit": {"replicas": 2}}, set()),
+    "vae-resources": ({"vae": {"resources": {"requests": {"cpu": "4"}}}}, {"h3-split-vae"}),
+    "muxer-workers": ({"muxer": {"workers": 4}}, {"h3-split-muxer"}),
+    "gateway-queue": ({"gateway": {"queueSize": 64}}, {"h3-split-gateway"}),
+    "dit-tolerations": ({"dit": {"tolerations": []}}, {"h3-split-dit"}),
+    # the degrees are validated together in every model stage's process, so each of them reads all four
+    "ulysses": ({"dit": {"ulysses": 2}, "vae": {"patchParallel": 4}}, {"h3-split-encoder", "h3-split-dit",
+                                                                     "h3-split-vae"}),
+    "transport": ({"transport": "nixl"}, {"h3-split-dit", "h3-split-vae", "h3-split-muxer", "h3-split-gateway"}),
+    "image": ({"image": "registry.example/h3serve:0.2.0"}, {"h3-split-encoder", "h3-split-dit", "h3-split-vae",
+                                                            "h3-split-muxer", "h3-split-gateway"}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROLLOUT_CASES))
+def test_a_change_rolls_only_the_stages_that_consume_it(case):
+    d = yaml.safe_load((ROOT / "examples" / "base-disaggregated.yaml").read_text())["spec"]
+    patch, want = ROLLOUT_CASES[case]
+    e = copy.deepcopy(d)
+    for k, v in patch.items():
+        e[k] = {**e[k], **v} if isinstance(v, dict) else v
+    assert _changed(_templates(d, "h3-split"), _templates(e, "h3-split")) == want
+
+
+def test_colocated_replicas_restart_nothing():
+    d = yaml.safe_load((ROOT / "examples" / "base-colocated.yaml").read_text())["spec"]
+    e = {**d, "replicas": 4}
+    assert _changed(_templates(d), _templates(e)) == set()

@@ -15,6 +15,7 @@ No kopf, grpc, av or torch imports here.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
 import re
 import types
@@ -48,6 +49,7 @@ MAX_REPLICA_GPUS = 1024  # a bound for the schema: GPUs of one stage replica (Ri
 
 NAME_MAX = 40  # leaves room for "-encoder-12" suffixes and StatefulSet pod / revision-hash labels (<= 63)
 _NAME_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_DNS_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 _QUANTITY_RE = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+|[KMGTPE]i?|[mkMGTPE]|[numk])?$")
 _SIZE_RE = re.compile(r"^[0-9]+(Ki|Mi|Gi|Ti)?$")
@@ -174,8 +176,19 @@ class MuxerSpec:
                      minimum=1, maximum=256)
     resources: Optional[dict] = f("resources", "CPU/memory requests and limits of a muxer pod (CPU only).", None,
                                   **RESOURCES_SCHEMA)
-    node_selector: Optional[dict] = f("nodeSelector", "Replaces spec.nodeSelector for this stage.", None)
-    tolerations: Optional[list] = f("tolerations", "Replaces spec.tolerations for this stage.", None)
+    node_selector: Optional[dict] = f("nodeSelector", "Node labels the muxer pods require (CPU only: "
+                                      "spec.nodeSelector, meant for GPU pods, does not apply).", None)
+    tolerations: Optional[list] = f("tolerations", "Tolerations of the muxer pods (CPU only: spec.tolerations, "
+                                    "meant for GPU nodes, does not apply).", None)
+
+
+@dataclass(frozen=True)
+class IngressFromSpec:
+    namespaces: Optional[list] = f("namespaces", "Namespaces (by name) whose pods may reach the front door's gRPC and "
+                                   "HTTP ports.", None, items={"type": "string", "maxLength": 63}, maxItems=64)
+    cidrs: Optional[list] = f("cidrs", "IP ranges (CIDR, e.g. a load balancer's 10.0.0.0/16) that may reach the front "
+                              "door's gRPC and HTTP ports.", None, items={"type": "string", "maxLength": 43},
+                              maxItems=64)
 
 
 @dataclass(frozen=True)
@@ -189,8 +202,13 @@ class GatewaySpec:
                           enum=["ClusterIP", "NodePort", "LoadBalancer"])
     resources: Optional[dict] = f("resources", "CPU/memory requests and limits of a gateway pod.", None,
                                   **RESOURCES_SCHEMA)
-    node_selector: Optional[dict] = f("nodeSelector", "Replaces spec.nodeSelector for the gateway.", None)
-    tolerations: Optional[list] = f("tolerations", "Replaces spec.tolerations for the gateway.", None)
+    node_selector: Optional[dict] = f("nodeSelector", "Node labels the gateway pods require (CPU only: "
+                                      "spec.nodeSelector, meant for GPU pods, does not apply).", None)
+    tolerations: Optional[list] = f("tolerations", "Tolerations of the gateway pods (CPU only: spec.tolerations, "
+                                    "meant for GPU nodes, does not apply).", None)
+    ingress_from: Optional[IngressFromSpec] = f("ingressFrom", "Who may reach the front door's gRPC and HTTP ports "
+                                                "(its NetworkPolicy): these namespaces and IP ranges, plus the pods of "
+                                                "this H3Deployment. Omitted: anyone.", None)
 
 
 @dataclass(frozen=True)
@@ -217,9 +235,11 @@ class H3DeploymentSpec:
     image_pull_policy: str = f("imagePullPolicy", "Pull policy of every container.", "IfNotPresent",
                                enum=["Always", "IfNotPresent", "Never"])
     image_pull_secrets: Optional[list] = f("imagePullSecrets", "Names of Secrets to pull the image with.", None)
-    node_selector: Optional[dict] = f("nodeSelector", "Node labels every pod requires (a stage may replace it).",
-                                      None)
-    tolerations: Optional[list] = f("tolerations", "Tolerations of every pod (a stage may replace them).", None)
+    node_selector: Optional[dict] = f("nodeSelector", "Node labels every GPU pod requires (a stage may replace it; "
+                                      "the CPU-only gateway and muxer use only their own).", None)
+    tolerations: Optional[list] = f("tolerations", "Tolerations of every GPU pod (a stage may replace them; the "
+                                    "CPU-only gateway and muxer use only their own, so GPU taints keep them off GPU "
+                                    "nodes).", None)
     priority_class_name: Optional[str] = f("priorityClassName", "PriorityClass of every pod.", None, maxLength=253)
     shm_size: str = f("shmSize", "Size of the in-memory /dev/shm of GPU pods (NCCL and NIXL buffers).", "16Gi",
                       pattern=r"^[0-9]+(Ki|Mi|Gi|Ti)?$")
@@ -288,6 +308,44 @@ class ServiceConfig:
                    endpoints=dict(d.get("endpoints", {})), dtype=d["engine"]["dtype"], device=d["engine"]["device"])
 
 
+# ---- what the operator's administrator allows (chart values -> operator flags) --------------------------------
+
+# Volume kinds a model.volume may use unless the administrator says otherwise: read-only weight sources that grant
+# no access to the node (hostPath) or to credentials (secret, projected service account tokens).
+DEFAULT_VOLUME_KINDS = ("persistentVolumeClaim", "csi", "ephemeral", "image")
+
+
+@dataclass(frozen=True)
+class AdmissionPolicy:
+    """Limits the custom resource cannot widen: a user who may create H3Deployments gets no more than this."""
+
+    volume_kinds: tuple[str, ...] = DEFAULT_VOLUME_KINDS
+    # Image references allowed: "repo" allows repo:tag and repo@digest; an entry ending in "/" allows everything
+    # below it; "*" allows any image. Empty: any image (the chart always sets one).
+    images: tuple[str, ...] = ()
+
+    def image_allowed(self, image: str) -> bool:
+        if not self.images or "*" in self.images:
+            return True
+        return any(image == p or (p.endswith("/") and image.startswith(p)) or
+                   image.startswith(p + ":") or image.startswith(p + "@") for p in self.images)
+
+
+def policy_issues(spec: H3DeploymentSpec, policy: AdmissionPolicy) -> list[tuple[str, str]]:
+    """What `policy` forbids in `spec`, as (field, message)."""
+    issues = []
+    for kind in sorted(spec.model.volume or {}):
+        if kind not in policy.volume_kinds:
+            issues.append(("spec.model.volume", f"model.volume kind {kind} is not allowed by this operator (allowed: "
+                                                f"{', '.join(sorted(policy.volume_kinds)) or 'none'}); an "
+                                                f"administrator can add it to the chart's policy.allowedVolumeKinds"))
+    if not policy.image_allowed(spec.image):
+        issues.append(("spec.image", f"image {spec.image!r} is not allowed by this operator (allowed: "
+                                     f"{', '.join(policy.images)}); an administrator can add it to the chart's "
+                                     f"policy.allowedImages"))
+    return issues
+
+
 # ---- validation --------------------------------------------------------------------------------------------------
 
 def validate(spec: H3DeploymentSpec, name: str | None = None) -> list[tuple[str, str]]:
@@ -324,6 +382,16 @@ def _operator_only_checks(s: H3DeploymentSpec) -> list[tuple[str, str]]:
         issues.append(("spec.model.adapter.sha256", "model.adapter.sha256 must be 64 lower-case hex digits"))
     if not _SIZE_RE.match(s.shm_size):
         issues.append(("spec.shmSize", f"shmSize {s.shm_size!r} must be a size such as 16Gi"))
+    src = s.gateway.ingress_from
+    for i, cidr in enumerate((src.cidrs or []) if src else []):
+        try:
+            ipaddress.ip_network(str(cidr), strict=False)
+        except ValueError:
+            issues.append((f"spec.gateway.ingressFrom.cidrs[{i}]", f"{cidr!r} is not an IP range such as "
+                                                                  f"10.0.0.0/16"))
+    for i, ns in enumerate((src.namespaces or []) if src else []):
+        if not isinstance(ns, str) or not _DNS_LABEL_RE.match(ns):
+            issues.append((f"spec.gateway.ingressFrom.namespaces[{i}]", f"{ns!r} is not a namespace name"))
     return issues
 
 

@@ -216,17 +216,22 @@ def _component(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, cfg
                 gname, name, namespace, comp))
             objs.append(_statefulset(spec, name, namespace, comp, gname, gang, per_pod, gpus, cfg_hash))
 
-    pdb = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "spec": {
-        "maxUnavailable": 1, "selector": {"matchLabels": selector(name, comp)},
-        "unhealthyPodEvictionPolicy": "AlwaysAllow"}}
-    objs.append(_meta(pdb, f"{name}-{comp}", name, namespace, comp))
+    if replicas > 1:
+        # One replica may go (a whole gang: evicting any of its pods stops it); a single replica gets no PDB, which
+        # could only block node drains without keeping anything serving.
+        pdb = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "spec": {
+            "minAvailable": (replicas - 1) * gang, "selector": {"matchLabels": selector(name, comp)},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow"}}
+        objs.append(_meta(pdb, f"{name}-{comp}", name, namespace, comp))
     return objs
 
 
 def _stage_opts(spec: H3DeploymentSpec, comp: str):
     sub = spec.gateway if comp == GATEWAY else (spec.dit if comp == ENGINE else getattr(spec, comp))
-    node_selector = sub.node_selector if sub.node_selector is not None else spec.node_selector
-    tolerations = sub.tolerations if sub.tolerations is not None else spec.tolerations
+    node_selector, tolerations = sub.node_selector, sub.tolerations
+    if component_gpus(spec, comp):  # the spec-wide placement is for GPU pods: CPU stages do not tolerate GPU taints
+        node_selector = spec.node_selector if node_selector is None else node_selector
+        tolerations = spec.tolerations if tolerations is None else tolerations
     resources = sub.resources
     if comp == ENGINE:  # the engine pod runs every stage: take the DiT's resources (the largest stage)
         resources = spec.dit.resources
@@ -419,12 +424,19 @@ def _network_policies(spec: H3DeploymentSpec, name: str, namespace: str) -> list
         "policyTypes": ["Ingress"],
         # Any port: gRPC, torch.distributed / NCCL and UCX pick ports of their own between peers.
         "ingress": [{"from": [same_instance]}]}}
+    door: dict = {"ports": [{"port": GRPC_PORT, "protocol": "TCP"}, {"port": HTTP_PORT, "protocol": "TCP"}]}
+    src = spec.gateway.ingress_from
+    if src is not None:  # only these namespaces and ranges (and the instance's own pods, below); an empty one: none
+        door["from"] = [{"namespaceSelector": {"matchExpressions": [
+            {"key": "kubernetes.io/metadata.name", "operator": "In", "values": sorted(src.namespaces)}]}}
+            ] if src.namespaces else []
+        door["from"] += [{"ipBlock": {"cidr": c}} for c in src.cidrs or []]
+    ingress = [door, {"from": [same_instance]}] if door.get("from", True) else [{"from": [same_instance]}]
     gateway = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "spec": {
         "podSelector": {"matchExpressions": [
             *mine, {"key": LABEL_COMPONENT, "operator": "In", "values": [GATEWAY, ENGINE]}]},
         "policyTypes": ["Ingress"],
-        "ingress": [{"ports": [{"port": GRPC_PORT, "protocol": "TCP"}, {"port": HTTP_PORT, "protocol": "TCP"}]},
-                    {"from": [same_instance]}]}}
+        "ingress": ingress}}
     return [_meta(stages, f"{name}-stages", name, namespace, None),
             _meta(gateway, f"{name}-gateway", name, namespace, None)]
 

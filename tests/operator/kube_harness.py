@@ -135,8 +135,8 @@ def cpu_node(name: str) -> dict:
     n["spec"] = {}
     for k in ("allocatable", "capacity"):
         n["status"][k].pop("nvidia.com/gpu")
-        n["status"][k]["cpu"] = "16"
-        n["status"][k]["memory"] = "64Gi"
+        n["status"][k]["cpu"] = "64"
+        n["status"][k]["memory"] = "256Gi"
     n["metadata"]["labels"].pop("nvidia.com/gpu.product")
     return n
 

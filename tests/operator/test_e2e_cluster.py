@@ -205,6 +205,9 @@ BAD_SPECS = {
     "model-path": {"model": {"path": "/weights/H3", "volume": {"persistentVolumeClaim": {"claimName": "w"}}}},
     "adapter-path": {"model": {"adapter": {"path": "/elsewhere/a.safetensors", "sha256": SHA}}},
     "encoder-gang": {"placement": "disaggregated", "gpusPerNode": 3, "encoder": {"tensorParallel": 4}},
+    "path-dotdot": {"model": {"path": "/models/../etc/ssl"}},
+    "mount-not-normal": {"model": {"path": "/models/./x/H3", "mountPath": "/models/./x"}},
+    "adapter-dotdot": {"profile": "fasth3", "model": {"adapter": {"path": "/models/a/../../b", "sha256": SHA}}},
 }
 
 
@@ -268,6 +271,17 @@ def test_openapi_rejects_enums_bounds_and_names(installed, dyn):
         with pytest.raises(ApiException) as e:
             R(dyn, "H3Deployment").create(body=d, namespace=APPS_NS, query_params=[("dryRun", "All")])
         assert text in json.loads(e.value.body)["message"], e.value.body
+        assert "modulus" not in e.value.body.lower() and "division" not in e.value.body.lower(), e.value.body
+    # zero divisors (gpusPerNode, encoder.tensorParallel) give the schema's message only, never a CEL error
+    for placement in ("colocated", "disaggregated"):
+        d = copy.deepcopy(doc)
+        d["spec"].update(placement=placement, encoder={"tensorParallel": 0}, gpusPerNode=0)
+        with pytest.raises(ApiException) as e:
+            R(dyn, "H3Deployment").create(body=d, namespace=APPS_NS, query_params=[("dryRun", "All")])
+        causes = json.loads(e.value.body)["details"]["causes"]
+        assert {c["field"] for c in causes} == {"spec.gpusPerNode", "spec.encoder.tensorParallel"}, causes
+        assert not any(w in c["message"].lower() for c in causes for w in ("modulus", "division", "cel")), causes
+        assert any("should be greater than or equal to 1" in c["message"] for c in causes), causes
     d = copy.deepcopy(doc)
     d["metadata"]["name"] = "x" * 41
     with pytest.raises(ApiException) as e:
@@ -313,6 +327,8 @@ def test_example_reconciles_to_ready(operator, dyn, example):
         gpus = int(p["spec"]["containers"][0]["resources"].get("limits", {}).get("nvidia.com/gpu", 0))
         if gpus:
             assert p["spec"]["nodeName"].startswith("gpu-")
+        else:  # the CPU-only gateway and muxer do not tolerate the GPU nodes' taint
+            assert p["spec"]["nodeName"].startswith("cpu-"), p["metadata"]["name"]
 
 
 def test_scale_subresource_sets_colocated_replicas(operator, dyn):

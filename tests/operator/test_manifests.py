@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from h3serve.operator import manifests as M
-from h3serve.config.spec import H3DeploymentSpec, ServiceConfig, parse_and_validate
+from h3serve.config.spec import H3DeploymentSpec, ServiceConfig, SpecError, parse_and_validate
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "golden"
@@ -143,7 +143,8 @@ def test_disaggregated_one_workload_and_service_per_stage():
     kinds = {(o["kind"], o["metadata"]["name"]) for o in objs}
     for st in ("encoder", "dit", "vae", "muxer", "gateway"):
         assert ("Deployment", f"h3-split-{st}") in kinds and ("Service", f"h3-split-{st}") in kinds
-        assert ("PodDisruptionBudget", f"h3-split-{st}") in kinds
+        # a PDB only where it protects something: more than one replica
+        assert (("PodDisruptionBudget", f"h3-split-{st}") in kinds) == (st == "gateway")
     gpus = {o["metadata"]["name"]: o["spec"]["template"]["spec"]["containers"][0]["resources"].get("limits", {})
             .get("nvidia.com/gpu") for o in objs if o["kind"] == "Deployment"}
     assert gpus == {"h3-split-encoder": 2, "h3-split-dit": 8, "h3-split-vae": 8, "h3-split-muxer": None,
@@ -367,3 +368,56 @@ def test_colocated_replicas_restart_nothing():
     d = yaml.safe_load((ROOT / "examples" / "base-colocated.yaml").read_text())["spec"]
     e = {**d, "replicas": 4}
     assert _changed(_templates(d), _templates(e)) == set()
+
+
+def _pdbs(doc_spec: dict, name: str = "h3") -> dict[str, dict]:
+    objs = M.render(parse_and_validate(doc_spec, name), name, "ns")
+    return {o["metadata"]["name"]: o["spec"] for o in objs if o["kind"] == "PodDisruptionBudget"}
+
+
+def test_pdbs_only_where_replicas_exceed_one_with_min_available():
+    d = yaml.safe_load((ROOT / "examples" / "base-disaggregated.yaml").read_text())["spec"]
+    assert set(_pdbs(d)) == {"h3-gateway"} and _pdbs(d)["h3-gateway"]["minAvailable"] == 1
+    d["dit"]["replicas"], d["gpusPerNode"] = 3, 4  # a DiT replica = a gang of 2 pods: one gang may go
+    p = _pdbs(d)
+    assert p["h3-dit"]["minAvailable"] == 4 and "maxUnavailable" not in p["h3-dit"]
+    c = yaml.safe_load((ROOT / "examples" / "base-colocated.yaml").read_text())["spec"]
+    assert _pdbs(c) == {}
+    assert _pdbs({**c, "replicas": 2})["h3-engine"]["minAvailable"] == 1
+
+
+def test_cpu_stages_do_not_take_the_gpu_tolerations():
+    d = yaml.safe_load((ROOT / "examples" / "base-disaggregated.yaml").read_text())["spec"]
+    d["nodeSelector"] = {"pool": "gpu"}
+    t = _templates(d, "h3-split")
+    for st in ("encoder", "dit", "vae"):
+        assert t[f"h3-split-{st}"]["spec"]["tolerations"] == d["tolerations"]
+        assert t[f"h3-split-{st}"]["spec"]["nodeSelector"] == {"pool": "gpu"}
+    for st in ("muxer", "gateway"):
+        assert "tolerations" not in t[f"h3-split-{st}"]["spec"] and "nodeSelector" not in t[f"h3-split-{st}"]["spec"]
+    d["gateway"]["tolerations"] = [{"key": "edge", "operator": "Exists"}]
+    assert _templates(d, "h3-split")["h3-split-gateway"]["spec"]["tolerations"] == [{"key": "edge", "operator": "Exists"}]
+
+
+def _gateway_policy(doc_spec: dict) -> dict:
+    objs = M.render(parse_and_validate(doc_spec, "h3"), "h3", "ns")
+    return next(o["spec"] for o in objs if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "h3-gateway")
+
+
+def test_gateway_ingress_limited_to_namespaces_and_cidrs():
+    d = yaml.safe_load((ROOT / "examples" / "base-disaggregated.yaml").read_text())["spec"]
+    assert _gateway_policy(d)["ingress"][0] == {"ports": [{"port": 50051, "protocol": "TCP"},
+                                                          {"port": 8000, "protocol": "TCP"}]}  # anyone
+    d["gateway"]["ingressFrom"] = {"namespaces": ["web", "api"], "cidrs": ["10.1.0.0/16"]}
+    door = _gateway_policy(d)["ingress"][0]
+    assert door["from"] == [{"namespaceSelector": {"matchExpressions": [
+        {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["api", "web"]}]}},
+        {"ipBlock": {"cidr": "10.1.0.0/16"}}]
+    d["gateway"]["ingressFrom"] = {}  # nobody from outside the instance
+    assert _gateway_policy(d)["ingress"] == [{"from": [{"podSelector": {"matchLabels": {
+        M.LABEL_NAME: "h3serve", M.LABEL_INSTANCE: "h3"}}}]}]
+    d["gateway"]["ingressFrom"] = {"cidrs": ["10.1.0.0/99"], "namespaces": ["Bad_NS"]}
+    with pytest.raises(SpecError) as e:
+        parse_and_validate(d, "h3")
+    assert [f for f, _ in e.value.issues] == ["spec.gateway.ingressFrom.cidrs[0]", "spec.gateway.ingressFrom.namespaces[0]"]
+    assert "'10.1.0.0/99' is not an IP range such as 10.0.0.0/16" in str(e.value)

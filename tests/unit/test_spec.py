@@ -200,6 +200,7 @@ def test_every_rule_fires():
         base(placement="disaggregated", gpusPerNode=3, encoder={"tensorParallel": 4}, dit={"ulysses": 7}),
         base(model={"path": "/x", "volume": {"emptyDir": {}}}),
         base(model={"path": "/models/x", "volume": {"emptyDir": {}}, "adapter": {"path": "/y", "sha256": SHA}}),
+        base(model={"path": "/models/x", "mountPath": "/models/./w"}),
     ]
     fired = set()
     for d in bad_specs:

@@ -7,7 +7,8 @@ Conditions (reasons are CamelCase):
 - SpecValid    True  SpecAccepted | False InvalidSpec (message: every problem, with what to change)
 - Progressing  True  RollingOut (message: the workloads still rolling out) | False RolloutComplete | False InvalidSpec
 - Ready        True  AllStagesReady | False StagesNotReady | False ScaledToZero | False InvalidSpec
-- Degraded     True  ApplyFailed | PodsUnschedulable | PodsFailing | RolloutStalled | StagesUnavailable
+- Degraded     True  ForeignObject (message: the objects in the way, by kind/name) | ApplyFailed |
+                     PodsUnschedulable | PodsFailing | RolloutStalled | StagesUnavailable
                False AsExpected
 """
 
@@ -96,7 +97,10 @@ def _condition(ctype: str, ok: bool, reason: str, message: str, generation: int,
 
 def compute(*, name: str, namespace: str, generation: int, spec: H3DeploymentSpec | None,
             issues: list[tuple[str, str]], workloads: list[dict], previous: dict | None, now: str,
-            apply_error: str | None = None, pods: list[dict] | None = None) -> dict:
+            apply_error: str | None = None, pods: list[dict] | None = None,
+            foreign: list[str] | None = None) -> dict:
+    """`foreign`: "Kind/name" of objects in the way: they have a child's name but this H3Deployment did not create
+    them, so the operator leaves them alone (never adopts, changes or deletes them)."""
     previous = previous or {}
     live = {(w["kind"], w["metadata"]["name"]): w for w in workloads}
     expected = expected_workloads(spec, name) if spec is not None else expected_from_live(workloads)
@@ -158,7 +162,10 @@ def compute(*, name: str, namespace: str, generation: int, spec: H3DeploymentSpe
     conds.append(_condition("Progressing", prog[0], prog[1], prog[2], generation, previous, now))
 
     problems = pod_problems(pods or []) if not_ready else []
-    if apply_error:
+    if foreign:
+        deg = (True, "ForeignObject", f"not adopted: {', '.join(foreign)} already exist(s) and not created by this "
+                                      f"H3Deployment; delete or rename them, or rename the H3Deployment")
+    elif apply_error:
         deg = (True, "ApplyFailed", apply_error)
     elif problems:
         deg = (True, problems[0][0], "; ".join(t for _, t in problems[:5]))

@@ -330,16 +330,20 @@ def wait_for(what: str, fn, timeout: float = 60.0, interval: float = 0.5):
 class Operator:
     """`python -m h3serve.operator.cli operator` as a child process, with the credentials it is given."""
 
-    def __init__(self, kubeconfig: pathlib.Path, namespaces: list[str], log: pathlib.Path, env: dict):
+    def __init__(self, kubeconfig: pathlib.Path, namespaces: list[str], log: pathlib.Path, env: dict,
+                 args: list[str] | None = None, identity: str = "operator-a"):
         self.kubeconfig, self.namespaces, self.log, self.env = kubeconfig, namespaces, log, env
+        self.args = list(args or [])
+        self.identity = identity  # the pod name it would have: its Lease holder identity and Events' reportingInstance
         self.proc: subprocess.Popen | None = None
         self.port = free_port()
 
     def start(self) -> "Operator":
         args = [sys.executable, "-m", "h3serve.operator.cli", "operator",
-                *[f"--namespace={n}" for n in self.namespaces], f"--liveness=http://127.0.0.1:{self.port}/healthz"]
+                *[f"--namespace={n}" for n in self.namespaces], f"--liveness=http://127.0.0.1:{self.port}/healthz",
+                *self.args]
         env = {**self.env, "KUBECONFIG": str(self.kubeconfig), "H3SERVE_RESYNC_SECONDS": "20",
-               "PYTHONUNBUFFERED": "1"}
+               "PYTHONUNBUFFERED": "1", "POD_NAME": self.identity}
         self.proc = subprocess.Popen(args, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT, env=env,
                                      cwd=ROOT, start_new_session=True, preexec_fn=die_with_parent)
         wait_for("operator liveness", self.alive, timeout=60)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import pathlib
+import signal
 import subprocess
 import time
 
@@ -20,6 +21,7 @@ from kube_harness import (
 from kubernetes import dynamic
 from kubernetes.dynamic.exceptions import ApiException, NotFoundError
 
+from h3serve.operator import crd as crd_module
 from h3serve.operator import manifests as M
 from h3serve.operator.status import expected_workloads
 from h3serve.config.rules import RULES
@@ -57,6 +59,7 @@ def installed(control_plane, dyn):
         R(dyn, "Namespace").create(body={"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
     helm = control_plane.bin("helm")
     r = subprocess.run([helm, "install", RELEASE, str(CHART), "-n", SYSTEM_NS, "--set", f"watchNamespaces={{{APPS_NS}}}",
+                        "--set", "policy.allowedImages={img}", "--set", "operator.leaseSeconds=5",
                         "--wait", "--timeout", "120s"], capture_output=True, text=True, env=control_plane.env)
     assert r.returncode == 0, r.stdout + r.stderr
     return r.stdout
@@ -90,10 +93,18 @@ def operator_kubeconfig(control_plane, dyn, installed, tmp_path_factory):
     return path
 
 
+def chart_operator_args(dyn) -> list[str]:
+    """The operator's arguments as the chart renders them into its Deployment (the pod there runs on a kwok node,
+    so the test runs the same command line as a local process); the namespaces and liveness are the test's."""
+    dep = R(dyn, "Deployment").get(name=f"{RELEASE}-h3serve-operator", namespace=SYSTEM_NS).to_dict()
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    return [a for a in args if not a.startswith(("--namespace=", "--liveness="))]
+
+
 @pytest.fixture(scope="module")
-def operator(control_plane, operator_kubeconfig, weights, tmp_path_factory):
+def operator(control_plane, operator_kubeconfig, weights, dyn, tmp_path_factory):
     log = tmp_path_factory.mktemp("oplog") / "operator.log"
-    op = Operator(operator_kubeconfig, [APPS_NS], log, control_plane.env).start()
+    op = Operator(operator_kubeconfig, [APPS_NS], log, control_plane.env, args=chart_operator_args(dyn)).start()
     yield op
     op.kill()
     text = op.text()
@@ -180,7 +191,12 @@ def test_chart_installs_crd_rbac_and_operator(installed, dyn, control_plane):
     roles = R(dyn, "Role").get(namespace=APPS_NS).to_dict()["items"]
     assert [r["metadata"]["name"] for r in roles] == [f"{RELEASE}-h3serve-operator"]
     crb = dyn.resources.get(api_version="rbac.authorization.k8s.io/v1", kind="ClusterRoleBinding").get().to_dict()
-    assert not [b for b in crb["items"] if b["metadata"]["name"].startswith(RELEASE)]  # namespaced by default
+    # namespaced by default: the one cluster-wide grant is get/patch on the operator's own CRD (crd.manage)
+    assert [b["metadata"]["name"] for b in crb["items"] if b["metadata"]["name"].startswith(RELEASE)] == [
+        f"{RELEASE}-h3serve-operator-crd"]
+    cr_ = dyn.resources.get(api_version="rbac.authorization.k8s.io/v1", kind="ClusterRole").get(
+        name=f"{RELEASE}-h3serve-operator-crd").to_dict()
+    assert [r["resourceNames"] for r in cr_["rules"]] == [["h3deployments.h3serve.io"]]
     # the operator pod itself scheduled onto a (CPU) kwok node and turned Running
     op_pods = R(dyn, "Pod").get(namespace=SYSTEM_NS).to_dict()["items"]
     assert op_pods and all(p["status"]["phase"] == "Running" for p in op_pods)
@@ -580,3 +596,182 @@ def test_status_printer_columns(operator, dyn, control_plane):
     assert cols[:5] == ["Name", "Profile", "Placement", "Ready", "Stages"] and "Age" in cols
     rows = {r["cells"][0]: r["cells"] for r in table["rows"]}
     assert rows["h3-base"][1:4] == ["base", "colocated", "True"]
+
+
+# ---- lifecycle: Events, ownership, deletion, credentials, leader election, CRD upgrade -----------------------------
+
+def events(dyn, name, ns=APPS_NS) -> list[dict]:
+    items = R(dyn, "Event", "v1").get(namespace=ns, field_selector=f"involvedObject.name={name}").to_dict()["items"]
+    return [e for e in items if e["involvedObject"]["kind"] == "H3Deployment"]
+
+
+def test_events_record_every_decision(operator, dyn):
+    evs = events(dyn, "h3-split")
+    reasons = {e["reason"] for e in evs}
+    assert {"Created", "RollingOut", "Scaled", "AllStagesReady"} <= reasons, reasons
+    msgs = [e["message"] for e in evs]
+    assert "created Deployment/h3-split-dit" in msgs
+    assert "Deployment/h3-split-dit: dit replicas 1 -> 2" in msgs
+    assert "Deployment/h3-split-vae: the vae pods' configuration changed; replacing them" in msgs
+    assert all(e["reportingComponent"] == "h3serve-operator" and e["source"]["component"] == "h3serve-operator"
+               for e in evs)
+    # a deleted child is re-created, and says so
+    assert any(m == "created Service/h3-split-gateway" for m in msgs)
+
+
+def test_foreign_objects_are_never_adopted(operator, dyn):
+    name = "adopt"
+    core = {"ConfigMap": {"data": {"mine": "yes"}},
+            "ServiceAccount": {"automountServiceAccountToken": True},
+            "Service": {"spec": {"ports": [{"port": 80}], "selector": {"app": "someone-else"}}}}
+    names = {"ConfigMap": f"{name}-config", "ServiceAccount": name, "Service": f"{name}-gateway"}
+    for kind, body in core.items():
+        R(dyn, kind).create(namespace=APPS_NS, body={"apiVersion": "v1", "kind": kind,
+                                                     "metadata": {"name": names[kind]}, **body})
+    before = {k: R(dyn, k).get(name=n, namespace=APPS_NS).to_dict() for k, n in names.items()}
+    create(dyn, good_doc(name))
+
+    def degraded():
+        cr = get_cr(dyn, name)
+        return cr if condition(cr, "Degraded").get("reason") == "ForeignObject" else None
+    cr = wait_for("Degraded=ForeignObject", degraded, timeout=60)
+    msg = condition(cr, "Degraded")["message"]
+    for k, n in names.items():
+        assert f"{k}/{n}" in msg, msg
+    ev = [e for e in events(dyn, name) if e["reason"] == "ForeignObject"]
+    assert ev and ev[0]["type"] == "Warning" and all(f"{k}/{n}" in ev[0]["message"] for k, n in names.items())
+    time.sleep(2)  # a few more passes: still untouched
+    for k, n in names.items():
+        now = R(dyn, k).get(name=n, namespace=APPS_NS).to_dict()
+        assert now["metadata"]["resourceVersion"] == before[k]["metadata"]["resourceVersion"], k
+        assert not now["metadata"].get("ownerReferences"), k
+    # the children that are free were created, the rest of the graph is there
+    assert ("Deployment", f"{name}-engine") in children(dyn, name)
+    delete_cr(dyn, name)
+    wait_for(f"{name} gone", lambda: _cr_gone(dyn, name) and not [
+        k for k in children(dyn, name) if k[0] == "Deployment"], timeout=60)
+    for k, n in names.items():  # deleting the H3Deployment deleted nothing it did not create
+        assert R(dyn, k).get(name=n, namespace=APPS_NS).to_dict()["metadata"]["uid"] == before[k]["metadata"]["uid"]
+        R(dyn, k).delete(name=n, namespace=APPS_NS)
+
+
+def test_delete_with_the_operator_down_does_not_hang(operator, dyn):
+    name = "orphan-check"
+    create(dyn, good_doc(name))
+    ready_cr(dyn, name, timeout=60)
+    assert not get_cr(dyn, name)["metadata"].get("finalizers")  # nothing blocks deletion
+    operator.kill()
+    try:
+        t0 = time.monotonic()
+        delete_cr(dyn, name)
+        wait_gone(dyn, name, timeout=60)  # the garbage collector removes the children, no operator needed
+        assert time.monotonic() - t0 < 60
+    finally:
+        operator.start()
+
+
+def test_a_finalizer_left_by_an_older_operator_is_removed(operator, dyn):
+    name = "old-finalizer"
+    doc = good_doc(name)
+    doc["metadata"]["finalizers"] = ["kopf.zalando.org/KopfFinalizerMarker"]
+    create(dyn, doc)
+    wait_for("old finalizer removed", lambda: not get_cr(dyn, name)["metadata"].get("finalizers"), timeout=60)
+    delete_cr(dyn, name)
+    wait_gone(dyn, name)
+
+
+def test_policy_refuses_host_path_volumes_and_foreign_images(operator, dyn):
+    name = "widen"
+    doc = good_doc(name)
+    doc["spec"]["model"]["volume"] = {"hostPath": {"path": "/"}}
+    doc["spec"]["image"] = "docker.io/attacker/h3:1"
+    create(dyn, doc)  # the schema accepts any volume source; the operator's policy does not
+
+    def refused():
+        cr = get_cr(dyn, name)
+        return cr if condition(cr, "SpecValid").get("status") == "False" else None
+    msg = condition(wait_for("SpecValid=False", refused, timeout=60), "SpecValid")["message"]
+    assert ("model.volume kind hostPath is not allowed by this operator (allowed: csi, ephemeral, image, "
+            "persistentVolumeClaim)") in msg, msg
+    assert "image 'docker.io/attacker/h3:1' is not allowed by this operator (allowed: registry.example/h3serve, img)" \
+        in msg, msg
+    assert not children(dyn, name)
+    assert any(e["reason"] == "InvalidSpec" and e["type"] == "Warning" for e in events(dyn, name))
+    delete_cr(dyn, name)
+    wait_gone(dyn, name)
+
+
+def test_bad_credentials_fail_fast(control_plane, tmp_path):
+    import sys
+
+    kc = tmp_path / "bad.kubeconfig"
+    write_kubeconfig(kc, control_plane.server, control_plane.pki / "ca.crt", {"token": "not-a-token"})
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "h3serve.operator.cli", "operator", f"--namespace={APPS_NS}",
+                        "--no-leader-election"], env={**control_plane.env, "KUBECONFIG": str(kc)}, cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert time.monotonic() - t0 < 30
+    assert "rejected the credentials (401 Unauthorized)" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def _lease(dyn) -> dict:
+    return R(dyn, "Lease", "coordination.k8s.io/v1").get(name="h3serve-operator", namespace=SYSTEM_NS).to_dict()
+
+
+def test_leader_election_two_operators_never_both_reconcile(operator, operator_kubeconfig, control_plane, dyn,
+                                                            tmp_path):
+    wait_for("operator-a leads", lambda: _lease(dyn)["spec"]["holderIdentity"] == "operator-a", timeout=30)
+    b = Operator(operator_kubeconfig, [APPS_NS], tmp_path / "b.log", control_plane.env,
+                 args=chart_operator_args(dyn), identity="operator-b").start()
+    try:
+        create(dyn, good_doc("le-one"))
+        ready_cr(dyn, "le-one", timeout=60)
+        assert {e["reportingInstance"] for e in events(dyn, "le-one")} == {"operator-a"}
+        assert "is the leader" not in b.text()
+        transitions = _lease(dyn)["spec"].get("leaseTransitions") or 0
+        operator.kill()  # SIGKILL: no hand-over; b takes the Lease once it expires
+        wait_for("operator-b leads", lambda: _lease(dyn)["spec"]["holderIdentity"] == "operator-b", timeout=30)
+        assert _lease(dyn)["spec"]["leaseTransitions"] == transitions + 1
+        create(dyn, good_doc("le-two"))
+        ready_cr(dyn, "le-two", timeout=60)
+        assert {e["reportingInstance"] for e in events(dyn, "le-two")} == {"operator-b"}
+        operator.start()  # a stands by now
+        time.sleep(3)
+        assert _lease(dyn)["spec"]["holderIdentity"] == "operator-b"
+    finally:
+        b.kill(signal.SIGTERM)  # a clean exit hands the Lease over at once
+    wait_for("operator-a leads again", lambda: _lease(dyn)["spec"]["holderIdentity"] == "operator-a", timeout=30)
+    assert "released Lease" in b.text()
+    for n in ("le-one", "le-two"):
+        delete_cr(dyn, n)
+    for n in ("le-one", "le-two"):
+        wait_gone(dyn, n)
+
+
+def test_helm_upgrade_from_the_previous_chart_upgrades_the_crd(operator, control_plane, dyn):
+    """The cluster holds the CRD of chart 0.1.0; `helm upgrade` (which never touches crds/) plus the operator's
+    start-up apply bring it to this chart's CRD, and the H3Deployments stored under the old one keep serving."""
+    crds = R(dyn, "CustomResourceDefinition")
+    old = yaml.safe_load((ROOT / "tests" / "operator" / "crd-chart-0.1.0.yaml").read_text())
+    assert old["spec"] != crd_module.crd()["spec"]
+    live = crds.get(name=old["metadata"]["name"]).to_dict()
+    old["metadata"]["resourceVersion"] = live["metadata"]["resourceVersion"]
+    crds.replace(body=old, name=old["metadata"]["name"])
+    probe = good_doc("ingress-probe")
+    probe["spec"]["gateway"] = {"ingressFrom": {"namespaces": ["web"]}}
+
+    def dry_run_gateway():
+        return R(dyn, "H3Deployment").create(body=probe, namespace=APPS_NS,
+                                             query_params=[("dryRun", "All")]).to_dict()["spec"]["gateway"]
+    wait_for("old schema served", lambda: "ingressFrom" not in dry_run_gateway(), timeout=30)  # pruned: unknown
+    operator.kill()
+    r = subprocess.run([control_plane.bin("helm"), "upgrade", RELEASE, str(CHART), "-n", SYSTEM_NS, "--reuse-values",
+                        "--wait", "--timeout", "120s"], capture_output=True, text=True, env=control_plane.env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ingressFrom" not in dry_run_gateway()  # helm left the CRD alone
+    operator.start()  # --apply-crd (chart default): the operator brings its CRD
+    wait_for("new schema served", lambda: dry_run_gateway().get("ingressFrom") == {"namespaces": ["web"]}, timeout=30)
+    now = crds.get(name=old["metadata"]["name"]).to_dict()
+    assert now["spec"]["versions"] == crd_module.crd()["spec"]["versions"]
+    assert ready_cr(dyn, "h3-base")["status"]["observedGeneration"]  # stored objects still served and reconciled

@@ -168,3 +168,12 @@ def test_unschedulable_and_failing_pods_are_explained():
     assert "h3-base-engine-abc: 0/9 nodes are available: 9 Insufficient nvidia.com/gpu." in cond(st, "Degraded")["message"]
     assert "h3-base-gateway-xyz: ImagePullBackOff: pull access denied" in cond(st, "Degraded")["message"]
     assert "Insufficient nvidia.com/gpu" in cond(st, "Ready")["message"]
+
+
+def test_foreign_objects_are_degraded_and_named():
+    name, spec = spec_of("base-disaggregated")
+    st = S.compute(name=name, namespace="ns", generation=1, spec=spec, issues=[], workloads=live(spec, name),
+                   previous=None, now=T0, foreign=["Service/h3-split-gateway", "ConfigMap/h3-split-config"])
+    c = cond(st, "Degraded")
+    assert (c["status"], c["reason"]) == ("True", "ForeignObject")
+    assert c["message"].startswith("not adopted: Service/h3-split-gateway, ConfigMap/h3-split-config already exist")

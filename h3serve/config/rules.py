@@ -215,6 +215,20 @@ def _positive(path: str) -> Op:
     return op("<=", Field(path), 0)
 
 
+def _autoscaling_rules(st: str) -> tuple[Rule, ...]:
+    auto = f"{st}.autoscaling"
+    return (
+        Rule(auto, any_of(unset(auto), op("<=", Field(f"{auto}.minReplicas"), Field(f"{auto}.maxReplicas"))),
+             f"{auto}.minReplicas={{lo}} must be at most {auto}.maxReplicas={{hi}}",
+             dict(lo=Field(f"{auto}.minReplicas"), hi=Field(f"{auto}.maxReplicas"))),
+        Rule(f"{st}.replicas", any_of(unset(auto), unset(f"{st}.replicas")),
+             f"set {st}.replicas or {st}.autoscaling, not both: with autoscaling the autoscaler sets the replicas "
+             f"(between minReplicas and maxReplicas)"),
+        Rule(auto, any_of(unset(auto), DISAGGREGATED),
+             f"{auto} only applies to disaggregated placement: with placement colocated set spec.replicas"),
+    )
+
+
 RULES: tuple[Rule, ...] = (
     Rule("encoder.tensorParallel", op("in", TP, encoder_tp_choices()), ENCODER_TP_MESSAGE,
          dict(FIELD_NAMES, tp=TP, heads=ENCODER_HEADS, kv=ENCODER_KV_HEADS,
@@ -247,6 +261,7 @@ RULES: tuple[Rule, ...] = (
          any_of(unset("model.volume"), unset("model.adapter"), _inside_mount("model.adapter.path")),
          "model.adapter.path {path} must be inside model.mountPath {mount}, where model.volume is mounted",
          dict(path=Field("model.adapter.path"), mount=Field("model.mountPath"))),
+    *(rule for st in (*PIPELINE_STAGES, "gateway") for rule in _autoscaling_rules(st)),
     Rule("model.path", _normal("model.path"), "model.path " + NORMAL_PATH, dict(path=Field("model.path"))),
     Rule("model.mountPath", _normal("model.mountPath"), "model.mountPath " + NORMAL_PATH,
          dict(path=Field("model.mountPath"))),

@@ -94,6 +94,25 @@ TOLERATION_SCHEMA = {
 
 # ---- the spec ----------------------------------------------------------------------------------------------------
 
+AUTOSCALING_DOC = ("Scale this stage with a HorizontalPodAutoscaler on its diffusion signal (disaggregated placement, "
+                   "a replica on one node; instead of replicas: the operator then leaves the replica count to the "
+                   "autoscaler).")
+
+
+@dataclass(frozen=True)
+class AutoscalingSpec:
+    max_replicas: int = f("maxReplicas", "Most replicas the HorizontalPodAutoscaler may run.", minimum=1,
+                          maximum=1024)
+    min_replicas: int = f("minReplicas", "Fewest replicas.", 1, minimum=1, maximum=1024)
+    target: Optional[str] = f("target", "Per-pod average of the stage's diffusion signal to hold (dit: queued denoise "
+                              "step-seconds, default 120; vae: queued clips, 2; encoder: queued prompts, 8; muxer: open "
+                              "sessions, 4; gateway: queue depth, 8, and real-time factor 1).", None, maxLength=32,
+                              pattern=r"^[0-9]+(\.[0-9]+)?(m|k)?$")
+    scale_down_stabilization_seconds: int = f(
+        "scaleDownStabilizationSeconds", "How long the signal must stay low before replicas are removed.", 300,
+        minimum=0, maximum=3600)
+
+
 @dataclass(frozen=True)
 class AdapterSpec:
     path: str = f("path", "Path of the FastH3 adapter file (fastvideo-lora-v2 safetensors), inside model.mountPath.",
@@ -122,6 +141,7 @@ class EncoderSpec:
                              minimum=1, maximum=ENCODER_HEADS)
     replicas: Optional[int] = f("replicas", "Encoder replicas (disaggregated placement only; default 1).",
                                 None, minimum=0, maximum=1024)
+    autoscaling: Optional[AutoscalingSpec] = f("autoscaling", AUTOSCALING_DOC, None)
     resources: Optional[dict] = f("resources", "CPU/memory requests and limits of an encoder pod; the GPU "
                                   "count is set from tensorParallel.", None, **RESOURCES_SCHEMA)
     node_selector: Optional[dict] = f("nodeSelector", "Replaces spec.nodeSelector for this stage.", None)
@@ -140,6 +160,7 @@ class DitSpec:
                   "ring).", 1, minimum=1, maximum=MAX_REPLICA_GPUS)
     replicas: Optional[int] = f("replicas", "DiT replicas (disaggregated placement only; default 1).", None,
                                 minimum=0, maximum=1024)
+    autoscaling: Optional[AutoscalingSpec] = f("autoscaling", AUTOSCALING_DOC, None)
     resources: Optional[dict] = f("resources", "CPU/memory requests and limits of a DiT pod (colocated: of the "
                                   "engine pod that runs every stage); the GPU count is set from ulysses x ring.", None, **RESOURCES_SCHEMA)
     node_selector: Optional[dict] = f("nodeSelector", "Replaces spec.nodeSelector for this stage.", None)
@@ -157,6 +178,7 @@ class VaeSpec:
                             "the whole DiT group (dit.ulysses x dit.ring).", 1, minimum=1, maximum=MAX_REPLICA_GPUS)
     replicas: Optional[int] = f("replicas", "VAE replicas (disaggregated placement only; default 1).", None,
                                 minimum=0, maximum=1024)
+    autoscaling: Optional[AutoscalingSpec] = f("autoscaling", AUTOSCALING_DOC, None)
     resources: Optional[dict] = f("resources", "CPU/memory requests and limits of a VAE pod; the GPU count is "
                                   "set from patchParallel.", None, **RESOURCES_SCHEMA)
     node_selector: Optional[dict] = f("nodeSelector", "Replaces spec.nodeSelector for this stage.", None)
@@ -171,6 +193,7 @@ class VaeSpec:
 class MuxerSpec:
     replicas: Optional[int] = f("replicas", "Muxer replicas (disaggregated placement only; default 1).", None,
                                 minimum=0, maximum=1024)
+    autoscaling: Optional[AutoscalingSpec] = f("autoscaling", AUTOSCALING_DOC, None)
     workers: int = f("workers", "H.264 encoder threads per muxer (`h3serve serve --mux-threads`; colocated: per "
                      "replica pod). Default 16, as `h3serve serve`: the 10 s clip's tail was measured there.", 16,
                      minimum=1, maximum=256)
@@ -196,6 +219,7 @@ class GatewaySpec:
     replicas: Optional[int] = f("replicas", "Gateway replicas (the gRPC + HTTP front door, CPU only; "
                                 "disaggregated placement only, default 2: a colocated replica runs its own gateway).",
                                 None, minimum=0, maximum=1024)
+    autoscaling: Optional[AutoscalingSpec] = f("autoscaling", AUTOSCALING_DOC, None)
     queue_size: int = f("queueSize", "Requests a gateway admits before it answers RESOURCE_EXHAUSTED.", 16,
                         minimum=1, maximum=100000)
     service_type: str = f("serviceType", "Type of the gateway Service.", "ClusterIP",
@@ -255,8 +279,11 @@ class H3DeploymentSpec:
         return {"encoder": self.encoder.gpus, "dit": self.dit.sp, "vae": self.vae.gpus, "muxer": 0}[stage]
 
     def stage_replicas(self, stage: str) -> int:
+        """Replicas of a stage; for an autoscaled one, its fewest (the autoscaler sets the live count)."""
         if self.placement == "colocated":
             return 1 if self.replicas is None else self.replicas
+        if getattr(self, stage).autoscaling is not None:
+            return getattr(self, stage).autoscaling.min_replicas
         r = getattr(self, stage).replicas
         return (2 if stage == "gateway" else 1) if r is None else r
 
@@ -369,6 +396,11 @@ def _operator_only_checks(s: H3DeploymentSpec) -> list[tuple[str, str]]:
         issues.append(("spec.model.volume", f"model.volume must name exactly one volume source (e.g. "
                                             f"persistentVolumeClaim), found {sorted(s.model.volume) or 'none'}"))
     for st in (*PIPELINE_STAGES, "gateway"):
+        gpus = s.stage_gpus(st) if st != "gateway" else 0
+        if getattr(s, st).autoscaling is not None and s.pods_per_replica(gpus) > 1:
+            issues.append((f"spec.{st}.autoscaling", f"{st}.autoscaling needs a {st} replica on one node ({st} needs "
+                                                     f"{gpus} GPUs, gpusPerNode={s.gpus_per_node}): a multi-node gang "
+                                                     f"scales by {st}.replicas"))
         res = getattr(s, st).resources or {}
         for kind in ("requests", "limits"):
             if s.gpu_resource_name in (res.get(kind) or {}):

@@ -30,6 +30,7 @@ from typing import Any
 
 import yaml
 
+from h3serve.config.metrics import SIGNALS
 from h3serve.config.spec import API_VERSION, KIND, H3DeploymentSpec, ServiceConfig
 from h3serve.config.stage import CONFIG_ENV, service_config_values
 from h3serve.config.vocab import (
@@ -67,6 +68,7 @@ KINDS: dict[str, tuple[str, str]] = {  # kind -> (apiVersion, plural)
     "StatefulSet": ("apps/v1", "statefulsets"),
     "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),
     "NetworkPolicy": ("networking.k8s.io/v1", "networkpolicies"),
+    "HorizontalPodAutoscaler": ("autoscaling/v2", "horizontalpodautoscalers"),
 }
 
 
@@ -99,6 +101,11 @@ def component_replicas(spec: H3DeploymentSpec, component: str) -> int:
     if component == ENGINE:
         return spec.stage_replicas("dit")
     return spec.stage_replicas(component)
+
+
+def autoscaling(spec: H3DeploymentSpec, component: str):
+    """The component's AutoscalingSpec, or None (the colocated engine scales by spec.replicas)."""
+    return None if component == ENGINE else getattr(spec, component).autoscaling
 
 
 def gang_size(spec: H3DeploymentSpec, component: str) -> int:
@@ -205,6 +212,8 @@ def _component(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, cfg
 
     if gang == 1:
         objs.append(_deployment(spec, name, namespace, comp, replicas, gpus, cfg_hash))
+        if autoscaling(spec, comp) is not None:
+            objs.append(_hpa(spec, name, namespace, comp))
     else:
         per_pod = spec.gpus_per_node
         for r in range(replicas):
@@ -397,7 +406,25 @@ def _deployment(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, re
     dep = {"apiVersion": "apps/v1", "kind": "Deployment", "spec": {
         "replicas": replicas, "revisionHistoryLimit": 5, "strategy": strategy,
         "selector": {"matchLabels": selector(name, comp)}, "template": tmpl}}
+    if autoscaling(spec, comp) is not None:
+        # The autoscaler owns the count: the operator's apply leaves the field out, so it never fights the HPA.
+        del dep["spec"]["replicas"]
     return _meta(dep, f"{name}-{comp}", name, namespace, comp)
+
+
+def _hpa(spec: H3DeploymentSpec, name: str, namespace: str, comp: str) -> dict:
+    """An autoscaling/v2 HPA on the stage Deployment, on the stage's diffusion signals (h3serve.config.metrics)."""
+    a = autoscaling(spec, comp)
+    metrics = []
+    for i, sig in enumerate(SIGNALS[comp]):
+        target = a.target if (a.target is not None and i == 0) else sig.target
+        metrics.append({"type": "Pods", "pods": {"metric": {"name": sig.metric},
+                                                 "target": {"type": "AverageValue", "averageValue": target}}})
+    hpa = {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "spec": {
+        "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"{name}-{comp}"},
+        "minReplicas": a.min_replicas, "maxReplicas": a.max_replicas, "metrics": metrics,
+        "behavior": {"scaleDown": {"stabilizationWindowSeconds": a.scale_down_stabilization_seconds}}}}
+    return _meta(hpa, f"{name}-{comp}", name, namespace, comp)
 
 
 def _statefulset(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, gname: str, gang: int,

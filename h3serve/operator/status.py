@@ -109,8 +109,11 @@ def compute(*, name: str, namespace: str, generation: int, spec: H3DeploymentSpe
     comp_desired: dict[str, int] = {}
     comp_ready: dict[str, int] = {}
     rolling, stalled = [], []
+    autoscaled = {c for c in M.components(spec) if M.autoscaling(spec, c) is not None} if spec is not None else set()
     for e in expected:
         w = live.get((e.kind, e.name))
+        if e.component in autoscaled and w is not None:  # the autoscaler's count, not the spec's
+            e = Expected(e.component, e.kind, e.name, int((w.get("spec") or {}).get("replicas") or 0))
         done, stall, ready_pods = _rolled_out(w, e.pods)
         if e.kind == "Deployment":
             comp_desired[e.component] = comp_desired.get(e.component, 0) + e.pods

@@ -11,12 +11,13 @@ import json
 import pathlib
 import signal
 import subprocess
+import threading
 import time
 
 import pytest
 import yaml
 from kube_harness import (
-    Operator, die_with_parent, free_port, listening_addresses, load_example, wait_for, write_kubeconfig,
+    MetricsAdapter, Operator, die_with_parent, free_port, listening_addresses, load_example, wait_for, write_kubeconfig,
 )
 from kubernetes import dynamic
 from kubernetes.dynamic.exceptions import ApiException, NotFoundError
@@ -223,6 +224,11 @@ BAD_SPECS = {
     "encoder-gang": {"placement": "disaggregated", "gpusPerNode": 3, "encoder": {"tensorParallel": 4}},
     "path-dotdot": {"model": {"path": "/models/../etc/ssl"}},
     "mount-not-normal": {"model": {"path": "/models/./x/H3", "mountPath": "/models/./x"}},
+    "autoscaling-bounds": {"placement": "disaggregated", **{
+        st: {"replicas": 1, "autoscaling": {"minReplicas": 3, "maxReplicas": 2}}
+        for st in ("encoder", "dit", "vae", "muxer", "gateway")}},
+    "autoscaling-colocated": {st: {"autoscaling": {"maxReplicas": 2}}
+                              for st in ("encoder", "dit", "vae", "muxer", "gateway")},
     "adapter-dotdot": {"profile": "fasth3", "model": {"adapter": {"path": "/models/a/../../b", "sha256": SHA}}},
 }
 
@@ -775,3 +781,82 @@ def test_helm_upgrade_from_the_previous_chart_upgrades_the_crd(operator, control
     now = crds.get(name=old["metadata"]["name"]).to_dict()
     assert now["spec"]["versions"] == crd_module.crd()["spec"]["versions"]
     assert ready_cr(dyn, "h3-base")["status"]["observedGeneration"]  # stored objects still served and reconciled
+
+
+# ---- autoscaling: the real HPA controller on a real custom metrics API ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def metrics_adapter(control_plane, installed):
+    return MetricsAdapter(control_plane).start()
+
+
+class QueuedLoad:
+    """Reports a stage's queued work the way its pods would export it: the total split over its running pods."""
+
+    def __init__(self, dyn, adapter, name, comp, metric):
+        self.dyn, self.adapter, self.name, self.comp, self.metric = dyn, adapter, name, comp, metric
+        self.total = 0.0
+        self.error: Exception | None = None
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join(timeout=10)
+
+    def _run(self):
+        while not self._stop.is_set():
+            running = [p["metadata"]["name"] for p in pods(self.dyn, self.name)
+                       if p["metadata"]["labels"][M.LABEL_COMPONENT] == self.comp
+                       and p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")]
+            for pod in running:
+                try:
+                    self.adapter.write(APPS_NS, pod, self.metric, str(int(self.total / len(running))))
+                except Exception as e:  # noqa: BLE001 - a pod that just went away
+                    self.error = e
+            self._stop.wait(1.0)
+
+
+def test_hpa_scales_the_dit_on_queued_step_seconds_and_nothing_else(operator, dyn, metrics_adapter):
+    name = "auto"
+    doc = good_doc(name)
+    doc["spec"].update(placement="disaggregated", dit={
+        "autoscaling": {"maxReplicas": 3, "target": "100", "scaleDownStabilizationSeconds": 0}})
+    create(dyn, doc)
+    ready_cr(dyn, name, timeout=90)
+    hpa = R(dyn, "HorizontalPodAutoscaler").get(name=f"{name}-dit", namespace=APPS_NS).to_dict()
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "h3serve_dit_queued_step_seconds"
+    before = pod_uids(dyn, name)
+    dep = lambda: R(dyn, "Deployment").get(name=f"{name}-dit", namespace=APPS_NS).to_dict()  # noqa: E731
+    with QueuedLoad(dyn, metrics_adapter, name, "dit", "h3serve_dit_queued_step_seconds") as load:
+        load.total = 250  # 250 step-seconds queued, 100 per pod wanted: 3 pods
+        hpa_status = lambda: R(dyn, "HorizontalPodAutoscaler").get(  # noqa: E731
+            name=f"{name}-dit", namespace=APPS_NS).to_dict().get("status")
+        try:
+            wait_for("dit scaled to 3 by the HPA", lambda: (dep()["status"].get("readyReplicas") or 0) == 3, timeout=90)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\nHPA status: {hpa_status()}\nlast write error: {load.error!r}") from None
+        wait_for("status follows the HPA", lambda: get_cr(dyn, name)["status"]["stages"]["dit"] == {
+            "ready": 3, "desired": 3}, timeout=30)
+        assert condition(ready_cr(dyn, name, timeout=60), "Ready")["status"] == "True"
+        after = pod_uids(dyn, name)
+        assert before["dit"] < after["dit"]  # added, the first one kept
+        assert {c: u for c, u in after.items() if c != "dit"} == {c: u for c, u in before.items() if c != "dit"}
+        time.sleep(4)  # reconciles ran meanwhile (every pod event): the operator leaves the count to the HPA
+        assert dep()["spec"]["replicas"] == 3
+        managers = {f["manager"] for f in dep()["metadata"]["managedFields"]
+                    if "f:replicas" in json.dumps(f.get("fieldsV1", {}))}
+        assert "h3serve-operator" not in managers, managers
+        load.total = 0
+        wait_for("dit scaled back to 1", lambda: dep()["spec"]["replicas"] == 1, timeout=90)
+    hpa = R(dyn, "HorizontalPodAutoscaler").get(name=f"{name}-dit", namespace=APPS_NS).to_dict()
+    assert any(c["type"] == "ScalingActive" and c["status"] == "True" for c in hpa["status"]["conditions"])
+    final = pod_uids(dyn, name)
+    assert {c: u for c, u in final.items() if c != "dit"} == {c: u for c, u in before.items() if c != "dit"}
+    ready_cr(dyn, name, timeout=60)
+    delete_cr(dyn, name)
+    wait_gone(dyn, name)

@@ -421,3 +421,37 @@ def test_gateway_ingress_limited_to_namespaces_and_cidrs():
         parse_and_validate(d, "h3")
     assert [f for f, _ in e.value.issues] == ["spec.gateway.ingressFrom.cidrs[0]", "spec.gateway.ingressFrom.namespaces[0]"]
     assert "'10.1.0.0/99' is not an IP range such as 10.0.0.0/16" in str(e.value)
+
+
+def test_autoscaled_stage_gets_an_hpa_on_its_signal_and_no_replica_count():
+    d = yaml.safe_load((ROOT / "examples" / "base-disaggregated.yaml").read_text())["spec"]
+    d["dit"] = {**d["dit"], "autoscaling": {"minReplicas": 2, "maxReplicas": 6, "target": "90"}}
+    del d["dit"]["replicas"]
+    d["gateway"] = {**d["gateway"], "autoscaling": {"maxReplicas": 4, "scaleDownStabilizationSeconds": 30}}
+    del d["gateway"]["replicas"]
+    objs = M.render(parse_and_validate(d, "h3"), "h3", "ns")
+    by = {(o["kind"], o["metadata"]["name"]): o for o in objs}
+    assert "replicas" not in by[("Deployment", "h3-dit")]["spec"]  # the HPA owns it
+    assert by[("Deployment", "h3-vae")]["spec"]["replicas"] == 1
+    hpa = by[("HorizontalPodAutoscaler", "h3-dit")]["spec"]
+    assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "h3-dit"}
+    assert (hpa["minReplicas"], hpa["maxReplicas"]) == (2, 6)
+    assert hpa["metrics"] == [{"type": "Pods", "pods": {"metric": {"name": "h3serve_dit_queued_step_seconds"},
+                                                        "target": {"type": "AverageValue", "averageValue": "90"}}}]
+    gw = by[("HorizontalPodAutoscaler", "h3-gateway")]["spec"]
+    assert [m["pods"]["metric"]["name"] for m in gw["metrics"]] == ["h3serve_queue_depth", "h3serve_rtf"]
+    assert gw["behavior"] == {"scaleDown": {"stabilizationWindowSeconds": 30}}
+    assert by[("PodDisruptionBudget", "h3-dit")]["spec"]["minAvailable"] == 1  # minReplicas - 1
+    assert ("HorizontalPodAutoscaler", "h3-vae") not in by
+    for o in objs:
+        kubernetes_validate.validate(o, K8S_VERSION, strict=True)
+
+
+def test_autoscaling_refused_for_a_multi_node_gang():
+    d = yaml.safe_load((ROOT / "examples" / "base-disaggregated.yaml").read_text())["spec"]
+    d["gpusPerNode"] = 4
+    d["dit"] = {"ulysses": 4, "ring": 2, "autoscaling": {"maxReplicas": 3}}
+    with pytest.raises(SpecError) as e:
+        parse_and_validate(d, "h3")
+    assert ("spec.dit.autoscaling", "dit.autoscaling needs a dit replica on one node (dit needs 8 GPUs, gpusPerNode=4): "
+            "a multi-node gang scales by dit.replicas") in e.value.issues

@@ -10,6 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+# A pipeline stage process serves /metrics on METRICS_PORT + its port offset (h3serve.config.vocab.PORT_OFFSETS: the
+# stages of a colocated pod share it); the gateway serves its own at GET /metrics on its HTTP port.
+METRICS_PORT = 9400
+
+
 @dataclass(frozen=True)
 class Signal:
     metric: str

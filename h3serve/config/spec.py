@@ -236,6 +236,13 @@ class GatewaySpec:
 
 
 @dataclass(frozen=True)
+class MetricsSpec:
+    monitoring_namespace: Optional[str] = f("monitoringNamespace", "Namespace of the Prometheus that scrapes the pods: "
+                                            "the NetworkPolicies let it reach every pod's metrics ports.", None,
+                                            maxLength=63, pattern="^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+@dataclass(frozen=True)
 class H3DeploymentSpec:
     model: ModelSpec = f("model", "Where the weights are and how they are loaded.")
     image: str = f("image", "The h3serve image every pod runs.", minLength=1, maxLength=1024)
@@ -267,6 +274,9 @@ class H3DeploymentSpec:
     priority_class_name: Optional[str] = f("priorityClassName", "PriorityClass of every pod.", None, maxLength=253)
     shm_size: str = f("shmSize", "Size of the in-memory /dev/shm of GPU pods (NCCL and NIXL buffers).", "16Gi",
                       pattern=r"^[0-9]+(Ki|Mi|Gi|Ti)?$")
+    metrics: MetricsSpec = f("metrics", "Prometheus scraping: every pod carries prometheus.io/scrape, port and path "
+                             "annotations; stage processes serve /metrics on port 9400 plus their offset (encoder 9401, "
+                             "dit 9402, vae 9403, muxer 9404), the gateway on its HTTP port.", factory=MetricsSpec)
     drain_seconds: int = f("drainSeconds", "How long a pod that is asked to stop keeps serving the requests it "
                            "admitted; the pod's termination grace period is this plus 30 s.", 900,
                            minimum=0, maximum=86400)

@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from h3serve.config.metrics import SIGNALS
+from h3serve.config.metrics import METRICS_PORT, SIGNALS
 from h3serve.config.spec import API_VERSION, KIND, H3DeploymentSpec, ServiceConfig
 from h3serve.config.stage import CONFIG_ENV, service_config_values
 from h3serve.config.vocab import (
@@ -275,10 +275,21 @@ def _grpc_probe(period: int, failures: int, timeout: int = 5) -> dict:
             "timeoutSeconds": timeout, "failureThreshold": failures}
 
 
+def metrics_ports(comp: str) -> dict[str, int]:
+    """stage -> the port its process serves /metrics on, for the processes of a component's pods."""
+    if comp == GATEWAY:
+        return {GATEWAY: HTTP_PORT}
+    out = {st: METRICS_PORT + PORT_OFFSETS[st] for st in component_stages(comp) if st in PIPELINE_STAGES}
+    if comp == ENGINE:
+        out[GATEWAY] = HTTP_PORT
+    return out
+
+
 def _env(spec: H3DeploymentSpec, comp: str) -> list[dict]:
     env = [
         {"name": CONFIG_ENV, "value": CONFIG_PATH},
         {"name": "H3SERVE_COMPONENT", "value": comp},
+        *([{"name": "H3SERVE_METRICS_PORT", "value": str(METRICS_PORT)}] if comp != GATEWAY else []),
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
@@ -327,6 +338,10 @@ def _pod_template(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, 
     ports = [{"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"}]
     if front(comp):
         ports.append({"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"})
+    for st, port in metrics_ports(comp).items():
+        if port != HTTP_PORT:
+            ports.append({"name": f"metrics-{st[:3]}" if comp == ENGINE else "metrics", "containerPort": port,
+                          "protocol": "TCP"})
     if gang:
         ports.append({"name": "dist", "containerPort": DIST_PORT, "protocol": "TCP"})
     mounts = [{"name": "config", "mountPath": "/etc/h3serve", "readOnly": True},
@@ -384,7 +399,13 @@ def _pod_template(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, 
     if spec.image_pull_secrets:
         pod["imagePullSecrets"] = [{"name": s} for s in spec.image_pull_secrets]
     tmpl_labels = {**labels(name, comp), **extra_labels}
-    return {"metadata": {"labels": tmpl_labels, "annotations": {ANN_CONFIG_HASH: cfg_hash}}, "spec": pod}
+    # Scrape annotations name one port: the stage's own (the engine: its gateway's; its stages' ports are named
+    # metrics-<stage> for a PodMonitor).
+    mports = metrics_ports(comp)
+    scrape = mports[GATEWAY] if comp == ENGINE else next(iter(mports.values()))
+    ann = {ANN_CONFIG_HASH: cfg_hash, "prometheus.io/scrape": "true", "prometheus.io/port": str(scrape),
+           "prometheus.io/path": "/metrics"}
+    return {"metadata": {"labels": tmpl_labels, "annotations": ann}, "spec": pod}
 
 
 def _readonly_volume(source: dict) -> dict:
@@ -459,6 +480,15 @@ def _network_policies(spec: H3DeploymentSpec, name: str, namespace: str) -> list
             ] if src.namespaces else []
         door["from"] += [{"ipBlock": {"cidr": c}} for c in src.cidrs or []]
     ingress = [door, {"from": [same_instance]}] if door.get("from", True) else [{"from": [same_instance]}]
+    mon = spec.metrics.monitoring_namespace
+    if mon:  # the monitoring namespace may scrape every pod's metrics ports (only those)
+        scrape_from = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": mon}}}]
+        stage_ports = sorted({p for c in (*PIPELINE_STAGES, ENGINE) for p in metrics_ports(c).values()
+                              if p != HTTP_PORT})
+        stages["spec"]["ingress"].append({"from": scrape_from, "ports": [
+            {"port": p, "protocol": "TCP"} for p in stage_ports]})
+        ingress.append({"from": scrape_from, "ports": [{"port": HTTP_PORT, "protocol": "TCP"}] + [
+            {"port": p, "protocol": "TCP"} for p in stage_ports]})
     gateway = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "spec": {
         "podSelector": {"matchExpressions": [
             *mine, {"key": LABEL_COMPONENT, "operator": "In", "values": [GATEWAY, ENGINE]}]},

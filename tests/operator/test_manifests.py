@@ -455,3 +455,30 @@ def test_autoscaling_refused_for_a_multi_node_gang():
         parse_and_validate(d, "h3")
     assert ("spec.dit.autoscaling", "dit.autoscaling needs a dit replica on one node (dit needs 8 GPUs, gpusPerNode=4): "
             "a multi-node gang scales by dit.replicas") in e.value.issues
+
+
+def test_every_pod_is_scrapable_and_the_monitoring_namespace_may_scrape():
+    d = yaml.safe_load((ROOT / "examples" / "base-disaggregated.yaml").read_text())["spec"]
+    t = _templates(d, "h3-split")
+    for st, port in (("encoder", 9401), ("dit", 9402), ("vae", 9403), ("muxer", 9404), ("gateway", 8000)):
+        ann = t[f"h3-split-{st}"]["metadata"]["annotations"]
+        assert (ann["prometheus.io/scrape"], ann["prometheus.io/port"], ann["prometheus.io/path"]) == (
+            "true", str(port), "/metrics"), st
+        c = t[f"h3-split-{st}"]["spec"]["containers"][0]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env.get("H3SERVE_METRICS_PORT") == (None if st == "gateway" else "9400")
+        if st != "gateway":
+            assert {"name": "metrics", "containerPort": port, "protocol": "TCP"} in c["ports"]
+    engine = _templates(yaml.safe_load((ROOT / "examples" / "base-colocated.yaml").read_text())["spec"], "h3-base")
+    ports = {p["name"]: p["containerPort"] for p in engine["h3-base-engine"]["spec"]["containers"][0]["ports"]}
+    assert {k: v for k, v in ports.items() if k.startswith("metrics")} == {
+        "metrics-enc": 9401, "metrics-dit": 9402, "metrics-vae": 9403, "metrics-mux": 9404}
+    objs = M.render(parse_and_validate({**d, "metrics": {"monitoringNamespace": "monitoring"}}, "h3"), "h3", "ns")
+    nps = {o["metadata"]["name"]: o["spec"] for o in objs if o["kind"] == "NetworkPolicy"}
+    mon = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    stage_rule = [r for r in nps["h3-stages"]["ingress"] if r["from"] == [mon]]
+    assert [p["port"] for p in stage_rule[0]["ports"]] == [9401, 9402, 9403, 9404]
+    gw_rule = [r for r in nps["h3-gateway"]["ingress"] if r.get("from") == [mon]]
+    assert [p["port"] for p in gw_rule[0]["ports"]] == [8000, 9401, 9402, 9403, 9404]
+    for o in objs:
+        kubernetes_validate.validate(o, K8S_VERSION, strict=True)

@@ -114,10 +114,16 @@ def reconcile(namespace: str, name: str, logger: logging.Logger) -> dict | None:
         apply_error = None
         foreign: list[str] = []
         workloads: list[dict] = []
-        owned = {(kind, o["metadata"]["name"]): o for kind in M.KINDS
+        kinds = [k for k in M.KINDS if k not in M.OPTIONAL_KINDS or kube.served(k)]
+        owned = {(kind, o["metadata"]["name"]): o for kind in kinds
                  for o in kube.list_children(namespace, name, kind) if kube.owned_by(o, uid)}
         if spec is not None and not issues:
-            desired = M.render(spec, name, namespace, owner={"name": name, "uid": uid})
+            gangs = kube.served("PodGroup")
+            desired = M.render(spec, name, namespace, owner={"name": name, "uid": uid}, gang_scheduling=gangs)
+            if not gangs and any(M.gang_size(spec, c) > 1 for c in M.components(spec)):
+                _event(cr, "Warning", "NoGangScheduling", "the API server serves no scheduling.k8s.io/v1beta1 "
+                       "PodGroup (feature gate GenericWorkload): multi-node replicas are placed pod by pod, and a "
+                       "partly placed one holds its GPUs", once=True)
             keep = {(o["kind"], o["metadata"]["name"]) for o in desired}
             for obj in desired:
                 key = (obj["kind"], obj["metadata"]["name"])
@@ -315,4 +321,6 @@ def _child_changed(body, namespace: str, **_) -> None:
 
 _OURS = {M.LABEL_MANAGED_BY: M.MANAGER}
 for _kind, (_api_version, _plural) in {**M.KINDS, "Pod": ("v1", "pods")}.items():
+    if _kind in M.OPTIONAL_KINDS:  # may not be served; the resync repairs their drift
+        continue
     kopf.on.event(_api_version, _plural, labels=_OURS, id=f"child-{_plural}")(_child_changed)

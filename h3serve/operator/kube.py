@@ -72,6 +72,22 @@ def apply(obj: dict) -> dict:
     return _plain(out)
 
 
+_served: dict[str, bool] = {}
+
+
+def served(kind: str) -> bool:
+    """Does the API server serve this child kind (API discovery, once per process)?"""
+    if kind not in _served:
+        from kubernetes.dynamic.exceptions import ResourceNotFoundError
+
+        try:
+            _resource(M.KINDS[kind][0], kind)
+            _served[kind] = True
+        except ResourceNotFoundError:
+            _served[kind] = False
+    return _served[kind]
+
+
 def get(kind: str, namespace: str, name: str) -> dict | None:
     api_version, _ = M.KINDS[kind]
     try:

@@ -69,7 +69,11 @@ KINDS: dict[str, tuple[str, str]] = {  # kind -> (apiVersion, plural)
     "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),
     "NetworkPolicy": ("networking.k8s.io/v1", "networkpolicies"),
     "HorizontalPodAutoscaler": ("autoscaling/v2", "horizontalpodautoscalers"),
+    "PodGroup": ("scheduling.k8s.io/v1beta1", "podgroups"),
 }
+# PodGroup (gang scheduling, Kubernetes 1.37 beta behind the GenericWorkload feature gate) may be missing: the operator
+# renders it only where the API server serves it.
+OPTIONAL_KINDS = ("PodGroup",)
 
 
 def labels(name: str, component: str | None = None) -> dict[str, str]:
@@ -159,8 +163,11 @@ def _dump_yaml_like(d: Any) -> str:
     return json.dumps(d, indent=2, sort_keys=True) + "\n"
 
 
-def render(spec: H3DeploymentSpec, name: str, namespace: str, owner: dict | None = None) -> list[dict]:
-    """All desired objects, in apply order. `owner` = the H3Deployment's metadata (needs `uid`) -> ownerReferences."""
+def render(spec: H3DeploymentSpec, name: str, namespace: str, owner: dict | None = None,
+           gang_scheduling: bool = True) -> list[dict]:
+    """All desired objects, in apply order. `owner` = the H3Deployment's metadata (needs `uid`) -> ownerReferences.
+    `gang_scheduling`: the cluster serves scheduling.k8s.io/v1beta1 PodGroups, so each multi-node replica is placed
+    all or nothing (a PodGroup with a gang policy of the replica's pod count)."""
     objs: list[dict] = []
     cfg = service_config(spec, name, namespace).to_dict()
     cfg_text = _dump_yaml_like(cfg)
@@ -170,7 +177,7 @@ def render(spec: H3DeploymentSpec, name: str, namespace: str, owner: dict | None
     objs.append(_meta({"apiVersion": "v1", "kind": "ConfigMap", "data": {"h3serve.yaml": cfg_text}},
                       f"{name}-config", name, namespace, None))
     for comp in components(spec):
-        objs += _component(spec, name, namespace, comp, config_hash(cfg, comp))
+        objs += _component(spec, name, namespace, comp, config_hash(cfg, comp), gang_scheduling)
     objs += _network_policies(spec, name, namespace)
     if owner is not None:
         ref = {"apiVersion": API_VERSION, "kind": KIND, "name": owner["name"], "uid": owner["uid"],
@@ -192,7 +199,8 @@ def front(comp: str) -> bool:
     return comp in (GATEWAY, ENGINE)
 
 
-def _component(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, cfg_hash: str) -> list[dict]:
+def _component(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, cfg_hash: str,
+               gang_scheduling: bool = True) -> list[dict]:
     objs: list[dict] = []
     replicas = component_replicas(spec, comp)
     gang = gang_size(spec, comp)
@@ -223,7 +231,11 @@ def _component(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, cfg
                 "clusterIP": "None", "publishNotReadyAddresses": True, "selector": gsel,
                 "ports": [{"name": "dist", "port": DIST_PORT, "targetPort": "dist", "protocol": "TCP"}]}},
                 gname, name, namespace, comp))
-            objs.append(_statefulset(spec, name, namespace, comp, gname, gang, per_pod, gpus, cfg_hash))
+            if gang_scheduling:  # before its pods: the scheduler holds them until the whole gang fits
+                objs.append(_meta({"apiVersion": "scheduling.k8s.io/v1beta1", "kind": "PodGroup", "spec": {
+                    "schedulingPolicy": {"gang": {"minCount": gang}}}}, gname, name, namespace, comp))
+            objs.append(_statefulset(spec, name, namespace, comp, gname, gang, per_pod, gpus, cfg_hash,
+                                     gang_scheduling))
 
     if replicas > 1:
         # One replica may go (a whole gang: evicting any of its pods stops it); a single replica gets no PDB, which
@@ -449,11 +461,13 @@ def _hpa(spec: H3DeploymentSpec, name: str, namespace: str, comp: str) -> dict:
 
 
 def _statefulset(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, gname: str, gang: int,
-                 per_pod: int, gpus: int, cfg_hash: str) -> dict:
+                 per_pod: int, gpus: int, cfg_hash: str, gang_scheduling: bool = True) -> dict:
     master = f"{gname}-0.{gname}.{namespace}.svc"
     dist = _dist_env(gpus, per_pod, gang, master, True)
     tmpl = _pod_template(spec, name, namespace, comp, per_pod, cfg_hash, {"h3serve.io/gang": gname}, dist, True)
     tmpl["metadata"]["annotations"][ANN_GANG] = str(gang)
+    if gang_scheduling:
+        tmpl["spec"]["schedulingGroup"] = {"podGroupName": gname}
     sts = {"apiVersion": "apps/v1", "kind": "StatefulSet", "spec": {
         "replicas": gang, "serviceName": gname, "podManagementPolicy": "Parallel", "revisionHistoryLimit": 5,
         "updateStrategy": {"type": "RollingUpdate"},

@@ -240,6 +240,8 @@ class ControlPlane:
             f"--service-account-key-file={D / 'sa.pub'}", f"--service-account-signing-key-file={D / 'sa.key'}",
             "--service-cluster-ip-range=10.96.0.0/16", "--authorization-mode=Node,RBAC",
             "--allow-privileged=false", "--profiling=false", "--v=0",
+            # gang scheduling (PodGroup, all or nothing): beta in 1.37, off by default
+            "--feature-gates=GenericWorkload=true", "--runtime-config=scheduling.k8s.io/v1beta1=true",
             # the aggregation layer (custom.metrics.k8s.io is served by an aggregated API server)
             f"--requestheader-client-ca-file={D / 'ca.crt'}", "--requestheader-allowed-names=front-proxy-client",
             "--requestheader-username-headers=X-Remote-User", "--requestheader-group-headers=X-Remote-Group",
@@ -258,8 +260,9 @@ class ControlPlane:
             f"--service-account-private-key-file={D / 'sa.key'}", f"--root-ca-file={D / 'ca.crt'}",
             "--use-service-account-credentials=false", "--controllers=*",
             "--concurrent-gc-syncs=10", "--node-monitor-grace-period=60s",
-            "--horizontal-pod-autoscaler-sync-period=3s"])
-        sched = self._spawn("kube-scheduler", [B("kube-scheduler"), *common, f"--secure-port={P['sched']}"])
+            "--horizontal-pod-autoscaler-sync-period=3s", "--feature-gates=GenericWorkload=true"])
+        sched = self._spawn("kube-scheduler", [B("kube-scheduler"), *common, f"--secure-port={P['sched']}",
+                                               "--feature-gates=GenericWorkload=true"])
         self._wait("kube-controller-manager", lambda: self._get(f"https://127.0.0.1:{P['kcm']}/healthz", True) == "ok",
                    proc=kcm)
         self._wait("kube-scheduler", lambda: self._get(f"https://127.0.0.1:{P['sched']}/healthz", True) == "ok",

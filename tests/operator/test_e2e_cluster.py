@@ -111,6 +111,8 @@ def operator(control_plane, operator_kubeconfig, weights, dyn, tmp_path_factory)
     text = op.text()
     # least privilege held: the operator never hit a permission error
     assert "forbidden" not in text.lower(), op.tail(200)
+    # deletes, restarts and leader changes left no traceback and no cancelled-watcher warning
+    assert "Traceback" not in text and not [ln for ln in text.splitlines() if "WARNING" in ln and "cancel" in ln.lower()]
 
 
 # ---- helpers -------------------------------------------------------------------------------------------------------
@@ -860,3 +862,59 @@ def test_hpa_scales_the_dit_on_queued_step_seconds_and_nothing_else(operator, dy
     ready_cr(dyn, name, timeout=60)
     delete_cr(dyn, name)
     wait_gone(dyn, name)
+
+
+# ---- gangs: all or nothing (Kubernetes 1.37 gang scheduling, PodGroup) ----------------------------------------------
+
+def test_two_gangs_on_two_nodes_never_half_place(operator, dyn, control_plane):
+    """Two DiT replicas of 2 pods x 4 GPUs each, and only two 4-GPU nodes for them: one gang runs whole, the other
+    waits whole; neither holds GPUs with half its pods (without gang scheduling this split 1+1 in 2 of 3 tries)."""
+    from kube_harness import gpu_node
+
+    core = R(dyn, "Node", "v1")
+    for i in range(2):
+        n = gpu_node(f"gang-{i}", 4)
+        n["metadata"]["labels"]["pool"] = "gang-test"
+        n["spec"]["taints"].append({"key": "gang-test", "value": "true", "effect": "NoSchedule"})
+        core.create(body=n)
+    wait_for("gang nodes Ready", lambda: all(any(
+        c["type"] == "Ready" and c["status"] == "True" for c in (core.get(name=f"gang-{i}").to_dict()["status"]
+                                                                  .get("conditions") or []))
+        and not any(t["key"].startswith("node.kubernetes.io/") for t in core.get(name=f"gang-{i}").to_dict()[
+            "spec"].get("taints") or []) for i in range(2)), timeout=60)
+    gpu_taint = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    try:
+        for attempt in range(3):
+            name = f"gangs-{attempt}"
+            doc = good_doc(name)
+            doc["spec"].update(placement="disaggregated", gpusPerNode=4, dit={
+                "ulysses": 8, "replicas": 2, "nodeSelector": {"pool": "gang-test"},
+                "tolerations": [gpu_taint, {"key": "gang-test", "operator": "Exists", "effect": "NoSchedule"}]})
+            create(dyn, doc)
+            pgs = wait_for("PodGroups", lambda: (lambda items: items if len(items) == 2 else None)(
+                R(dyn, "PodGroup", "scheduling.k8s.io/v1beta1").get(
+                    namespace=APPS_NS, label_selector=f"{M.LABEL_INSTANCE}={name}").to_dict()["items"]), timeout=60)
+            assert sorted(p["spec"]["schedulingPolicy"]["gang"]["minCount"] for p in pgs) == [2, 2]
+
+            def placement():
+                by_gang: dict[str, int] = {}
+                for p in pods(dyn, name):
+                    if p["metadata"]["labels"][M.LABEL_COMPONENT] != "dit":
+                        continue
+                    g = p["metadata"]["labels"]["h3serve.io/gang"]
+                    by_gang[g] = by_gang.get(g, 0) + int(bool(p["spec"].get("nodeName")))
+                return by_gang
+            settled = wait_for("one gang placed", lambda: (lambda b: b if sorted(b.values()) == [0, 2] else None)(
+                placement()), timeout=60)
+            for _ in range(6):  # and it stays so: the waiting gang never takes a node of its own
+                time.sleep(0.5)
+                assert sorted(placement().values()) == [0, 2], placement()
+            waiting = next(g for g, n in settled.items() if n == 0)
+            assert condition(get_cr(dyn, name), "Ready")["status"] == "False"
+            assert all(not p["spec"].get("nodeName") for p in pods(dyn, name)
+                       if p["metadata"]["labels"].get("h3serve.io/gang") == waiting)
+            delete_cr(dyn, name)
+            wait_gone(dyn, name)
+    finally:
+        for i in range(2):
+            core.delete(name=f"gang-{i}")

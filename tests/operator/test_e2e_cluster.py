@@ -867,22 +867,38 @@ def test_hpa_scales_the_dit_on_queued_step_seconds_and_nothing_else(operator, dy
 # ---- gangs: all or nothing (Kubernetes 1.37 gang scheduling, PodGroup) ----------------------------------------------
 
 def test_two_gangs_on_two_nodes_never_half_place(operator, dyn, control_plane):
-    """Two DiT replicas of 2 pods x 4 GPUs each, and only two 4-GPU nodes for them: one gang runs whole, the other
-    waits whole; neither holds GPUs with half its pods (without gang scheduling this split 1+1 in 2 of 3 tries)."""
+    """Two DiT replicas of 2 pods x 4 GPUs each. With one 4-GPU node for them no pod is placed (pod by pod, one
+    would take the node and hold its GPUs for a gang that cannot run); with two, one gang runs whole and the other
+    waits whole, never 1 + 1. (With the PodGroups left out, the one-node step fails: one pod is placed.)"""
     from kube_harness import gpu_node
 
     core = R(dyn, "Node", "v1")
-    for i in range(2):
+
+    def add_node(i):
         n = gpu_node(f"gang-{i}", 4)
         n["metadata"]["labels"]["pool"] = "gang-test"
         n["spec"]["taints"].append({"key": "gang-test", "value": "true", "effect": "NoSchedule"})
         core.create(body=n)
-    wait_for("gang nodes Ready", lambda: all(any(
-        c["type"] == "Ready" and c["status"] == "True" for c in (core.get(name=f"gang-{i}").to_dict()["status"]
-                                                                  .get("conditions") or []))
-        and not any(t["key"].startswith("node.kubernetes.io/") for t in core.get(name=f"gang-{i}").to_dict()[
-            "spec"].get("taints") or []) for i in range(2)), timeout=60)
+        wait_for(f"gang-{i} Ready", lambda: (lambda n: any(
+            c["type"] == "Ready" and c["status"] == "True" for c in (n["status"].get("conditions") or []))
+            and not any(t["key"].startswith("node.kubernetes.io/") for t in n["spec"].get("taints") or []))(
+            core.get(name=f"gang-{i}").to_dict()), timeout=60)
+
+    def placement(name):
+        by_gang: dict[str, int] = {}
+        for p in pods(dyn, name):
+            if p["metadata"]["labels"][M.LABEL_COMPONENT] == "dit":
+                g = p["metadata"]["labels"]["h3serve.io/gang"]
+                by_gang[g] = by_gang.get(g, 0) + int(bool(p["spec"].get("nodeName")))
+        return by_gang
+
+    def tried(name):  # the scheduler looked at every DiT pod
+        ps = [p for p in pods(dyn, name) if p["metadata"]["labels"][M.LABEL_COMPONENT] == "dit"]
+        return len(ps) == 4 and all(any(c["type"] == "PodScheduled" for c in p["status"].get("conditions") or [])
+                                    for p in ps)
+
     gpu_taint = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    add_node(0)
     try:
         for attempt in range(3):
             name = f"gangs-{attempt}"
@@ -895,20 +911,17 @@ def test_two_gangs_on_two_nodes_never_half_place(operator, dyn, control_plane):
                 R(dyn, "PodGroup", "scheduling.k8s.io/v1beta1").get(
                     namespace=APPS_NS, label_selector=f"{M.LABEL_INSTANCE}={name}").to_dict()["items"]), timeout=60)
             assert sorted(p["spec"]["schedulingPolicy"]["gang"]["minCount"] for p in pgs) == [2, 2]
-
-            def placement():
-                by_gang: dict[str, int] = {}
-                for p in pods(dyn, name):
-                    if p["metadata"]["labels"][M.LABEL_COMPONENT] != "dit":
-                        continue
-                    g = p["metadata"]["labels"]["h3serve.io/gang"]
-                    by_gang[g] = by_gang.get(g, 0) + int(bool(p["spec"].get("nodeName")))
-                return by_gang
+            if attempt == 0:  # one node: room for half a gang, so nothing is placed
+                wait_for("the scheduler tried every DiT pod", lambda: tried(name), timeout=60)
+                for _ in range(6):
+                    assert sorted(placement(name).values()) == [0, 0], placement(name)
+                    time.sleep(0.5)
+                add_node(1)
             settled = wait_for("one gang placed", lambda: (lambda b: b if sorted(b.values()) == [0, 2] else None)(
-                placement()), timeout=60)
+                placement(name)), timeout=60)
             for _ in range(6):  # and it stays so: the waiting gang never takes a node of its own
                 time.sleep(0.5)
-                assert sorted(placement().values()) == [0, 2], placement()
+                assert sorted(placement(name).values()) == [0, 2], placement(name)
             waiting = next(g for g, n in settled.items() if n == 0)
             assert condition(get_cr(dyn, name), "Ready")["status"] == "False"
             assert all(not p["spec"].get("nodeName") for p in pods(dyn, name)
@@ -917,4 +930,7 @@ def test_two_gangs_on_two_nodes_never_half_place(operator, dyn, control_plane):
             wait_gone(dyn, name)
     finally:
         for i in range(2):
-            core.delete(name=f"gang-{i}")
+            try:
+                core.delete(name=f"gang-{i}")
+            except NotFoundError:
+                pass

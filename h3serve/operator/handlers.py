@@ -154,6 +154,7 @@ def reconcile(namespace: str, name: str, logger: logging.Logger) -> dict | None:
         else:  # keep what runs; describe it
             workloads = [o for (kind, _), o in owned.items() if kind in ("Deployment", "StatefulSet")]
 
+        _restart_gangs(cr, workloads, logger)
         pods = _pods_if_unready(namespace, name, workloads, logger)
         new = S.compute(name=name, namespace=namespace, generation=generation,
                         spec=spec if not issues else None, issues=issues, workloads=workloads,
@@ -196,6 +197,26 @@ def _report_conditions(cr: dict, old: dict, new: dict) -> None:
             x = next(x for x in new["conditions"] if x["type"] == t)
             bad = (t == "Ready") != (x["status"] == "True")
             _event(cr, "Warning" if bad else "Normal", x["reason"], f"{t}={x['status']}: {x['message']}")
+
+
+def _restart_gangs(cr: dict, workloads: list[dict], logger) -> None:
+    """A gang is one torch.distributed world: restart it whole when a member was replaced, and never run two configs
+    in it (S.stale_gang_members decides; the StatefulSet recreates the pods deleted here)."""
+    gangs = [w for w in workloads if w["kind"] == "StatefulSet"]
+    if not gangs:
+        return
+    md = cr["metadata"]
+    pods = kube.list_pods(md["namespace"], md["name"])
+    for sts in gangs:
+        gname = sts["metadata"]["name"]
+        members = [p for p in pods if (p["metadata"].get("labels") or {}).get("h3serve.io/gang") == gname]
+        stale = S.stale_gang_members(sts, members)
+        for pod, why in stale:
+            kube.delete("Pod", md["namespace"], pod)
+        if stale:
+            msg = f"StatefulSet/{gname}: deleted {', '.join(p for p, _ in stale)} ({stale[0][1]})"
+            logger.info(msg)
+            _event(cr, "Normal", "GroupRestart", msg)
 
 
 def _pods_if_unready(namespace: str, name: str, workloads: list[dict], logger) -> list[dict]:

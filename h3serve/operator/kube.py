@@ -112,7 +112,7 @@ def list_pods(namespace: str, name: str) -> list[dict]:
 
 
 def delete(kind: str, namespace: str, name: str) -> None:
-    api_version, _ = M.KINDS[kind]
+    api_version, _ = M.KINDS[kind] if kind in M.KINDS else ("v1", "pods")
     try:
         _resource(api_version, kind).delete(name=name, namespace=namespace,
                                             body={"propagationPolicy": "Background"})

@@ -207,3 +207,33 @@ def same(a: dict | None, b: dict | None) -> bool:
         s["conditions"] = [{k: v for k, v in c.items() if k != "lastTransitionTime"} for c in s.get("conditions") or []]
         return s
     return strip(a) == strip(b)
+
+
+GROUP_SKEW_SECONDS = 5.0  # members of one gang start within this of each other; a later one replaced a member
+
+
+def stale_gang_members(statefulset: dict, pods: list[dict]) -> list[tuple[str, str]]:
+    """(pod, why) of a gang's pods that must go so that the gang restarts as one: a gang runs one world, so one
+    config (every member at the StatefulSet's update revision) and one start (a member recreated after a failure
+    means the others' world is gone). The StatefulSet recreates what is deleted. Pure: the caller deletes."""
+    import datetime as _dt
+
+    want = (statefulset.get("status") or {}).get("updateRevision")
+    live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+    if len(live) < 2:
+        return []
+    out = []
+    revs = {(p["metadata"].get("labels") or {}).get("controller-revision-hash") for p in live}
+    if want and len(revs) > 1:
+        for p in live:
+            if (p["metadata"].get("labels") or {}).get("controller-revision-hash") != want:
+                out.append((p["metadata"]["name"], "one config per gang: a member already runs the new revision"))
+        return sorted(out)
+
+    def created(p):
+        return _dt.datetime.fromisoformat(str(p["metadata"]["creationTimestamp"]).replace("Z", "+00:00"))
+    newest = max(created(p) for p in live)
+    for p in live:
+        if (newest - created(p)).total_seconds() > GROUP_SKEW_SECONDS:
+            out.append((p["metadata"]["name"], "group restart: another member of the gang was recreated"))
+    return sorted(out)

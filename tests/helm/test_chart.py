@@ -83,7 +83,8 @@ def test_rbac_is_least_privilege(helm):
     for rule in rules:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"]
     assert not any(r in ("secrets", "pods/exec", "nodes", "roles", "rolebindings") for _, r in granted)
-    assert granted[("", "pods")] == {"get", "list", "watch"}  # read only: to explain unready stages
+    # read: to explain unready stages; delete: to restart a gang whole (never create or change a pod)
+    assert granted[("", "pods")] == {"get", "list", "watch", "delete"}
     assert granted[("h3serve.io", "h3deployments")] == {"get", "list", "watch", "patch", "update"}
     assert "create" not in granted[("h3serve.io", "h3deployments")]
 

@@ -934,3 +934,25 @@ def test_two_gangs_on_two_nodes_never_half_place(operator, dyn, control_plane):
                 core.delete(name=f"gang-{i}")
             except NotFoundError:
                 pass
+
+
+def test_killing_a_gang_worker_restarts_the_whole_gang(operator, dyn):
+    name = "gang-restart"
+    doc = good_doc(name)
+    doc["spec"].update(placement="disaggregated", gpusPerNode=4, dit={"ulysses": 8})
+    create(dyn, doc)
+    ready_cr(dyn, name, timeout=90)
+    dit = lambda: {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods(dyn, name)  # noqa: E731
+                   if p["metadata"]["labels"][M.LABEL_COMPONENT] == "dit" and not p["metadata"].get("deletionTimestamp")}
+    before = dit()
+    assert sorted(before) == [f"{name}-dit-0-0", f"{name}-dit-0-1"]
+    time.sleep(6)  # older than the gang's start skew
+    R(dyn, "Pod").delete(name=f"{name}-dit-0-1", namespace=APPS_NS)  # a worker dies
+    wait_for("the leader restarted too", lambda: (lambda now: len(now) == 2 and not set(now.values()) & set(
+        before.values()))(dit()), timeout=60)
+    cr = ready_cr(dyn, name, timeout=60)
+    assert cr["status"]["stages"]["dit"] == {"ready": 1, "desired": 1}
+    ev = [e["message"] for e in events(dyn, name) if e["reason"] == "GroupRestart"]
+    assert ev and f"deleted {name}-dit-0-0" in ev[0], ev
+    delete_cr(dyn, name)
+    wait_gone(dyn, name)

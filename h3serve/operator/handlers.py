@@ -323,6 +323,9 @@ def login(**kwargs):
 async def h3deployment_event(event, body, name: str, namespace: str, **_) -> None:
     if event.get("type") == "DELETED" or (body.get("metadata") or {}).get("deletionTimestamp"):
         _forget(namespace, name)
+        uid = (body.get("metadata") or {}).get("uid")
+        for key in [k for k in _posted if k[0] == uid]:
+            del _posted[key]
         (log.info if _leading() else log.debug)(
             "%s/%s deleted; the garbage collector removes its children through their owner references",
             namespace, name)

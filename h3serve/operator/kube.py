@@ -199,4 +199,5 @@ def apply_crd(crd: dict) -> None:
 
 
 __all__ = ["FIELD_MANAGER", "PLURAL", "apply", "apply_crd", "check_access", "delete", "dynamic", "get",
-           "get_h3deployment", "list_children", "list_pods", "load_config", "owned_by", "patch_status", "post_event"]
+           "get_h3deployment", "list_children", "list_pods", "load_config", "owned_by", "patch_status", "post_event",
+           "served"]

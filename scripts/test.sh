@@ -9,7 +9,7 @@ if ! command -v ffprobe >/dev/null 2>&1; then
     || { echo "test.sh: could not install ffmpeg (ffprobe) with apt-get" >&2; exit 1; }
 fi
 # The operator tests run a real control plane; its binaries are built from source once and cached outside the repo
-# (cold: about 11 minutes on 2 cores; afterwards a no-op).
+# (cold: about 11 minutes on 2 cores, plus about 4 for the custom metrics API server; afterwards a no-op).
 bash tests/operator/tools.sh >/dev/null
 # The layers of DESIGN §4 (contracts in pyproject.toml): a crossed boundary fails before any test runs.
 .venv/bin/lint-imports --no-cache

@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from h3serve.config.stage import StageConfig
 from h3serve.config.vocab import SERVICE_NAMES
 from h3serve.errors import H3Error
+from h3serve.runtime.metrics import serve_metrics
 from h3serve.runtime.stage import HealthHandle
 from h3serve.transport.grpc import MESSAGE_LIMIT, server_options
 
@@ -56,6 +57,7 @@ class StageProcess:
             raise H3Error(f"{config.stage}: cannot listen on {config.host}:{config.port}")
         config.port = self.port
         self.server.start()
+        serve_metrics(self.servicer, config.host)  # a stage's /metrics, when $H3SERVE_METRICS_PORT is set
 
     @property
     def address(self) -> str:

@@ -182,7 +182,12 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-inflight", type=int, default=d.max_inflight, help="gateway: requests run at once")
     p.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s,
                    help="gateway: deadline of a request whose caller set none")
-    p.add_argument("--jobs-dir", default=None, help="gateway: where HTTP job MP4s are kept (default a temp dir)")
+    p.add_argument("--jobs-dir", default=None,
+                   help="gateway: HTTP jobs (records and MP4s) kept in this directory across restarts; with "
+                        "--job-store, where MP4s are spooled (default: a temp dir, removed at exit)")
+    p.add_argument("--job-store", default=None, metavar="s3://BUCKET/PREFIX",
+                   help="gateway: HTTP jobs in an S3 bucket shared by every replica (endpoint and credentials: "
+                        "AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION)")
     p.add_argument("--job-ttl-s", type=float, default=d.job_ttl_s, help="gateway: finished jobs kept this long")
     p.add_argument("--max-jobs", type=int, default=d.max_jobs, help="gateway: finished jobs kept at most")
     p.add_argument("--max-sync-bytes", type=int, default=d.max_sync_bytes,

@@ -43,7 +43,8 @@ class StageConfig:
     queue_size: int = 8
     max_inflight: int = 1
     request_timeout_s: float = 3600.0
-    jobs_dir: str | None = None
+    jobs_dir: str | None = None      # HTTP jobs on local disk (and the spool of an object store)
+    job_store: str | None = None     # s3://BUCKET/PREFIX: HTTP jobs in an object store every replica shares
     job_ttl_s: float = 3600.0
     max_jobs: int = 1000
     max_sync_bytes: int = 64 << 20

@@ -20,18 +20,17 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import time
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from h3serve.errors import H3Error, RequestError
-from h3serve.errortable import NotReady, error_object, http_error
+from h3serve.errortable import NotFound, NotReady, error_object, http_error
 
 from .fields import fields_from_http, short
 from .jobs import Job
@@ -135,6 +134,19 @@ def job_object(job: Job, gateway: Gateway) -> dict:
     }
 
 
+def mp4_response(gateway: Gateway, job: Job, headers: dict, filename: str | None = None) -> Response:
+    """A completed job's MP4 from the job store: a file (with ranges) or streamed from the object store."""
+    mp4 = gateway.jobs.mp4(job)
+    if mp4 is None:
+        raise NotFound(f"video {job.id} is completed but its MP4 is no longer in the job store (deleted or expired)")
+    if mp4.path is not None:
+        return FileResponse(mp4.path, media_type="video/mp4", headers=headers, filename=filename)
+    if filename:
+        headers = {**headers, "Content-Disposition": f'attachment; filename="{filename}"'}
+    return StreamingResponse(mp4.chunks, media_type="video/mp4",
+                             headers={**headers, "Content-Length": str(mp4.size)})
+
+
 def create_app(gateway: Gateway) -> FastAPI:
     app = FastAPI(title="h3serve", version="0.1.0",
                   description="MiniMax H3 text -> video + audio. Videos API compatible with vLLM-Omni / OpenAI "
@@ -166,8 +178,7 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     def new_job(fields, names, request: Request, kind: str) -> Job:
         def sink(job: Job):
-            job.output_path = os.path.join(gateway.jobs.dir, f"{job.id}.mp4")
-            return FileSink(job.output_path)
+            return FileSink(gateway.jobs.mp4_path(job))
 
         return gateway.new_job(fields, kind=kind, sink_factory=sink, timeout=_timeout(request), names=names)
 
@@ -197,7 +208,7 @@ def create_app(gateway: Gateway) -> FastAPI:
         headers = {"X-Request-Id": job.id,
                    "X-Stage-Durations": json.dumps({k: round(v, 4) for k, v in job.timings.items()
                                                     if k.endswith("_s")}, separators=(",", ":"))}
-        return FileResponse(job.output_path, media_type="video/mp4", headers=headers)
+        return mp4_response(gateway, job, headers)
 
     @app.get("/v1/videos", summary="List video jobs")
     async def list_videos(limit: int = 20, after: str | None = None, order: str = "desc"):
@@ -228,10 +239,10 @@ def create_app(gateway: Gateway) -> FastAPI:
         job = gateway.jobs.get(video_id)
         if job.status == "failed":
             raise NotReady(f"video {video_id} failed ({job.error.kind.code}): no content")
-        if job.status != "completed" or not job.output_path or not os.path.exists(job.output_path):
+        if job.status != "completed":
             raise NotReady(f"video {video_id} is {job.status} ({int(job.progress)}%); content is ready when "
                            "status is completed")
-        return FileResponse(job.output_path, media_type="video/mp4", filename=f"{video_id}.mp4")
+        return mp4_response(gateway, job, {}, filename=f"{video_id}.mp4")
 
     @app.delete("/v1/videos/{video_id}", summary="Cancel (if unfinished) and delete a video job")
     async def delete_video(video_id: str):

@@ -157,3 +157,68 @@ def test_unreachable_store_is_a_store_error_in_seconds(tmp_path):
     with pytest.raises(StoreError, match="job-store: stage unavailable: could not reach the bucket"):
         S3Store("s3://h3serve-jobs", str(tmp_path), env=env)
     assert time.monotonic() - t0 < 10
+
+
+def _table(config: StageConfig, s3: S3Server | None, port: int) -> JobTable:
+    from dataclasses import replace
+
+    config = replace(config, port=port)
+    store = S3Store(config.job_store, config.jobs_dir, env=s3.env) if s3 is not None else None
+    table = JobTable(config, GatewayMetrics(), store=store)
+    table.store.beat(table.instance, table.boot)
+    return table
+
+
+def _validated():
+    from h3serve.config.request import validate_request
+    from h3serve.services.gateway.fields import Validated
+
+    return Validated(validate_request(prompt="p", seconds=4, width=320, height=256, steps=4), {}, "m")
+
+
+def test_replicas_share_the_store_see_and_cancel_each_others_jobs(s3, tmp_path):
+    """Two gateway replicas on one bucket: B lists and reads the job A runs, a cancel sent to B reaches A through
+    the record, and a job of a replica that stops beating ends failed with the reason when B reads it."""
+    config = StageConfig(job_store="s3://h3serve-jobs/replicas", jobs_dir=str(tmp_path / "spool"))
+    a, b = _table(config, s3, 1001), _table(config, s3, 1002)
+    job = a.admit(a.new(_validated(), kind="http"), {})
+    assert a.take() is job
+    seen = b.get(job.id)
+    assert seen.status == "in_progress" and [j.id for j in b.list()] == [job.id]
+    assert b.cancel(job.id) is True
+    a.sweep_once()                                   # A reads the cancel from the record
+    assert job.cancel_requested.is_set()
+    a.finish(job, job.cancelled())
+    assert b.get(job.id).status == "failed" and b.get(job.id).error.kind.code == "cancelled"
+
+    # a replica that stopped: its heartbeat goes stale, its in-flight job fails for good when read
+    stale = a.admit(a.new(_validated(), kind="http"), {})
+    a.take()
+    a.store.beat(a.instance, a.boot)
+    rec = a.store.get_record(stale.id)
+    a.store._put_json(a.store._key("gateways", a.instance, ".json"), {"boot": a.boot, "at": time.time() - 600})
+    failed = b.get(stale.id)
+    assert failed.status == "failed" and "no heartbeat" in failed.error.message and rec["status"] == "in_progress"
+    assert b.store.get_record(stale.id)["status"] == "failed"    # written back once
+    a.close()
+    b.close()
+
+
+def test_disk_store_keeps_jobs_across_a_restart_and_fails_the_orphans(tmp_path):
+    config = StageConfig(jobs_dir=str(tmp_path / "jobs"), port=1003)
+    first = _table(config, None, 1003)
+    done = first.admit(first.new(_validated(), kind="http"), {})
+    first.take()
+    path = first.mp4_path(done)
+    with open(path, "wb") as f:
+        f.write(b"an mp4")
+    first.finish(done, None)
+    inflight = first.admit(first.new(_validated(), kind="http"), {})
+    first.take()
+    # no close(): the process died. A new one on the same directory and port has another boot id.
+    second = _table(config, None, 1003)
+    assert second.get(done.id).status == "completed" and second.mp4(second.get(done.id)).size == 6
+    lost = second.get(inflight.id)
+    assert lost.status == "failed" and "restarted" in lost.error.message and lost.error.stage == "gateway"
+    second.close()
+    assert os.path.exists(path)

@@ -16,7 +16,7 @@ import os
 import sys
 import time
 
-from h3serve.config.stage import StageConfig
+from h3serve.config.stage import API_KEY_ENV, API_KEYS_ENV, StageConfig
 from h3serve.config.vocab import DEFAULT_DTYPE, DTYPES, GRPC_PORT, HTTP_PORT, MODEL_STAGES
 from h3serve.errors import H3Error
 
@@ -31,6 +31,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--server", default=None, metavar="HOST:PORT",
                    help="generate on a running gateway (h3serve serve) instead of in this process")
     p.add_argument("--timeout", type=float, default=None, help="with --server: the request's deadline in seconds")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"with --server: the caller's API key (default ${API_KEY_ENV})")
     p.add_argument("--prompt", required=True)
     p.add_argument("--seconds", default="5", help="requested duration, 4-15 s (raised to the next 17n+5 frames)")
     p.add_argument("--size", default=None, help="WxH, sides multiples of 32 (default: 16:9 canvas 1344x768)")
@@ -124,7 +126,7 @@ def _generate_remote(args: argparse.Namespace, t0: float) -> int:
             bar.update(max(0.0, p.percent - bar.n))
 
     try:
-        with Client(args.server) as client:
+        with Client(args.server, api_key=args.api_key) as client:
             result = client.generate(args.prompt, output=args.output, timeout=args.timeout, on_progress=on_progress,
                                      **{k: v for k, v in fields.items() if v is not None})
     finally:
@@ -190,6 +192,12 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                         "AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION)")
     p.add_argument("--job-ttl-s", type=float, default=d.job_ttl_s, help="gateway: finished jobs kept this long")
     p.add_argument("--max-jobs", type=int, default=d.max_jobs, help="gateway: finished jobs kept at most")
+    p.add_argument("--api-keys-file", default=os.environ.get(API_KEYS_ENV), metavar="FILE",
+                   help=f"gateway: callers' API keys, one 'NAME sha256:HEX' a line, re-read when it changes "
+                        f"(default ${API_KEYS_ENV}; see docs/security.md)")
+    p.add_argument("--no-auth", action="store_true",
+                   help="gateway: serve without API keys even on a non-loopback address (without keys the "
+                        "gateway otherwise listens on loopback only)")
     p.add_argument("--max-sync-bytes", type=int, default=d.max_sync_bytes,
                    help="gateway: largest MP4 GenerateSync returns in one message")
     p.add_argument("--transport", default=d.transport, choices=("grpc", "nixl"),

@@ -13,6 +13,8 @@ from h3serve.config.spec import ServiceConfig
 from h3serve.config.vocab import DEFAULT_DTYPE, MODEL_STAGES, PIPELINE_STAGES, PORT_OFFSETS
 
 CONFIG_ENV = "H3SERVE_CONFIG"  # path of the mounted ServiceConfig
+API_KEYS_ENV = "H3SERVE_API_KEYS_FILE"  # the gateway's API keys file (the default of --api-keys-file)
+API_KEY_ENV = "H3SERVE_API_KEY"         # a client's API key (the default of the SDK's and the CLI's key)
 
 
 @dataclass
@@ -48,6 +50,8 @@ class StageConfig:
     job_ttl_s: float = 3600.0
     max_jobs: int = 1000
     max_sync_bytes: int = 64 << 20
+    api_keys_file: str | None = None  # callers' hashed bearer keys (services/gateway/auth.py); None: no auth
+    no_auth: bool = False             # allow a gateway without keys on a non-loopback address
     transport: str = "grpc"
     model_name: str | None = None
     # parallel degrees of the model stages (encoder TP, DiT Ulysses x Ring, VAE patch parallel): config/parallel.py

@@ -44,7 +44,7 @@ def parse_stages(text: str) -> list[str]:
 
 
 _PASS = ("checkpoint", "profile", "adapter", "adapter_sha256", "dtype", "device", "threads", "host", "grace_s",
-         "queue_size", "max_inflight", "request_timeout_s", "jobs_dir", "job_store", "job_ttl_s", "max_jobs", "max_sync_bytes",
+         "queue_size", "max_inflight", "request_timeout_s", "jobs_dir", "job_store", "job_ttl_s", "max_jobs", "max_sync_bytes", "api_keys_file",
          "transport", "model_name", "frame_format", "mux_threads", "crf", "preset", "session_ttl_s", "tmp_dir", "http_host",
          "encoder_tp", "ulysses", "ring", "vae_pp")
 
@@ -55,6 +55,8 @@ def child_argv(config: StageConfig, stage: str, port: int, addresses: dict[str, 
             "--port", str(port)]
     if not config.warmup:
         argv.append("--no-warmup")
+    if config.no_auth:
+        argv.append("--no-auth")
     for name in _PASS:
         value = getattr(config, name)
         if value is not None and value != getattr(StageConfig, name, None):

@@ -45,7 +45,8 @@ class StageProcess:
         max_message = max(MESSAGE_LIMIT, getattr(self.servicer, "max_message", MESSAGE_LIMIT))
         self.server = grpc.server(ThreadPoolExecutor(max_workers=config.rpc_workers,
                                                      thread_name_prefix=f"grpc-{config.stage}"),
-                                  options=server_options(max_message))
+                                  options=server_options(max_message),
+                                  interceptors=getattr(self.servicer, "interceptors", ()))
         self.servicer.register(self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health_servicer, self.server)
         reflection.enable_server_reflection(

@@ -13,6 +13,8 @@ and Prometheus metrics. A thin adapter over `Gateway` (orchestrate.py); errors l
 Request fields: prompt, seconds, size | width + height, num_frames, fps, seed, num_inference_steps, quality,
 model, extra_params {task, duration}. `?validate_only=true` validates and aligns without generating. The header
 `X-Request-Timeout: SECONDS` sets the request's deadline (default and upper bound: the server's request timeout).
+With API keys (auth.py) every /v1 call carries `Authorization: Bearer KEY` (checked before the body is read) and
+sees only its caller's jobs; health, readiness, metrics and the OpenAPI document stay open.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from h3serve.errors import H3Error, RequestError
-from h3serve.errortable import NotFound, NotReady, error_object, http_error
+from h3serve.errortable import NotFound, NotReady, Unauthenticated, error_object, http_error
 
+from .auth import Authenticator
 from .fields import fields_from_http, short
 from .jobs import Job
 from .orchestrate import Gateway
@@ -147,7 +150,7 @@ def mp4_response(gateway: Gateway, job: Job, headers: dict, filename: str | None
                              headers={**headers, "Content-Length": str(mp4.size)})
 
 
-def create_app(gateway: Gateway) -> FastAPI:
+def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
     app = FastAPI(title="h3serve", version="0.1.0",
                   description="MiniMax H3 text -> video + audio. Videos API compatible with vLLM-Omni / OpenAI "
                               "where the fields apply.")
@@ -176,11 +179,26 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def _internal(request: Request, exc: Exception):
         return _error_response(exc)
 
+    keys = auth or Authenticator(None)
+
+    @app.middleware("http")
+    async def _authenticate(request: Request, call_next):
+        if request.url.path.startswith("/v1/"):
+            try:
+                request.state.owner = keys.caller(request.headers.get("authorization"))
+            except Unauthenticated as exc:
+                response = _error_response(exc)
+                response.headers["WWW-Authenticate"] = 'Bearer realm="h3serve"'
+                return response
+        return await call_next(request)
+
     def new_job(fields, names, request: Request, kind: str) -> Job:
         def sink(job: Job):
             return FileSink(gateway.jobs.mp4_path(job))
 
-        return gateway.new_job(fields, kind=kind, sink_factory=sink, timeout=_timeout(request), names=names)
+        job = gateway.new_job(fields, kind=kind, sink_factory=sink, timeout=_timeout(request), names=names)
+        job.owner = request.state.owner
+        return job
 
     @app.post("/v1/videos", openapi_extra=REQUEST_BODY, summary="Create a video job")
     async def create_video(request: Request, validate_only: bool = False):
@@ -208,15 +226,15 @@ def create_app(gateway: Gateway) -> FastAPI:
         headers = {"X-Request-Id": job.id,
                    "X-Stage-Durations": json.dumps({k: round(v, 4) for k, v in job.timings.items()
                                                     if k.endswith("_s")}, separators=(",", ":"))}
-        return mp4_response(gateway, job, headers)
+        return await asyncio.to_thread(mp4_response, gateway, job, headers)
 
     @app.get("/v1/videos", summary="List video jobs")
-    async def list_videos(limit: int = 20, after: str | None = None, order: str = "desc"):
+    async def list_videos(request: Request, limit: int = 20, after: str | None = None, order: str = "desc"):
         if not 1 <= limit <= 100:
             raise RequestError("limit", limit, "an integer in [1, 100]")
         if order not in ("asc", "desc"):
             raise RequestError("order", order, "asc or desc")
-        jobs = gateway.jobs.list()
+        jobs = await asyncio.to_thread(gateway.jobs.list, request.state.owner)
         if order == "desc":
             jobs.reverse()
         if after is not None:
@@ -230,29 +248,29 @@ def create_app(gateway: Gateway) -> FastAPI:
                 "has_more": len(jobs) > limit}
 
     @app.get("/v1/videos/{video_id}", summary="Get a video job")
-    async def get_video(video_id: str):
-        return job_object(gateway.jobs.get(video_id), gateway)
+    async def get_video(request: Request, video_id: str):
+        return job_object(await asyncio.to_thread(gateway.jobs.get, video_id, request.state.owner), gateway)
 
     @app.get("/v1/videos/{video_id}/content", summary="Download the MP4", response_class=FileResponse,
              responses={200: {"content": {"video/mp4": {}}}})
-    async def get_content(video_id: str):
-        job = gateway.jobs.get(video_id)
+    async def get_content(request: Request, video_id: str):
+        job = await asyncio.to_thread(gateway.jobs.get, video_id, request.state.owner)
         if job.status == "failed":
             raise NotReady(f"video {video_id} failed ({job.error.kind.code}): no content")
         if job.status != "completed":
             raise NotReady(f"video {video_id} is {job.status} ({int(job.progress)}%); content is ready when "
                            "status is completed")
-        return mp4_response(gateway, job, {}, filename=f"{video_id}.mp4")
+        return await asyncio.to_thread(mp4_response, gateway, job, {}, filename=f"{video_id}.mp4")
 
     @app.delete("/v1/videos/{video_id}", summary="Cancel (if unfinished) and delete a video job")
-    async def delete_video(video_id: str):
-        job = await asyncio.to_thread(gateway.jobs.delete, video_id)
+    async def delete_video(request: Request, video_id: str):
+        job = await asyncio.to_thread(gateway.jobs.delete, video_id, request.state.owner)
         return {"id": job.id, "object": "video.deleted", "deleted": True}
 
     @app.post("/v1/videos/{video_id}/cancel", summary="Cancel a video job and keep it")
-    async def cancel_video(video_id: str):
-        job = gateway.jobs.get(video_id)
-        gateway.jobs.cancel(video_id)
+    async def cancel_video(request: Request, video_id: str):
+        job = await asyncio.to_thread(gateway.jobs.get, video_id, request.state.owner)
+        await asyncio.to_thread(gateway.jobs.cancel, video_id, owner=request.state.owner)
         await asyncio.to_thread(job.done.wait, 10.0)
         return job_object(job, gateway)
 

@@ -3,6 +3,8 @@ API (h3serve/services/gateway/http.py). Both are thin adapters over `Gateway` (o
 the one table.
 
 Health: NOT_SERVING until every stage reports SERVING, and again while draining (SIGTERM).
+Callers: with an API keys file every gRPC call but health and reflection carries `authorization: Bearer KEY`
+(auth.py's interceptor refuses others before reading them); each job belongs to its caller.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from h3serve.errors import RequestError
 from h3serve.errortable import grpc_method
 from h3serve.runtime.stage import NO_DEADLINE, StageBase
 
+from .auth import AuthInterceptor, Authenticator, check_exposure
 from .fields import fields_from_proto, served_models
 from .http import create_app
 from .jobs import Job
@@ -50,6 +53,8 @@ class GatewayServicer(StageBase):
         super().__init__(config, health)
         self.max_message = config.max_sync_bytes + (1 << 20)
         self.gateway = Gateway(config, on_health=self._on_health)
+        self.auth = Authenticator(config.api_keys_file)
+        self.interceptors = (AuthInterceptor(self.auth),)
         self.http_server = None
         self.http_thread = None
         self.http_port = None
@@ -62,13 +67,15 @@ class GatewayServicer(StageBase):
         gateway_pb2_grpc.add_GatewayServicer_to_server(self, server)
 
     def load(self) -> None:
+        check_exposure(self.config.api_keys_file, self.config.no_auth,
+                       (self.config.host,) + ((self.config.http_host,) if self.config.http_port is not None else ()))
         self.choose_transport(probe=False)   # nixl: chosen (or fallen back from) by the DiT, the VAE and the muxer
         self.gateway.start()
         if self.config.http_port is not None:
             self.start_http()
 
     def start_http(self) -> None:
-        app = create_app(self.gateway)
+        app = create_app(self.gateway, self.auth)
         cfg = uvicorn.Config(app, host=self.config.http_host, port=self.config.http_port, log_level="warning",
                              lifespan="off", access_log=False, timeout_graceful_shutdown=5)
         self.http_server = uvicorn.Server(cfg)
@@ -114,9 +121,12 @@ class GatewayServicer(StageBase):
 
     def _new_job(self, request, context, kind: str, sink_factory):
         rid = request.request_id if request.HasField("request_id") else None
+        owner = self.auth.caller_of(context.invocation_metadata())
         try:
-            return self.gateway.new_job(fields_from_proto(request), kind=kind, sink_factory=sink_factory,
-                                        timeout=self._timeout(context), request_id=rid)
+            job = self.gateway.new_job(fields_from_proto(request), kind=kind, sink_factory=sink_factory,
+                                       timeout=self._timeout(context), request_id=rid)
+            job.owner = owner
+            return job
         except RequestError:
             self.gateway.metrics.requests.labels(outcome="invalid_request").inc()
             raise
@@ -173,7 +183,8 @@ class GatewayServicer(StageBase):
 
     @grpc_method("gateway")
     def Cancel(self, request, context):
-        return gateway_pb2.CancelResponse(cancelled=self.gateway.jobs.cancel(request.request_id))
+        owner = self.auth.caller_of(context.invocation_metadata())
+        return gateway_pb2.CancelResponse(cancelled=self.gateway.jobs.cancel(request.request_id, owner=owner))
 
     @grpc_method("gateway")
     def Info(self, request, context):

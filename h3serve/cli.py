@@ -31,6 +31,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--server", default=None, metavar="HOST:PORT",
                    help="generate on a running gateway (h3serve serve) instead of in this process")
     p.add_argument("--timeout", type=float, default=None, help="with --server: the request's deadline in seconds")
+    p.add_argument("--tls-ca", default=None, metavar="PEM",
+                   help="with --server: verify the gateway's TLS certificate against this CA (default: plaintext)")
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                    help=f"with --server: the caller's API key (default ${API_KEY_ENV})")
     p.add_argument("--prompt", required=True)
@@ -126,7 +128,13 @@ def _generate_remote(args: argparse.Namespace, t0: float) -> int:
             bar.update(max(0.0, p.percent - bar.n))
 
     try:
-        with Client(args.server, api_key=args.api_key) as client:
+        credentials = None
+        if args.tls_ca:
+            import grpc
+
+            with open(args.tls_ca, "rb") as f:
+                credentials = grpc.ssl_channel_credentials(f.read())
+        with Client(args.server, api_key=args.api_key, credentials=credentials) as client:
             result = client.generate(args.prompt, output=args.output, timeout=args.timeout, on_progress=on_progress,
                                      **{k: v for k, v in fields.items() if v is not None})
     finally:
@@ -195,6 +203,15 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-keys-file", default=os.environ.get(API_KEYS_ENV), metavar="FILE",
                    help=f"gateway: callers' API keys, one 'NAME sha256:HEX' a line, re-read when it changes "
                         f"(default ${API_KEYS_ENV}; see docs/security.md)")
+    p.add_argument("--tls-cert", default=None, metavar="PEM",
+                   help="this process's certificate: TLS on its gRPC server (and the gateway's HTTPS); plaintext "
+                        "is then refused")
+    p.add_argument("--tls-key", default=None, metavar="PEM", help="the key of --tls-cert")
+    p.add_argument("--tls-ca", default=None, metavar="PEM",
+                   help="the deployment's CA: stages require peer certificates it signed (mTLS) and verify theirs")
+    p.add_argument("--peers", default=None, metavar="LIST",
+                   help="what a stage may dial when a request names an address: HOST:PORT or NET/LEN, comma "
+                        "separated (the launcher sets it; unset: any)")
     p.add_argument("--no-auth", action="store_true",
                    help="gateway: serve without API keys even on a non-loopback address (without keys the "
                         "gateway otherwise listens on loopback only)")

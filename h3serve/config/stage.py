@@ -34,6 +34,10 @@ class StageConfig:
     advertise: str | None = None     # address peers should use for this process (default host:port)
     grace_s: float = 30.0
     rpc_workers: int = 32
+    tls_cert: str | None = None      # this process's certificate (PEM): gRPC and HTTPS servers, mTLS client
+    tls_key: str | None = None
+    tls_ca: str | None = None        # the deployment's CA: stage servers require client certs it signed (mTLS)
+    peers: str | None = None         # what a stage may dial when a request names an address (runtime/tls.py)
     warmup: bool = True
     # gateway
     encoder: str | None = None

@@ -21,6 +21,7 @@ from h3serve.config.stage import StageConfig
 from h3serve.config.vocab import SERVICE_NAMES
 from h3serve.errors import H3Error
 from h3serve.runtime.stage import HealthHandle
+from h3serve.runtime.tls import Tls
 from h3serve.transport.grpc import MESSAGE_LIMIT, server_options
 
 log = logging.getLogger("h3serve.runtime.process")
@@ -52,7 +53,9 @@ class StageProcess:
         reflection.enable_server_reflection(
             [service, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
             self.server)
-        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        # TLS when configured (plaintext is then refused); stages other than the gateway require a peer certificate
+        self.port = Tls.of(config).add_port(self.server, f"{config.host}:{config.port}",
+                                            require_client=config.stage != "gateway")
         if not self.port:
             raise H3Error(f"{config.stage}: cannot listen on {config.host}:{config.port}")
         config.port = self.port

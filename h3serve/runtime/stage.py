@@ -28,7 +28,7 @@ from h3serve.errors import Cancelled
 from h3serve.errortable import DeadlineExceeded, abort
 from h3serve.runtime.device import PeakMemory
 from h3serve.runtime.ranks import ParallelStage, degrees_of, stage_degree
-from h3serve.transport.grpc import insecure_channel
+from h3serve.runtime.tls import Tls, check_peer, parse_peers
 from h3serve.transport.nixl.probe import select_transport, validate_transport
 
 log = logging.getLogger("h3serve.runtime.stage")
@@ -153,6 +153,11 @@ class StageBase:
         self.transport = TransportChoice(config.transport or "grpc")   # decided at load by `choose_transport`
         self._channels: dict[str, grpc.Channel] = {}   # to the stages this one streams to, by address
         self._channels_lock = threading.Lock()
+        self.tls = Tls.of(config)
+        self.peers = parse_peers(config.peers)
+        if self.peers is None and self.stage in ("dit", "vae"):
+            log.warning("%s: --peers not set: this stage dials any address a request names as its sink",
+                        self.stage)
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     def _init_engine_thread(self) -> None:
@@ -208,11 +213,14 @@ class StageBase:
             channel.close()
 
     def channel(self, address: str) -> grpc.Channel:
-        """The channel to another stage at `address` (one per address, for the life of this stage)."""
+        """The channel to another stage at `address` (one per address, for the life of this stage). The address
+        comes in a request (a sink): refused unless the deployment declares it (--peers), and with --tls-ca the
+        peer must prove a certificate of the deployment's CA."""
+        check_peer(self.peers, address, "sink.address")
         with self._channels_lock:
             channel = self._channels.get(address)
             if channel is None:
-                channel = self._channels[address] = insecure_channel(address)
+                channel = self._channels[address] = self.tls.channel(address)
         return channel
 
     def start_ranks(self):

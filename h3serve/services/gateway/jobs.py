@@ -87,6 +87,7 @@ class Job:
     cancel_stored: bool = False    # a cancel asked through another replica's record
     persisted: bool = True         # the store holds the job's latest state
     deleted: bool = False          # deleted through another replica: never written again
+    aborted: H3Error | None = None # why the gateway gave up on it (a hung stage): its error, not "cancelled"
     events: queue.Queue | None = None
     done: threading.Event = field(default_factory=threading.Event)
     cancel_requested: threading.Event = field(default_factory=threading.Event)
@@ -142,6 +143,13 @@ class Job:
         if call is not None:
             call.cancel()
         return True
+
+    def abort(self, exc: H3Error) -> bool:
+        """Stop the job with `exc` as its outcome (the watchdog: a stage it needs is hung)."""
+        with self._lock:
+            if self.aborted is None:
+                self.aborted = exc
+        return self.cancel(str(exc))
 
     def cancelled(self) -> Cancelled:
         return Cancelled(self.cancel_reason or "cancelled")
@@ -318,9 +326,11 @@ class JobTable:
             job.status, job.progress = "completed", 100.0
             outcome = "completed"
         else:
+            if job.aborted is not None:
+                exc = job.aborted
             if isinstance(exc, grpc.RpcError):
                 exc = from_grpc(exc, cancelled=job.cancel_requested.is_set())
-            if job.cancel_requested.is_set() and not isinstance(exc, (Cancelled, Draining)):
+            if job.cancel_requested.is_set() and not isinstance(exc, (Cancelled, Draining)) and job.aborted is None:
                 exc = job.cancelled()
             if isinstance(exc, Cancelled) and job.cancel_reason == SHUTDOWN_REASON:
                 exc = Draining("the server shut down before the request finished; retry elsewhere")

@@ -22,6 +22,7 @@ from h3serve.config.stage import StageConfig
 from h3serve.errors import RequestError
 from h3serve.errortable import grpc_method
 from h3serve.runtime.stage import NO_DEADLINE, StageBase
+from h3serve.runtime.tls import Tls
 
 from .auth import AuthInterceptor, Authenticator, check_exposure
 from .fields import fields_from_proto, served_models
@@ -29,6 +30,7 @@ from .http import create_app
 from .jobs import Job
 from .orchestrate import Gateway
 from .sinks import END, BytesSink, StreamSink
+from .watchdog import Watchdog
 
 log = logging.getLogger("h3serve.gateway")
 
@@ -55,6 +57,7 @@ class GatewayServicer(StageBase):
         self.gateway = Gateway(config, on_health=self._on_health)
         self.auth = Authenticator(config.api_keys_file)
         self.interceptors = (AuthInterceptor(self.auth),)
+        self.watchdog = Watchdog(self.gateway.stages, self.gateway.jobs)
         self.http_server = None
         self.http_thread = None
         self.http_port = None
@@ -71,13 +74,16 @@ class GatewayServicer(StageBase):
                        (self.config.host,) + ((self.config.http_host,) if self.config.http_port is not None else ()))
         self.choose_transport(probe=False)   # nixl: chosen (or fallen back from) by the DiT, the VAE and the muxer
         self.gateway.start()
+        self.watchdog.start()
         if self.config.http_port is not None:
             self.start_http()
 
     def start_http(self) -> None:
         app = create_app(self.gateway, self.auth)
+        tls = Tls.of(self.config)   # HTTPS with the gateway's certificate when configured (then no plaintext)
         cfg = uvicorn.Config(app, host=self.config.http_host, port=self.config.http_port, log_level="warning",
-                             lifespan="off", access_log=False, timeout_graceful_shutdown=5)
+                             lifespan="off", access_log=False, timeout_graceful_shutdown=5,
+                             ssl_certfile=tls.cert, ssl_keyfile=tls.key)
         self.http_server = uvicorn.Server(cfg)
         self.http_thread = threading.Thread(target=self.http_server.run, name="h3serve-http", daemon=True)
         self.http_thread.start()
@@ -107,6 +113,7 @@ class GatewayServicer(StageBase):
         if self.http_server is not None:
             self.http_server.should_exit = True
             self.http_thread.join(10)
+        self.watchdog.close()
         self.gateway.close()
         super().close()
 

@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from h3serve._proto import dit_pb2_grpc, encoder_pb2_grpc, muxer_pb2_grpc, vae_pb2_grpc
 from h3serve.config.stage import StageConfig
 from h3serve.config.vocab import PIPELINE_STAGES
-from h3serve.transport.grpc import insecure_channel
+from h3serve.runtime.tls import Tls
 
 from .metrics import GatewayMetrics
 
@@ -38,7 +38,8 @@ class StageClients:
 
     def __init__(self, config: StageConfig, on_change: Callable[[], None] = lambda: None):
         self.addresses = {s: getattr(config, s) for s in PIPELINE_STAGES}
-        self.channels = {s: insecure_channel(a) for s, a in self.addresses.items()}
+        self.tls = Tls.of(config)   # mTLS to the stages when configured
+        self.channels = {s: self.tls.channel(a) for s, a in self.addresses.items()}
         self.encoder = encoder_pb2_grpc.EncoderStub(self.channels["encoder"])
         self.dit = dit_pb2_grpc.DiTStub(self.channels["dit"])
         self.vae = vae_pb2_grpc.VAEStub(self.channels["vae"])
@@ -64,7 +65,7 @@ class StageClients:
         with self._lock:
             channel = self._extra.get(address)
             if channel is None:
-                channel = self._extra[address] = insecure_channel(address)
+                channel = self._extra[address] = self.tls.channel(address)
         return muxer_pb2_grpc.MuxerStub(channel)
 
     def ready(self) -> bool:

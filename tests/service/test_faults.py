@@ -1,0 +1,66 @@
+"""Faults (issue: hung stages, bounded sessions, bad input): a stage stopped with SIGSTOP keeps its port open, so
+only its health checks (each with a deadline) tell; the gateway's watchdog fails the callers that need it with
+UNAVAILABLE naming it, new requests are refused at once, and the launcher's liveness probe kills and restarts it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from h3serve.client import Client, Progress, StageUnavailable
+
+from .conftest import REQUEST, Stack
+
+FIELDS = {k: v for k, v in REQUEST.items() if k != "prompt"}
+
+
+@pytest.fixture
+def own_stack(tiny_checkpoint):
+    s = Stack(tiny_checkpoint, "--queue-size", "2", "--grace-s", "10")
+    yield s
+    s.stop()
+
+
+def wait_event(stack, pred, timeout):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        hit = next((e for e in stack.events if pred(e)), None)
+        if hit is not None:
+            return hit
+        time.sleep(0.05)
+    raise TimeoutError(f"no such event within {timeout}s: {stack.events}")
+
+
+@pytest.mark.parametrize("stage", ["dit"])
+def test_a_hung_stage_fails_its_callers_fast_and_is_restarted(own_stack, stage):
+    pid = own_stack.events[0]["stages"][stage]["pid"]
+    figures = {}
+    with Client(own_stack.grpc) as client:
+        gen = client.stream(REQUEST["prompt"], timeout=300, **dict(FIELDS, seconds=15))
+        stopped_at = None
+        with pytest.raises(StageUnavailable) as info:
+            for event in gen:
+                if isinstance(event, Progress) and event.stage == stage and stopped_at is None:
+                    os.kill(pid, signal.SIGSTOP)
+                    stopped_at = time.monotonic()
+            gen.result()
+        figures["caller_failed_after_s"] = round(time.monotonic() - stopped_at, 2)
+        assert info.value.stage == stage and "health checks" in str(info.value)
+        assert figures["caller_failed_after_s"] < 10.0          # not the 300 s deadline
+
+        t0 = time.monotonic()
+        with pytest.raises(StageUnavailable) as refused:    # new work is refused at once while it is hung
+            client.generate_sync(REQUEST["prompt"], timeout=60, **FIELDS)
+        assert refused.value.stage == stage and time.monotonic() - t0 < 2.0
+
+        hung = wait_event(own_stack, lambda e: e.get("event") == "hung" and e.get("stage") == stage, 30)
+        assert hung["pid"] == pid
+        wait_event(own_stack, lambda e: e.get("event") == "restarted" and e.get("stage") == stage, 30)
+        figures["restarted_after_s"] = round(time.monotonic() - stopped_at, 2)
+        own_stack.wait_ready(120)
+        assert client.generate_sync(REQUEST["prompt"], timeout=120, **FIELDS).mp4_bytes > 0
+    print("FIGURES", json.dumps({"stage": stage, **figures}))

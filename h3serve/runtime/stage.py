@@ -32,6 +32,7 @@ from h3serve.runtime.tls import Tls, check_peer, parse_peers
 from h3serve.transport.nixl.probe import select_transport, validate_transport
 
 log = logging.getLogger("h3serve.runtime.stage")
+MODULE_CHECK_S = 0.05   # how often a checked forward looks at cancel and deadline
 
 NO_DEADLINE = 1e8   # grpc reports "no deadline" as a time_remaining of years
 
@@ -128,6 +129,8 @@ class TransportChoice:
 class StageBase:
     """What every stage servicer shares. Subclasses set `stage`, implement `register`, `load` and their RPCs."""
 
+    checks_modules = False   # a stage whose unit of work is one long forward checks cancel / deadline per module
+
     stage = "stage"
     manages_health = False
 
@@ -192,11 +195,25 @@ class StageBase:
     def _on_engine(self, scope: RequestScope, fn: Callable[[], Any]) -> Any:
         self.engine_scope = scope
         peak = PeakMemory(self.config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        hook = None
+        # one long forward (a huge prompt): stop between modules (one rank only: ranks must not part mid-forward)
+        if self.checks_modules and self.parallel is None:
+            last = [time.monotonic()]
+
+            def between_modules(_module, _args):
+                now = time.monotonic()
+                if now - last[0] >= MODULE_CHECK_S:
+                    last[0] = now
+                    scope.check("mid-forward")
+
+            hook = torch.nn.modules.module.register_module_forward_pre_hook(between_modules)
         try:
             scope.check("before start")
             with peak:
                 return fn()
         finally:
+            if hook is not None:
+                hook.remove()
             scope.peak_memory_mb = max(scope.peak_memory_mb, peak.mb)
             self.engine_scope = None
 

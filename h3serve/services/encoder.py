@@ -24,6 +24,7 @@ SERVED_TASKS = ("t2va",)
 
 class EncoderServicer(StageBase):
     stage = "encoder"
+    checks_modules = True   # a prompt is one forward: a caller's cancel or deadline stops it between layers
 
     def __init__(self, config: StageConfig, health=None):
         super().__init__(config, health)

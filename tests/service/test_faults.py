@@ -64,3 +64,43 @@ def test_a_hung_stage_fails_its_callers_fast_and_is_restarted(own_stack, stage):
         own_stack.wait_ready(120)
         assert client.generate_sync(REQUEST["prompt"], timeout=120, **FIELDS).mp4_bytes > 0
     print("FIGURES", json.dumps({"stage": stage, **figures}))
+
+
+def _encoder(stack):
+    import grpc
+
+    from h3serve._proto import encoder_pb2, encoder_pb2_grpc
+
+    ch = grpc.insecure_channel(stack.addresses["encoder"])
+    return ch, encoder_pb2_grpc.EncoderStub(ch), encoder_pb2
+
+
+def test_the_encoder_stops_a_huge_prompt_when_its_caller_gives_up(stack):
+    """20,000 characters keep the tiny encoder busy ~15 s on one core; a 1.5 s deadline or a cancel frees it at
+    once, and the next request does not wait for the abandoned one."""
+    import grpc
+
+    ch, stub, pb = _encoder(stack)
+    huge = "a kite over the sea " * 1000
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Encode(pb.EncodeRequest(request_id="huge-deadline", prompt=huge, task="t2va"), timeout=1.5))
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        stack.wait_idle("encoder", timeout=3.0)
+        freed_deadline = time.monotonic() - t0
+
+        call = stub.Encode(pb.EncodeRequest(request_id="huge-cancel", prompt=huge, task="t2va"), timeout=60)
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        call.cancel()
+        stack.wait_idle("encoder", timeout=3.0)
+        freed_cancel = time.monotonic() - t0
+
+        t0 = time.monotonic()
+        events = list(stub.Encode(pb.EncodeRequest(request_id="next", prompt="a kite", task="t2va"), timeout=30))
+        assert events[-1].WhichOneof("event") == "done" and time.monotonic() - t0 < 5.0
+    finally:
+        ch.close()
+    print("FIGURES", json.dumps({"encoder_free_after_deadline_s": round(freed_deadline, 2),
+                                 "encoder_free_after_cancel_s": round(freed_cancel, 2)}))

@@ -228,6 +228,10 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default=d.preset)
     p.add_argument("--session-ttl-s", type=float, default=d.session_ttl_s,
                    help="muxer: an unfetched session is dropped after this long")
+    p.add_argument("--max-session-ttl-s", type=float, default=d.max_session_ttl_s,
+                   help="muxer: the largest TTL a session may ask for")
+    p.add_argument("--max-sessions", type=int, default=d.max_sessions,
+                   help="muxer: sessions held at once (more are refused as RESOURCE_EXHAUSTED)")
     p.add_argument("--tmp-dir", default=None, help="muxer: where MP4s are assembled")
     p.add_argument("--start-timeout", type=float, default=600.0, help="launcher: seconds to wait for health")
     p.add_argument("--no-restart", action="store_true", help="launcher: stop everything when a stage dies")

@@ -69,7 +69,9 @@ class StageConfig:
     mux_threads: int = 16  # x264 frame threads (fixed: the MP4 bytes depend on it)
     crf: int = 18
     preset: str = "veryfast"
-    session_ttl_s: float = 600.0
+    session_ttl_s: float = 600.0     # the TTL of a session that asks for none
+    max_session_ttl_s: float = 7200.0   # the largest it may ask for (the gateway asks its deadline + a margin)
+    max_sessions: int = 64           # sessions a muxer holds at once (open, pushing or unfetched)
     tmp_dir: str | None = None
     extra: dict = field(default_factory=dict)
 

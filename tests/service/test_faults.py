@@ -104,3 +104,69 @@ def test_the_encoder_stops_a_huge_prompt_when_its_caller_gives_up(stack):
         ch.close()
     print("FIGURES", json.dumps({"encoder_free_after_deadline_s": round(freed_deadline, 2),
                                  "encoder_free_after_cancel_s": round(freed_cancel, 2)}))
+
+
+class _LoneMuxer:
+    """`h3serve serve --stages muxer` alone, with a long grace period (as the rendered pods have)."""
+
+    def __init__(self, *argv: str):
+        import subprocess
+        import sys
+        import threading
+
+        from .conftest import REPO
+
+        cmd = [sys.executable, "-m", "h3serve.cli", "--log-level", "WARNING", "serve", "--stages", "muxer", "--port",
+               "0", "--grace-s", "900", *argv]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=REPO,
+                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        ready = threading.Event()
+
+        def read():
+            for line in self.proc.stdout:
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue
+                if event.get("event") == "ready":
+                    self.address = event["address"]
+                    ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        assert ready.wait(60), "the muxer did not start"
+
+
+def test_muxer_sessions_are_capped_in_count_and_ttl_and_never_hold_sigterm():
+    import grpc
+
+    from h3serve._proto import muxer_pb2, muxer_pb2_grpc
+
+    mux = _LoneMuxer("--max-sessions", "3")
+    try:
+        with grpc.insecure_channel(mux.address) as ch:
+            stub = muxer_pb2_grpc.MuxerStub(ch)
+
+            def open_(**kw):
+                return stub.OpenSession(muxer_pb2.OpenSessionRequest(
+                    request_id="r", width=64, height=64, fps=24, sample_rate=32000, channels=2, **kw), timeout=5)
+
+            for ttl in (1e300, float("inf"), float("nan"), -1.0, 7201.0):
+                with pytest.raises(grpc.RpcError) as info:
+                    open_(ttl_s=ttl)
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "ttl_s" in info.value.details()
+            for _ in range(3):
+                open_(ttl_s=600)
+            with pytest.raises(grpc.RpcError) as info:
+                open_()
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--max-sessions 3" in info.value.details()
+        t0 = time.monotonic()
+        mux.proc.send_signal(signal.SIGTERM)       # three sessions opened, none pushed: nothing to wait for
+        assert mux.proc.wait(30) == 0
+        stopped = time.monotonic() - t0
+        assert stopped < 10.0
+    finally:
+        if mux.proc.poll() is None:
+            mux.proc.kill()
+            mux.proc.wait()
+    print("FIGURES", json.dumps({"muxer_sigterm_with_open_sessions_s": round(stopped, 2)}))

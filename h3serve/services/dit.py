@@ -13,6 +13,16 @@ import time
 import torch
 
 from h3serve._proto import common_pb2, dit_pb2, dit_pb2_grpc, vae_pb2, vae_pb2_grpc
+from h3serve.config.request import (
+    MAX_SECONDS,
+    MAX_SIDE,
+    MIN_SECONDS,
+    MIN_SIDE,
+    VAE_SPATIAL,
+    audio_latents_for_frames,
+    frames_for_seconds,
+    num_frames_to_latents,
+)
 from h3serve.config.stage import StageConfig
 from h3serve.distributed.proxies import DiTEngineProxy
 from h3serve.errors import RequestError
@@ -32,6 +42,22 @@ SERVED_TASKS = ("t2va",)  # what this RPC carries: text states only (no keyframe
 def _unwrap(msg):
     kind = msg.WhichOneof("input")
     return ("chunk", msg.chunk) if kind == "chunk" else ("end", msg.end) if kind == "end" else (kind, msg)
+
+
+def check_geometry(p) -> None:
+    """The request geometry the gateway's validation produces, checked again for a direct caller: latent frames
+    5n+2 of a 4..15 s video, the audio latents of those frames, latent sides of a canvas side in range."""
+    lo, hi = (num_frames_to_latents(frames_for_seconds(s)) for s in (MIN_SECONDS, MAX_SECONDS))
+    if not (lo <= p.latent_frames <= hi and (p.latent_frames - 2) % 5 == 0):
+        raise RequestError("latent_frames", p.latent_frames, f"5n+2 in [{lo}, {hi}] (a 4..15 s video)")
+    frames = (p.latent_frames - 2) // 5 * 17 + 5
+    if p.audio_latents != audio_latents_for_frames(frames):
+        raise RequestError("audio_latents", p.audio_latents,
+                           f"{audio_latents_for_frames(frames)} (the audio of {frames} frames)")
+    for name in ("latent_height", "latent_width"):
+        value = getattr(p, name)
+        if not MIN_SIDE // VAE_SPATIAL <= value <= MAX_SIDE // VAE_SPATIAL:
+            raise RequestError(name, value, f"an integer in [{MIN_SIDE // VAE_SPATIAL}, {MAX_SIDE // VAE_SPATIAL}]")
 
 
 class DiTServicer(StageBase):
@@ -80,6 +106,7 @@ class DiTServicer(StageBase):
         if (p.task or "t2va") not in SERVED_TASKS:   # no keyframe / reference latents travel on this RPC yet
             raise RequestError("task", p.task, "the DiT service runs t2va (fl2va / ref2va run in the embedded "
                                                "pipeline)")
+        check_geometry(p)
         scope = self.scope(context, p.request_id)
         try:
             tensors = {}

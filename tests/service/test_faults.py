@@ -170,3 +170,54 @@ def test_muxer_sessions_are_capped_in_count_and_ttl_and_never_hold_sigterm():
             mux.proc.kill()
             mux.proc.wait()
     print("FIGURES", json.dumps({"muxer_sigterm_with_open_sessions_s": round(stopped, 2)}))
+
+
+@pytest.mark.parametrize("field,value", [("latent_frames", 3), ("latent_frames", 2), ("latent_frames", 112),
+                                         ("audio_latents", 0), ("audio_latents", 208), ("latent_height", 0),
+                                         ("latent_width", 4096)])
+def test_the_dit_refuses_a_geometry_no_request_has(stack, field, value):
+    import grpc
+
+    from h3serve._proto import common_pb2, dit_pb2, dit_pb2_grpc
+
+    good = dict(latent_frames=37, latent_height=16, latent_width=20, audio_latents=207)
+    params = dit_pb2.DiTParams(request_id="bad-geometry", seed=0, task="t2va", profile="base", steps=4,
+                               **{**good, field: value})
+    inputs = [dit_pb2.DiTInput(params=params), dit_pb2.DiTInput(end=common_pb2.StreamEnd(tensors=0))]
+    with grpc.insecure_channel(stack.addresses["dit"]) as ch, pytest.raises(grpc.RpcError) as err:
+        list(dit_pb2_grpc.DiTStub(ch).Generate(iter(inputs), timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert dict(err.value.trailing_metadata())["h3serve-field"] == field and str(value) in err.value.details()
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def test_oversize_bodies_are_refused_before_they_are_read(stack):
+    import httpx
+
+    pid = stack.events[0]["stages"]["gateway"]["pid"]
+    before = _rss_mb(pid)
+    big = b'{"prompt": "' + b"a" * (64 << 20) + b'"}'           # 64 MiB announced
+    r = httpx.post(f"{stack.http}/v1/videos", content=big, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "too_large" and "body" in r.json()["error"]["message"]
+
+    def chunked():                                               # no length announced: cut off while it streams
+        yield b'{"prompt": "'
+        for _ in range(64):
+            yield b"a" * (1 << 20)
+        yield b'"}'
+
+    try:
+        r = httpx.post(f"{stack.http}/v1/videos", content=chunked(), headers={"content-type": "application/json"},
+                       timeout=60)
+        assert r.status_code == 413
+    except httpx.HTTPError:
+        pass   # the server answered 413 and closed while the client was still sending
+    grown = _rss_mb(pid) - before
+    assert grown < 50, f"the gateway grew by {grown:.0f} MB"
+    ok = httpx.post(f"{stack.http}/v1/videos?validate_only=true", json={"prompt": "é" * 20000}, timeout=30)
+    assert ok.status_code == 200      # the largest prompt still fits
+    print("FIGURES", json.dumps({"gateway_rss_growth_mb_after_128MiB_of_bodies": round(grown, 1)}))

@@ -32,7 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from h3serve.errors import H3Error, RequestError
-from h3serve.errortable import NotFound, NotReady, Unauthenticated, error_object, http_error
+from h3serve.errortable import NotFound, NotReady, TooLarge, Unauthenticated, error_object, http_error
 
 from .auth import Authenticator
 from .fields import fields_from_http, short
@@ -67,6 +67,24 @@ REQUEST_BODY = {"requestBody": {"required": True, "content": {
 }}}
 
 
+# The largest request body read (a 20,000-character prompt is at most 80 kB of UTF-8): refused before parsing.
+MAX_BODY_BYTES = 1 << 20
+
+
+async def _capped_body(request: Request) -> bytes:
+    """The body, refused with 413 once it passes MAX_BODY_BYTES (announced or while it streams in)."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise TooLarge(f"the request body is {int(length)} bytes, more than {MAX_BODY_BYTES} (field: body)")
+    buf = bytearray()
+    async for chunk in request.stream():
+        buf += chunk
+        if len(buf) > MAX_BODY_BYTES:
+            raise TooLarge(f"the request body is more than {MAX_BODY_BYTES} bytes (field: body)")
+    request._body = bytes(buf)   # what request.body() / form() read from now on
+    return request._body
+
+
 def _error_response(exc: BaseException) -> JSONResponse:
     status, body = http_error(exc)
     return JSONResponse(body, status_code=status)
@@ -74,6 +92,7 @@ def _error_response(exc: BaseException) -> JSONResponse:
 
 async def read_body(request: Request) -> Any:
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    await _capped_body(request)
     if ctype == "application/x-www-form-urlencoded":
         raw = await request.body()
         if raw.lstrip().startswith(b"{"):   # JSON sent without its content type (curl -d '{...}')

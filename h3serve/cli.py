@@ -51,6 +51,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         p.add_argument(flag, type=int, default=1, help=f"{what}; >1 starts one process per rank (default 1)")
     p.add_argument("--adapter", default=None, help="FastH3 adapter (fastvideo-lora-v2 safetensors)")
     p.add_argument("--adapter-sha256", default=None, help="expected sha256 of --adapter (required with it)")
+    p.add_argument("--checkpoint-manifest-sha256", default=None, metavar="HEX",
+                   help="pin: the sha256 of the checkpoint's h3serve-manifest.json; every file is checked first")
     p.add_argument("--first-image", default=None, help="fl2va: first keyframe image")
     p.add_argument("--last-image", default=None, help="fl2va: last keyframe image")
     p.add_argument("--reference", action="append", default=[], metavar="KIND:PATH",
@@ -77,6 +79,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise H3Error("profile=fasth3 needs --adapter FILE and --adapter-sha256 HEX (the fused FastH3 adapter)")
     if args.adapter and args.profile != "fasth3":
         raise H3Error("--adapter is only used with --profile fasth3 (per-request LoRA is not supported)")
+
+    if args.checkpoint_manifest_sha256:
+        from h3serve.weights.manifest import verify_manifest
+
+        verify_manifest(args.checkpoint, args.checkpoint_manifest_sha256)
 
     from h3serve.pipeline import Pipeline
 
@@ -108,6 +115,7 @@ def _generate_remote(args: argparse.Namespace, t0: float) -> int:
     server_side = {"--device": args.device, "--adapter": args.adapter, "--adapter-sha256": args.adapter_sha256,
                    "--first-image": args.first_image, "--last-image": args.last_image,
                    "--reference": args.reference or None, "--checkpoint": args.checkpoint,
+                   "--checkpoint-manifest-sha256": args.checkpoint_manifest_sha256,
                    "--dtype": None if args.dtype == DEFAULT_DTYPE else args.dtype,
                    "--profile": None if args.profile == "base" else args.profile}
     given = [flag for flag, value in server_side.items() if value is not None]
@@ -175,6 +183,9 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=d.profile, help="base | fasth3")
     p.add_argument("--adapter", default=None, help="FastH3 adapter (profile fasth3)")
     p.add_argument("--adapter-sha256", default=None)
+    p.add_argument("--checkpoint-manifest-sha256", default=None, metavar="HEX",
+                   help="pin: the sha256 of the checkpoint's h3serve-manifest.json (h3serve checkpoint manifest); "
+                        "each model stage checks the files it loads before loading")
     p.add_argument("--dtype", default=d.dtype, help="fp32 | bf16")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N")
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads per stage engine (0: default)")
@@ -273,6 +284,12 @@ def _add_checkpoint(sub: argparse._SubParsersAction) -> None:
     adapter.add_argument("-o", "--output", required=True)
     adapter.set_defaults(func=_cmd_checkpoint_init_adapter)
 
+    manifest = csub.add_parser("manifest", help="write DIR/h3serve-manifest.json: every file's size and sha256 "
+                                                "(hashed in parallel); prints the manifest's sha256 to pin")
+    manifest.add_argument("--workers", type=int, default=None, help="files hashed at once (default: cores, <= 16)")
+    manifest.add_argument("dir")
+    manifest.set_defaults(func=_cmd_checkpoint_manifest)
+
     info = csub.add_parser("info", help="describe a checkpoint folder")
     info.add_argument("dir")
     info.set_defaults(func=_cmd_checkpoint_info)
@@ -304,6 +321,16 @@ def _cmd_checkpoint_init_adapter(args: argparse.Namespace) -> int:
 
     digest = init_adapter(args.checkpoint, args.output, rank=args.rank, seed=args.seed)
     print(f"wrote {args.output}\nsha256 {digest}")
+    return 0
+
+
+def _cmd_checkpoint_manifest(args: argparse.Namespace) -> int:
+    from h3serve.weights.manifest import write_manifest
+
+    t0 = time.perf_counter()
+    path, digest = write_manifest(args.dir, workers=args.workers)
+    files = len(json.loads(path.read_text())["files"])
+    print(f"wrote {path} ({files} files in {time.perf_counter() - t0:.1f}s)\nsha256 {digest}")
     return 0
 
 

@@ -26,6 +26,7 @@ class StageConfig:
     profile: str = "base"
     adapter: str | None = None
     adapter_sha256: str | None = None
+    checkpoint_manifest_sha256: str | None = None   # pin: the checkpoint's files are checked before loading
     dtype: str = DEFAULT_DTYPE
     device: str | None = None
     threads: int = 0                 # torch intra-op threads of the engine (0: torch's default)

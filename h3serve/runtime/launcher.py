@@ -27,8 +27,9 @@ from typing import Mapping
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from h3serve._proto import common_pb2
 from h3serve.config.stage import CONFIG_ENV, StageConfig, connect_host, service_config_values
-from h3serve.config.vocab import HTTP_PORT, MODEL_STAGES, PORT_OFFSETS, STAGES, START_ORDER
+from h3serve.config.vocab import HTTP_PORT, MODEL_STAGES, PORT_OFFSETS, SERVICE_NAMES, STAGES, START_ORDER
 from h3serve.distributed.world import free_port
 from h3serve.errors import H3Error, RequestError
 from h3serve.runtime import ranks
@@ -51,7 +52,7 @@ def parse_stages(text: str) -> list[str]:
     return [s for s in STAGES if s in names]
 
 
-_PASS = ("checkpoint", "profile", "adapter", "adapter_sha256", "dtype", "device", "threads", "host", "grace_s",
+_PASS = ("checkpoint", "checkpoint_manifest_sha256", "profile", "adapter", "adapter_sha256", "dtype", "device", "threads", "host", "grace_s",
          "queue_size", "max_inflight", "request_timeout_s", "jobs_dir", "job_store", "job_ttl_s", "max_jobs",
          "max_sync_bytes", "api_keys_file", "tls_cert", "tls_key", "tls_ca",
          "transport", "model_name", "frame_format", "mux_threads", "crf", "preset", "session_ttl_s", "max_session_ttl_s", "max_sessions",
@@ -133,14 +134,41 @@ class Launcher:
             if stage not in self.stages:
                 continue
             proc = self.procs[stage]
-            ok = wait_serving(self.addresses[stage], max(0.0, end - time.monotonic()),
-                              alive=lambda p=proc: p.poll() is None, credentials=self.credentials)
+            failed: list[str] = []
+            asked = [0.0]
+
+            def alive(p=proc, s=stage) -> bool:
+                if p.poll() is not None:
+                    return False
+                if s != "gateway" and time.monotonic() - asked[0] >= 1.0:   # a child up but failed its load
+                    asked[0] = time.monotonic()
+                    failed[:] = [self.load_error(s)]
+                return not (failed and failed[0])
+
+            ok = wait_serving(self.addresses[stage], max(0.0, end - time.monotonic()), alive=alive,
+                              credentials=self.credentials)
             if not ok:
                 why = f"exited with {proc.returncode}" if proc.poll() is not None else \
+                    f"load failed: {failed[0]}" if failed and failed[0] else \
                     f"not SERVING within {self.start_timeout:.0f}s"
                 print(f"h3serve: {stage} {why}", file=sys.stderr, flush=True)
                 return False
         return True
+
+    def load_error(self, stage: str) -> str:
+        """The reason a child stays up NOT_SERVING (its Status' load_error), or ""."""
+        ch = grpc.secure_channel(self.addresses[stage], self.credentials) if self.credentials else \
+            grpc.insecure_channel(self.addresses[stage])
+        try:
+            status = ch.unary_unary(f"/{SERVICE_NAMES[stage]}/Status",
+                                    request_serializer=common_pb2.StatusRequest.SerializeToString,
+                                    response_deserializer=common_pb2.StageStatus.FromString)(
+                common_pb2.StatusRequest(), timeout=1.0)
+            return json.loads(status.info_json or "{}").get("load_error", "")
+        except (grpc.RpcError, ValueError):
+            return ""
+        finally:
+            ch.close()
 
     def print_endpoints(self) -> None:
         eps = self.endpoints()

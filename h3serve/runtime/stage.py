@@ -29,6 +29,7 @@ from h3serve.errortable import DeadlineExceeded, abort
 from h3serve.runtime.device import PeakMemory
 from h3serve.runtime.ranks import ParallelStage, degrees_of, stage_degree
 from h3serve.runtime.tls import Tls, check_peer, parse_peers
+from h3serve.weights.manifest import IntegrityError
 from h3serve.transport.nixl.probe import select_transport, validate_transport
 
 log = logging.getLogger("h3serve.runtime.stage")
@@ -151,6 +152,7 @@ class StageBase:
         self.last: RequestScope | None = None
         self.last_seconds = 0.0
         self.load_seconds = 0.0
+        self.load_error = ""   # why load failed when the stage stays up NOT_SERVING (IntegrityError)
         self.ready = False
         self.parallel = None   # h3serve.runtime.ranks.ParallelStage when the stage has several ranks
         self.transport = TransportChoice(config.transport or "grpc")   # decided at load by `choose_transport`
@@ -161,6 +163,14 @@ class StageBase:
         if self.peers is None and self.stage in ("dit", "vae"):
             log.warning("%s: --peers not set: this stage dials any address a request names as its sink",
                         self.stage)
+
+    def check_finite(self, **tensors: torch.Tensor) -> None:
+        """Warm-up output must be finite: weights that compute NaN / Inf keep the stage NOT_SERVING."""
+        for name, t in tensors.items():
+            if not bool(torch.isfinite(t).all()):
+                bad = int((~torch.isfinite(t)).sum())
+                raise IntegrityError(f"{self.stage}: warm-up {name} has {bad} NaN / Inf values of {t.numel()}: the "
+                                     "weights are corrupt or do not match the model")
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     def _init_engine_thread(self) -> None:
@@ -252,6 +262,8 @@ class StageBase:
     def info(self) -> dict:
         out = {"load_seconds": round(self.load_seconds, 3), "profile": self.config.profile,
                "dtype": self.config.dtype, "threads": self.config.threads}
+        if self.load_error:
+            out["load_error"] = self.load_error
         if self.parallel is not None:
             out.update(self.parallel.info())
         return out

@@ -91,7 +91,8 @@ class DiTServicer(StageBase):
             req = DiTRequest(text_states=torch.zeros(1, 4, model.config.text_dim), text_tags=torch.ones(4, dtype=torch.long),
                              latent_frames=2, latent_h=2, latent_w=2, audio_latents=4, seed=0, task="t2va",
                              profile=c.profile, steps=None if c.profile == "fasth3" else 2)
-            self.engine.generate(req)
+            out = self.engine.generate(req)
+            self.check_finite(video_latents=out.video, audio_latents=out.audio)
 
     def info(self) -> dict:
         return {**super().info(), "tasks": list(SERVED_TASKS),

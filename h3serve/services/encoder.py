@@ -43,7 +43,7 @@ class EncoderServicer(StageBase):
                 self.encoder = TextEncoder.load(self.config.checkpoint, dtype=DTYPES[self.config.dtype],
                                                 device=device)
             if self.config.warmup:
-                self.encoder.encode("warm-up", task="t2va")
+                self.check_finite(text_states=self.encoder.encode("warm-up", task="t2va").states)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
 

@@ -85,9 +85,9 @@ class VAEServicer(StageBase):
             self.video_vae = VideoVAE.load(self.config.checkpoint, dtype=DTYPES[self.config.dtype], device=device)
         self.audio_vae = AudioVAE.load(self.config.checkpoint, dtype=torch.float32, device=device)
         if self.config.warmup:   # one window at the smallest size, and a short audio decode
-            for _ in self.video_vae.iter_decode(torch.zeros(1, self.video_vae.latent_channels, 7, 2, 2)):
-                pass
-            self.audio_vae.decode(torch.zeros(2, self.audio_vae.latent_channels, 4))
+            for clip in self.video_vae.iter_decode_float(torch.zeros(1, self.video_vae.latent_channels, 7, 2, 2)):
+                self.check_finite(video=clip)
+            self.check_finite(audio=self.audio_vae.decode(torch.zeros(2, self.audio_vae.latent_channels, 4)))
 
     @grpc_method("vae")
     def Handshake(self, request, context):

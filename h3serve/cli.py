@@ -71,6 +71,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                profile=args.profile, steps=args.steps, dtype=args.dtype, first_image=args.first_image,
                last_image=args.last_image, references=args.reference or None)
     request = validate_request(**{k: v for k, v in raw.items() if v is not None})
+    out_dir = os.path.dirname(os.path.abspath(args.output))
+    if os.path.isdir(args.output) or not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
+        raise H3Error(f"--output {args.output}: expected a file path in an existing, writable folder")
     if args.server:
         return _generate_remote(args, t0)
     if not args.checkpoint:

@@ -167,6 +167,16 @@ def _progress(msg) -> Progress:
     return Progress(stage=msg.stage, done=msg.done, total=msg.total, elapsed_s=msg.elapsed_s, percent=msg.percent)
 
 
+def check_output(output: str | os.PathLike | None, name: str = "output") -> None:
+    """Refuse, before any work, an output whose folder is missing or not writable (nothing is created)."""
+    if output is None:
+        return
+    path = Path(output)
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise RequestError(name, str(output), "a file path in an existing, writable folder")
+
+
 class _Collector:
     """MP4 chunks into memory or into `output` (written as .part, renamed when the stream is complete)."""
 
@@ -183,7 +193,6 @@ class _Collector:
             raise StageFailed("gateway", f"MP4 chunk at offset {offset}, expected {self.size}")
         if self.path is not None:
             if self.f is None:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
                 self.f = open(self.part, "wb")
             self.f.write(data)
         else:
@@ -308,6 +317,7 @@ class Client:
     def stream(self, prompt: str, *, output: str | os.PathLike | None = None, timeout: float | None = None,
                **fields: Any) -> Generation:
         """Start a generation; iterate the returned `Generation` for progress, then call `result()`."""
+        check_output(output)
         call = self.stub.Generate(build_request(prompt, **fields), timeout=self._timeout(timeout))
         return Generation(call, output)
 
@@ -454,6 +464,7 @@ class AsyncClient:
 
     def stream(self, prompt: str, *, output: str | os.PathLike | None = None, timeout: float | None = None,
                **fields: Any) -> AsyncGeneration:
+        check_output(output)
         call = self.stub.Generate(build_request(prompt, **fields), timeout=self._timeout(timeout))
         return AsyncGeneration(call, output)
 

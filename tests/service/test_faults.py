@@ -221,3 +221,21 @@ def test_oversize_bodies_are_refused_before_they_are_read(stack):
     ok = httpx.post(f"{stack.http}/v1/videos?validate_only=true", json={"prompt": "é" * 20000}, timeout=30)
     assert ok.status_code == 200      # the largest prompt still fits
     print("FIGURES", json.dumps({"gateway_rss_growth_mb_after_128MiB_of_bodies": round(grown, 1)}))
+
+
+def test_an_unwritable_output_is_refused_before_any_work(tmp_path):
+    import subprocess
+    import sys
+
+    from h3serve.client import Client
+    from h3serve.errors import RequestError
+
+    from .conftest import REPO
+
+    missing = tmp_path / "no" / "such" / "dir" / "out.mp4"
+    with Client("127.0.0.1:9") as client, pytest.raises(RequestError) as info:   # no server needed: refused first
+        client.stream("a kite", output=missing)
+    assert info.value.field == "output" and not missing.parent.exists()        # nothing created
+    out = subprocess.run([sys.executable, "-m", "h3serve.cli", "generate", "--server", "127.0.0.1:9", "--prompt",
+                          "a kite", "-o", str(missing)], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 2 and "--output" in out.stderr and "Traceback" not in out.stderr

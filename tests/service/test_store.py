@@ -106,6 +106,7 @@ def test_s3_server_restart_gives_503_naming_the_store_then_recovers(tiny_checkpo
             assert r.status_code == 503, r.text
             err = r.json()["error"]
             assert err["stage"] == "job-store" and err["retryable"] and "could not" in err["message"]
+            assert r.headers["retry-after"] == "5"
             assert time.monotonic() - t0 < 15
         s3.start()
         assert httpx.get(f"{stack.http}/v1/videos/{first['id']}", timeout=30).json()["status"] == "completed"

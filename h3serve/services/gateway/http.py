@@ -85,9 +85,14 @@ async def _capped_body(request: Request) -> bytes:
     return request._body
 
 
+# How long a client told "retry" (429 queue full, 503 draining / a stage down) waits first.
+RETRY_AFTER_S = {429: 1, 503: 5}
+
+
 def _error_response(exc: BaseException) -> JSONResponse:
     status, body = http_error(exc)
-    return JSONResponse(body, status_code=status)
+    retry = RETRY_AFTER_S.get(status) if body["error"].get("retryable") else None
+    return JSONResponse(body, status_code=status, headers={"Retry-After": str(retry)} if retry else None)
 
 
 async def read_body(request: Request) -> Any:

@@ -47,7 +47,7 @@ from h3serve.errortable import (
     from_grpc,
 )
 
-from .fields import Validated
+from .fields import REQUEST_ID, Validated
 from .metrics import GatewayMetrics
 from .sinks import END, Sink, unlink
 from .store import HEARTBEAT_STALE_S, JobStore, Mp4, StoreError, open_store
@@ -392,12 +392,16 @@ class JobTable:
             raise PermissionDenied(f"video {job.id!r} belongs to another caller")
         return job
 
+    def _record(self, job_id: str) -> dict | None:
+        """The stored record of an id (an id no job can have is not looked up: the store sees only valid names)."""
+        return self.store.get_record(job_id) if REQUEST_ID.match(job_id) else None
+
     def get(self, job_id: str, owner: str | None = None) -> Job:
         """A job by id: a live one of this process, else the store's record. `owner`: the caller's key id (None:
         auth off) — another caller's job raises PermissionDenied."""
         job = self.jobs.get(job_id)
         if job is None:
-            rec = self.store.get_record(job_id)
+            rec = self._record(job_id)
             if rec is None:
                 raise NotFound(f"no video {job_id!r}")
             job = self._load(rec)
@@ -412,7 +416,7 @@ class JobTable:
         another replica runs is asked through its record (that replica reads it within a sweep)."""
         job = self.jobs.get(job_id)
         if job is None:
-            if self.store.get_record(job_id) is None and job_id not in self.jobs:
+            if self._record(job_id) is None and job_id not in self.jobs:
                 raise NotFound(f"no request {job_id!r}")
             job = self.get(job_id, owner)
             if job.finished:

@@ -34,6 +34,7 @@ from h3serve.transport.nixl.probe import select_transport, validate_transport
 
 log = logging.getLogger("h3serve.runtime.stage")
 MODULE_CHECK_S = 0.05   # how often a checked forward looks at cancel and deadline
+DEADLINE_SKEW_S = 0.5   # a call ended this close to its deadline ended by it, not by a cancel
 
 NO_DEADLINE = 1e8   # grpc reports "no deadline" as a time_remaining of years
 
@@ -77,7 +78,8 @@ class RequestScope:
 
     def _terminated(self) -> None:
         if self.active:
-            past = self.deadline is not None and time.monotonic() >= self.deadline
+            # the deadline here was taken when the scope began, a little after gRPC's own: allow for that
+            past = self.deadline is not None and time.monotonic() >= self.deadline - DEADLINE_SKEW_S
             self.signal("deadline" if past else "cancelled")
 
     def signal(self, reason: str) -> None:

@@ -241,9 +241,9 @@ def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
         fields, names = fields_from_http(await read_body(request))
         job = gateway.submit(new_job(fields, names, request, "http"))
         while not job.done.is_set():
-            if await request.is_disconnected():
+            if await request.is_disconnected():   # nobody to answer: cancel quietly, no error logged
                 job.cancel("the HTTP client disconnected")
-                break
+                return Response(status_code=499)
             await asyncio.to_thread(job.done.wait, 0.25)
         if job.exc is not None:
             return _error_response(job.exc)

@@ -14,6 +14,8 @@ import torch
 
 from h3serve._proto import common_pb2, dit_pb2, dit_pb2_grpc, vae_pb2, vae_pb2_grpc
 from h3serve.config.request import (
+    BASE_STEPS_RANGE,
+    FASTH3_STEPS,
     MAX_SECONDS,
     MAX_SIDE,
     MIN_SECONDS,
@@ -58,6 +60,19 @@ def check_geometry(p) -> None:
         value = getattr(p, name)
         if not MIN_SIDE // VAE_SPATIAL <= value <= MAX_SIDE // VAE_SPATIAL:
             raise RequestError(name, value, f"an integer in [{MIN_SIDE // VAE_SPATIAL}, {MAX_SIDE // VAE_SPATIAL}]")
+    lo, hi = BASE_STEPS_RANGE
+    if p.steps and not (p.steps == FASTH3_STEPS if p.profile == "fasth3" else lo <= p.steps <= hi):
+        raise RequestError("steps", p.steps, f"{FASTH3_STEPS} (fasth3)" if p.profile == "fasth3" else
+                           f"grid points in [{lo}, {hi}], or 0 for the default")
+
+
+def check_text(states, tags, text_dim: int | None) -> None:
+    """text_states (1, L, D) float with the model's D, text_tags (L,) integer."""
+    if states.ndim != 3 or states.shape[0] != 1 or not states.is_floating_point() or \
+            (text_dim is not None and states.shape[2] != text_dim):
+        raise RequestError("text_states", tuple(states.shape), f"(1, L, {text_dim or 'D'}) floating point")
+    if tags.ndim != 1 or tags.shape[0] != states.shape[1] or tags.is_floating_point():
+        raise RequestError("text_tags", tuple(tags.shape), f"({states.shape[1]},) integer, one tag per token")
 
 
 class DiTServicer(StageBase):
@@ -118,6 +133,9 @@ class DiTServicer(StageBase):
                     raise RequestError(name, None, "the DiT needs text_states (1, L, D) and text_tags (L,)")
             if p.profile != self.config.profile:
                 raise RequestError("profile", p.profile, f"this DiT serves profile {self.config.profile!r}")
+            model = getattr(self.engine, "models", {}).get("transformer")
+            check_text(tensors["text_states"], tensors["text_tags"], getattr(getattr(model, "config", None),
+                                                                            "text_dim", None))
             req = DiTRequest(
                 text_states=tensors["text_states"], text_tags=tensors["text_tags"], latent_frames=p.latent_frames,
                 latent_h=p.latent_height, latent_w=p.latent_width, audio_latents=p.audio_latents, seed=int(p.seed),

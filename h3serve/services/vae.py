@@ -114,6 +114,11 @@ class VAEServicer(StageBase):
                                    "(1, 24, T, h, w) float32")
             if audio is None or audio.ndim != 3:
                 raise RequestError("audio_latents", None if audio is None else tuple(audio.shape), "(2, 32, A) float32")
+            cv, ca = self.video_vae.latent_channels, self.audio_vae.latent_channels   # the loaded model's
+            if video.shape[1] != cv or not video.is_floating_point() or min(video.shape[2:]) < 1:
+                raise RequestError("video_latents", tuple(video.shape), f"(1, {cv}, T, h, w) float")
+            if audio.shape[0] != 2 or audio.shape[1] != ca or audio.shape[2] < 1 or not audio.is_floating_point():
+                raise RequestError("audio_latents", tuple(audio.shape), f"(2, {ca}, A) float")
             if not p.sink.address or not p.sink.session_id:
                 raise RequestError("sink", p.sink.address, "a muxer address and session id")
             done = yield from self.engine_events(scope, lambda emit: self._decode(scope, p, video, audio, emit),

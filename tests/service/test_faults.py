@@ -293,3 +293,72 @@ def test_fuzzed_http_requests_get_no_5xx(stack):
         for job in http.get("/v1/videos?limit=100").json()["data"]:   # leave the shared stack idle
             http.delete(f"/v1/videos/{job['id']}")
     print("FIGURES", json.dumps({"fuzzed_requests": n, "status_counts": dict(sorted(by_status.items()))}))
+
+
+@pytest.mark.parametrize("case", ["steps_1", "steps_huge", "states_dim", "states_rank", "tags_len", "tags_float"])
+def test_the_dit_refuses_bad_text_and_steps_naming_the_field(stack, case):
+    import grpc
+    import torch
+
+    from h3serve._proto import common_pb2, dit_pb2, dit_pb2_grpc
+    from h3serve.transport.grpc import iter_tensor_chunks
+
+    states, tags, steps = torch.randn(1, 8, 64), torch.ones(8, dtype=torch.long), 4
+    field = {"steps_1": "steps", "steps_huge": "steps", "states_dim": "text_states", "states_rank": "text_states",
+             "tags_len": "text_tags", "tags_float": "text_tags"}[case]
+    if case == "steps_1":
+        steps = 1
+    elif case == "steps_huge":
+        steps = 100000
+    elif case == "states_dim":
+        states = torch.randn(1, 8, 65)
+    elif case == "states_rank":
+        states = torch.randn(8, 64)
+    elif case == "tags_len":
+        tags = torch.ones(7, dtype=torch.long)
+    else:
+        tags = torch.ones(8)
+    params = dit_pb2.DiTParams(request_id=f"bad-{case}", latent_frames=37, latent_height=16, latent_width=20,
+                               audio_latents=207, seed=0, task="t2va", profile="base", steps=steps)
+    inputs = [dit_pb2.DiTInput(params=params),
+              *[dit_pb2.DiTInput(chunk=c) for c in iter_tensor_chunks("text_states", states)],
+              *[dit_pb2.DiTInput(chunk=c) for c in iter_tensor_chunks("text_tags", tags)],
+              dit_pb2.DiTInput(end=common_pb2.StreamEnd(tensors=2))]
+    with grpc.insecure_channel(stack.addresses["dit"]) as ch, pytest.raises(grpc.RpcError) as err:
+        list(dit_pb2_grpc.DiTStub(ch).Generate(iter(inputs), timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert dict(err.value.trailing_metadata())["h3serve-field"] == field
+
+
+@pytest.mark.parametrize("case", ["video_channels", "audio_channels", "audio_stereo", "sink_not_a_peer"])
+def test_the_vae_refuses_bad_latents_and_undeclared_sinks_naming_the_field(stack, tiny_checkpoint, case):
+    import grpc
+    import torch
+
+    from h3serve._proto import common_pb2, vae_pb2, vae_pb2_grpc
+    from h3serve.transport.grpc import iter_tensor_chunks
+
+    cv = json.loads((tiny_checkpoint / "vae" / "config.json").read_text())["latent_channels"]
+    ca = json.loads((tiny_checkpoint / "audio_vae" / "config.json").read_text())["latent_channels"]
+    video, audio = torch.zeros(1, cv, 7, 16, 20), torch.zeros(2, ca, 40)
+    sink = common_pb2.Sink(address=stack.addresses["muxer"], session_id="no-such-session")
+    field = {"video_channels": "video_latents", "audio_channels": "audio_latents", "audio_stereo": "audio_latents",
+             "sink_not_a_peer": "sink.address"}[case]
+    if case == "video_channels":
+        video = torch.zeros(1, cv + 1, 7, 16, 20)
+    elif case == "audio_channels":
+        audio = torch.zeros(2, ca + 1, 40)
+    elif case == "audio_stereo":
+        audio = torch.zeros(3, ca, 40)
+    else:
+        sink = common_pb2.Sink(address="169.254.169.254:80", session_id="x")
+    params = vae_pb2.DecodeParams(request_id=f"bad-{case}", sink=sink, num_frames=22, width=320, height=256)
+    inputs = [vae_pb2.DecodeInput(params=params),
+              *[vae_pb2.DecodeInput(chunk=c) for c in iter_tensor_chunks("video_latents", video)],
+              *[vae_pb2.DecodeInput(chunk=c) for c in iter_tensor_chunks("audio_latents", audio)],
+              vae_pb2.DecodeInput(end=common_pb2.StreamEnd(tensors=2))]
+    t0 = time.monotonic()
+    with grpc.insecure_channel(stack.addresses["vae"]) as ch, pytest.raises(grpc.RpcError) as err:
+        list(vae_pb2_grpc.VAEStub(ch).Decode(iter(inputs), timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert dict(err.value.trailing_metadata())["h3serve-field"] == field and time.monotonic() - t0 < 10

@@ -35,8 +35,9 @@ def wait_event(stack, pred, timeout):
     raise TimeoutError(f"no such event within {timeout}s: {stack.events}")
 
 
-@pytest.mark.parametrize("stage", ["dit"])
-def test_a_hung_stage_fails_its_callers_fast_and_is_restarted(own_stack, stage):
+@pytest.mark.parametrize("stage,during", [("dit", "dit"), ("muxer", "vae")])
+def test_a_hung_stage_fails_its_callers_fast_and_is_restarted(own_stack, stage, during):
+    """`during`: the stage the request is in when `stage` stops (the muxer stops while the VAE streams to it)."""
     pid = own_stack.events[0]["stages"][stage]["pid"]
     figures = {}
     with Client(own_stack.grpc) as client:
@@ -44,7 +45,7 @@ def test_a_hung_stage_fails_its_callers_fast_and_is_restarted(own_stack, stage):
         stopped_at = None
         with pytest.raises(StageUnavailable) as info:
             for event in gen:
-                if isinstance(event, Progress) and event.stage == stage and stopped_at is None:
+                if isinstance(event, Progress) and event.stage == during and stopped_at is None:
                     os.kill(pid, signal.SIGSTOP)
                     stopped_at = time.monotonic()
             gen.result()

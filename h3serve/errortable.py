@@ -190,7 +190,13 @@ def classify(exc: BaseException, *, stage: str | None = None) -> Classified:
 def abort(context: grpc.ServicerContext, exc: BaseException, *, stage: str | None = None):
     """End an RPC with the status the table gives `exc` (raises, as `context.abort` does)."""
     c = classify(exc, stage=stage)
-    if c.kind is INTERNAL or c.kind.code in ("stage_failed", "media_error"):
+    try:
+        gone = not context.is_active()   # the caller left or its deadline passed: nobody hears, nothing failed here
+    except Exception:  # noqa: BLE001
+        gone = False
+    if gone:
+        log.info("%s: %s (after the call had ended)", stage or "server", c.message)
+    elif c.kind is INTERNAL or c.kind.code in ("stage_failed", "media_error"):
         log.error("%s: %s", stage or "server", c.message, exc_info=exc)
     md = [(MD_CODE, c.kind.code)]
     if c.field:

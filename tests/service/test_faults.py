@@ -363,3 +363,18 @@ def test_the_vae_refuses_bad_latents_and_undeclared_sinks_naming_the_field(stack
         list(vae_pb2_grpc.VAEStub(ch).Decode(iter(inputs), timeout=30))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
     assert dict(err.value.trailing_metadata())["h3serve-field"] == field and time.monotonic() - t0 < 10
+
+
+def test_form_bodies_that_cannot_be_read_as_given_are_refused(stack):
+    import httpx
+
+    form = {"content-type": "application/x-www-form-urlencoded"}
+    r = httpx.post(f"{stack.http}/v1/videos?validate_only=true", content=b"prompt=caf\xe9&seconds=5", headers=form,
+                   timeout=10)
+    assert r.status_code == 422 and r.json()["error"]["field"] == "body" and "UTF-8" in r.json()["error"]["message"]
+    r = httpx.post(f"{stack.http}/v1/videos?validate_only=true", content=b"prompt=a+kite&=5", headers=form,
+                   timeout=10)
+    assert r.status_code == 422 and r.json()["error"]["field"] == "form field name"
+    r = httpx.post(f"{stack.http}/v1/videos?validate_only=true", content="prompt=caf%C3%A9".encode(), headers=form,
+                   timeout=10)
+    assert r.status_code == 200 and r.json()["prompt"] == "café"

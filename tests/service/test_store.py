@@ -223,3 +223,17 @@ def test_disk_store_keeps_jobs_across_a_restart_and_fails_the_orphans(tmp_path):
     assert lost.status == "failed" and "restarted" in lost.error.message and lost.error.stage == "gateway"
     second.close()
     assert os.path.exists(path)
+
+
+def test_half_written_mp4s_of_a_dead_process_are_swept(tmp_path):
+    config = StageConfig(jobs_dir=str(tmp_path / "jobs"), port=1004)
+    dead = _table(config, None, 1004)
+    job = dead.admit(dead.new(_validated(), kind="http"), {})
+    dead.take()
+    part = dead.mp4_path(job) + ".part"
+    with open(part, "wb") as f:
+        f.write(b"half an mp4")
+    alive = _table(config, None, 1004)                  # restarted: the job is an orphan
+    alive.sweep_once()
+    assert not os.path.exists(part) and alive.get(job.id).status == "failed"
+    alive.close()

@@ -107,8 +107,15 @@ async def read_body(request: Request) -> Any:
             form = await request.form()
         except Exception as exc:  # noqa: BLE001 - malformed multipart
             raise RequestError("body", type(exc).__name__, "a well-formed form") from None
+        if ctype == "application/x-www-form-urlencoded":
+            try:   # the parser would replace undecodable bytes silently, altering the prompt
+                (await request.body()).decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise RequestError("body", f"byte {exc.start}", "UTF-8 form values") from None
         body: dict[str, Any] = {}
         for key, value in form.multi_items():
+            if not key:
+                raise RequestError("form field name", "", "a named form field (a field with an empty name)")
             if not isinstance(value, str):   # an uploaded file
                 raise RequestError(key, getattr(value, "filename", "file"),
                                    "file inputs are not supported over the API yet")

@@ -521,3 +521,16 @@ class JobTable:
             expired += [r for r in finished if r not in expired][:excess]
         for r in expired:
             self.store.delete(r["id"])
+        self._sweep_parts(mine)
+
+    def _sweep_parts(self, mine: list[Job]) -> None:
+        """MP4s half-written by a process that died (its .part files) go once their job is finished or gone."""
+        live = {j.output_path + ".part" for j in mine if j.output_path and not j.finished}
+        folder = os.path.dirname(self.store.spool_path("x"))
+        for name in os.listdir(folder):
+            path = os.path.join(folder, name)
+            if not name.endswith(".mp4.part") or path in live:
+                continue
+            rec = self._record(name[: -len(".mp4.part")])
+            if rec is None or rec.get("status") in FINISHED or self._orphan_reason(rec):
+                unlink(path)

@@ -6,6 +6,7 @@ never 500, and they work again once it is back; retention deletes expired jobs f
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import time
@@ -237,3 +238,30 @@ def test_half_written_mp4s_of_a_dead_process_are_swept(tmp_path):
     alive.sweep_once()
     assert not os.path.exists(part) and alive.get(job.id).status == "failed"
     alive.close()
+
+
+def test_a_hung_gateway_is_restarted_and_its_jobs_end_failed_not_lost(tiny_checkpoint, tmp_path):
+    """SIGSTOP of the gateway (disk store, --jobs-dir): the launcher's liveness probe kills and restarts it; the
+    finished job is served again, the in-flight one reads failed with the reason."""
+    stack = Stack(tiny_checkpoint, "--queue-size", "2", "--grace-s", "10", "--jobs-dir", str(tmp_path / "jobs"))
+    try:
+        done = httpx.post(f"{stack.http}/v1/videos", json=REQUEST, timeout=30).json()
+        first = wait_status(stack.http, done["id"], {"completed"})
+        pid = stack.events[0]["stages"]["gateway"]["pid"]
+        running = httpx.post(f"{stack.http}/v1/videos", json=dict(REQUEST, seconds=15), timeout=30).json()
+        wait_status(stack.http, running["id"], {"in_progress"})
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        end = t0 + 60
+        while not any(e.get("event") == "restarted" and e.get("stage") == "gateway" for e in stack.events):
+            assert time.monotonic() < end, stack.events
+            time.sleep(0.1)
+        restarted = time.monotonic() - t0
+        assert any(e.get("event") == "hung" and e.get("pid") == pid for e in stack.events)
+        stack.wait_ready()
+        assert wait_status(stack.http, done["id"], {"completed"}, timeout=10)["sha256"] == first["sha256"]
+        lost = wait_status(stack.http, running["id"], {"failed"}, timeout=10)
+        assert lost["error"]["stage"] == "gateway" and "restarted" in lost["error"]["message"]
+    finally:
+        assert stack.stop() == 0
+    print("FIGURES", json.dumps({"gateway_sigstop_restarted_after_s": round(restarted, 2)}))

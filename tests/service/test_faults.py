@@ -283,7 +283,7 @@ def test_fuzzed_http_requests_get_no_5xx(stack):
     import httpx
 
     rng = random.Random(15)
-    n, by_status = int(os.environ.get("H3SERVE_FUZZ_N", "1000")), {}   # bounded; raise it for a longer run
+    n, by_status = int(os.environ.get("H3SERVE_FUZZ_N", "3000")), {}   # bounded; raise it for a longer run
     with httpx.Client(base_url=stack.http, timeout=30) as http:
         for method, path, headers, content in _fuzz_requests(rng, n):
             r = http.request(method, path, headers=headers, content=content)

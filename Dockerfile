@@ -17,12 +17,19 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     HF_HUB_OFFLINE=1 \
     HOME=/tmp
 COPY --from=build /wheels /wheels
-# torch first and alone (pinned) so that resolving the rest cannot move it; PyAV wheels bundle FFmpeg.
+# What the GPU stages use, so that no pod falls back for want of a package:
+# - torch first and alone (pinned; PyPI's Linux wheels are the CUDA build) so that resolving the rest cannot move it;
+# - PyAV (a dependency of h3serve; its wheels bundle FFmpeg) for the muxer;
+# - NIXL (the `nixl` extra: UCX transport of latents and frames between stages);
+# - FlashAttention-3 forward (`fa3-fwd`, the DiT's attention kernel on Hopper; the version bench/RESULTS.md measured).
+# torch is named again in the second install so that pip keeps the pinned build.
 RUN pip install "torch==2.13.0" \
- && pip install "$(ls /wheels/h3serve-*.whl)[operator]" \
+ && pip install "torch==2.13.0" "$(ls /wheels/h3serve-*.whl)[operator,nixl]" "fa3-fwd==0.0.3" \
+ && python -c "from importlib.metadata import version as v; print({p: v(p) for p in ('torch', 'av', 'nixl', 'fa3-fwd', 'kopf')})" \
  && rm -rf /wheels
 # Pods run as this user (restricted Pod Security: runAsNonRoot, read-only root filesystem, /tmp an emptyDir).
 USER 65532:65532
 WORKDIR /tmp
-EXPOSE 50051 8000 9090 8080
+# gRPC, HTTP (and the gateway's /metrics), the stages' /metrics (9400 + offset), the operator's liveness
+EXPOSE 50051 8000 9401 9402 9403 9404 8080
 CMD ["h3serve", "--help"]

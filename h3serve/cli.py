@@ -17,7 +17,7 @@ import sys
 import time
 
 from h3serve.config.levers import CLI_NAMES, Levers, check_combination
-from h3serve.config.stage import StageConfig
+from h3serve.config.stage import API_KEY_ENV, API_KEYS_ENV, StageConfig
 from h3serve.config.vocab import (DEFAULT_DTYPE, DIT_LAYERS, DTYPES, GRPC_PORT, HTTP_PORT, MIN_RESIDENT_BLOCKS,
                                   MODEL_STAGES, OFFLOAD_MODES)
 from h3serve.errors import H3Error
@@ -33,6 +33,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--server", default=None, metavar="HOST:PORT",
                    help="generate on a running gateway (h3serve serve) instead of in this process")
     p.add_argument("--timeout", type=float, default=None, help="with --server: the request's deadline in seconds")
+    p.add_argument("--tls-ca", default=None, metavar="PEM",
+                   help="with --server: verify the gateway's TLS certificate against this CA (default: plaintext)")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"with --server: the caller's API key (default ${API_KEY_ENV})")
     p.add_argument("--prompt", required=True)
     p.add_argument("--seconds", default="5", help="requested duration, 4-15 s (raised to the next 17n+5 frames)")
     p.add_argument("--size", default=None, help="WxH, sides multiples of 32 (default: 16:9 canvas 1344x768)")
@@ -50,6 +54,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         p.add_argument(flag, type=int, default=1, help=f"{what}; >1 starts one process per rank (default 1)")
     p.add_argument("--adapter", default=None, help="FastH3 adapter (fastvideo-lora-v2 safetensors)")
     p.add_argument("--adapter-sha256", default=None, help="expected sha256 of --adapter (required with it)")
+    p.add_argument("--checkpoint-manifest-sha256", default=None, metavar="HEX",
+                   help="pin: the sha256 of the checkpoint's h3serve-manifest.json; every file is checked first")
     p.add_argument("--first-image", default=None, help="fl2va: first keyframe image")
     p.add_argument("--last-image", default=None, help="fl2va: last keyframe image")
     p.add_argument("--reference", action="append", default=[], metavar="KIND:PATH",
@@ -68,6 +74,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                profile=args.profile, steps=args.steps, dtype=args.dtype, first_image=args.first_image,
                last_image=args.last_image, references=args.reference or None, quality=args.quality)
     request = validate_request(**{k: v for k, v in raw.items() if v is not None})
+    out_dir = os.path.dirname(os.path.abspath(args.output))
+    if os.path.isdir(args.output) or not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
+        raise H3Error(f"--output {args.output}: expected a file path in an existing, writable folder")
     if args.server:
         return _generate_remote(args, t0)
     if not args.checkpoint:
@@ -76,6 +85,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise H3Error("profile=fasth3 needs --adapter FILE and --adapter-sha256 HEX (the fused FastH3 adapter)")
     if args.adapter and args.profile != "fasth3":
         raise H3Error("--adapter is only used with --profile fasth3 (per-request LoRA is not supported)")
+
+    if args.checkpoint_manifest_sha256:
+        from h3serve.weights.manifest import verify_manifest
+
+        verify_manifest(args.checkpoint, args.checkpoint_manifest_sha256)
 
     from h3serve.pipeline import Pipeline
 
@@ -106,6 +120,7 @@ def _generate_remote(args: argparse.Namespace, t0: float) -> int:
 
     server_side = {"--device": args.device, "--adapter": args.adapter, "--adapter-sha256": args.adapter_sha256,
                    "--checkpoint": args.checkpoint,
+                   "--checkpoint-manifest-sha256": args.checkpoint_manifest_sha256,
                    "--dtype": None if args.dtype == DEFAULT_DTYPE else args.dtype,
                    "--profile": None if args.profile == "base" else args.profile}
     given = [flag for flag, value in server_side.items() if value is not None]
@@ -128,7 +143,13 @@ def _generate_remote(args: argparse.Namespace, t0: float) -> int:
             bar.update(max(0.0, p.percent - bar.n))
 
     try:
-        with Client(args.server) as client:
+        credentials = None
+        if args.tls_ca:
+            import grpc
+
+            with open(args.tls_ca, "rb") as f:
+                credentials = grpc.ssl_channel_credentials(f.read())
+        with Client(args.server, api_key=args.api_key, credentials=credentials) as client:
             result = client.generate(args.prompt, output=args.output, timeout=args.timeout, on_progress=on_progress,
                                      **{k: v for k, v in fields.items() if v is not None})
     finally:
@@ -176,6 +197,9 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=d.profile, help="base | fasth3")
     p.add_argument("--adapter", default=None, help="FastH3 adapter (profile fasth3)")
     p.add_argument("--adapter-sha256", default=None)
+    p.add_argument("--checkpoint-manifest-sha256", default=None, metavar="HEX",
+                   help="pin: the sha256 of the checkpoint's h3serve-manifest.json (h3serve checkpoint manifest); "
+                        "each model stage checks the files it loads before loading")
     p.add_argument("--dtype", default=d.dtype, help="fp32 | bf16")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N")
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads per stage engine (0: default)")
@@ -193,9 +217,29 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-inflight", type=int, default=d.max_inflight, help="gateway: requests run at once")
     p.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s,
                    help="gateway: deadline of a request whose caller set none")
-    p.add_argument("--jobs-dir", default=None, help="gateway: where HTTP job MP4s are kept (default a temp dir)")
+    p.add_argument("--jobs-dir", default=None,
+                   help="gateway: HTTP jobs (records and MP4s) kept in this directory across restarts; with "
+                        "--job-store, where MP4s are spooled (default: a temp dir, removed at exit)")
+    p.add_argument("--job-store", default=None, metavar="s3://BUCKET/PREFIX",
+                   help="gateway: HTTP jobs in an S3 bucket shared by every replica (endpoint and credentials: "
+                        "AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION)")
     p.add_argument("--job-ttl-s", type=float, default=d.job_ttl_s, help="gateway: finished jobs kept this long")
     p.add_argument("--max-jobs", type=int, default=d.max_jobs, help="gateway: finished jobs kept at most")
+    p.add_argument("--api-keys-file", default=os.environ.get(API_KEYS_ENV), metavar="FILE",
+                   help=f"gateway: callers' API keys, one 'NAME sha256:HEX' a line, re-read when it changes "
+                        f"(default ${API_KEYS_ENV}; see docs/security.md)")
+    p.add_argument("--tls-cert", default=None, metavar="PEM",
+                   help="this process's certificate: TLS on its gRPC server (and the gateway's HTTPS); plaintext "
+                        "is then refused")
+    p.add_argument("--tls-key", default=None, metavar="PEM", help="the key of --tls-cert")
+    p.add_argument("--tls-ca", default=None, metavar="PEM",
+                   help="the deployment's CA: stages require peer certificates it signed (mTLS) and verify theirs")
+    p.add_argument("--peers", default=None, metavar="LIST",
+                   help="what a stage may dial when a request names an address: HOST:PORT or NET/LEN, comma "
+                        "separated (the launcher sets it; unset: any)")
+    p.add_argument("--no-auth", action="store_true",
+                   help="gateway: serve without API keys even on a non-loopback address (without keys the "
+                        "gateway otherwise listens on loopback only)")
     p.add_argument("--max-sync-bytes", type=int, default=d.max_sync_bytes,
                    help="gateway: largest MP4 GenerateSync returns in one message")
     p.add_argument("--transport", default=d.transport, choices=("grpc", "nixl"),
@@ -219,6 +263,10 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default=d.preset)
     p.add_argument("--session-ttl-s", type=float, default=d.session_ttl_s,
                    help="muxer: an unfetched session is dropped after this long")
+    p.add_argument("--max-session-ttl-s", type=float, default=d.max_session_ttl_s,
+                   help="muxer: the largest TTL a session may ask for")
+    p.add_argument("--max-sessions", type=int, default=d.max_sessions,
+                   help="muxer: sessions held at once (more are refused as RESOURCE_EXHAUSTED)")
     p.add_argument("--tmp-dir", default=None, help="muxer: where MP4s are assembled")
     p.add_argument("--start-timeout", type=float, default=600.0, help="launcher: seconds to wait for health")
     p.add_argument("--no-restart", action="store_true", help="launcher: stop everything when a stage dies")
@@ -271,6 +319,12 @@ def _add_checkpoint(sub: argparse._SubParsersAction) -> None:
     adapter.add_argument("-o", "--output", required=True)
     adapter.set_defaults(func=_cmd_checkpoint_init_adapter)
 
+    manifest = csub.add_parser("manifest", help="write DIR/h3serve-manifest.json: every file's size and sha256 "
+                                                "(hashed in parallel); prints the manifest's sha256 to pin")
+    manifest.add_argument("--workers", type=int, default=None, help="files hashed at once (default: cores, <= 16)")
+    manifest.add_argument("dir")
+    manifest.set_defaults(func=_cmd_checkpoint_manifest)
+
     info = csub.add_parser("info", help="describe a checkpoint folder")
     info.add_argument("dir")
     info.set_defaults(func=_cmd_checkpoint_info)
@@ -302,6 +356,16 @@ def _cmd_checkpoint_init_adapter(args: argparse.Namespace) -> int:
 
     digest = init_adapter(args.checkpoint, args.output, rank=args.rank, seed=args.seed)
     print(f"wrote {args.output}\nsha256 {digest}")
+    return 0
+
+
+def _cmd_checkpoint_manifest(args: argparse.Namespace) -> int:
+    from h3serve.weights.manifest import write_manifest
+
+    t0 = time.perf_counter()
+    path, digest = write_manifest(args.dir, workers=args.workers)
+    files = len(json.loads(path.read_text())["files"])
+    print(f"wrote {path} ({files} files in {time.perf_counter() - t0:.1f}s)\nsha256 {digest}")
     return 0
 
 

@@ -26,7 +26,10 @@ first_image / last_image and ref2va references (a list, in model order) as bytes
  `timeout` is the call's deadline in seconds; the gateway passes
 what remains of it to every stage. Failures raise typed errors (all `H3Error`): `RequestError` (its `.field`
 names the field), `QueueFull`, `Draining`, `StageUnavailable` (`.stage`), `DeadlineExceeded`, `Cancelled`,
-`NotFound`, `TooLarge`, `StageFailed`.
+`NotFound`, `TooLarge`, `StageFailed`, `Unauthenticated`, `PermissionDenied`.
+
+`api_key` (default: $H3SERVE_API_KEY) is sent as `authorization: Bearer KEY` on every call of a gateway that
+checks keys.
 """
 
 from __future__ import annotations
@@ -44,22 +47,25 @@ from google.protobuf.json_format import MessageToDict
 from grpc import aio
 
 from h3serve._proto import gateway_pb2, gateway_pb2_grpc
+from h3serve.config.stage import API_KEY_ENV
 from h3serve.errors import Cancelled, H3Error, RequestError
 from h3serve.errortable import (
     DeadlineExceeded,
     Draining,
     NotFound,
+    PermissionDenied,
     QueueFull,
     StageFailed,
     StageUnavailable,
     TooLarge,
+    Unauthenticated,
     from_grpc,
 )
 from h3serve.transport.grpc import channel_options, wait_serving
 
 __all__ = ["Client", "AsyncClient", "Generation", "AsyncGeneration", "GenerationResult", "Accepted", "Progress",
            "H3Error", "RequestError", "QueueFull", "Draining", "StageUnavailable", "DeadlineExceeded", "Cancelled",
-           "NotFound", "TooLarge", "StageFailed"]
+           "NotFound", "TooLarge", "StageFailed", "Unauthenticated", "PermissionDenied"]
 
 MAX_RECEIVE = 256 << 20   # the largest GenerateSync response this client accepts
 MEDIA = ("first_image", "last_image", "references")
@@ -78,6 +84,41 @@ def _media_bytes(name: str, value: Any) -> tuple[bytes, str]:
         except OSError as exc:
             raise RequestError(name, str(value), f"a readable file ({exc.strerror})") from None
     raise RequestError(name, type(value).__name__, "bytes or a path to a file")
+
+
+def _key_metadata(api_key: str | None) -> tuple:
+    key = os.environ.get(API_KEY_ENV) if api_key is None else api_key
+    return (("authorization", f"Bearer {key}"),) if key else ()
+
+
+class _WithKey(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds the caller's key to every call's metadata."""
+
+    def __init__(self, metadata: tuple):
+        self.metadata = metadata
+
+    def _details(self, details):
+        return details._replace(metadata=tuple(details.metadata or ()) + self.metadata)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+
+class _AsyncWithKey(aio.UnaryUnaryClientInterceptor, aio.UnaryStreamClientInterceptor):
+    def __init__(self, metadata: tuple):
+        self.metadata = metadata
+
+    def _details(self, details):
+        return details._replace(metadata=aio.Metadata(*(tuple(details.metadata or ()) + self.metadata)))
+
+    async def intercept_unary_unary(self, continuation, details, request):
+        return await continuation(self._details(details), request)
+
+    async def intercept_unary_stream(self, continuation, details, request):
+        return await continuation(self._details(details), request)
 
 
 @dataclass(frozen=True)
@@ -166,6 +207,16 @@ def _progress(msg) -> Progress:
     return Progress(stage=msg.stage, done=msg.done, total=msg.total, elapsed_s=msg.elapsed_s, percent=msg.percent)
 
 
+def check_output(output: str | os.PathLike | None, name: str = "output") -> None:
+    """Refuse, before any work, an output whose folder is missing or not writable (nothing is created)."""
+    if output is None:
+        return
+    path = Path(output)
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise RequestError(name, str(output), "a file path in an existing, writable folder")
+
+
 class _Collector:
     """MP4 chunks into memory or into `output` (written as .part, renamed when the stream is complete)."""
 
@@ -182,7 +233,6 @@ class _Collector:
             raise StageFailed("gateway", f"MP4 chunk at offset {offset}, expected {self.size}")
         if self.path is not None:
             if self.f is None:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
                 self.f = open(self.part, "wb")
             self.f.write(data)
         else:
@@ -282,12 +332,14 @@ class Client:
     """Synchronous gateway client. `timeout` is the default deadline (seconds) of each generation."""
 
     def __init__(self, target: str, *, timeout: float | None = None, credentials: grpc.ChannelCredentials | None = None,
-                 options: list | None = None):
+                 options: list | None = None, api_key: str | None = None):
         opts = channel_options(MAX_RECEIVE) + list(options or [])
         self.target = target
         self.timeout = timeout
         self.channel = grpc.secure_channel(target, credentials, opts) if credentials else \
             grpc.insecure_channel(target, opts)
+        if metadata := _key_metadata(api_key):
+            self.channel = grpc.intercept_channel(self.channel, _WithKey(metadata))
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
 
     def __enter__(self) -> "Client":
@@ -305,6 +357,7 @@ class Client:
     def stream(self, prompt: str, *, output: str | os.PathLike | None = None, timeout: float | None = None,
                **fields: Any) -> Generation:
         """Start a generation; iterate the returned `Generation` for progress, then call `result()`."""
+        check_output(output)
         call = self.stub.Generate(build_request(prompt, **fields), timeout=self._timeout(timeout))
         return Generation(call, output)
 
@@ -427,12 +480,14 @@ class AsyncClient:
     """asyncio gateway client (grpc.aio); the same methods as `Client`, as coroutines."""
 
     def __init__(self, target: str, *, timeout: float | None = None, credentials: grpc.ChannelCredentials | None = None,
-                 options: list | None = None):
+                 options: list | None = None, api_key: str | None = None):
         opts = channel_options(MAX_RECEIVE) + list(options or [])
         self.target = target
         self.timeout = timeout
-        self.channel = aio.secure_channel(target, credentials, opts) if credentials else \
-            aio.insecure_channel(target, opts)
+        metadata = _key_metadata(api_key)
+        interceptors = [_AsyncWithKey(metadata)] if metadata else None
+        self.channel = aio.secure_channel(target, credentials, opts, interceptors=interceptors) if credentials else \
+            aio.insecure_channel(target, opts, interceptors=interceptors)
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
 
     async def __aenter__(self) -> "AsyncClient":
@@ -449,6 +504,7 @@ class AsyncClient:
 
     def stream(self, prompt: str, *, output: str | os.PathLike | None = None, timeout: float | None = None,
                **fields: Any) -> AsyncGeneration:
+        check_output(output)
         call = self.stub.Generate(build_request(prompt, **fields), timeout=self._timeout(timeout))
         return AsyncGeneration(call, output)
 

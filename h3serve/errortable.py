@@ -13,6 +13,8 @@ name everywhere:
     TransportError              stage_unavailable   UNAVAILABLE           503    yes
     DeadlineExceeded            deadline_exceeded   DEADLINE_EXCEEDED     504    yes
     Cancelled                   cancelled           CANCELLED             499    no
+    Unauthenticated             unauthenticated     UNAUTHENTICATED       401    no    (no or unknown API key)
+    PermissionDenied            permission_denied   PERMISSION_DENIED     403    no    (another caller's job)
     NotFound                    not_found           NOT_FOUND             404    no
     NotReady                    not_ready           FAILED_PRECONDITION   409    yes
     StageFailed                 stage_failed        INTERNAL              500    no    (names the stage)
@@ -82,6 +84,14 @@ class DeadlineExceeded(ServiceError):
     """The request's deadline passed before it finished."""
 
 
+class Unauthenticated(ServiceError):
+    """The call carries no API key, or one the server does not know."""
+
+
+class PermissionDenied(ServiceError):
+    """The caller is known but may not touch this resource (another caller's job)."""
+
+
 class NotFound(ServiceError):
     """No such request / job / session."""
 
@@ -118,6 +128,8 @@ _KINDS = {
     "stage_unavailable": ErrorKind("stage_unavailable", grpc.StatusCode.UNAVAILABLE, 503, True),
     "deadline_exceeded": ErrorKind("deadline_exceeded", grpc.StatusCode.DEADLINE_EXCEEDED, 504, True),
     "cancelled": ErrorKind("cancelled", grpc.StatusCode.CANCELLED, 499, False),
+    "unauthenticated": ErrorKind("unauthenticated", grpc.StatusCode.UNAUTHENTICATED, 401, False),
+    "permission_denied": ErrorKind("permission_denied", grpc.StatusCode.PERMISSION_DENIED, 403, False),
     "not_found": ErrorKind("not_found", grpc.StatusCode.NOT_FOUND, 404, False),
     "not_ready": ErrorKind("not_ready", grpc.StatusCode.FAILED_PRECONDITION, 409, True),
     "stage_failed": ErrorKind("stage_failed", grpc.StatusCode.INTERNAL, 500, False),
@@ -136,6 +148,8 @@ TABLE: list[tuple[type, ErrorKind]] = [
     (TransportError, _KINDS["stage_unavailable"]),
     (DeadlineExceeded, _KINDS["deadline_exceeded"]),
     (Cancelled, _KINDS["cancelled"]),
+    (Unauthenticated, _KINDS["unauthenticated"]),
+    (PermissionDenied, _KINDS["permission_denied"]),
     (NotFound, _KINDS["not_found"]),
     (NotReady, _KINDS["not_ready"]),
     (StageFailed, _KINDS["stage_failed"]),
@@ -176,7 +190,13 @@ def classify(exc: BaseException, *, stage: str | None = None) -> Classified:
 def abort(context: grpc.ServicerContext, exc: BaseException, *, stage: str | None = None):
     """End an RPC with the status the table gives `exc` (raises, as `context.abort` does)."""
     c = classify(exc, stage=stage)
-    if c.kind is INTERNAL or c.kind.code in ("stage_failed", "media_error"):
+    try:
+        gone = not context.is_active()   # the caller left or its deadline passed: nobody hears, nothing failed here
+    except Exception:  # noqa: BLE001
+        gone = False
+    if gone:
+        log.info("%s: %s (after the call had ended)", stage or "server", c.message)
+    elif c.kind is INTERNAL or c.kind.code in ("stage_failed", "media_error"):
         log.error("%s: %s", stage or "server", c.message, exc_info=exc)
     md = [(MD_CODE, c.kind.code)]
     if c.field:
@@ -259,6 +279,10 @@ def from_grpc(err: grpc.RpcError, *, stage: str | None = None, cancelled: bool =
         return Draining(details, stage=where)
     if named == "not_found":
         return NotFound(details, stage=where)
+    if named == "unauthenticated" or code == grpc.StatusCode.UNAUTHENTICATED:
+        return Unauthenticated(details or "unauthenticated", stage=where)
+    if named == "permission_denied" or code == grpc.StatusCode.PERMISSION_DENIED:
+        return PermissionDenied(details or "permission denied", stage=where)
     if named == "not_ready":
         return NotReady(details, stage=where)
     if named in ("stage_failed", "media_error", "internal"):

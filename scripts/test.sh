@@ -9,8 +9,10 @@ if ! command -v ffprobe >/dev/null 2>&1; then
     || { echo "test.sh: could not install ffmpeg (ffprobe) with apt-get" >&2; exit 1; }
 fi
 # The operator tests run a real control plane; its binaries are built from source once and cached outside the repo
-# (cold: about 11 minutes on 2 cores; afterwards a no-op).
+# (cold: about 11 minutes on 2 cores, plus about 4 for the custom metrics API server; afterwards a no-op).
 bash tests/operator/tools.sh >/dev/null
+# The job-store tests run a real S3-compatible server (versitygw), built once the same way (about 1 minute cold).
+bash tests/service/s3tools.sh >/dev/null
 # The layers of DESIGN §4 (contracts in pyproject.toml): a crossed boundary fails before any test runs.
 .venv/bin/lint-imports --no-cache
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}

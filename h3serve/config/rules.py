@@ -11,6 +11,7 @@ The degree rules take their allowed values from `h3serve.config.parallel`.
 from __future__ import annotations
 
 import json
+import re
 import string
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -96,8 +97,8 @@ class Op(Expr):
         a = [f"({c})" if self._needs_parens(x) else c for x, c in zip(self.args, inner)]
         if self.op == "!":
             return "!" + a[0]
-        if self.op == "startsWith":
-            return f"{a[0]}.startsWith({inner[1]})"
+        if self.op in ("startsWith", "matches"):
+            return f"{a[0]}.{self.op}({inner[1]})"
         return f" {self.op} ".join(a)
 
     def _needs_parens(self, operand: Expr) -> bool:
@@ -116,6 +117,7 @@ _PY: dict[str, Callable] = {
     "==": lambda a, b: a == b, "!=": lambda a, b: a != b, "<=": lambda a, b: a <= b,
     "%": lambda a, b: a % b, "*": lambda a, b: a * b, "+": lambda a, b: a + b, "in": lambda a, b: a in b,
     "startsWith": lambda a, b: a.startswith(b),
+    "matches": lambda a, b: re.search(b, a) is not None,  # CEL's matches() is unanchored (RE2), like re.search
 }
 
 
@@ -199,6 +201,35 @@ def _inside_mount(path: str) -> Op:
     return op("startsWith", Field(path), op("+", Field("model.mountPath"), "/"))
 
 
+# A path with no "." or ".." segment and no empty one: the prefix checks above hold for it exactly as they would for
+# its normalised form (CEL cannot normalise a path, so a path that is not already normal is refused).
+NOT_NORMAL = r"(^|/)[.][.]?(/|$)|//"
+NORMAL_PATH = "{path} must be a normalised absolute path (no '.', '..' or empty segments)"
+
+
+def _normal(path: str) -> Op:
+    return op("!", op("matches", Field(path), NOT_NORMAL))
+
+
+def _positive(path: str) -> Op:
+    """Guards a division: the schema's minimum already rejects 0, but CEL rules run too and must not divide by it."""
+    return op("<=", Field(path), 0)
+
+
+def _autoscaling_rules(st: str) -> tuple[Rule, ...]:
+    auto = f"{st}.autoscaling"
+    return (
+        Rule(auto, any_of(unset(auto), op("<=", Field(f"{auto}.minReplicas"), Field(f"{auto}.maxReplicas"))),
+             f"{auto}.minReplicas={{lo}} must be at most {auto}.maxReplicas={{hi}}",
+             dict(lo=Field(f"{auto}.minReplicas"), hi=Field(f"{auto}.maxReplicas"))),
+        Rule(f"{st}.replicas", any_of(unset(auto), unset(f"{st}.replicas")),
+             f"set {st}.replicas or {st}.autoscaling, not both: with autoscaling the autoscaler sets the replicas "
+             f"(between minReplicas and maxReplicas)"),
+        Rule(auto, any_of(unset(auto), DISAGGREGATED),
+             f"{auto} only applies to disaggregated placement: with placement colocated set spec.replicas"),
+    )
+
+
 RULES: tuple[Rule, ...] = (
     Rule("encoder.tensorParallel", op("in", TP, encoder_tp_choices()), ENCODER_TP_MESSAGE,
          dict(FIELD_NAMES, tp=TP, heads=ENCODER_HEADS, kv=ENCODER_KV_HEADS,
@@ -220,12 +251,13 @@ RULES: tuple[Rule, ...] = (
     Rule("placement", any_of(DISAGGREGATED, all_of(*(unset(f"{s}.replicas") for s in (*PIPELINE_STAGES, "gateway")))),
          "per-stage replicas only apply to disaggregated placement: with placement colocated set spec.replicas and "
          "remove encoder/dit/vae/muxer/gateway.replicas (each colocated replica runs its own gateway)"),
-    Rule("encoder.tensorParallel", any_of(DISAGGREGATED, op("==", op("%", DIT_SP, TP), 0)),
+    Rule("encoder.tensorParallel", any_of(DISAGGREGATED, _positive("encoder.tensorParallel"),
+                                          op("==", op("%", DIT_SP, TP), 0)),
          "encoder.tensorParallel={tp:d} must divide the {sp:d} GPUs of a colocated replica (dit.ulysses x dit.ring)",
          dict(tp=TP, sp=DIT_SP)),
-    Rule("dit", any_of(op("<=", DIT_SP, GPN), op("==", op("%", DIT_SP, GPN), 0)),
+    Rule("dit", any_of(_positive("gpusPerNode"), op("<=", DIT_SP, GPN), op("==", op("%", DIT_SP, GPN), 0)),
          "dit needs {n:d} GPUs, more than gpusPerNode={gpn:d}: {whole}", dict(n=DIT_SP, gpn=GPN, whole=WHOLE_NODES)),
-    Rule("encoder", any_of(COLOCATED, op("<=", TP, GPN), op("==", op("%", TP, GPN), 0)),
+    Rule("encoder", any_of(COLOCATED, _positive("gpusPerNode"), op("<=", TP, GPN), op("==", op("%", TP, GPN), 0)),
          "encoder needs {n:d} GPUs, more than gpusPerNode={gpn:d}: {whole}", dict(n=TP, gpn=GPN, whole=WHOLE_NODES)),
     Rule("model.path", any_of(unset("model.volume"), _inside_mount("model.path")),
          "model.path {path} must be inside model.mountPath {mount}, where model.volume is mounted",
@@ -234,4 +266,10 @@ RULES: tuple[Rule, ...] = (
          any_of(unset("model.volume"), unset("model.adapter"), _inside_mount("model.adapter.path")),
          "model.adapter.path {path} must be inside model.mountPath {mount}, where model.volume is mounted",
          dict(path=Field("model.adapter.path"), mount=Field("model.mountPath"))),
+    *(rule for st in (*PIPELINE_STAGES, "gateway") for rule in _autoscaling_rules(st)),
+    Rule("model.path", _normal("model.path"), "model.path " + NORMAL_PATH, dict(path=Field("model.path"))),
+    Rule("model.mountPath", _normal("model.mountPath"), "model.mountPath " + NORMAL_PATH,
+         dict(path=Field("model.mountPath"))),
+    Rule("model.adapter.path", any_of(unset("model.adapter"), _normal("model.adapter.path")),
+         "model.adapter.path " + NORMAL_PATH, dict(path=Field("model.adapter.path"))),
 )

@@ -15,6 +15,7 @@ No kopf, grpc, av or torch imports here.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
 import re
 import types
@@ -51,6 +52,7 @@ MAX_REPLICA_GPUS = 1024  # a bound for the schema: GPUs of one stage replica (Ri
 
 NAME_MAX = 40  # leaves room for "-encoder-12" suffixes and StatefulSet pod / revision-hash labels (<= 63)
 _NAME_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_DNS_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 _QUANTITY_RE = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+|[KMGTPE]i?|[mkMGTPE]|[numk])?$")
 _SIZE_RE = re.compile(r"^[0-9]+(Ki|Mi|Gi|Ti)?$")
@@ -95,6 +97,25 @@ TOLERATION_SCHEMA = {
 
 # ---- the spec ----------------------------------------------------------------------------------------------------
 
+AUTOSCALING_DOC = ("Scale this stage with a HorizontalPodAutoscaler on its diffusion signal (disaggregated placement, "
+                   "a replica on one node; instead of replicas: the operator then leaves the replica count to the "
+                   "autoscaler).")
+
+
+@dataclass(frozen=True)
+class AutoscalingSpec:
+    max_replicas: int = f("maxReplicas", "Most replicas the HorizontalPodAutoscaler may run.", minimum=1,
+                          maximum=1024)
+    min_replicas: int = f("minReplicas", "Fewest replicas.", 1, minimum=1, maximum=1024)
+    target: Optional[str] = f("target", "Per-pod average of the stage's diffusion signal to hold (dit: queued denoise "
+                              "step-seconds, default 120; vae: queued clips, 2; encoder: queued prompts, 8; muxer: open "
+                              "sessions, 4; gateway: queue depth, 8, and real-time factor 1).", None, maxLength=32,
+                              pattern=r"^[0-9]+(\.[0-9]+)?(m|k)?$")
+    scale_down_stabilization_seconds: int = f(
+        "scaleDownStabilizationSeconds", "How long the signal must stay low before replicas are removed.", 300,
+        minimum=0, maximum=3600)
+
+
 @dataclass(frozen=True)
 class AdapterSpec:
     path: str = f("path", "Path of the FastH3 adapter file (fastvideo-lora-v2 safetensors), inside model.mountPath.",
@@ -123,6 +144,7 @@ class EncoderSpec:
                              minimum=1, maximum=ENCODER_HEADS)
     replicas: Optional[int] = f("replicas", "Encoder replicas (disaggregated placement only; default 1).",
                                 None, minimum=0, maximum=1024)
+    autoscaling: Optional[AutoscalingSpec] = f("autoscaling", AUTOSCALING_DOC, None)
     resources: Optional[dict] = f("resources", "CPU/memory requests and limits of an encoder pod; the GPU "
                                   "count is set from tensorParallel.", None, **RESOURCES_SCHEMA)
     node_selector: Optional[dict] = f("nodeSelector", "Replaces spec.nodeSelector for this stage.", None)
@@ -156,6 +178,7 @@ class DitSpec:
                   "ring).", 1, minimum=1, maximum=MAX_REPLICA_GPUS)
     replicas: Optional[int] = f("replicas", "DiT replicas (disaggregated placement only; default 1).", None,
                                 minimum=0, maximum=1024)
+    autoscaling: Optional[AutoscalingSpec] = f("autoscaling", AUTOSCALING_DOC, None)
     resources: Optional[dict] = f("resources", "CPU/memory requests and limits of a DiT pod (colocated: of the "
                                   "engine pod that runs every stage); the GPU count is set from ulysses x ring.", None, **RESOURCES_SCHEMA)
     node_selector: Optional[dict] = f("nodeSelector", "Replaces spec.nodeSelector for this stage.", None)
@@ -175,6 +198,7 @@ class VaeSpec:
                             "the whole DiT group (dit.ulysses x dit.ring).", 1, minimum=1, maximum=MAX_REPLICA_GPUS)
     replicas: Optional[int] = f("replicas", "VAE replicas (disaggregated placement only; default 1).", None,
                                 minimum=0, maximum=1024)
+    autoscaling: Optional[AutoscalingSpec] = f("autoscaling", AUTOSCALING_DOC, None)
     resources: Optional[dict] = f("resources", "CPU/memory requests and limits of a VAE pod; the GPU count is "
                                   "set from patchParallel.", None, **RESOURCES_SCHEMA)
     node_selector: Optional[dict] = f("nodeSelector", "Replaces spec.nodeSelector for this stage.", None)
@@ -189,13 +213,25 @@ class VaeSpec:
 class MuxerSpec:
     replicas: Optional[int] = f("replicas", "Muxer replicas (disaggregated placement only; default 1).", None,
                                 minimum=0, maximum=1024)
+    autoscaling: Optional[AutoscalingSpec] = f("autoscaling", AUTOSCALING_DOC, None)
     workers: int = f("workers", "H.264 encoder threads per muxer (`h3serve serve --mux-threads`; colocated: per "
                      "replica pod). Default 16, as `h3serve serve`: the 10 s clip's tail was measured there.", 16,
                      minimum=1, maximum=256)
     resources: Optional[dict] = f("resources", "CPU/memory requests and limits of a muxer pod (CPU only).", None,
                                   **RESOURCES_SCHEMA)
-    node_selector: Optional[dict] = f("nodeSelector", "Replaces spec.nodeSelector for this stage.", None)
-    tolerations: Optional[list] = f("tolerations", "Replaces spec.tolerations for this stage.", None)
+    node_selector: Optional[dict] = f("nodeSelector", "Node labels the muxer pods require (CPU only: "
+                                      "spec.nodeSelector, meant for GPU pods, does not apply).", None)
+    tolerations: Optional[list] = f("tolerations", "Tolerations of the muxer pods (CPU only: spec.tolerations, "
+                                    "meant for GPU nodes, does not apply).", None)
+
+
+@dataclass(frozen=True)
+class IngressFromSpec:
+    namespaces: Optional[list] = f("namespaces", "Namespaces (by name) whose pods may reach the front door's gRPC and "
+                                   "HTTP ports.", None, items={"type": "string", "maxLength": 63}, maxItems=64)
+    cidrs: Optional[list] = f("cidrs", "IP ranges (CIDR, e.g. a load balancer's 10.0.0.0/16) that may reach the front "
+                              "door's gRPC and HTTP ports.", None, items={"type": "string", "maxLength": 43},
+                              maxItems=64)
 
 
 @dataclass(frozen=True)
@@ -203,14 +239,27 @@ class GatewaySpec:
     replicas: Optional[int] = f("replicas", "Gateway replicas (the gRPC + HTTP front door, CPU only; "
                                 "disaggregated placement only, default 2: a colocated replica runs its own gateway).",
                                 None, minimum=0, maximum=1024)
+    autoscaling: Optional[AutoscalingSpec] = f("autoscaling", AUTOSCALING_DOC, None)
     queue_size: int = f("queueSize", "Requests a gateway admits before it answers RESOURCE_EXHAUSTED.", 16,
                         minimum=1, maximum=100000)
     service_type: str = f("serviceType", "Type of the gateway Service.", "ClusterIP",
                           enum=["ClusterIP", "NodePort", "LoadBalancer"])
     resources: Optional[dict] = f("resources", "CPU/memory requests and limits of a gateway pod.", None,
                                   **RESOURCES_SCHEMA)
-    node_selector: Optional[dict] = f("nodeSelector", "Replaces spec.nodeSelector for the gateway.", None)
-    tolerations: Optional[list] = f("tolerations", "Replaces spec.tolerations for the gateway.", None)
+    node_selector: Optional[dict] = f("nodeSelector", "Node labels the gateway pods require (CPU only: "
+                                      "spec.nodeSelector, meant for GPU pods, does not apply).", None)
+    tolerations: Optional[list] = f("tolerations", "Tolerations of the gateway pods (CPU only: spec.tolerations, "
+                                    "meant for GPU nodes, does not apply).", None)
+    ingress_from: Optional[IngressFromSpec] = f("ingressFrom", "Who may reach the front door's gRPC and HTTP ports "
+                                                "(its NetworkPolicy): these namespaces and IP ranges, plus the pods of "
+                                                "this H3Deployment. Omitted: anyone.", None)
+
+
+@dataclass(frozen=True)
+class MetricsSpec:
+    monitoring_namespace: Optional[str] = f("monitoringNamespace", "Namespace of the Prometheus that scrapes the pods: "
+                                            "the NetworkPolicies let it reach every pod's metrics ports.", None,
+                                            maxLength=63, pattern="^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
 @dataclass(frozen=True)
@@ -237,12 +286,17 @@ class H3DeploymentSpec:
     image_pull_policy: str = f("imagePullPolicy", "Pull policy of every container.", "IfNotPresent",
                                enum=["Always", "IfNotPresent", "Never"])
     image_pull_secrets: Optional[list] = f("imagePullSecrets", "Names of Secrets to pull the image with.", None)
-    node_selector: Optional[dict] = f("nodeSelector", "Node labels every pod requires (a stage may replace it).",
-                                      None)
-    tolerations: Optional[list] = f("tolerations", "Tolerations of every pod (a stage may replace them).", None)
+    node_selector: Optional[dict] = f("nodeSelector", "Node labels every GPU pod requires (a stage may replace it; "
+                                      "the CPU-only gateway and muxer use only their own).", None)
+    tolerations: Optional[list] = f("tolerations", "Tolerations of every GPU pod (a stage may replace them; the "
+                                    "CPU-only gateway and muxer use only their own, so GPU taints keep them off GPU "
+                                    "nodes).", None)
     priority_class_name: Optional[str] = f("priorityClassName", "PriorityClass of every pod.", None, maxLength=253)
     shm_size: str = f("shmSize", "Size of the in-memory /dev/shm of GPU pods (NCCL and NIXL buffers).", "16Gi",
                       pattern=r"^[0-9]+(Ki|Mi|Gi|Ti)?$")
+    metrics: MetricsSpec = f("metrics", "Prometheus scraping: every pod carries prometheus.io/scrape, port and path "
+                             "annotations; stage processes serve /metrics on port 9400 plus their offset (encoder 9401, "
+                             "dit 9402, vae 9403, muxer 9404), the gateway on its HTTP port.", factory=MetricsSpec)
     drain_seconds: int = f("drainSeconds", "How long a pod that is asked to stop keeps serving the requests it "
                            "admitted; the pod's termination grace period is this plus 30 s.", 900,
                            minimum=0, maximum=86400)
@@ -255,8 +309,11 @@ class H3DeploymentSpec:
         return {"encoder": self.encoder.gpus, "dit": self.dit.sp, "vae": self.vae.gpus, "muxer": 0}[stage]
 
     def stage_replicas(self, stage: str) -> int:
+        """Replicas of a stage; for an autoscaled one, its fewest (the autoscaler sets the live count)."""
         if self.placement == "colocated":
             return 1 if self.replicas is None else self.replicas
+        if getattr(self, stage).autoscaling is not None:
+            return getattr(self, stage).autoscaling.min_replicas
         r = getattr(self, stage).replicas
         return (2 if stage == "gateway" else 1) if r is None else r
 
@@ -308,6 +365,44 @@ class ServiceConfig:
                    endpoints=dict(d.get("endpoints", {})), dtype=d["engine"]["dtype"], device=d["engine"]["device"])
 
 
+# ---- what the operator's administrator allows (chart values -> operator flags) --------------------------------
+
+# Volume kinds a model.volume may use unless the administrator says otherwise: read-only weight sources that grant
+# no access to the node (hostPath) or to credentials (secret, projected service account tokens).
+DEFAULT_VOLUME_KINDS = ("persistentVolumeClaim", "csi", "ephemeral", "image")
+
+
+@dataclass(frozen=True)
+class AdmissionPolicy:
+    """Limits the custom resource cannot widen: a user who may create H3Deployments gets no more than this."""
+
+    volume_kinds: tuple[str, ...] = DEFAULT_VOLUME_KINDS
+    # Image references allowed: "repo" allows repo:tag and repo@digest; an entry ending in "/" allows everything
+    # below it; "*" allows any image. Empty: any image (the chart always sets one).
+    images: tuple[str, ...] = ()
+
+    def image_allowed(self, image: str) -> bool:
+        if not self.images or "*" in self.images:
+            return True
+        return any(image == p or (p.endswith("/") and image.startswith(p)) or
+                   image.startswith(p + ":") or image.startswith(p + "@") for p in self.images)
+
+
+def policy_issues(spec: H3DeploymentSpec, policy: AdmissionPolicy) -> list[tuple[str, str]]:
+    """What `policy` forbids in `spec`, as (field, message)."""
+    issues = []
+    for kind in sorted(spec.model.volume or {}):
+        if kind not in policy.volume_kinds:
+            issues.append(("spec.model.volume", f"model.volume kind {kind} is not allowed by this operator (allowed: "
+                                                f"{', '.join(sorted(policy.volume_kinds)) or 'none'}); an "
+                                                f"administrator can add it to the chart's policy.allowedVolumeKinds"))
+    if not policy.image_allowed(spec.image):
+        issues.append(("spec.image", f"image {spec.image!r} is not allowed by this operator (allowed: "
+                                     f"{', '.join(policy.images)}); an administrator can add it to the chart's "
+                                     f"policy.allowedImages"))
+    return issues
+
+
 # ---- validation --------------------------------------------------------------------------------------------------
 
 def validate(spec: H3DeploymentSpec, name: str | None = None) -> list[tuple[str, str]]:
@@ -331,6 +426,11 @@ def _operator_only_checks(s: H3DeploymentSpec) -> list[tuple[str, str]]:
         issues.append(("spec.model.volume", f"model.volume must name exactly one volume source (e.g. "
                                             f"persistentVolumeClaim), found {sorted(s.model.volume) or 'none'}"))
     for st in (*PIPELINE_STAGES, "gateway"):
+        gpus = s.stage_gpus(st) if st != "gateway" else 0
+        if getattr(s, st).autoscaling is not None and s.pods_per_replica(gpus) > 1:
+            issues.append((f"spec.{st}.autoscaling", f"{st}.autoscaling needs a {st} replica on one node ({st} needs "
+                                                     f"{gpus} GPUs, gpusPerNode={s.gpus_per_node}): a multi-node gang "
+                                                     f"scales by {st}.replicas"))
         res = getattr(s, st).resources or {}
         for kind in ("requests", "limits"):
             if s.gpu_resource_name in (res.get(kind) or {}):
@@ -344,6 +444,16 @@ def _operator_only_checks(s: H3DeploymentSpec) -> list[tuple[str, str]]:
         issues.append(("spec.model.adapter.sha256", "model.adapter.sha256 must be 64 lower-case hex digits"))
     if not _SIZE_RE.match(s.shm_size):
         issues.append(("spec.shmSize", f"shmSize {s.shm_size!r} must be a size such as 16Gi"))
+    src = s.gateway.ingress_from
+    for i, cidr in enumerate((src.cidrs or []) if src else []):
+        try:
+            ipaddress.ip_network(str(cidr), strict=False)
+        except ValueError:
+            issues.append((f"spec.gateway.ingressFrom.cidrs[{i}]", f"{cidr!r} is not an IP range such as "
+                                                                  f"10.0.0.0/16"))
+    for i, ns in enumerate((src.namespaces or []) if src else []):
+        if not isinstance(ns, str) or not _DNS_LABEL_RE.match(ns):
+            issues.append((f"spec.gateway.ingressFrom.namespaces[{i}]", f"{ns!r} is not a namespace name"))
     return issues
 
 

@@ -23,6 +23,8 @@ from h3serve.config.vocab import (
 from h3serve.errors import H3Error
 
 CONFIG_ENV = "H3SERVE_CONFIG"  # path of the mounted ServiceConfig
+API_KEYS_ENV = "H3SERVE_API_KEYS_FILE"  # the gateway's API keys file (the default of --api-keys-file)
+API_KEY_ENV = "H3SERVE_API_KEY"         # a client's API key (the default of the SDK's and the CLI's key)
 
 
 @dataclass
@@ -34,6 +36,7 @@ class StageConfig:
     profile: str = "base"
     adapter: str | None = None
     adapter_sha256: str | None = None
+    checkpoint_manifest_sha256: str | None = None   # pin: the checkpoint's files are checked before loading
     dtype: str = DEFAULT_DTYPE
     device: str | None = None
     threads: int = 0                 # torch intra-op threads of the engine (0: torch's default)
@@ -42,6 +45,10 @@ class StageConfig:
     advertise: str | None = None     # address peers should use for this process (default host:port)
     grace_s: float = 30.0
     rpc_workers: int = 32
+    tls_cert: str | None = None      # this process's certificate (PEM): gRPC and HTTPS servers, mTLS client
+    tls_key: str | None = None
+    tls_ca: str | None = None        # the deployment's CA: stage servers require client certs it signed (mTLS)
+    peers: str | None = None         # what a stage may dial when a request names an address (runtime/tls.py)
     warmup: bool = True
     # gateway
     encoder: str | None = None
@@ -53,10 +60,13 @@ class StageConfig:
     queue_size: int = 8
     max_inflight: int = 1
     request_timeout_s: float = 3600.0
-    jobs_dir: str | None = None
+    jobs_dir: str | None = None      # HTTP jobs on local disk (and the spool of an object store)
+    job_store: str | None = None     # s3://BUCKET/PREFIX: HTTP jobs in an object store every replica shares
     job_ttl_s: float = 3600.0
     max_jobs: int = 1000
     max_sync_bytes: int = 64 << 20
+    api_keys_file: str | None = None  # callers' hashed bearer keys (services/gateway/auth.py); None: no auth
+    no_auth: bool = False             # allow a gateway without keys on a non-loopback address
     transport: str = "grpc"
     model_name: str | None = None
     fasth3_dit: str | None = None    # gateway of a base deployment: a FastH3 DiT pool, routed to by `model`
@@ -81,7 +91,9 @@ class StageConfig:
     mux_threads: int = 16  # x264 frame threads (fixed: the MP4 bytes depend on it)
     crf: int = 18
     preset: str = "veryfast"
-    session_ttl_s: float = 600.0
+    session_ttl_s: float = 600.0     # the TTL of a session that asks for none
+    max_session_ttl_s: float = 7200.0   # the largest it may ask for (the gateway asks its deadline + a margin)
+    max_sessions: int = 64           # sessions a muxer holds at once (open, pushing or unfetched)
     tmp_dir: str | None = None
     extra: dict = field(default_factory=dict)
 

@@ -1,7 +1,8 @@
 """`h3serve render` and `h3serve operator`.
 
     h3serve render -f my-h3deployment.yaml [-n NAMESPACE] [--crd]   # manifests YAML on stdout, nothing applied
-    h3serve operator [--namespace NS ...| --all-namespaces] [--liveness URL]
+    h3serve operator [--namespace NS ...| --all-namespaces] [--liveness URL] [--leader-election-namespace NS]
+                     [--allowed-volume-kinds K,K] [--allowed-images REF,REF] [--apply-crd]
 
 `python -m h3serve.operator.cli ...` works the same without the top-level CLI.
 """
@@ -16,7 +17,7 @@ import sys
 
 import yaml
 
-from h3serve.config.spec import KIND, parse_and_validate
+from h3serve.config.spec import DEFAULT_VOLUME_KINDS, KIND, AdmissionPolicy, parse_and_validate
 from h3serve.errors import H3Error
 from h3serve.operator import crd, manifests
 
@@ -41,6 +42,23 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace")
     o.add_argument("--liveness", default=os.environ.get("H3SERVE_LIVENESS"),
                    help="serve kopf's liveness probe here, e.g. http://0.0.0.0:8080/healthz")
+    o.add_argument("--leader-election-namespace", default=os.environ.get("H3SERVE_LEADER_NAMESPACE"),
+                   help="namespace of the Lease that elects the one replica that reconciles (default: the pod's "
+                        "namespace, else the first watched namespace)")
+    o.add_argument("--no-leader-election", action="store_true",
+                   help="reconcile without holding the Lease (only when a single operator can run)")
+    o.add_argument("--lease-seconds", type=float, default=float(os.environ.get("H3SERVE_LEASE_SECONDS", "15")),
+                   help="how long a leader's Lease lasts without renewal (default 15)")
+    o.add_argument("--allowed-volume-kinds", default=os.environ.get("H3SERVE_ALLOWED_VOLUME_KINDS",
+                                                                    ",".join(DEFAULT_VOLUME_KINDS)),
+                   help="comma-separated volume source kinds an H3Deployment's model.volume may use "
+                        f"(default {','.join(DEFAULT_VOLUME_KINDS)})")
+    o.add_argument("--allowed-images", default=os.environ.get("H3SERVE_ALLOWED_IMAGES", ""),
+                   help="comma-separated image repositories (repo, or a prefix ending in '/', or '*') an "
+                        "H3Deployment may run (default: any)")
+    o.add_argument("--apply-crd", action="store_true",
+                   help="server-side apply the H3Deployment CRD this operator was built with, at start (how "
+                        "`helm upgrade` upgrades it)")
     o.add_argument("--verbose", action="store_true")
     o.set_defaults(func=_cmd_operator)
 
@@ -92,9 +110,40 @@ def _cmd_operator(args: argparse.Namespace) -> int:
         clusterwide = False
     kopf.configure(verbose=args.verbose)
     logging.getLogger("h3serve").setLevel(logging.DEBUG if args.verbose else logging.INFO)
-    asyncio.run(kopf.operator(standalone=True, clusterwide=clusterwide, namespaces=namespaces,
-                              liveness_endpoint=args.liveness))
+    from h3serve.operator import handlers, kube
+
+    split = lambda v: tuple(x.strip() for x in (v or "").split(",") if x.strip())  # noqa: E731
+    handlers.SETTINGS.policy = AdmissionPolicy(volume_kinds=split(args.allowed_volume_kinds),
+                                               images=split(args.allowed_images))
+    if args.apply_crd:
+        kube.load_config()
+        try:
+            kube.apply_crd(crd.crd())
+        except Exception as e:  # noqa: BLE001 - one line, not a traceback
+            raise H3Error(f"operator: --apply-crd: could not apply the CRD: {kube._reason(e)}") from None
+    kube.check_access(namespaces)  # bad credentials or RBAC: exit now, not retry forever
+    leader = None
+    if not args.no_leader_election:
+        from h3serve.operator.leader import Leader
+
+        lease_ns = args.leader_election_namespace or _own_namespace() or (namespaces[0] if namespaces else None)
+        if not lease_ns:
+            raise H3Error("operator: pass --leader-election-namespace NS (or --no-leader-election)")
+        leader = Leader(lease_ns, kube.INSTANCE, duration=args.lease_seconds, renew=max(1.0, args.lease_seconds / 3),
+                        on_elected=handlers.wake_all)
+        handlers.SETTINGS.leader = leader.start()
+    try:
+        asyncio.run(kopf.operator(standalone=True, clusterwide=clusterwide, namespaces=namespaces,
+                                  liveness_endpoint=args.liveness))
+    finally:
+        if leader is not None:
+            leader.stop()
     return 0
+
+
+def _own_namespace() -> str | None:
+    own = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+    return open(own).read().strip() if os.path.exists(own) else os.environ.get("POD_NAMESPACE")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,7 +45,9 @@ def _field_schema(tp, fl: dataclasses.Field) -> dict:
         else:  # a Kubernetes volume source: passed through as written
             out = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
     elif tp is list:
-        if md["json"] == "imagePullSecrets":
+        if "items" in extra:  # its items' schema is in the field's metadata
+            out = {"type": "array"}
+        elif md["json"] == "imagePullSecrets":
             out = {"type": "array", "items": {"type": "string"}, "maxItems": 32}
         else:
             out = {"type": "array", "items": S.TOLERATION_SCHEMA, "maxItems": 64}

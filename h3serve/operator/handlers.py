@@ -1,11 +1,17 @@
-"""kopf handlers for H3Deployment: read, render (pure), apply (server-side), prune, write status.
+"""kopf handlers for H3Deployment: read, render (pure), apply (server-side), prune, write status, post Events.
 
 Run with `h3serve operator` or `kopf run -m h3serve.operator.handlers` (or the file path).
 
-- create / update / resume: reconcile now.
-- A daemon per H3Deployment reconciles again when one of its children changes (child watches below) and every
-  RESYNC_SECONDS: drift (a child edited or deleted) is repaired, and the status follows the pods.
-- delete: nothing to do; every child carries an owner reference, the garbage collector removes them.
+- Every event of an H3Deployment or of one of its children wakes that H3Deployment's worker, which reconciles it
+  (debounced) and again every RESYNC_SECONDS: drift is repaired, the status follows the pods.
+- No finalizer: the workers are plain tasks of this process, not kopf daemons (which need one), so deleting an
+  H3Deployment never waits for the operator; its children carry owner references and the garbage collector removes
+  them. An object left with the finalizer of an older operator version loses it at the operator's first look.
+- Ownership: the operator only applies objects it created (an owner reference to this H3Deployment's uid) and only
+  deletes those. An object in the way (a child's name, not ours) is left untouched: Degraded=ForeignObject and a
+  Warning Event name it.
+- With leader election (`h3serve operator` turns it on), only the holder of the Lease reconciles; the others
+  watch and wait.
 Reconciles of one H3Deployment never overlap (a lock per object), and every write is idempotent (server-side
 apply of deterministic names), so the operator can be killed and restarted at any point.
 """
@@ -17,10 +23,20 @@ import datetime as dt
 import logging
 import os
 import threading
+from dataclasses import dataclass, field
 
 import kopf
 
-from h3serve.config.spec import GROUP, PLURAL, VERSION, H3DeploymentSpec, SpecError, validate
+from h3serve.config.spec import (
+    GROUP,
+    PLURAL,
+    VERSION,
+    AdmissionPolicy,
+    H3DeploymentSpec,
+    SpecError,
+    policy_issues,
+    validate,
+)
 from h3serve.operator import kube
 from h3serve.operator import manifests as M
 from h3serve.operator import status as S
@@ -28,10 +44,25 @@ from h3serve.operator import status as S
 RESYNC_SECONDS = float(os.environ.get("H3SERVE_RESYNC_SECONDS", "60"))
 DEBOUNCE_SECONDS = float(os.environ.get("H3SERVE_DEBOUNCE_SECONDS", "0.5"))
 RESOURCE = (GROUP, VERSION, PLURAL)
+log = logging.getLogger("h3serve.operator")
+
+
+@dataclass
+class Settings:
+    """What `h3serve operator` decides before kopf starts (the defaults serve `kopf run`)."""
+
+    policy: AdmissionPolicy = field(default_factory=AdmissionPolicy)
+    leader: object | None = None  # h3serve.operator.leader.Leader, when leader election is on
+
+
+SETTINGS = Settings()
 
 _locks: dict[tuple[str, str], threading.Lock] = {}
 _locks_guard = threading.Lock()
 _triggers: dict[tuple[str, str], asyncio.Event] = {}
+_workers: dict[tuple[str, str], asyncio.Task] = {}
+_loop: asyncio.AbstractEventLoop | None = None
+_posted: dict[tuple[str, str, str], str] = {}  # (uid, reason, subject) -> message last posted
 
 
 def _lock(key: tuple[str, str]) -> threading.Lock:
@@ -43,48 +74,93 @@ def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def _event(cr: dict, etype: str, reason: str, message: str, subject: str = "", once: bool = False) -> None:
+    """Post an Event; with `once`, only when this (reason, subject) says something new for this object."""
+    key = (cr["metadata"]["uid"], reason, subject)
+    if once and _posted.get(key) == message:
+        return
+    _posted[key] = message
+    try:
+        kube.post_event(cr, etype, reason, message)
+    except Exception as e:  # noqa: BLE001 - an Event is best effort; the status says the same
+        log.warning("could not post Event %s: %s", reason, _short(e))
+
+
+def _leading() -> bool:
+    return SETTINGS.leader is None or SETTINGS.leader.is_leader()
+
+
 def reconcile(namespace: str, name: str, logger: logging.Logger) -> dict | None:
     """One pass: desired objects from the current spec, applied; extras pruned; status written."""
     with _lock((namespace, name)):
+        if not _leading():
+            return None
         cr = kube.get_h3deployment(namespace, name)
         if cr is None or cr["metadata"].get("deletionTimestamp"):
             return None
         md = cr["metadata"]
-        generation = int(md.get("generation") or 0)
+        uid, generation = md["uid"], int(md.get("generation") or 0)
         spec: H3DeploymentSpec | None = None
         try:
             spec = H3DeploymentSpec.from_dict(cr.get("spec") or {})
-            issues = validate(spec, name)
+            issues = validate(spec, name) + policy_issues(spec, SETTINGS.policy)
         except SpecError as e:
             issues = e.issues
         if issues:
             logger.warning("invalid spec (generation %s): %s", generation, "; ".join(m for _, m in issues))
+            _event(cr, "Warning", "InvalidSpec", f"generation {generation} not rolled out: "
+                   + "; ".join(f"{f}: {m}" for f, m in issues), once=True)
 
         apply_error = None
+        foreign: list[str] = []
         workloads: list[dict] = []
+        kinds = [k for k in M.KINDS if k not in M.OPTIONAL_KINDS or kube.served(k)]
+        owned = {(kind, o["metadata"]["name"]): o for kind in kinds
+                 for o in kube.list_children(namespace, name, kind) if kube.owned_by(o, uid)}
         if spec is not None and not issues:
-            desired = M.render(spec, name, namespace, owner={"name": name, "uid": md["uid"]})
+            gangs = kube.served("PodGroup")
+            desired = M.render(spec, name, namespace, owner={"name": name, "uid": uid}, gang_scheduling=gangs)
+            if not gangs and any(M.gang_size(spec, c) > 1 for c in M.components(spec)):
+                _event(cr, "Warning", "NoGangScheduling", "the API server serves no scheduling.k8s.io/v1beta1 "
+                       "PodGroup (feature gate GenericWorkload): multi-node replicas are placed pod by pod, and a "
+                       "partly placed one holds its GPUs", once=True)
             keep = {(o["kind"], o["metadata"]["name"]) for o in desired}
             for obj in desired:
+                key = (obj["kind"], obj["metadata"]["name"])
+                before = owned.get(key)
+                if before is None:
+                    other = kube.get(key[0], namespace, key[1])
+                    if other is not None and not kube.owned_by(other, uid):
+                        foreign.append("/".join(key))
+                        continue
                 try:
                     out = kube.apply(obj)
                 except Exception as e:  # noqa: BLE001 - reported in status, retried by the caller
                     apply_error = f"{obj['kind']}/{obj['metadata']['name']}: {_short(e)}"
                     logger.error("apply failed: %s", apply_error)
                     break
+                _report_change(cr, key, before, out)
                 if obj["kind"] in ("Deployment", "StatefulSet"):
                     workloads.append(out)
+            if foreign:
+                msg = (f"not adopted: {', '.join(foreign)} exist(s) and were not created by this H3Deployment; "
+                       f"left untouched (delete or rename them)")
+                logger.warning(msg)
+                _event(cr, "Warning", "ForeignObject", msg, once=True)
             if apply_error is None:
-                _prune(namespace, name, md["uid"], keep, logger)
+                _prune(cr, owned, keep, logger)
+            else:
+                _event(cr, "Warning", "ApplyFailed", apply_error, once=True)
         else:  # keep what runs; describe it
-            workloads = [w for kind in ("Deployment", "StatefulSet")
-                         for w in kube.list_children(namespace, name, kind) if kube.owned_by(w, md["uid"])]
+            workloads = [o for (kind, _), o in owned.items() if kind in ("Deployment", "StatefulSet")]
 
+        _restart_gangs(cr, workloads, logger)
         pods = _pods_if_unready(namespace, name, workloads, logger)
         new = S.compute(name=name, namespace=namespace, generation=generation,
                         spec=spec if not issues else None, issues=issues, workloads=workloads,
-                        previous=cr.get("status"), now=_now(), apply_error=apply_error, pods=pods)
+                        previous=cr.get("status"), now=_now(), apply_error=apply_error, pods=pods, foreign=foreign)
         old = cr.get("status") or {}
+        _report_conditions(cr, old, new)
         if not S.same(old, new):
             patch = dict(new)
             gone = {k: None for k in (old.get("stages") or {}) if k not in new["stages"]}
@@ -94,6 +170,53 @@ def reconcile(namespace: str, name: str, logger: logging.Logger) -> dict | None:
         if apply_error:
             raise kopf.TemporaryError(f"apply failed: {apply_error}", delay=10)
         return new
+
+
+def _report_change(cr: dict, key: tuple[str, str], before: dict | None, after: dict) -> None:
+    """Events for what an apply decided: a child created, a stage rolled (its pod template changed), scaled."""
+    kind, name = key
+    if before is None:
+        _event(cr, "Normal", "Created", f"created {kind}/{name}")
+        return
+    if kind not in ("Deployment", "StatefulSet"):
+        return
+    b, a = before.get("spec") or {}, after.get("spec") or {}
+    comp = ((after["metadata"].get("labels") or {}).get(M.LABEL_COMPONENT)) or name
+    if b.get("template") != a.get("template"):
+        _event(cr, "Normal", "RollingOut", f"{kind}/{name}: the {comp} pods' configuration changed; replacing them")
+    if b.get("replicas") != a.get("replicas"):
+        _event(cr, "Normal", "Scaled", f"{kind}/{name}: {comp} replicas {b.get('replicas')} -> {a.get('replicas')}")
+
+
+def _report_conditions(cr: dict, old: dict, new: dict) -> None:
+    """An Event when Ready or Degraded changes (status changes that a person acts on)."""
+    def c(st, t):
+        return next(((x.get("status"), x.get("reason")) for x in st.get("conditions") or [] if x["type"] == t), None)
+    for t in ("Ready", "Degraded"):
+        if c(old, t) != c(new, t):
+            x = next(x for x in new["conditions"] if x["type"] == t)
+            bad = (t == "Ready") != (x["status"] == "True")
+            _event(cr, "Warning" if bad else "Normal", x["reason"], f"{t}={x['status']}: {x['message']}")
+
+
+def _restart_gangs(cr: dict, workloads: list[dict], logger) -> None:
+    """A gang is one torch.distributed world: restart it whole when a member was replaced, and never run two configs
+    in it (S.stale_gang_members decides; the StatefulSet recreates the pods deleted here)."""
+    gangs = [w for w in workloads if w["kind"] == "StatefulSet"]
+    if not gangs:
+        return
+    md = cr["metadata"]
+    pods = kube.list_pods(md["namespace"], md["name"])
+    for sts in gangs:
+        gname = sts["metadata"]["name"]
+        members = [p for p in pods if (p["metadata"].get("labels") or {}).get("h3serve.io/gang") == gname]
+        stale = S.stale_gang_members(sts, members)
+        for pod, why in stale:
+            kube.delete("Pod", md["namespace"], pod)
+        if stale:
+            msg = f"StatefulSet/{gname}: deleted {', '.join(p for p, _ in stale)} ({stale[0][1]})"
+            logger.info(msg)
+            _event(cr, "Normal", "GroupRestart", msg)
 
 
 def _pods_if_unready(namespace: str, name: str, workloads: list[dict], logger) -> list[dict]:
@@ -108,13 +231,13 @@ def _pods_if_unready(namespace: str, name: str, workloads: list[dict], logger) -
         return []
 
 
-def _prune(namespace: str, name: str, uid: str, keep: set, logger: logging.Logger) -> None:
-    for kind in M.KINDS:
-        for obj in kube.list_children(namespace, name, kind):
-            key = (kind, obj["metadata"]["name"])
-            if key not in keep and kube.owned_by(obj, uid):
-                logger.info("pruning %s/%s (no longer in the spec)", *key)
-                kube.delete(kind, namespace, key[1])
+def _prune(cr: dict, owned: dict, keep: set, logger: logging.Logger) -> None:
+    """Delete what this H3Deployment created and no longer needs; never anything it did not create."""
+    for key in owned:
+        if key not in keep:
+            logger.info("pruning %s/%s (no longer in the spec)", *key)
+            kube.delete(key[0], cr["metadata"]["namespace"], key[1])
+            _event(cr, "Normal", "Deleted", f"deleted {key[0]}/{key[1]} (no longer in the spec)")
 
 
 def _short(e: Exception) -> str:
@@ -122,26 +245,73 @@ def _short(e: Exception) -> str:
     return str(body or e).strip().splitlines()[0][:400]
 
 
-async def _reconcile(namespace: str, name: str, logger) -> None:
-    await asyncio.to_thread(reconcile, namespace, name, logger)
+# ---- workers: one task per H3Deployment ---------------------------------------------------------------------------
+
+async def _worker(namespace: str, name: str) -> None:
+    key = (namespace, name)
+    trigger = _triggers[key]
+    logger = logging.getLogger(f"h3serve.operator.{namespace}.{name}")
+    while True:
+        try:
+            await asyncio.wait_for(trigger.wait(), timeout=RESYNC_SECONDS)
+        except asyncio.TimeoutError:
+            pass
+        await asyncio.sleep(DEBOUNCE_SECONDS)  # coalesce a burst of events into one pass
+        trigger.clear()
+        try:
+            await asyncio.to_thread(reconcile, namespace, name, logger)
+        except kopf.TemporaryError as e:
+            logger.warning("%s; retrying", e)
+            await asyncio.sleep(e.delay or 10)
+            trigger.set()
+        except Exception as e:  # noqa: BLE001 - keep the worker alive; the next pass retries
+            logger.exception("reconcile failed: %s", e)
+            await asyncio.sleep(5)
+            trigger.set()
+
+
+def _wake(namespace: str, name: str) -> None:
+    key = (namespace, name)
+    if key not in _workers:
+        _triggers[key] = asyncio.Event()
+        _workers[key] = asyncio.get_running_loop().create_task(_worker(namespace, name), name=f"h3d-{namespace}-{name}")
+    _triggers[key].set()
+
+
+def _forget(namespace: str, name: str) -> None:
+    task = _workers.pop((namespace, name), None)
+    _triggers.pop((namespace, name), None)
+    if task is not None:
+        task.cancel()
+
+
+def wake_all() -> None:
+    """Thread-safe: reconcile every known H3Deployment now (e.g. on becoming the leader)."""
+    if _loop is not None:
+        for key in list(_triggers):
+            _loop.call_soon_threadsafe(lambda k=key: _triggers[k].set() if k in _triggers else None)
 
 
 # ---- handlers ---------------------------------------------------------------------------------------------------
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, **_) -> None:
-    # Keep kopf's bookkeeping in annotations: the CRD's status schema has no room for it.
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=GROUP, key="last-handled-configuration")
+async def configure(settings: kopf.OperatorSettings, **_) -> None:
+    global _loop
+    _loop = asyncio.get_running_loop()
     # Serve exactly the namespaces given and the resources present at startup: no cluster-wide list/watch of
     # namespaces and CRDs, so a namespaced operator needs no ClusterRole at all. (The chart installs the CRD first.)
     settings.scanning.disabled = True
-    settings.posting.level = logging.WARNING  # Events on the H3Deployment for warnings and errors only
+    settings.posting.enabled = False  # the operator posts its own Events, one per decision
     settings.watching.server_timeout = 300
     settings.networking.request_timeout = 60
     settings.execution.max_workers = 8
-    kube.dynamic()  # fail fast on bad credentials
+    kube.dynamic()
+
+
+@kopf.on.cleanup()
+async def stop_workers(**_) -> None:
+    for key in list(_workers):
+        _forget(*key)
 
 
 @kopf.on.login()
@@ -149,42 +319,18 @@ def login(**kwargs):
     return kopf.login_via_client(**kwargs)
 
 
-@kopf.on.create(*RESOURCE)
-@kopf.on.update(*RESOURCE, field="spec")
-@kopf.on.resume(*RESOURCE)
-async def on_change(name: str, namespace: str, logger, **_) -> None:
-    await _reconcile(namespace, name, logger)
-
-
-@kopf.on.delete(*RESOURCE, optional=True)
-def on_delete(name: str, namespace: str, logger, **_) -> None:
-    logger.info("deleted; the garbage collector removes the children through their owner references")
-    _triggers.pop((namespace, name), None)
-
-
-@kopf.daemon(*RESOURCE, cancellation_timeout=5.0)
-async def keep_in_sync(name: str, namespace: str, stopped, logger, **_) -> None:
-    key = (namespace, name)
-    trigger = _triggers.setdefault(key, asyncio.Event())
-    while not stopped:
-        try:
-            await asyncio.wait_for(trigger.wait(), timeout=RESYNC_SECONDS)
-        except asyncio.TimeoutError:
-            pass
-        if stopped:
-            break
-        await asyncio.sleep(DEBOUNCE_SECONDS)  # coalesce a burst of child events into one pass
-        trigger.clear()
-        try:
-            await _reconcile(namespace, name, logger)
-        except kopf.TemporaryError as e:
-            logger.warning("%s; retrying", e)
-            trigger.set()
-            await asyncio.sleep(e.delay or 10)
-        except Exception as e:  # noqa: BLE001 - keep the daemon alive; the next pass retries
-            logger.exception("reconcile failed: %s", e)
-            await asyncio.sleep(5)
-    _triggers.pop(key, None)
+@kopf.on.event(*RESOURCE)
+async def h3deployment_event(event, body, name: str, namespace: str, **_) -> None:
+    if event.get("type") == "DELETED" or (body.get("metadata") or {}).get("deletionTimestamp"):
+        _forget(namespace, name)
+        uid = (body.get("metadata") or {}).get("uid")
+        for key in [k for k in _posted if k[0] == uid]:
+            del _posted[key]
+        (log.info if _leading() else log.debug)(
+            "%s/%s deleted; the garbage collector removes its children through their owner references",
+            namespace, name)
+        return
+    _wake(namespace, name)
 
 
 def _child_changed(body, namespace: str, **_) -> None:
@@ -199,4 +345,6 @@ def _child_changed(body, namespace: str, **_) -> None:
 
 _OURS = {M.LABEL_MANAGED_BY: M.MANAGER}
 for _kind, (_api_version, _plural) in {**M.KINDS, "Pod": ("v1", "pods")}.items():
+    if _kind in M.OPTIONAL_KINDS:  # may not be served; the resync repairs their drift
+        continue
     kopf.on.event(_api_version, _plural, labels=_OURS, id=f"child-{_plural}")(_child_changed)

@@ -7,9 +7,12 @@ owned by others, e.g. an HPA's replicas on a stage we do not render, are left al
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import os
+import socket
 import threading
+import uuid
 from typing import Any
 
 from kubernetes import client, config
@@ -17,6 +20,7 @@ from kubernetes import dynamic as kdyn
 from kubernetes.dynamic.exceptions import NotFoundError
 
 from h3serve.config.spec import GROUP, PLURAL, VERSION
+from h3serve.errors import H3Error
 from h3serve.operator import manifests as M
 
 FIELD_MANAGER = "h3serve-operator"
@@ -68,6 +72,30 @@ def apply(obj: dict) -> dict:
     return _plain(out)
 
 
+_served: dict[str, bool] = {}
+
+
+def served(kind: str) -> bool:
+    """Does the API server serve this child kind (API discovery, once per process)?"""
+    if kind not in _served:
+        from kubernetes.dynamic.exceptions import ResourceNotFoundError
+
+        try:
+            _resource(M.KINDS[kind][0], kind)
+            _served[kind] = True
+        except ResourceNotFoundError:
+            _served[kind] = False
+    return _served[kind]
+
+
+def get(kind: str, namespace: str, name: str) -> dict | None:
+    api_version, _ = M.KINDS[kind]
+    try:
+        return _plain(_resource(api_version, kind).get(name=name, namespace=namespace))
+    except NotFoundError:
+        return None
+
+
 def list_children(namespace: str, name: str, kind: str) -> list[dict]:
     api_version, _ = M.KINDS[kind]
     sel = f"{M.LABEL_INSTANCE}={name},{M.LABEL_MANAGED_BY}={M.MANAGER}"
@@ -84,7 +112,7 @@ def list_pods(namespace: str, name: str) -> list[dict]:
 
 
 def delete(kind: str, namespace: str, name: str) -> None:
-    api_version, _ = M.KINDS[kind]
+    api_version, _ = M.KINDS[kind] if kind in M.KINDS else ("v1", "pods")
     try:
         _resource(api_version, kind).delete(name=name, namespace=namespace,
                                             body={"propagationPolicy": "Background"})
@@ -102,5 +130,74 @@ def owned_by(obj: dict, uid: str) -> bool:
     return any(r.get("uid") == uid for r in (obj.get("metadata") or {}).get("ownerReferences") or [])
 
 
-__all__ = ["FIELD_MANAGER", "PLURAL", "apply", "delete", "dynamic", "get_h3deployment", "list_children",
-           "list_pods", "load_config", "owned_by", "patch_status"]
+# ---- Events ----------------------------------------------------------------------------------------------------
+
+INSTANCE = os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def post_event(cr: dict, etype: str, reason: str, message: str) -> None:
+    """A core/v1 Event on the H3Deployment (what `kubectl describe h3d` and `kubectl get events` show)."""
+    md = cr["metadata"]
+    now = _now()
+    body = {
+        "apiVersion": "v1", "kind": "Event",
+        "metadata": {"name": f"{md['name']}.{uuid.uuid4().hex[:16]}", "namespace": md["namespace"]},
+        "involvedObject": {"apiVersion": f"{GROUP}/{VERSION}", "kind": "H3Deployment", "name": md["name"],
+                           "namespace": md["namespace"], "uid": md["uid"],
+                           "resourceVersion": md.get("resourceVersion")},
+        "type": etype, "reason": reason, "message": message[:1024],
+        "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        "source": {"component": FIELD_MANAGER}, "reportingComponent": FIELD_MANAGER, "reportingInstance": INSTANCE,
+    }
+    _resource("v1", "Event").create(body=body, namespace=md["namespace"])
+
+
+# ---- start-up checks -------------------------------------------------------------------------------------------
+
+def check_access(namespaces: list[str]) -> None:
+    """One read of H3Deployments where the operator will watch them: bad credentials or missing RBAC fail here, at
+    once and by name, instead of in retried watches."""
+    load_config()
+    api = client.CustomObjectsApi()
+    for ns in namespaces or [None]:
+        try:
+            if ns:
+                api.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, limit=1, _request_timeout=30)
+            else:
+                api.list_cluster_custom_object(GROUP, VERSION, PLURAL, limit=1, _request_timeout=30)
+        except client.exceptions.ApiException as e:
+            server = api.api_client.configuration.host
+            if e.status == 401:
+                raise H3Error(f"operator: the API server {server} rejected the credentials (401 Unauthorized); "
+                              f"check the token or client certificate in use") from None
+            if e.status == 403:
+                raise H3Error(f"operator: not allowed to list {PLURAL}.{GROUP} in "
+                              f"{'namespace ' + ns if ns else 'all namespaces'} (403 Forbidden): {_reason(e)}") from None
+            if e.status == 404:
+                raise H3Error(f"operator: the API server {server} does not serve {PLURAL}.{GROUP}/{VERSION}; "
+                              f"install the CRD first (the chart does)") from None
+            raise
+
+
+def _reason(e: Exception) -> str:
+    import json
+
+    try:
+        return json.loads(e.body)["message"]
+    except Exception:  # noqa: BLE001 - any body
+        return str(e)
+
+
+def apply_crd(crd: dict) -> None:
+    """Server-side apply of the operator's own CRD (so `helm upgrade` upgrades it: Helm never touches crds/)."""
+    res = _resource("apiextensions.k8s.io/v1", "CustomResourceDefinition")
+    res.server_side_apply(body=crd, name=crd["metadata"]["name"], field_manager=FIELD_MANAGER, force_conflicts=True)
+
+
+__all__ = ["FIELD_MANAGER", "PLURAL", "apply", "apply_crd", "check_access", "delete", "dynamic", "get",
+           "get_h3deployment", "list_children", "list_pods", "load_config", "owned_by", "patch_status", "post_event",
+           "served"]

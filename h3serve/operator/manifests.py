@@ -30,8 +30,9 @@ from typing import Any
 
 import yaml
 
+from h3serve.config.metrics import METRICS_PORT, SIGNALS
 from h3serve.config.spec import API_VERSION, KIND, H3DeploymentSpec, ServiceConfig
-from h3serve.config.stage import CONFIG_ENV
+from h3serve.config.stage import CONFIG_ENV, service_config_values
 from h3serve.config.vocab import (
     DIST_PORT,
     GRPC_PORT,
@@ -67,7 +68,12 @@ KINDS: dict[str, tuple[str, str]] = {  # kind -> (apiVersion, plural)
     "StatefulSet": ("apps/v1", "statefulsets"),
     "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),
     "NetworkPolicy": ("networking.k8s.io/v1", "networkpolicies"),
+    "HorizontalPodAutoscaler": ("autoscaling/v2", "horizontalpodautoscalers"),
+    "PodGroup": ("scheduling.k8s.io/v1beta1", "podgroups"),
 }
+# PodGroup (gang scheduling, Kubernetes 1.37 beta behind the GenericWorkload feature gate) may be missing: the operator
+# renders it only where the API server serves it.
+OPTIONAL_KINDS = ("PodGroup",)
 
 
 def labels(name: str, component: str | None = None) -> dict[str, str]:
@@ -99,6 +105,11 @@ def component_replicas(spec: H3DeploymentSpec, component: str) -> int:
     if component == ENGINE:
         return spec.stage_replicas("dit")
     return spec.stage_replicas(component)
+
+
+def autoscaling(spec: H3DeploymentSpec, component: str):
+    """The component's AutoscalingSpec, or None (the colocated engine scales by spec.replicas)."""
+    return None if component == ENGINE else getattr(spec, component).autoscaling
 
 
 def gang_size(spec: H3DeploymentSpec, component: str) -> int:
@@ -134,23 +145,39 @@ def service_config(spec: H3DeploymentSpec, name: str, namespace: str) -> Service
                          dtype=SERVE_DTYPE, device=SERVE_DEVICE)
 
 
+def component_stages(component: str) -> tuple[str, ...]:
+    """The stages the processes of a component's pods run."""
+    return (*PIPELINE_STAGES, GATEWAY) if component == ENGINE else (component,)
+
+
+def config_hash(service_cfg: dict, component: str) -> str:
+    """Hash of exactly the part of the service config a component's processes read (their
+    `service_config_values`): a pod restarts only when its own stage's configuration changes. Replicas, and other
+    stages' knobs, are not in it; the pod template itself rolls the pods when it changes."""
+    consumed = {st: service_config_values(service_cfg, st) for st in component_stages(component)}
+    return hashlib.sha256(_dump_yaml_like(consumed).encode()).hexdigest()[:16]
+
+
 def _dump_yaml_like(d: Any) -> str:
     # JSON is YAML; sorted keys make the ConfigMap (and its hash) stable.
     return json.dumps(d, indent=2, sort_keys=True) + "\n"
 
 
-def render(spec: H3DeploymentSpec, name: str, namespace: str, owner: dict | None = None) -> list[dict]:
-    """All desired objects, in apply order. `owner` = the H3Deployment's metadata (needs `uid`) -> ownerReferences."""
+def render(spec: H3DeploymentSpec, name: str, namespace: str, owner: dict | None = None,
+           gang_scheduling: bool = True) -> list[dict]:
+    """All desired objects, in apply order. `owner` = the H3Deployment's metadata (needs `uid`) -> ownerReferences.
+    `gang_scheduling`: the cluster serves scheduling.k8s.io/v1beta1 PodGroups, so each multi-node replica is placed
+    all or nothing (a PodGroup with a gang policy of the replica's pod count)."""
     objs: list[dict] = []
-    cfg_text = _dump_yaml_like(service_config(spec, name, namespace).to_dict())
-    cfg_hash = hashlib.sha256(cfg_text.encode()).hexdigest()[:16]
+    cfg = service_config(spec, name, namespace).to_dict()
+    cfg_text = _dump_yaml_like(cfg)
 
     objs.append(_meta({"apiVersion": "v1", "kind": "ServiceAccount", "automountServiceAccountToken": False},
                       name, name, namespace, None))
     objs.append(_meta({"apiVersion": "v1", "kind": "ConfigMap", "data": {"h3serve.yaml": cfg_text}},
                       f"{name}-config", name, namespace, None))
     for comp in components(spec):
-        objs += _component(spec, name, namespace, comp, cfg_hash)
+        objs += _component(spec, name, namespace, comp, config_hash(cfg, comp), gang_scheduling)
     objs += _network_policies(spec, name, namespace)
     if owner is not None:
         ref = {"apiVersion": API_VERSION, "kind": KIND, "name": owner["name"], "uid": owner["uid"],
@@ -172,7 +199,8 @@ def front(comp: str) -> bool:
     return comp in (GATEWAY, ENGINE)
 
 
-def _component(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, cfg_hash: str) -> list[dict]:
+def _component(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, cfg_hash: str,
+               gang_scheduling: bool = True) -> list[dict]:
     objs: list[dict] = []
     replicas = component_replicas(spec, comp)
     gang = gang_size(spec, comp)
@@ -192,6 +220,8 @@ def _component(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, cfg
 
     if gang == 1:
         objs.append(_deployment(spec, name, namespace, comp, replicas, gpus, cfg_hash))
+        if autoscaling(spec, comp) is not None:
+            objs.append(_hpa(spec, name, namespace, comp))
     else:
         per_pod = spec.gpus_per_node
         for r in range(replicas):
@@ -201,19 +231,28 @@ def _component(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, cfg
                 "clusterIP": "None", "publishNotReadyAddresses": True, "selector": gsel,
                 "ports": [{"name": "dist", "port": DIST_PORT, "targetPort": "dist", "protocol": "TCP"}]}},
                 gname, name, namespace, comp))
-            objs.append(_statefulset(spec, name, namespace, comp, gname, gang, per_pod, gpus, cfg_hash))
+            if gang_scheduling:  # before its pods: the scheduler holds them until the whole gang fits
+                objs.append(_meta({"apiVersion": "scheduling.k8s.io/v1beta1", "kind": "PodGroup", "spec": {
+                    "schedulingPolicy": {"gang": {"minCount": gang}}}}, gname, name, namespace, comp))
+            objs.append(_statefulset(spec, name, namespace, comp, gname, gang, per_pod, gpus, cfg_hash,
+                                     gang_scheduling))
 
-    pdb = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "spec": {
-        "maxUnavailable": 1, "selector": {"matchLabels": selector(name, comp)},
-        "unhealthyPodEvictionPolicy": "AlwaysAllow"}}
-    objs.append(_meta(pdb, f"{name}-{comp}", name, namespace, comp))
+    if replicas > 1:
+        # One replica may go (a whole gang: evicting any of its pods stops it); a single replica gets no PDB, which
+        # could only block node drains without keeping anything serving.
+        pdb = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "spec": {
+            "minAvailable": (replicas - 1) * gang, "selector": {"matchLabels": selector(name, comp)},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow"}}
+        objs.append(_meta(pdb, f"{name}-{comp}", name, namespace, comp))
     return objs
 
 
 def _stage_opts(spec: H3DeploymentSpec, comp: str):
     sub = spec.gateway if comp == GATEWAY else (spec.dit if comp == ENGINE else getattr(spec, comp))
-    node_selector = sub.node_selector if sub.node_selector is not None else spec.node_selector
-    tolerations = sub.tolerations if sub.tolerations is not None else spec.tolerations
+    node_selector, tolerations = sub.node_selector, sub.tolerations
+    if component_gpus(spec, comp):  # the spec-wide placement is for GPU pods: CPU stages do not tolerate GPU taints
+        node_selector = spec.node_selector if node_selector is None else node_selector
+        tolerations = spec.tolerations if tolerations is None else tolerations
     resources = sub.resources
     if comp == ENGINE:  # the engine pod runs every stage: take the DiT's resources (the largest stage)
         resources = spec.dit.resources
@@ -248,10 +287,21 @@ def _grpc_probe(period: int, failures: int, timeout: int = 5) -> dict:
             "timeoutSeconds": timeout, "failureThreshold": failures}
 
 
+def metrics_ports(comp: str) -> dict[str, int]:
+    """stage -> the port its process serves /metrics on, for the processes of a component's pods."""
+    if comp == GATEWAY:
+        return {GATEWAY: HTTP_PORT}
+    out = {st: METRICS_PORT + PORT_OFFSETS[st] for st in component_stages(comp) if st in PIPELINE_STAGES}
+    if comp == ENGINE:
+        out[GATEWAY] = HTTP_PORT
+    return out
+
+
 def _env(spec: H3DeploymentSpec, comp: str) -> list[dict]:
     env = [
         {"name": CONFIG_ENV, "value": CONFIG_PATH},
         {"name": "H3SERVE_COMPONENT", "value": comp},
+        *([{"name": "H3SERVE_METRICS_PORT", "value": str(METRICS_PORT)}] if comp != GATEWAY else []),
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
@@ -300,6 +350,10 @@ def _pod_template(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, 
     ports = [{"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"}]
     if front(comp):
         ports.append({"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"})
+    for st, port in metrics_ports(comp).items():
+        if port != HTTP_PORT:
+            ports.append({"name": f"metrics-{st[:3]}" if comp == ENGINE else "metrics", "containerPort": port,
+                          "protocol": "TCP"})
     if gang:
         ports.append({"name": "dist", "containerPort": DIST_PORT, "protocol": "TCP"})
     mounts = [{"name": "config", "mountPath": "/etc/h3serve", "readOnly": True},
@@ -357,7 +411,13 @@ def _pod_template(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, 
     if spec.image_pull_secrets:
         pod["imagePullSecrets"] = [{"name": s} for s in spec.image_pull_secrets]
     tmpl_labels = {**labels(name, comp), **extra_labels}
-    return {"metadata": {"labels": tmpl_labels, "annotations": {ANN_CONFIG_HASH: cfg_hash}}, "spec": pod}
+    # Scrape annotations name one port: the stage's own (the engine: its gateway's; its stages' ports are named
+    # metrics-<stage> for a PodMonitor).
+    mports = metrics_ports(comp)
+    scrape = mports[GATEWAY] if comp == ENGINE else next(iter(mports.values()))
+    ann = {ANN_CONFIG_HASH: cfg_hash, "prometheus.io/scrape": "true", "prometheus.io/port": str(scrape),
+           "prometheus.io/path": "/metrics"}
+    return {"metadata": {"labels": tmpl_labels, "annotations": ann}, "spec": pod}
 
 
 def _readonly_volume(source: dict) -> dict:
@@ -379,15 +439,35 @@ def _deployment(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, re
     dep = {"apiVersion": "apps/v1", "kind": "Deployment", "spec": {
         "replicas": replicas, "revisionHistoryLimit": 5, "strategy": strategy,
         "selector": {"matchLabels": selector(name, comp)}, "template": tmpl}}
+    if autoscaling(spec, comp) is not None:
+        # The autoscaler owns the count: the operator's apply leaves the field out, so it never fights the HPA.
+        del dep["spec"]["replicas"]
     return _meta(dep, f"{name}-{comp}", name, namespace, comp)
 
 
+def _hpa(spec: H3DeploymentSpec, name: str, namespace: str, comp: str) -> dict:
+    """An autoscaling/v2 HPA on the stage Deployment, on the stage's diffusion signals (h3serve.config.metrics)."""
+    a = autoscaling(spec, comp)
+    metrics = []
+    for i, sig in enumerate(SIGNALS[comp]):
+        target = a.target if (a.target is not None and i == 0) else sig.target
+        metrics.append({"type": "Pods", "pods": {"metric": {"name": sig.metric},
+                                                 "target": {"type": "AverageValue", "averageValue": target}}})
+    hpa = {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "spec": {
+        "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"{name}-{comp}"},
+        "minReplicas": a.min_replicas, "maxReplicas": a.max_replicas, "metrics": metrics,
+        "behavior": {"scaleDown": {"stabilizationWindowSeconds": a.scale_down_stabilization_seconds}}}}
+    return _meta(hpa, f"{name}-{comp}", name, namespace, comp)
+
+
 def _statefulset(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, gname: str, gang: int,
-                 per_pod: int, gpus: int, cfg_hash: str) -> dict:
+                 per_pod: int, gpus: int, cfg_hash: str, gang_scheduling: bool = True) -> dict:
     master = f"{gname}-0.{gname}.{namespace}.svc"
     dist = _dist_env(gpus, per_pod, gang, master, True)
     tmpl = _pod_template(spec, name, namespace, comp, per_pod, cfg_hash, {"h3serve.io/gang": gname}, dist, True)
     tmpl["metadata"]["annotations"][ANN_GANG] = str(gang)
+    if gang_scheduling:
+        tmpl["spec"]["schedulingGroup"] = {"podGroupName": gname}
     sts = {"apiVersion": "apps/v1", "kind": "StatefulSet", "spec": {
         "replicas": gang, "serviceName": gname, "podManagementPolicy": "Parallel", "revisionHistoryLimit": 5,
         "updateStrategy": {"type": "RollingUpdate"},
@@ -406,12 +486,28 @@ def _network_policies(spec: H3DeploymentSpec, name: str, namespace: str) -> list
         "policyTypes": ["Ingress"],
         # Any port: gRPC, torch.distributed / NCCL and UCX pick ports of their own between peers.
         "ingress": [{"from": [same_instance]}]}}
+    door: dict = {"ports": [{"port": GRPC_PORT, "protocol": "TCP"}, {"port": HTTP_PORT, "protocol": "TCP"}]}
+    src = spec.gateway.ingress_from
+    if src is not None:  # only these namespaces and ranges (and the instance's own pods, below); an empty one: none
+        door["from"] = [{"namespaceSelector": {"matchExpressions": [
+            {"key": "kubernetes.io/metadata.name", "operator": "In", "values": sorted(src.namespaces)}]}}
+            ] if src.namespaces else []
+        door["from"] += [{"ipBlock": {"cidr": c}} for c in src.cidrs or []]
+    ingress = [door, {"from": [same_instance]}] if door.get("from", True) else [{"from": [same_instance]}]
+    mon = spec.metrics.monitoring_namespace
+    if mon:  # the monitoring namespace may scrape every pod's metrics ports (only those)
+        scrape_from = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": mon}}}]
+        stage_ports = sorted({p for c in (*PIPELINE_STAGES, ENGINE) for p in metrics_ports(c).values()
+                              if p != HTTP_PORT})
+        stages["spec"]["ingress"].append({"from": scrape_from, "ports": [
+            {"port": p, "protocol": "TCP"} for p in stage_ports]})
+        ingress.append({"from": scrape_from, "ports": [{"port": HTTP_PORT, "protocol": "TCP"}] + [
+            {"port": p, "protocol": "TCP"} for p in stage_ports]})
     gateway = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "spec": {
         "podSelector": {"matchExpressions": [
             *mine, {"key": LABEL_COMPONENT, "operator": "In", "values": [GATEWAY, ENGINE]}]},
         "policyTypes": ["Ingress"],
-        "ingress": [{"ports": [{"port": GRPC_PORT, "protocol": "TCP"}, {"port": HTTP_PORT, "protocol": "TCP"}]},
-                    {"from": [same_instance]}]}}
+        "ingress": ingress}}
     return [_meta(stages, f"{name}-stages", name, namespace, None),
             _meta(gateway, f"{name}-gateway", name, namespace, None)]
 

@@ -7,7 +7,8 @@ Conditions (reasons are CamelCase):
 - SpecValid    True  SpecAccepted | False InvalidSpec (message: every problem, with what to change)
 - Progressing  True  RollingOut (message: the workloads still rolling out) | False RolloutComplete | False InvalidSpec
 - Ready        True  AllStagesReady | False StagesNotReady | False ScaledToZero | False InvalidSpec
-- Degraded     True  ApplyFailed | PodsUnschedulable | PodsFailing | RolloutStalled | StagesUnavailable
+- Degraded     True  ForeignObject (message: the objects in the way, by kind/name) | ApplyFailed |
+                     PodsUnschedulable | PodsFailing | RolloutStalled | StagesUnavailable
                False AsExpected
 """
 
@@ -96,7 +97,10 @@ def _condition(ctype: str, ok: bool, reason: str, message: str, generation: int,
 
 def compute(*, name: str, namespace: str, generation: int, spec: H3DeploymentSpec | None,
             issues: list[tuple[str, str]], workloads: list[dict], previous: dict | None, now: str,
-            apply_error: str | None = None, pods: list[dict] | None = None) -> dict:
+            apply_error: str | None = None, pods: list[dict] | None = None,
+            foreign: list[str] | None = None) -> dict:
+    """`foreign`: "Kind/name" of objects in the way: they have a child's name but this H3Deployment did not create
+    them, so the operator leaves them alone (never adopts, changes or deletes them)."""
     previous = previous or {}
     live = {(w["kind"], w["metadata"]["name"]): w for w in workloads}
     expected = expected_workloads(spec, name) if spec is not None else expected_from_live(workloads)
@@ -105,8 +109,11 @@ def compute(*, name: str, namespace: str, generation: int, spec: H3DeploymentSpe
     comp_desired: dict[str, int] = {}
     comp_ready: dict[str, int] = {}
     rolling, stalled = [], []
+    autoscaled = {c for c in M.components(spec) if M.autoscaling(spec, c) is not None} if spec is not None else set()
     for e in expected:
         w = live.get((e.kind, e.name))
+        if e.component in autoscaled and w is not None:  # the autoscaler's count, not the spec's
+            e = Expected(e.component, e.kind, e.name, int((w.get("spec") or {}).get("replicas") or 0))
         done, stall, ready_pods = _rolled_out(w, e.pods)
         if e.kind == "Deployment":
             comp_desired[e.component] = comp_desired.get(e.component, 0) + e.pods
@@ -158,7 +165,10 @@ def compute(*, name: str, namespace: str, generation: int, spec: H3DeploymentSpe
     conds.append(_condition("Progressing", prog[0], prog[1], prog[2], generation, previous, now))
 
     problems = pod_problems(pods or []) if not_ready else []
-    if apply_error:
+    if foreign:
+        deg = (True, "ForeignObject", f"not adopted: {', '.join(foreign)} already exist(s) and not created by this "
+                                      f"H3Deployment; delete or rename them, or rename the H3Deployment")
+    elif apply_error:
         deg = (True, "ApplyFailed", apply_error)
     elif problems:
         deg = (True, problems[0][0], "; ".join(t for _, t in problems[:5]))
@@ -197,3 +207,33 @@ def same(a: dict | None, b: dict | None) -> bool:
         s["conditions"] = [{k: v for k, v in c.items() if k != "lastTransitionTime"} for c in s.get("conditions") or []]
         return s
     return strip(a) == strip(b)
+
+
+GROUP_SKEW_SECONDS = 5.0  # members of one gang start within this of each other; a later one replaced a member
+
+
+def stale_gang_members(statefulset: dict, pods: list[dict]) -> list[tuple[str, str]]:
+    """(pod, why) of a gang's pods that must go so that the gang restarts as one: a gang runs one world, so one
+    config (every member at the StatefulSet's update revision) and one start (a member recreated after a failure
+    means the others' world is gone). The StatefulSet recreates what is deleted. Pure: the caller deletes."""
+    import datetime as _dt
+
+    want = (statefulset.get("status") or {}).get("updateRevision")
+    live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+    if len(live) < 2:
+        return []
+    out = []
+    revs = {(p["metadata"].get("labels") or {}).get("controller-revision-hash") for p in live}
+    if want and len(revs) > 1:
+        for p in live:
+            if (p["metadata"].get("labels") or {}).get("controller-revision-hash") != want:
+                out.append((p["metadata"]["name"], "one config per gang: a member already runs the new revision"))
+        return sorted(out)
+
+    def created(p):
+        return _dt.datetime.fromisoformat(str(p["metadata"]["creationTimestamp"]).replace("Z", "+00:00"))
+    newest = max(created(p) for p in live)
+    for p in live:
+        if (newest - created(p)).total_seconds() > GROUP_SKEW_SECONDS:
+            out.append((p["metadata"]["name"], "group restart: another member of the gang was recreated"))
+    return sorted(out)

@@ -24,13 +24,22 @@ import time
 from dataclasses import fields, replace
 from typing import Mapping
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from h3serve._proto import common_pb2
 from h3serve.config.stage import CONFIG_ENV, StageConfig, connect_host, service_config_values
-from h3serve.config.vocab import FASTH3_DIT, HTTP_PORT, MODEL_STAGES, PORT_OFFSETS, STAGES, START_ORDER
+from h3serve.config.vocab import FASTH3_DIT, HTTP_PORT, MODEL_STAGES, PORT_OFFSETS, SERVICE_NAMES, STAGES, START_ORDER
 from h3serve.distributed.world import free_port
 from h3serve.errors import H3Error, RequestError
 from h3serve.runtime import ranks
 from h3serve.runtime.process import EXIT_LOAD_FAILED, ServicerFactory, announce, run_stage
+from h3serve.runtime.tls import Tls
 from h3serve.transport.grpc import wait_serving
+
+# the launcher's liveness probe: a child SERVING once and then silent (health deadline exceeded) this long is hung
+LIVENESS_INTERVAL_S = 1.0
+LIVENESS_S = 10.0
 
 
 def parse_stages(text: str) -> list[str]:
@@ -43,11 +52,12 @@ def parse_stages(text: str) -> list[str]:
     return [s for s in STAGES if s in names]
 
 
-_PASS = ("checkpoint", "profile", "adapter", "adapter_sha256", "dtype", "device", "threads", "host", "grace_s",
-         "queue_size", "max_inflight", "request_timeout_s", "jobs_dir", "job_ttl_s", "max_jobs", "max_sync_bytes",
-         "transport", "model_name", "frame_format", "mux_threads", "crf", "preset", "session_ttl_s", "tmp_dir", "http_host",
-         "encoder_tp", "ulysses", "ring", "vae_pp", "dit_resident_blocks", "dit_offload_mode", "fp8", "fp8_attention",
-         "encoder_cache_bytes", "fasth3_dit", "tasks")
+_PASS = ("checkpoint", "checkpoint_manifest_sha256", "profile", "adapter", "adapter_sha256", "dtype", "device",
+         "threads", "host", "grace_s", "queue_size", "max_inflight", "request_timeout_s", "jobs_dir", "job_store",
+         "job_ttl_s", "max_jobs", "max_sync_bytes", "api_keys_file", "tls_cert", "tls_key", "tls_ca", "transport",
+         "model_name", "frame_format", "mux_threads", "crf", "preset", "session_ttl_s", "max_session_ttl_s",
+         "max_sessions", "tmp_dir", "http_host", "encoder_tp", "ulysses", "ring", "vae_pp", "dit_resident_blocks",
+         "dit_offload_mode", "fp8", "fp8_attention", "encoder_cache_bytes", "fasth3_dit", "tasks")
 
 
 def child_argv(config: StageConfig, stage: str, port: int, addresses: dict[str, str], http_port: int | None,
@@ -56,6 +66,9 @@ def child_argv(config: StageConfig, stage: str, port: int, addresses: dict[str, 
             "--port", str(port)]
     if not config.warmup:
         argv.append("--no-warmup")
+    if config.no_auth:
+        argv.append("--no-auth")
+    argv += ["--peers", ",".join(sorted(set(addresses.values())))]   # a stage dials only the stages started here
     for name in _PASS:
         value = getattr(config, name)
         if value is not None and value != getattr(StageConfig, name, None):
@@ -97,6 +110,8 @@ class Launcher:
         for s in MODEL_STAGES + ("muxer",):   # a gateway without local stages talks to the ones given
             if s not in self.addresses and getattr(config, s):
                 self.addresses[s] = getattr(config, s)
+        tls = Tls.of(config)
+        self.credentials = tls.channel_credentials() if tls.enabled else None   # its health checks
         self.procs: dict[str, subprocess.Popen] = {}
         self.restarts: dict[str, int] = {s: 0 for s in stages}
         self.stopping = threading.Event()
@@ -119,7 +134,8 @@ class Launcher:
         if "gateway" in self.stages:
             http_host = connect_host(self.config.http_host)
             out["gateway"] = {"grpc": self.addresses["gateway"],
-                              "http": f"http://{http_host}:{self.http_port}" if self.http_port else None}
+                              "http": f"{'https' if self.credentials else 'http'}://{http_host}:{self.http_port}"
+                              if self.http_port else None}
         return out
 
     def start(self) -> bool:
@@ -128,14 +144,41 @@ class Launcher:
         end = time.monotonic() + self.start_timeout
         for stage in self.order:
             proc = self.procs[stage]
-            ok = wait_serving(self.addresses[stage], max(0.0, end - time.monotonic()),
-                              alive=lambda p=proc: p.poll() is None)
+            failed: list[str] = []
+            asked = [0.0]
+
+            def alive(p=proc, s=stage) -> bool:
+                if p.poll() is not None:
+                    return False
+                if s != "gateway" and time.monotonic() - asked[0] >= 1.0:   # a child up but failed its load
+                    asked[0] = time.monotonic()
+                    failed[:] = [self.load_error(s)]
+                return not (failed and failed[0])
+
+            ok = wait_serving(self.addresses[stage], max(0.0, end - time.monotonic()), alive=alive,
+                              credentials=self.credentials)
             if not ok:
                 why = f"exited with {proc.returncode}" if proc.poll() is not None else \
+                    f"load failed: {failed[0]}" if failed and failed[0] else \
                     f"not SERVING within {self.start_timeout:.0f}s"
                 print(f"h3serve: {stage} {why}", file=sys.stderr, flush=True)
                 return False
         return True
+
+    def load_error(self, stage: str) -> str:
+        """The reason a child stays up NOT_SERVING (its Status' load_error), or ""."""
+        ch = grpc.secure_channel(self.addresses[stage], self.credentials) if self.credentials else \
+            grpc.insecure_channel(self.addresses[stage])
+        try:
+            status = ch.unary_unary(f"/{SERVICE_NAMES[stage]}/Status",
+                                    request_serializer=common_pb2.StatusRequest.SerializeToString,
+                                    response_deserializer=common_pb2.StageStatus.FromString)(
+                common_pb2.StatusRequest(), timeout=1.0)
+            return json.loads(status.info_json or "{}").get("load_error", "")
+        except (grpc.RpcError, ValueError):
+            return ""
+        finally:
+            ch.close()
 
     def print_endpoints(self) -> None:
         eps = self.endpoints()
@@ -151,7 +194,42 @@ class Launcher:
                 print(f"{s:<13} {e['address']}  (pid {e['pid']})")
         sys.stdout.flush()
 
+    def _liveness(self) -> None:
+        """A child that stops answering gRPC health (a deadline per check) for LIVENESS_S is hung (SIGSTOP, a
+        wedged interpreter): kill it, and `supervise` restarts it — the launcher's liveness probe."""
+        channels = {s: grpc.secure_channel(a, self.credentials) if self.credentials else grpc.insecure_channel(a)
+                    for s, a in self.addresses.items() if s in self.stages}
+        stubs = {s: health_pb2_grpc.HealthStub(c) for s, c in channels.items()}
+        silent_since: dict[str, float] = {}
+        # stage -> the pid seen SERVING (a process still loading is never judged); `start` saw every one SERVING
+        served: dict[str, int] = {s: self.procs[s].pid for s in stubs}
+        while not self.stopping.wait(LIVENESS_INTERVAL_S):
+            for stage, stub in stubs.items():
+                proc = self.procs[stage]
+                if proc.poll() is not None:
+                    silent_since.pop(stage, None)
+                    continue
+                try:
+                    r = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=LIVENESS_INTERVAL_S)
+                    silent_since.pop(stage, None)
+                    if r.status == health_pb2.HealthCheckResponse.SERVING:
+                        served[stage] = proc.pid
+                except grpc.RpcError as err:
+                    if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED or served.get(stage) != proc.pid:
+                        continue   # refused or reset (starting or dying: `supervise` sees it), or still loading
+                    since = silent_since.setdefault(stage, time.monotonic())
+                    if time.monotonic() - since >= LIVENESS_S and not self.stopping.is_set():
+                        print(f"h3serve: {stage} (pid {proc.pid}) has not answered health checks for "
+                              f"{LIVENESS_S:.0f}s; killing it", file=sys.stderr, flush=True)
+                        if self.json_output:
+                            announce("hung", stage=stage, pid=proc.pid)
+                        proc.kill()
+                        silent_since.pop(stage, None)
+        for c in channels.values():
+            c.close()
+
     def supervise(self) -> None:
+        threading.Thread(target=self._liveness, name="h3serve-liveness", daemon=True).start()
         backoff = {s: 1.0 for s in self.stages}
         while not self.stopping.wait(0.25):
             for stage in self.stages:
@@ -174,7 +252,8 @@ class Launcher:
                 threading.Thread(target=self._reset_backoff, args=(stage, new, backoff), daemon=True).start()
 
     def _reset_backoff(self, stage: str, proc: subprocess.Popen, backoff: dict) -> None:
-        if wait_serving(self.addresses[stage], self.start_timeout, alive=lambda: proc.poll() is None):
+        if wait_serving(self.addresses[stage], self.start_timeout, alive=lambda: proc.poll() is None,
+                        credentials=self.credentials):
             backoff[stage] = 1.0
 
     def stop(self) -> int:

@@ -20,7 +20,10 @@ from grpc_reflection.v1alpha import reflection
 from h3serve.config.stage import StageConfig
 from h3serve.config.vocab import SERVICE_NAMES
 from h3serve.errors import H3Error
+from h3serve.runtime.metrics import serve_metrics
 from h3serve.runtime.stage import HealthHandle
+from h3serve.runtime.tls import Tls
+from h3serve.weights.manifest import STAGE_FOLDERS, IntegrityError, verify_manifest
 from h3serve.transport.grpc import MESSAGE_LIMIT, server_options
 
 log = logging.getLogger("h3serve.runtime.process")
@@ -45,17 +48,21 @@ class StageProcess:
         max_message = max(MESSAGE_LIMIT, getattr(self.servicer, "max_message", MESSAGE_LIMIT))
         self.server = grpc.server(ThreadPoolExecutor(max_workers=config.rpc_workers,
                                                      thread_name_prefix=f"grpc-{config.stage}"),
-                                  options=server_options(max_message))
+                                  options=server_options(max_message),
+                                  interceptors=getattr(self.servicer, "interceptors", ()))
         self.servicer.register(self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health_servicer, self.server)
         reflection.enable_server_reflection(
             [service, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
             self.server)
-        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        # TLS when configured (plaintext is then refused); stages other than the gateway require a peer certificate
+        self.port = Tls.of(config).add_port(self.server, f"{config.host}:{config.port}",
+                                            require_client=config.stage != "gateway")
         if not self.port:
             raise H3Error(f"{config.stage}: cannot listen on {config.host}:{config.port}")
         config.port = self.port
         self.server.start()
+        serve_metrics(self.servicer, config.host)  # a stage's /metrics, when $H3SERVE_METRICS_PORT is set
 
     @property
     def address(self) -> str:
@@ -63,6 +70,10 @@ class StageProcess:
 
     def load(self) -> None:
         t0 = time.perf_counter()
+        c = self.config
+        if c.checkpoint_manifest_sha256 and c.checkpoint and c.stage in STAGE_FOLDERS:
+            n = verify_manifest(c.checkpoint, c.checkpoint_manifest_sha256, stage=c.stage)
+            log.info("%s: %d checkpoint files match the manifest %s", c.stage, n, c.checkpoint_manifest_sha256)
         self.servicer.load()
         self.servicer.load_seconds = time.perf_counter() - t0
         self.servicer.ready = True
@@ -109,6 +120,15 @@ def run_stage(config: StageConfig, servicer_factory: ServicerFactory) -> int:
     announce("listening", stage=config.stage, address=proc.address, pid=os.getpid())
     try:
         proc.load()
+    except IntegrityError as exc:   # up, NOT_SERVING, the reason in its status: no restart loop hides it
+        log.error("%s: %s", config.stage, exc)
+        print(f"h3serve: {config.stage}: load failed: {exc}", file=sys.stderr, flush=True)
+        proc.servicer.load_error = str(exc)
+        announce("load_failed", stage=config.stage, pid=os.getpid(), reason=str(exc))
+        while not stop.wait(0.5):
+            pass
+        proc.server.stop(1.0).wait(5.0)
+        return EXIT_LOAD_FAILED
     except Exception as exc:  # noqa: BLE001 - a stage that cannot load exits non-zero, health never SERVING
         log.error("%s: load failed: %s", config.stage, exc, exc_info=not isinstance(exc, H3Error))
         print(f"h3serve: {config.stage}: load failed: {exc}", file=sys.stderr, flush=True)

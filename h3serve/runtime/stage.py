@@ -28,10 +28,13 @@ from h3serve.errors import Cancelled
 from h3serve.errortable import DeadlineExceeded, abort
 from h3serve.runtime.device import PeakMemory
 from h3serve.runtime.ranks import ParallelStage, degrees_of, stage_degree
-from h3serve.transport.grpc import insecure_channel
+from h3serve.runtime.tls import Tls, check_peer, parse_peers
+from h3serve.weights.manifest import IntegrityError
 from h3serve.transport.nixl.probe import select_transport, validate_transport
 
 log = logging.getLogger("h3serve.runtime.stage")
+MODULE_CHECK_S = 0.05   # how often a checked forward looks at cancel and deadline
+DEADLINE_SKEW_S = 0.5   # a call ended this close to its deadline ended by it, not by a cancel
 
 NO_DEADLINE = 1e8   # grpc reports "no deadline" as a time_remaining of years
 
@@ -75,7 +78,8 @@ class RequestScope:
 
     def _terminated(self) -> None:
         if self.active:
-            past = self.deadline is not None and time.monotonic() >= self.deadline
+            # the deadline here was taken when the scope began, a little after gRPC's own: allow for that
+            past = self.deadline is not None and time.monotonic() >= self.deadline - DEADLINE_SKEW_S
             self.signal("deadline" if past else "cancelled")
 
     def signal(self, reason: str) -> None:
@@ -128,6 +132,8 @@ class TransportChoice:
 class StageBase:
     """What every stage servicer shares. Subclasses set `stage`, implement `register`, `load` and their RPCs."""
 
+    checks_modules = False   # a stage whose unit of work is one long forward checks cancel / deadline per module
+
     stage = "stage"
     manages_health = False
 
@@ -148,11 +154,25 @@ class StageBase:
         self.last: RequestScope | None = None
         self.last_seconds = 0.0
         self.load_seconds = 0.0
+        self.load_error = ""   # why load failed when the stage stays up NOT_SERVING (IntegrityError)
         self.ready = False
         self.parallel = None   # h3serve.runtime.ranks.ParallelStage when the stage has several ranks
         self.transport = TransportChoice(config.transport or "grpc")   # decided at load by `choose_transport`
         self._channels: dict[str, grpc.Channel] = {}   # to the stages this one streams to, by address
         self._channels_lock = threading.Lock()
+        self.tls = Tls.of(config)
+        self.peers = parse_peers(config.peers)
+        if self.peers is None and self.stage in ("dit", "vae"):
+            log.warning("%s: --peers not set: this stage dials any address a request names as its sink",
+                        self.stage)
+
+    def check_finite(self, **tensors: torch.Tensor) -> None:
+        """Warm-up output must be finite: weights that compute NaN / Inf keep the stage NOT_SERVING."""
+        for name, t in tensors.items():
+            if not bool(torch.isfinite(t).all()):
+                bad = int((~torch.isfinite(t)).sum())
+                raise IntegrityError(f"{self.stage}: warm-up {name} has {bad} NaN / Inf values of {t.numel()}: the "
+                                     "weights are corrupt or do not match the model")
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     def _init_engine_thread(self) -> None:
@@ -187,11 +207,25 @@ class StageBase:
     def _on_engine(self, scope: RequestScope, fn: Callable[[], Any]) -> Any:
         self.engine_scope = scope
         peak = PeakMemory(self.config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        hook = None
+        # one long forward (a huge prompt): stop between modules (one rank only: ranks must not part mid-forward)
+        if self.checks_modules and self.parallel is None:
+            last = [time.monotonic()]
+
+            def between_modules(_module, _args):
+                now = time.monotonic()
+                if now - last[0] >= MODULE_CHECK_S:
+                    last[0] = now
+                    scope.check("mid-forward")
+
+            hook = torch.nn.modules.module.register_module_forward_pre_hook(between_modules)
         try:
             scope.check("before start")
             with peak:
                 return fn()
         finally:
+            if hook is not None:
+                hook.remove()
             scope.peak_memory_mb = max(scope.peak_memory_mb, peak.mb)
             self.engine_scope = None
 
@@ -208,11 +242,14 @@ class StageBase:
             channel.close()
 
     def channel(self, address: str) -> grpc.Channel:
-        """The channel to another stage at `address` (one per address, for the life of this stage)."""
+        """The channel to another stage at `address` (one per address, for the life of this stage). The address
+        comes in a request (a sink): refused unless the deployment declares it (--peers), and with --tls-ca the
+        peer must prove a certificate of the deployment's CA."""
+        check_peer(self.peers, address, "sink.address")
         with self._channels_lock:
             channel = self._channels.get(address)
             if channel is None:
-                channel = self._channels[address] = insecure_channel(address)
+                channel = self._channels[address] = self.tls.channel(address)
         return channel
 
     def start_ranks(self):
@@ -227,6 +264,8 @@ class StageBase:
     def info(self) -> dict:
         out = {"load_seconds": round(self.load_seconds, 3), "profile": self.config.profile,
                "dtype": self.config.dtype, "threads": self.config.threads}
+        if self.load_error:
+            out["load_error"] = self.load_error
         if self.parallel is not None:
             out.update(self.parallel.info())
         return out

@@ -13,6 +13,18 @@ import time
 import torch
 
 from h3serve._proto import common_pb2, dit_pb2, dit_pb2_grpc, vae_pb2, vae_pb2_grpc
+from h3serve.config.request import (
+    BASE_STEPS_RANGE,
+    FASTH3_STEPS,
+    MAX_SECONDS,
+    MAX_SIDE,
+    MIN_SECONDS,
+    MIN_SIDE,
+    VAE_SPATIAL,
+    audio_latents_for_frames,
+    frames_for_seconds,
+    num_frames_to_latents,
+)
 from h3serve.config.stage import StageConfig
 from h3serve.config.vocab import DEFAULT_QUALITY, QUALITIES
 from h3serve.distributed.proxies import DiTEngineProxy
@@ -38,6 +50,35 @@ def served_tasks(config: StageConfig) -> tuple[str, ...]:
 def _unwrap(msg):
     kind = msg.WhichOneof("input")
     return ("chunk", msg.chunk) if kind == "chunk" else ("end", msg.end) if kind == "end" else (kind, msg)
+
+
+def check_geometry(p) -> None:
+    """The request geometry the gateway's validation produces, checked again for a direct caller: latent frames
+    5n+2 of a 4..15 s video, the audio latents of those frames, latent sides of a canvas side in range."""
+    lo, hi = (num_frames_to_latents(frames_for_seconds(s)) for s in (MIN_SECONDS, MAX_SECONDS))
+    if not (lo <= p.latent_frames <= hi and (p.latent_frames - 2) % 5 == 0):
+        raise RequestError("latent_frames", p.latent_frames, f"5n+2 in [{lo}, {hi}] (a 4..15 s video)")
+    frames = (p.latent_frames - 2) // 5 * 17 + 5
+    if p.audio_latents != audio_latents_for_frames(frames):
+        raise RequestError("audio_latents", p.audio_latents,
+                           f"{audio_latents_for_frames(frames)} (the audio of {frames} frames)")
+    for name in ("latent_height", "latent_width"):
+        value = getattr(p, name)
+        if not MIN_SIDE // VAE_SPATIAL <= value <= MAX_SIDE // VAE_SPATIAL:
+            raise RequestError(name, value, f"an integer in [{MIN_SIDE // VAE_SPATIAL}, {MAX_SIDE // VAE_SPATIAL}]")
+    lo, hi = BASE_STEPS_RANGE
+    if p.steps and not (p.steps == FASTH3_STEPS if p.profile == "fasth3" else lo <= p.steps <= hi):
+        raise RequestError("steps", p.steps, f"{FASTH3_STEPS} (fasth3)" if p.profile == "fasth3" else
+                           f"grid points in [{lo}, {hi}], or 0 for the default")
+
+
+def check_text(states, tags, text_dim: int | None) -> None:
+    """text_states (1, L, D) float with the model's D, text_tags (L,) integer."""
+    if states.ndim != 3 or states.shape[0] != 1 or not states.is_floating_point() or \
+            (text_dim is not None and states.shape[2] != text_dim):
+        raise RequestError("text_states", tuple(states.shape), f"(1, L, {text_dim or 'D'}) floating point")
+    if tags.ndim != 1 or tags.shape[0] != states.shape[1] or tags.is_floating_point():
+        raise RequestError("text_tags", tuple(tags.shape), f"({states.shape[1]},) integer, one tag per token")
 
 
 class DiTServicer(StageBase):
@@ -77,7 +118,8 @@ class DiTServicer(StageBase):
             req = DiTRequest(text_states=torch.zeros(1, 4, model.config.text_dim), text_tags=torch.ones(4, dtype=torch.long),
                              latent_frames=2, latent_h=2, latent_w=2, audio_latents=4, seed=0, task="t2va",
                              profile=c.profile, steps=None if c.profile == "fasth3" else 2)
-            self.engine.generate(req)
+            out = self.engine.generate(req)
+            self.check_finite(video_latents=out.video, audio_latents=out.audio)
 
     def info(self) -> dict:
         return {**super().info(), "tasks": list(self.tasks),
@@ -101,6 +143,7 @@ class DiTServicer(StageBase):
             cond.check_kinds(kinds, task)
         except ValueError as exc:
             raise RequestError("condition_kinds", kinds, str(exc)) from None
+        check_geometry(p)
         scope = self.scope(context, p.request_id)
         try:
             tensors = {}
@@ -111,6 +154,9 @@ class DiTServicer(StageBase):
                     raise RequestError(name, None, "the DiT needs text_states (1, L, D) and text_tags (L,)")
             if p.profile != self.config.profile:
                 raise RequestError("profile", p.profile, f"this DiT serves profile {self.config.profile!r}")
+            model = getattr(self.engine, "models", {}).get("transformer")
+            check_text(tensors["text_states"], tensors["text_tags"], getattr(getattr(model, "config", None),
+                                                                            "text_dim", None))
             missing = [f"condition.{i}" for i in range(len(kinds)) if f"condition.{i}" not in tensors]
             if missing:
                 raise RequestError(missing[0], None, "one encoded condition per condition kind")

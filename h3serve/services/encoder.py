@@ -34,6 +34,7 @@ def _unwrap(msg):
 
 class EncoderServicer(StageBase):
     stage = "encoder"
+    checks_modules = True   # a prompt is one forward: a caller's cancel or deadline stops it between layers
 
     def __init__(self, config: StageConfig, health=None):
         super().__init__(config, health)
@@ -60,7 +61,7 @@ class EncoderServicer(StageBase):
                 if self.config.fp8:  # the text decoder's projections in FP8 (lever --fp8)
                     quantize_text_decoder(self.encoder.model)
             if self.config.warmup:
-                self.encoder.encode("warm-up", task="t2va")
+                self.check_finite(text_states=self.encoder.encode("warm-up", task="t2va").states)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
 

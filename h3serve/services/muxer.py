@@ -9,12 +9,17 @@
 A reader thread drains the network stream into a short queue while the handler thread encodes, so receiving the
 next clip overlaps encoding this one. A Push stream that ends without its end marker (the VAE died or was
 cancelled) fails the session; Fetch then reports the VAE as unavailable. Unfetched sessions expire after their TTL.
+
+Bounds: at most --max-sessions sessions at once (then RESOURCE_EXHAUSTED), a TTL of at most --max-session-ttl-s. On
+SIGTERM only a Push in progress, or an MP4 finished less than FETCH_GRACE_S ago, holds the drain: a session opened
+and never pushed does not.
 """
 
 from __future__ import annotations
 
 import io
 import logging
+import math
 import os
 import queue
 import secrets
@@ -30,7 +35,7 @@ from h3serve._proto import common_pb2, muxer_pb2, muxer_pb2_grpc
 from h3serve.config.request import FRAMES_PER_CLIP
 from h3serve.config.stage import StageConfig
 from h3serve.errors import MediaError, RequestError, TransportError
-from h3serve.errortable import NotFound, StageUnavailable, grpc_method
+from h3serve.errortable import NotFound, QueueFull, StageUnavailable, grpc_method
 from h3serve.media.mux import Mp4Writer
 from h3serve.models.vae.yuv import rgb_to_yuv420p
 from h3serve.runtime.stage import StageBase
@@ -42,6 +47,7 @@ from h3serve.transport.nixl.receiver import DEFAULT_SLOT_BYTES
 
 log = logging.getLogger("h3serve.muxer")
 
+FETCH_GRACE_S = 10.0   # a finished MP4 holds SIGTERM this long for its Fetch
 RECEIVE_DEPTH = 4    # messages buffered between the network reader and the encoder (<= 16 MiB)
 NIXL_SLOTS = 3       # K: clips the VAE may run ahead of the encoder over NIXL
 
@@ -65,6 +71,7 @@ class Session:
     ttl_s: float
     path: str
     created: float = field(default_factory=time.monotonic)
+    finished: float | None = None   # time.monotonic() when the MP4 was closed
     state: str = "open"      # open | pushing | done | failed | aborted
     error: BaseException | None = None
     result: object = None
@@ -115,9 +122,11 @@ class MuxerServicer(StageBase):
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
 
     def busy(self) -> bool:
-        return bool(self.active) or any(s.state in ("open", "pushing") or (s.state == "done" and
-                                                                         os.path.exists(s.path))
-                                        for s in list(self.sessions.values()))
+        now = time.monotonic()
+        return bool(self.active) or any(
+            s.state == "pushing" or (s.state == "done" and os.path.exists(s.path) and s.finished is not None
+                                     and now - s.finished < FETCH_GRACE_S)
+            for s in list(self.sessions.values()))
 
     def info(self) -> dict:
         return {**super().info(), "sessions": len(self.sessions), "writer": self.writer_options,
@@ -159,6 +168,10 @@ class MuxerServicer(StageBase):
         if r.width % 2 or r.height % 2:
             raise RequestError("width" if r.width % 2 else "height", r.width if r.width % 2 else r.height,
                                "even (yuv420p)")
+        limit = self.config.max_session_ttl_s
+        if not (r.ttl_s == 0 or (math.isfinite(r.ttl_s) and 0 < r.ttl_s <= limit)):
+            raise RequestError("ttl_s", r.ttl_s, f"seconds in (0, {limit:g}] (0: the default, "
+                                                 f"{self.config.session_ttl_s:g})")
         transport = r.transport or "grpc"
         sid = secrets.token_hex(12)
         # nixl: what this replica offers (the pool is registered when the VAE connects); grpc needs nothing
@@ -168,6 +181,9 @@ class MuxerServicer(StageBase):
                           transport=transport, ttl_s=r.ttl_s if r.ttl_s > 0 else self.config.session_ttl_s,
                           path=os.path.join(self.tmp_dir, f"{sid}.mp4"))
         with self.sessions_lock:
+            if len(self.sessions) >= self.config.max_sessions:
+                raise QueueFull(f"muxer: {len(self.sessions)} sessions open, the most this replica holds "
+                                f"(--max-sessions {self.config.max_sessions}); retry later", stage="muxer")
             self.sessions[sid] = session
         return muxer_pb2.OpenSessionResponse(session_id=sid, address=self.config.address,
                                              transport_metadata=metadata, max_chunk_bytes=CHUNK_BYTES)
@@ -321,7 +337,7 @@ def _close(writer: Mp4Writer, session: Session) -> muxer_pb2.PushResult:
     session.result = muxer_pb2.PushResult(frames=stats.frames, audio_samples=stats.audio_samples,
                                           mp4_bytes=stats.bytes, encode_seconds=stats.encode_seconds,
                                           tail_seconds=time.perf_counter() - t_end)
-    session.state = "done"
+    session.state, session.finished = "done", time.monotonic()
     session.done.set()
     return session.result
 

@@ -90,9 +90,9 @@ class VAEServicer(StageBase):
             self.video_vae = VideoVAE.load(self.config.checkpoint, dtype=DTYPES[self.config.dtype], device=device)
         self.audio_vae = AudioVAE.load(self.config.checkpoint, dtype=torch.float32, device=device)
         if self.config.warmup:   # one window at the smallest size, and a short audio decode
-            for _ in self.video_vae.iter_decode(torch.zeros(1, self.video_vae.latent_channels, 7, 2, 2)):
-                pass
-            self.audio_vae.decode(torch.zeros(2, self.audio_vae.latent_channels, 4))
+            for clip in self.video_vae.iter_decode_float(torch.zeros(1, self.video_vae.latent_channels, 7, 2, 2)):
+                self.check_finite(video=clip)
+            self.check_finite(audio=self.audio_vae.decode(torch.zeros(2, self.audio_vae.latent_channels, 4)))
 
     @grpc_method("vae")
     def Handshake(self, request, context):
@@ -173,6 +173,11 @@ class VAEServicer(StageBase):
                                    "(1, 24, T, h, w) float32")
             if audio is None or audio.ndim != 3:
                 raise RequestError("audio_latents", None if audio is None else tuple(audio.shape), "(2, 32, A) float32")
+            cv, ca = self.video_vae.latent_channels, self.audio_vae.latent_channels   # the loaded model's
+            if video.shape[1] != cv or not video.is_floating_point() or min(video.shape[2:]) < 1:
+                raise RequestError("video_latents", tuple(video.shape), f"(1, {cv}, T, h, w) float")
+            if audio.shape[0] != 2 or audio.shape[1] != ca or audio.shape[2] < 1 or not audio.is_floating_point():
+                raise RequestError("audio_latents", tuple(audio.shape), f"(2, {ca}, A) float")
             if not p.sink.address or not p.sink.session_id:
                 raise RequestError("sink", p.sink.address, "a muxer address and session id")
             done = yield from self.engine_events(scope, lambda emit: self._decode(scope, p, video, audio, emit),

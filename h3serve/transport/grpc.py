@@ -359,10 +359,11 @@ class GrpcStreamReceiver(TensorReceiver):
             self.recv_seconds += time.perf_counter() - t0
 
 
-def wait_serving(address: str, timeout: float, *, service: str = "", alive: Callable[[], bool] = lambda: True) -> bool:
+def wait_serving(address: str, timeout: float, *, service: str = "", alive: Callable[[], bool] = lambda: True,
+                 credentials: grpc.ChannelCredentials | None = None) -> bool:
     """Poll gRPC health at `address` until it reports SERVING (True), `timeout` passes or `alive()` fails (False)."""
     end = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
+    with (grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < end:
             if not alive():

@@ -53,17 +53,17 @@ def by_kind(docs):
 
 
 def test_namespaced_by_default(helm):
-    k = by_kind(template(helm))
+    k = by_kind(template(helm, "--set", "crd.manage=false"))
     assert "ClusterRole" not in k and "ClusterRoleBinding" not in k
-    assert [r["metadata"]["namespace"] for r in k["Role"]] == ["ops"]
+    assert [r["metadata"]["namespace"] for r in k["Role"]] == ["ops", "ops"]  # the watched one, the Lease's
     args = k["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--namespace=ops" in args and "--all-namespaces" not in args
 
 
 def test_watch_namespaces_get_a_role_each(helm):
     k = by_kind(template(helm, "--set", "watchNamespaces={a,b}"))
-    assert sorted(r["metadata"]["namespace"] for r in k["Role"]) == ["a", "b"]
-    assert sorted(b["metadata"]["namespace"] for b in k["RoleBinding"]) == ["a", "b"]
+    assert sorted(r["metadata"]["namespace"] for r in k["Role"]) == ["a", "b", "ops"]  # ops: the Lease
+    assert sorted(b["metadata"]["namespace"] for b in k["RoleBinding"]) == ["a", "b", "ops"]
     for b in k["RoleBinding"]:
         assert b["subjects"] == [{"kind": "ServiceAccount", "name": "h3op-h3serve-operator", "namespace": "ops"}]
     args = k["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -71,18 +71,20 @@ def test_watch_namespaces_get_a_role_each(helm):
 
 
 def test_cluster_scope_is_opt_in(helm):
-    k = by_kind(template(helm, "--set", "clusterScope=true"))
-    assert "Role" not in k and len(k["ClusterRole"]) == 1 and len(k["ClusterRoleBinding"]) == 1
+    k = by_kind(template(helm, "--set", "clusterScope=true", "--set", "crd.manage=false"))
+    assert [r["metadata"]["name"] for r in k["Role"]] == ["h3op-h3serve-operator-leader"]
+    assert len(k["ClusterRole"]) == 1 and len(k["ClusterRoleBinding"]) == 1
     assert "--all-namespaces" in k["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
 def test_rbac_is_least_privilege(helm):
-    rules = by_kind(template(helm))["Role"][0]["rules"]
+    rules = [r for r in by_kind(template(helm))["Role"] if not r["metadata"]["name"].endswith("-leader")][0]["rules"]
     granted = {(g, r): set(rule["verbs"]) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]}
     for rule in rules:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"]
     assert not any(r in ("secrets", "pods/exec", "nodes", "roles", "rolebindings") for _, r in granted)
-    assert granted[("", "pods")] == {"get", "list", "watch"}  # read only: to explain unready stages
+    # read: to explain unready stages; delete: to restart a gang whole (never create or change a pod)
+    assert granted[("", "pods")] == {"get", "list", "watch", "delete"}
     assert granted[("h3serve.io", "h3deployments")] == {"get", "list", "watch", "patch", "update"}
     assert "create" not in granted[("h3serve.io", "h3deployments")]
 
@@ -90,7 +92,8 @@ def test_rbac_is_least_privilege(helm):
 def test_operator_deployment(helm):
     dep = by_kind(template(helm))["Deployment"][0]
     spec = dep["spec"]
-    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+    # leader election (a Lease) keeps a rolling update from having two reconciling replicas
+    assert spec["replicas"] == 1 and spec["strategy"]["type"] == "RollingUpdate"
     pod = spec["template"]["spec"]
     c = pod["containers"][0]
     assert c["command"] == ["h3serve", "operator"]
@@ -102,6 +105,33 @@ def test_operator_deployment(helm):
     assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
     assert sc["readOnlyRootFilesystem"] is True
     assert c["image"] == "registry.example/h3serve:0.1.0"
+    assert "--leader-election-namespace=ops" in c["args"] and "--apply-crd" in c["args"]
+    assert "--allowed-volume-kinds=persistentVolumeClaim,csi,ephemeral,image" in c["args"]
+    assert "--allowed-images=registry.example/h3serve" in c["args"]  # the chart's own image, and nothing else
+    env = {e["name"] for e in c["env"]}
+    assert "POD_NAME" in env
+
+
+def test_policy_values_reach_the_operator(helm):
+    c = by_kind(template(helm, "--set", "policy.allowedImages={mirror.example/h3/,other/h3}",
+                         "--set", "policy.allowedVolumeKinds={persistentVolumeClaim,hostPath}"))["Deployment"][0]
+    args = c["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--allowed-images=registry.example/h3serve,mirror.example/h3/,other/h3" in args
+    assert "--allowed-volume-kinds=persistentVolumeClaim,hostPath" in args
+
+
+def test_leader_election_and_crd_rbac(helm):
+    k = by_kind(template(helm))
+    lease_role = next(r for r in k["Role"] if r["metadata"]["name"].endswith("-leader"))
+    assert lease_role["metadata"]["namespace"] == "ops"
+    assert lease_role["rules"] == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                                    "verbs": ["get", "create", "update"]}]
+    crd_role = next(r for r in k["ClusterRole"] if r["metadata"]["name"].endswith("-crd"))
+    assert crd_role["rules"] == [{"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"],
+                                  "resourceNames": ["h3deployments.h3serve.io"], "verbs": ["get", "patch"]}]
+    k = by_kind(template(helm, "--set", "crd.manage=false"))
+    assert "ClusterRole" not in k
+    assert "--apply-crd" not in k["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
 def test_values_schema_rejects_bad_values(helm):

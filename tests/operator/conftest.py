@@ -22,7 +22,7 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session")
 def control_plane():
-    cp = _cluster.ControlPlane.start(nodes=12, gpus_per_node=8, cpu_nodes=1)
+    cp = _cluster.ControlPlane.start(nodes=12, gpus_per_node=8, cpu_nodes=2)
     print(f"control plane up: {cp.timings}")
     yield cp
     cp.stop()

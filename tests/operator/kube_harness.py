@@ -95,11 +95,13 @@ def make_pki(d: pathlib.Path) -> None:
              "-keyout", "ca.key", "-out", "ca.crt", cwd=d)
     (d / "srv.ext").write_text(
         "subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,"
-        "DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local\n"
+        "DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local,"
+        "DNS:custom-metrics.kube-system.svc\n"  # the metrics adapter serves with this certificate too
         "extendedKeyUsage=serverAuth\nkeyUsage=critical,digitalSignature,keyEncipherment\n")
     (d / "cli.ext").write_text("extendedKeyUsage=clientAuth\nkeyUsage=critical,digitalSignature,keyEncipherment\n")
     for name, subj, ext in (("apiserver", "/CN=kube-apiserver", "srv.ext"),
-                            ("admin", "/O=system:masters/CN=admin", "cli.ext")):
+                            ("admin", "/O=system:masters/CN=admin", "cli.ext"),
+                            ("front-proxy-client", "/CN=front-proxy-client", "cli.ext")):
         _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", subj, "-keyout", f"{name}.key", "-out",
                  f"{name}.csr", cwd=d)
         _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
@@ -135,8 +137,8 @@ def cpu_node(name: str) -> dict:
     n["spec"] = {}
     for k in ("allocatable", "capacity"):
         n["status"][k].pop("nvidia.com/gpu")
-        n["status"][k]["cpu"] = "16"
-        n["status"][k]["memory"] = "64Gi"
+        n["status"][k]["cpu"] = "64"
+        n["status"][k]["memory"] = "256Gi"
     n["metadata"]["labels"].pop("nvidia.com/gpu.product")
     return n
 
@@ -237,7 +239,15 @@ class ControlPlane:
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={D / 'sa.pub'}", f"--service-account-signing-key-file={D / 'sa.key'}",
             "--service-cluster-ip-range=10.96.0.0/16", "--authorization-mode=Node,RBAC",
-            "--allow-privileged=false", "--profiling=false", "--v=0"])
+            "--allow-privileged=false", "--profiling=false", "--v=0",
+            # gang scheduling (PodGroup, all or nothing): beta in 1.37, off by default
+            "--feature-gates=GenericWorkload=true", "--runtime-config=scheduling.k8s.io/v1beta1=true",
+            # the aggregation layer (custom.metrics.k8s.io is served by an aggregated API server)
+            f"--requestheader-client-ca-file={D / 'ca.crt'}", "--requestheader-allowed-names=front-proxy-client",
+            "--requestheader-username-headers=X-Remote-User", "--requestheader-group-headers=X-Remote-Group",
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+            f"--proxy-client-cert-file={D / 'front-proxy-client.crt'}",
+            f"--proxy-client-key-file={D / 'front-proxy-client.key'}"])
         self._wait("kube-apiserver", lambda: self._get(f"{self.server}/readyz") == "ok", timeout=120, proc=api)
         self.timings["apiserver"] = time.monotonic() - t
 
@@ -249,8 +259,10 @@ class ControlPlane:
             B("kube-controller-manager"), *common, f"--secure-port={P['kcm']}",
             f"--service-account-private-key-file={D / 'sa.key'}", f"--root-ca-file={D / 'ca.crt'}",
             "--use-service-account-credentials=false", "--controllers=*",
-            "--concurrent-gc-syncs=10", "--node-monitor-grace-period=60s"])
-        sched = self._spawn("kube-scheduler", [B("kube-scheduler"), *common, f"--secure-port={P['sched']}"])
+            "--concurrent-gc-syncs=10", "--node-monitor-grace-period=60s",
+            "--horizontal-pod-autoscaler-sync-period=3s", "--feature-gates=GenericWorkload=true"])
+        sched = self._spawn("kube-scheduler", [B("kube-scheduler"), *common, f"--secure-port={P['sched']}",
+                                               "--feature-gates=GenericWorkload=true"])
         self._wait("kube-controller-manager", lambda: self._get(f"https://127.0.0.1:{P['kcm']}/healthz", True) == "ok",
                    proc=kcm)
         self._wait("kube-scheduler", lambda: self._get(f"https://127.0.0.1:{P['sched']}/healthz", True) == "ok",
@@ -311,6 +323,65 @@ class ControlPlane:
         return text
 
 
+class MetricsAdapter:
+    """sigs.k8s.io/custom-metrics-apiserver's test adapter as the cluster's custom.metrics.k8s.io (an aggregated API
+    server on loopback). A test writes per-pod values, as Prometheus would scrape them from the stage processes (kwok
+    runs no containers); the HPA controller reads them through the kube-apiserver like any metrics API."""
+
+    GROUP_VERSION = ("custom.metrics.k8s.io", "v1beta2")
+
+    def __init__(self, cp: "ControlPlane"):
+        self.cp = cp
+        self.port, self.write_port = free_port(), free_port()
+        self.url = f"https://127.0.0.1:{self.port}"
+
+    def start(self) -> "MetricsAdapter":
+        import base64
+
+        from kubernetes import client
+
+        bindir = ensure_tools("metrics-adapter")
+        D = self.cp.pki
+        self.proc = self.cp._spawn("custom-metrics-adapter", [
+            str(bindir / "custom-metrics-adapter"), f"--secure-port={self.port}", "--bind-address=127.0.0.1",
+            f"--tls-cert-file={D / 'apiserver.crt'}", f"--tls-private-key-file={D / 'apiserver.key'}",
+            f"--lister-kubeconfig={self.cp.kubeconfig}",
+            f"--authentication-kubeconfig={self.cp.kubeconfig}", f"--authorization-kubeconfig={self.cp.kubeconfig}",
+            f"--cert-dir={self.cp.run / 'adapter-certs'}", f"--write-address=127.0.0.1:{self.write_port}", "--v=1"])
+        self.cp._wait("custom-metrics-adapter", lambda: self.cp._get(f"{self.url}/healthz", True) == "ok",
+                      proc=self.proc)
+        core = client.CoreV1Api(self.cp.api)
+        # ExternalName: the aggregator dials <externalName>:<APIService port>, i.e. this loopback server (a
+        # ClusterIP needs a kube-proxy, and Endpoints may not hold loopback addresses).
+        core.create_namespaced_service("kube-system", {
+            "apiVersion": "v1", "kind": "Service", "metadata": {"name": "custom-metrics"},
+            "spec": {"type": "ExternalName", "externalName": "localhost"}})
+        group, version = self.GROUP_VERSION
+        client.ApiregistrationV1Api(self.cp.api).create_api_service({
+            "apiVersion": "apiregistration.k8s.io/v1", "kind": "APIService",
+            "metadata": {"name": f"{version}.{group}"},
+            "spec": {"group": group, "version": version, "groupPriorityMinimum": 100, "versionPriority": 200,
+                     "service": {"namespace": "kube-system", "name": "custom-metrics", "port": self.port},
+                     "caBundle": base64.b64encode((D / "ca.crt").read_bytes()).decode()}})
+
+        def available():
+            s = client.ApiregistrationV1Api(self.cp.api).read_api_service(f"{version}.{group}")
+            return any(c.type == "Available" and c.status == "True" for c in (s.status.conditions or []))
+        self.cp._wait("custom.metrics.k8s.io Available", available, timeout=60, proc=self.proc)
+        return self
+
+    def write(self, namespace: str, pod: str, metric: str, value: str) -> None:
+        """Set `metric` of one pod (what a scrape of that pod's /metrics would report)."""
+        import json
+
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.write_port}/write-metrics/namespaces/{namespace}/pods/{pod}/{metric}",
+            data=json.dumps(value).encode(), method="POST", headers={"Content-Type": "application/json"})
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(req, timeout=10) as r:
+            assert r.status == 200, r.status
+
+
 def wait_for(what: str, fn, timeout: float = 60.0, interval: float = 0.5):
     """Poll fn() until it returns something truthy; fail with the last value/error after `timeout` seconds."""
     deadline = time.monotonic() + timeout
@@ -330,16 +401,20 @@ def wait_for(what: str, fn, timeout: float = 60.0, interval: float = 0.5):
 class Operator:
     """`python -m h3serve.operator.cli operator` as a child process, with the credentials it is given."""
 
-    def __init__(self, kubeconfig: pathlib.Path, namespaces: list[str], log: pathlib.Path, env: dict):
+    def __init__(self, kubeconfig: pathlib.Path, namespaces: list[str], log: pathlib.Path, env: dict,
+                 args: list[str] | None = None, identity: str = "operator-a"):
         self.kubeconfig, self.namespaces, self.log, self.env = kubeconfig, namespaces, log, env
+        self.args = list(args or [])
+        self.identity = identity  # the pod name it would have: its Lease holder identity and Events' reportingInstance
         self.proc: subprocess.Popen | None = None
         self.port = free_port()
 
     def start(self) -> "Operator":
         args = [sys.executable, "-m", "h3serve.operator.cli", "operator",
-                *[f"--namespace={n}" for n in self.namespaces], f"--liveness=http://127.0.0.1:{self.port}/healthz"]
+                *[f"--namespace={n}" for n in self.namespaces], f"--liveness=http://127.0.0.1:{self.port}/healthz",
+                *self.args]
         env = {**self.env, "KUBECONFIG": str(self.kubeconfig), "H3SERVE_RESYNC_SECONDS": "20",
-               "PYTHONUNBUFFERED": "1"}
+               "PYTHONUNBUFFERED": "1", "POD_NAME": self.identity}
         self.proc = subprocess.Popen(args, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT, env=env,
                                      cwd=ROOT, start_new_session=True, preexec_fn=die_with_parent)
         wait_for("operator liveness", self.alive, timeout=60)

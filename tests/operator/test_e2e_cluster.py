@@ -9,17 +9,20 @@ from __future__ import annotations
 import copy
 import json
 import pathlib
+import signal
 import subprocess
+import threading
 import time
 
 import pytest
 import yaml
 from kube_harness import (
-    Operator, die_with_parent, free_port, listening_addresses, load_example, wait_for, write_kubeconfig,
+    MetricsAdapter, Operator, die_with_parent, free_port, listening_addresses, load_example, wait_for, write_kubeconfig,
 )
 from kubernetes import dynamic
 from kubernetes.dynamic.exceptions import ApiException, NotFoundError
 
+from h3serve.operator import crd as crd_module
 from h3serve.operator import manifests as M
 from h3serve.operator.status import expected_workloads
 from h3serve.config.rules import RULES
@@ -57,6 +60,7 @@ def installed(control_plane, dyn):
         R(dyn, "Namespace").create(body={"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
     helm = control_plane.bin("helm")
     r = subprocess.run([helm, "install", RELEASE, str(CHART), "-n", SYSTEM_NS, "--set", f"watchNamespaces={{{APPS_NS}}}",
+                        "--set", "policy.allowedImages={img}", "--set", "operator.leaseSeconds=5",
                         "--wait", "--timeout", "120s"], capture_output=True, text=True, env=control_plane.env)
     assert r.returncode == 0, r.stdout + r.stderr
     return r.stdout
@@ -90,15 +94,25 @@ def operator_kubeconfig(control_plane, dyn, installed, tmp_path_factory):
     return path
 
 
+def chart_operator_args(dyn) -> list[str]:
+    """The operator's arguments as the chart renders them into its Deployment (the pod there runs on a kwok node,
+    so the test runs the same command line as a local process); the namespaces and liveness are the test's."""
+    dep = R(dyn, "Deployment").get(name=f"{RELEASE}-h3serve-operator", namespace=SYSTEM_NS).to_dict()
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    return [a for a in args if not a.startswith(("--namespace=", "--liveness="))]
+
+
 @pytest.fixture(scope="module")
-def operator(control_plane, operator_kubeconfig, weights, tmp_path_factory):
+def operator(control_plane, operator_kubeconfig, weights, dyn, tmp_path_factory):
     log = tmp_path_factory.mktemp("oplog") / "operator.log"
-    op = Operator(operator_kubeconfig, [APPS_NS], log, control_plane.env).start()
+    op = Operator(operator_kubeconfig, [APPS_NS], log, control_plane.env, args=chart_operator_args(dyn)).start()
     yield op
     op.kill()
     text = op.text()
     # least privilege held: the operator never hit a permission error
     assert "forbidden" not in text.lower(), op.tail(200)
+    # deletes, restarts and leader changes left no traceback and no cancelled-watcher warning
+    assert "Traceback" not in text and not [ln for ln in text.splitlines() if "WARNING" in ln and "cancel" in ln.lower()]
 
 
 # ---- helpers -------------------------------------------------------------------------------------------------------
@@ -180,7 +194,12 @@ def test_chart_installs_crd_rbac_and_operator(installed, dyn, control_plane):
     roles = R(dyn, "Role").get(namespace=APPS_NS).to_dict()["items"]
     assert [r["metadata"]["name"] for r in roles] == [f"{RELEASE}-h3serve-operator"]
     crb = dyn.resources.get(api_version="rbac.authorization.k8s.io/v1", kind="ClusterRoleBinding").get().to_dict()
-    assert not [b for b in crb["items"] if b["metadata"]["name"].startswith(RELEASE)]  # namespaced by default
+    # namespaced by default: the one cluster-wide grant is get/patch on the operator's own CRD (crd.manage)
+    assert [b["metadata"]["name"] for b in crb["items"] if b["metadata"]["name"].startswith(RELEASE)] == [
+        f"{RELEASE}-h3serve-operator-crd"]
+    cr_ = dyn.resources.get(api_version="rbac.authorization.k8s.io/v1", kind="ClusterRole").get(
+        name=f"{RELEASE}-h3serve-operator-crd").to_dict()
+    assert [r["resourceNames"] for r in cr_["rules"]] == [["h3deployments.h3serve.io"]]
     # the operator pod itself scheduled onto a (CPU) kwok node and turned Running
     op_pods = R(dyn, "Pod").get(namespace=SYSTEM_NS).to_dict()["items"]
     assert op_pods and all(p["status"]["phase"] == "Running" for p in op_pods)
@@ -207,6 +226,14 @@ BAD_SPECS = {
     "encoder-gang": {"placement": "disaggregated", "gpusPerNode": 3, "encoder": {"tensorParallel": 4}},
     "fasth3-levers": {"profile": "fasth3", "model": {"adapter": {"path": "/models/a.safetensors", "sha256": SHA}},
                       "dit": {"levers": {"residentBlocks": 2, "fp8": True}}},
+    "path-dotdot": {"model": {"path": "/models/../etc/ssl"}},
+    "mount-not-normal": {"model": {"path": "/models/./x/H3", "mountPath": "/models/./x"}},
+    "autoscaling-bounds": {"placement": "disaggregated", **{
+        st: {"replicas": 1, "autoscaling": {"minReplicas": 3, "maxReplicas": 2}}
+        for st in ("encoder", "dit", "vae", "muxer", "gateway")}},
+    "autoscaling-colocated": {st: {"autoscaling": {"maxReplicas": 2}}
+                              for st in ("encoder", "dit", "vae", "muxer", "gateway")},
+    "adapter-dotdot": {"profile": "fasth3", "model": {"adapter": {"path": "/models/a/../../b", "sha256": SHA}}},
 }
 
 
@@ -270,6 +297,17 @@ def test_openapi_rejects_enums_bounds_and_names(installed, dyn):
         with pytest.raises(ApiException) as e:
             R(dyn, "H3Deployment").create(body=d, namespace=APPS_NS, query_params=[("dryRun", "All")])
         assert text in json.loads(e.value.body)["message"], e.value.body
+        assert "modulus" not in e.value.body.lower() and "division" not in e.value.body.lower(), e.value.body
+    # zero divisors (gpusPerNode, encoder.tensorParallel) give the schema's message only, never a CEL error
+    for placement in ("colocated", "disaggregated"):
+        d = copy.deepcopy(doc)
+        d["spec"].update(placement=placement, encoder={"tensorParallel": 0}, gpusPerNode=0)
+        with pytest.raises(ApiException) as e:
+            R(dyn, "H3Deployment").create(body=d, namespace=APPS_NS, query_params=[("dryRun", "All")])
+        causes = json.loads(e.value.body)["details"]["causes"]
+        assert {c["field"] for c in causes} == {"spec.gpusPerNode", "spec.encoder.tensorParallel"}, causes
+        assert not any(w in c["message"].lower() for c in causes for w in ("modulus", "division", "cel")), causes
+        assert any("should be greater than or equal to 1" in c["message"] for c in causes), causes
     d = copy.deepcopy(doc)
     d["metadata"]["name"] = "x" * 41
     with pytest.raises(ApiException) as e:
@@ -315,11 +353,14 @@ def test_example_reconciles_to_ready(operator, dyn, example):
         gpus = int(p["spec"]["containers"][0]["resources"].get("limits", {}).get("nvidia.com/gpu", 0))
         if gpus:
             assert p["spec"]["nodeName"].startswith("gpu-")
+        else:  # the CPU-only gateway and muxer do not tolerate the GPU nodes' taint
+            assert p["spec"]["nodeName"].startswith("cpu-"), p["metadata"]["name"]
 
 
 def test_scale_subresource_sets_colocated_replicas(operator, dyn):
     name = "h3-base"
     ready_cr(dyn, name)
+    first = pod_uids(dyn, name)["engine"]
     scale = R(dyn, "H3Deployment").subresources["scale"]
     s = scale.get(name=name, namespace=APPS_NS).to_dict()
     assert s["spec"]["replicas"] == 1 and s["status"]["replicas"] == 1 and "engine" in s["status"]["selector"]
@@ -329,6 +370,7 @@ def test_scale_subresource_sets_colocated_replicas(operator, dyn):
              .to_dict()["status"].get("readyReplicas") == 2, timeout=60)
     cr = ready_cr(dyn, name)
     assert cr["status"]["stages"]["dit"] == {"ready": 2, "desired": 2} and cr["status"]["replicas"] == 2
+    assert first < pod_uids(dyn, name)["engine"]  # scaled, not restarted: the first pod still runs
 
 
 def test_changing_dit_ulysses_rolls_out(operator, dyn):
@@ -353,6 +395,58 @@ def test_changing_dit_ulysses_rolls_out(operator, dyn):
     assert int(dit_pods[0]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]) == 4
     cfg = R(dyn, "ConfigMap").get(name=f"{name}-config", namespace=APPS_NS).to_dict()
     assert yaml.safe_load(cfg["data"]["h3serve.yaml"])["spec"]["dit"]["ulysses"] == 2
+
+
+def pod_uids(dyn, name) -> dict[str, set[str]]:
+    """component -> uids of its live (not terminating) pods."""
+    out: dict[str, set[str]] = {}
+    for p in pods(dyn, name):
+        if not p["metadata"].get("deletionTimestamp"):
+            out.setdefault(p["metadata"]["labels"][M.LABEL_COMPONENT], set()).add(p["metadata"]["uid"])
+    return out
+
+
+def patch_and_settle(dyn, name, spec_patch) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """Patch the spec, wait until the new generation is rolled out and Ready; (pods before, pods after)."""
+    before_cr = ready_cr(dyn, name)
+    before = pod_uids(dyn, name)
+    R(dyn, "H3Deployment").patch(body={"spec": spec_patch}, name=name, namespace=APPS_NS,
+                                 content_type="application/merge-patch+json")
+    cr = ready_cr(dyn, name, generation=before_cr["metadata"]["generation"] + 1)
+    want = expected_pod_count(cr)
+    after = wait_for("old pods gone", lambda: (lambda u: u if sum(map(len, u.values())) == want else None)(
+        pod_uids(dyn, name)), timeout=60)
+    return before, after
+
+
+def replaced(before, after) -> dict[str, int]:
+    """component -> pods of `before` that are gone in `after` (a rollout replaces, a scale-up only adds)."""
+    return {c: len(u - after.get(c, set())) for c, u in before.items() if u - after.get(c, set())}
+
+
+def test_rollout_scope_replica_changes_restart_nothing(operator, dyn):
+    name = "h3-split"
+    before, after = patch_and_settle(dyn, name, {"dit": {"replicas": 2}})
+    assert replaced(before, after) == {}
+    assert len(after["dit"]) == 2 and before["dit"] < after["dit"]
+    assert {c: u for c, u in after.items() if c != "dit"} == {c: u for c, u in before.items() if c != "dit"}
+    before, after = patch_and_settle(dyn, name, {"gateway": {"replicas": 3}, "dit": {"replicas": 1}})
+    assert replaced(before, after) == {"dit": 1}  # scaled down, not rolled
+    assert after["dit"] < before["dit"] and before["gateway"] < after["gateway"]
+
+
+def test_rollout_scope_a_stage_change_restarts_only_that_stage(operator, dyn):
+    name = "h3-split"
+    before, after = patch_and_settle(dyn, name, {"vae": {"resources": {"requests": {"cpu": "12", "memory": "64Gi"}}}})
+    assert replaced(before, after) == {"vae": 1}
+    before, after = patch_and_settle(dyn, name, {"muxer": {"workers": 6}})
+    assert replaced(before, after) == {"muxer": 1}
+    before, after = patch_and_settle(dyn, name, {"gateway": {"queueSize": 32}})
+    assert replaced(before, after) == {"gateway": 3}
+    # transport: both ends of every tensor edge and the gateway's plan; the encoder keeps its pod
+    before, after = patch_and_settle(dyn, name, {"transport": "nixl"})
+    assert replaced(before, after) == {"dit": 1, "vae": 1, "muxer": 1, "gateway": 3}
+    patch_and_settle(dyn, name, {"transport": "grpc", "gateway": {"replicas": 2}})
 
 
 def test_deleted_and_edited_children_are_repaired(operator, dyn):
@@ -512,3 +606,355 @@ def test_status_printer_columns(operator, dyn, control_plane):
     assert cols[:5] == ["Name", "Profile", "Placement", "Ready", "Stages"] and "Age" in cols
     rows = {r["cells"][0]: r["cells"] for r in table["rows"]}
     assert rows["h3-base"][1:4] == ["base", "colocated", "True"]
+
+
+# ---- lifecycle: Events, ownership, deletion, credentials, leader election, CRD upgrade -----------------------------
+
+def events(dyn, name, ns=APPS_NS) -> list[dict]:
+    items = R(dyn, "Event", "v1").get(namespace=ns, field_selector=f"involvedObject.name={name}").to_dict()["items"]
+    return [e for e in items if e["involvedObject"]["kind"] == "H3Deployment"]
+
+
+def test_events_record_every_decision(operator, dyn):
+    evs = events(dyn, "h3-split")
+    reasons = {e["reason"] for e in evs}
+    assert {"Created", "RollingOut", "Scaled", "AllStagesReady"} <= reasons, reasons
+    msgs = [e["message"] for e in evs]
+    assert "created Deployment/h3-split-dit" in msgs
+    assert "Deployment/h3-split-dit: dit replicas 1 -> 2" in msgs
+    assert "Deployment/h3-split-vae: the vae pods' configuration changed; replacing them" in msgs
+    assert all(e["reportingComponent"] == "h3serve-operator" and e["source"]["component"] == "h3serve-operator"
+               for e in evs)
+    # a deleted child is re-created, and says so
+    assert any(m == "created Service/h3-split-gateway" for m in msgs)
+
+
+def test_foreign_objects_are_never_adopted(operator, dyn):
+    name = "adopt"
+    core = {"ConfigMap": {"data": {"mine": "yes"}},
+            "ServiceAccount": {"automountServiceAccountToken": True},
+            "Service": {"spec": {"ports": [{"port": 80}], "selector": {"app": "someone-else"}}}}
+    names = {"ConfigMap": f"{name}-config", "ServiceAccount": name, "Service": f"{name}-gateway"}
+    for kind, body in core.items():
+        R(dyn, kind).create(namespace=APPS_NS, body={"apiVersion": "v1", "kind": kind,
+                                                     "metadata": {"name": names[kind]}, **body})
+    before = {k: R(dyn, k).get(name=n, namespace=APPS_NS).to_dict() for k, n in names.items()}
+    create(dyn, good_doc(name))
+
+    def degraded():
+        cr = get_cr(dyn, name)
+        return cr if condition(cr, "Degraded").get("reason") == "ForeignObject" else None
+    cr = wait_for("Degraded=ForeignObject", degraded, timeout=60)
+    msg = condition(cr, "Degraded")["message"]
+    for k, n in names.items():
+        assert f"{k}/{n}" in msg, msg
+    ev = [e for e in events(dyn, name) if e["reason"] == "ForeignObject"]
+    assert ev and ev[0]["type"] == "Warning" and all(f"{k}/{n}" in ev[0]["message"] for k, n in names.items())
+    time.sleep(2)  # a few more passes: still untouched
+    for k, n in names.items():
+        now = R(dyn, k).get(name=n, namespace=APPS_NS).to_dict()
+        assert now["metadata"]["resourceVersion"] == before[k]["metadata"]["resourceVersion"], k
+        assert not now["metadata"].get("ownerReferences"), k
+    # the children that are free were created, the rest of the graph is there
+    assert ("Deployment", f"{name}-engine") in children(dyn, name)
+    delete_cr(dyn, name)
+    wait_for(f"{name} gone", lambda: _cr_gone(dyn, name) and not [
+        k for k in children(dyn, name) if k[0] == "Deployment"], timeout=60)
+    for k, n in names.items():  # deleting the H3Deployment deleted nothing it did not create
+        assert R(dyn, k).get(name=n, namespace=APPS_NS).to_dict()["metadata"]["uid"] == before[k]["metadata"]["uid"]
+        R(dyn, k).delete(name=n, namespace=APPS_NS)
+
+
+def test_delete_with_the_operator_down_does_not_hang(operator, dyn):
+    name = "orphan-check"
+    create(dyn, good_doc(name))
+    ready_cr(dyn, name, timeout=60)
+    assert not get_cr(dyn, name)["metadata"].get("finalizers")  # nothing blocks deletion
+    operator.kill()
+    try:
+        t0 = time.monotonic()
+        delete_cr(dyn, name)
+        wait_gone(dyn, name, timeout=60)  # the garbage collector removes the children, no operator needed
+        assert time.monotonic() - t0 < 60
+    finally:
+        operator.start()
+
+
+def test_a_finalizer_left_by_an_older_operator_is_removed(operator, dyn):
+    name = "old-finalizer"
+    doc = good_doc(name)
+    doc["metadata"]["finalizers"] = ["kopf.zalando.org/KopfFinalizerMarker"]
+    create(dyn, doc)
+    wait_for("old finalizer removed", lambda: not get_cr(dyn, name)["metadata"].get("finalizers"), timeout=60)
+    delete_cr(dyn, name)
+    wait_gone(dyn, name)
+
+
+def test_policy_refuses_host_path_volumes_and_foreign_images(operator, dyn):
+    name = "widen"
+    doc = good_doc(name)
+    doc["spec"]["model"]["volume"] = {"hostPath": {"path": "/"}}
+    doc["spec"]["image"] = "docker.io/attacker/h3:1"
+    create(dyn, doc)  # the schema accepts any volume source; the operator's policy does not
+
+    def refused():
+        cr = get_cr(dyn, name)
+        return cr if condition(cr, "SpecValid").get("status") == "False" else None
+    msg = condition(wait_for("SpecValid=False", refused, timeout=60), "SpecValid")["message"]
+    assert ("model.volume kind hostPath is not allowed by this operator (allowed: csi, ephemeral, image, "
+            "persistentVolumeClaim)") in msg, msg
+    assert "image 'docker.io/attacker/h3:1' is not allowed by this operator (allowed: registry.example/h3serve, img)" \
+        in msg, msg
+    assert not children(dyn, name)
+    assert any(e["reason"] == "InvalidSpec" and e["type"] == "Warning" for e in events(dyn, name))
+    delete_cr(dyn, name)
+    wait_gone(dyn, name)
+
+
+def test_bad_credentials_fail_fast(control_plane, tmp_path):
+    import sys
+
+    kc = tmp_path / "bad.kubeconfig"
+    write_kubeconfig(kc, control_plane.server, control_plane.pki / "ca.crt", {"token": "not-a-token"})
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "h3serve.operator.cli", "operator", f"--namespace={APPS_NS}",
+                        "--no-leader-election"], env={**control_plane.env, "KUBECONFIG": str(kc)}, cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert time.monotonic() - t0 < 30
+    assert "rejected the credentials (401 Unauthorized)" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def _lease(dyn) -> dict:
+    return R(dyn, "Lease", "coordination.k8s.io/v1").get(name="h3serve-operator", namespace=SYSTEM_NS).to_dict()
+
+
+def test_leader_election_two_operators_never_both_reconcile(operator, operator_kubeconfig, control_plane, dyn,
+                                                            tmp_path):
+    wait_for("operator-a leads", lambda: _lease(dyn)["spec"]["holderIdentity"] == "operator-a", timeout=30)
+    b = Operator(operator_kubeconfig, [APPS_NS], tmp_path / "b.log", control_plane.env,
+                 args=chart_operator_args(dyn), identity="operator-b").start()
+    try:
+        create(dyn, good_doc("le-one"))
+        ready_cr(dyn, "le-one", timeout=60)
+        assert {e["reportingInstance"] for e in events(dyn, "le-one")} == {"operator-a"}
+        assert "is the leader" not in b.text()
+        transitions = _lease(dyn)["spec"].get("leaseTransitions") or 0
+        operator.kill()  # SIGKILL: no hand-over; b takes the Lease once it expires
+        wait_for("operator-b leads", lambda: _lease(dyn)["spec"]["holderIdentity"] == "operator-b", timeout=30)
+        assert _lease(dyn)["spec"]["leaseTransitions"] == transitions + 1
+        create(dyn, good_doc("le-two"))
+        ready_cr(dyn, "le-two", timeout=60)
+        assert {e["reportingInstance"] for e in events(dyn, "le-two")} == {"operator-b"}
+        operator.start()  # a stands by now
+        time.sleep(3)
+        assert _lease(dyn)["spec"]["holderIdentity"] == "operator-b"
+    finally:
+        b.kill(signal.SIGTERM)  # a clean exit hands the Lease over at once
+    wait_for("operator-a leads again", lambda: _lease(dyn)["spec"]["holderIdentity"] == "operator-a", timeout=30)
+    assert "released Lease" in b.text()
+    for n in ("le-one", "le-two"):
+        delete_cr(dyn, n)
+    for n in ("le-one", "le-two"):
+        wait_gone(dyn, n)
+
+
+def test_helm_upgrade_from_the_previous_chart_upgrades_the_crd(operator, control_plane, dyn):
+    """The cluster holds the CRD of chart 0.1.0; `helm upgrade` (which never touches crds/) plus the operator's
+    start-up apply bring it to this chart's CRD, and the H3Deployments stored under the old one keep serving."""
+    crds = R(dyn, "CustomResourceDefinition")
+    old = yaml.safe_load((ROOT / "tests" / "operator" / "crd-chart-0.1.0.yaml").read_text())
+    assert old["spec"] != crd_module.crd()["spec"]
+    live = crds.get(name=old["metadata"]["name"]).to_dict()
+    old["metadata"]["resourceVersion"] = live["metadata"]["resourceVersion"]
+    crds.replace(body=old, name=old["metadata"]["name"])
+    probe = good_doc("ingress-probe")
+    probe["spec"]["gateway"] = {"ingressFrom": {"namespaces": ["web"]}}
+
+    def dry_run_gateway():
+        return R(dyn, "H3Deployment").create(body=probe, namespace=APPS_NS,
+                                             query_params=[("dryRun", "All")]).to_dict()["spec"]["gateway"]
+    wait_for("old schema served", lambda: "ingressFrom" not in dry_run_gateway(), timeout=30)  # pruned: unknown
+    operator.kill()
+    r = subprocess.run([control_plane.bin("helm"), "upgrade", RELEASE, str(CHART), "-n", SYSTEM_NS, "--reuse-values",
+                        "--wait", "--timeout", "120s"], capture_output=True, text=True, env=control_plane.env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ingressFrom" not in dry_run_gateway()  # helm left the CRD alone
+    operator.start()  # --apply-crd (chart default): the operator brings its CRD
+    wait_for("new schema served", lambda: dry_run_gateway().get("ingressFrom") == {"namespaces": ["web"]}, timeout=30)
+    now = crds.get(name=old["metadata"]["name"]).to_dict()
+    assert now["spec"]["versions"] == crd_module.crd()["spec"]["versions"]
+    assert ready_cr(dyn, "h3-base")["status"]["observedGeneration"]  # stored objects still served and reconciled
+
+
+# ---- autoscaling: the real HPA controller on a real custom metrics API ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def metrics_adapter(control_plane, installed):
+    return MetricsAdapter(control_plane).start()
+
+
+class QueuedLoad:
+    """Reports a stage's queued work the way its pods would export it: the total split over its running pods."""
+
+    def __init__(self, dyn, adapter, name, comp, metric):
+        self.dyn, self.adapter, self.name, self.comp, self.metric = dyn, adapter, name, comp, metric
+        self.total = 0.0
+        self.error: Exception | None = None
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join(timeout=10)
+
+    def _run(self):
+        while not self._stop.is_set():
+            running = [p["metadata"]["name"] for p in pods(self.dyn, self.name)
+                       if p["metadata"]["labels"][M.LABEL_COMPONENT] == self.comp
+                       and p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")]
+            for pod in running:
+                try:
+                    self.adapter.write(APPS_NS, pod, self.metric, str(int(self.total / len(running))))
+                except Exception as e:  # noqa: BLE001 - a pod that just went away
+                    self.error = e
+            self._stop.wait(1.0)
+
+
+def test_hpa_scales_the_dit_on_queued_step_seconds_and_nothing_else(operator, dyn, metrics_adapter):
+    name = "auto"
+    doc = good_doc(name)
+    doc["spec"].update(placement="disaggregated", dit={
+        "autoscaling": {"maxReplicas": 3, "target": "100", "scaleDownStabilizationSeconds": 0}})
+    create(dyn, doc)
+    ready_cr(dyn, name, timeout=90)
+    hpa = R(dyn, "HorizontalPodAutoscaler").get(name=f"{name}-dit", namespace=APPS_NS).to_dict()
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "h3serve_dit_queued_step_seconds"
+    before = pod_uids(dyn, name)
+    dep = lambda: R(dyn, "Deployment").get(name=f"{name}-dit", namespace=APPS_NS).to_dict()  # noqa: E731
+    with QueuedLoad(dyn, metrics_adapter, name, "dit", "h3serve_dit_queued_step_seconds") as load:
+        load.total = 250  # 250 step-seconds queued, 100 per pod wanted: 3 pods
+        hpa_status = lambda: R(dyn, "HorizontalPodAutoscaler").get(  # noqa: E731
+            name=f"{name}-dit", namespace=APPS_NS).to_dict().get("status")
+        try:
+            wait_for("dit scaled to 3 by the HPA", lambda: (dep()["status"].get("readyReplicas") or 0) == 3, timeout=90)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\nHPA status: {hpa_status()}\nlast write error: {load.error!r}") from None
+        wait_for("status follows the HPA", lambda: get_cr(dyn, name)["status"]["stages"]["dit"] == {
+            "ready": 3, "desired": 3}, timeout=30)
+        assert condition(ready_cr(dyn, name, timeout=60), "Ready")["status"] == "True"
+        after = pod_uids(dyn, name)
+        assert before["dit"] < after["dit"]  # added, the first one kept
+        assert {c: u for c, u in after.items() if c != "dit"} == {c: u for c, u in before.items() if c != "dit"}
+        time.sleep(4)  # reconciles ran meanwhile (every pod event): the operator leaves the count to the HPA
+        assert dep()["spec"]["replicas"] == 3
+        managers = {f["manager"] for f in dep()["metadata"]["managedFields"]
+                    if "f:replicas" in json.dumps(f.get("fieldsV1", {}))}
+        assert "h3serve-operator" not in managers, managers
+        load.total = 0
+        wait_for("dit scaled back to 1", lambda: dep()["spec"]["replicas"] == 1, timeout=90)
+    hpa = R(dyn, "HorizontalPodAutoscaler").get(name=f"{name}-dit", namespace=APPS_NS).to_dict()
+    assert any(c["type"] == "ScalingActive" and c["status"] == "True" for c in hpa["status"]["conditions"])
+    final = pod_uids(dyn, name)
+    assert {c: u for c, u in final.items() if c != "dit"} == {c: u for c, u in before.items() if c != "dit"}
+    ready_cr(dyn, name, timeout=60)
+    delete_cr(dyn, name)
+    wait_gone(dyn, name)
+
+
+# ---- gangs: all or nothing (Kubernetes 1.37 gang scheduling, PodGroup) ----------------------------------------------
+
+def test_two_gangs_on_two_nodes_never_half_place(operator, dyn, control_plane):
+    """Two DiT replicas of 2 pods x 4 GPUs each. With one 4-GPU node for them no pod is placed (pod by pod, one
+    would take the node and hold its GPUs for a gang that cannot run); with two, one gang runs whole and the other
+    waits whole, never 1 + 1. (With the PodGroups left out, the one-node step fails: one pod is placed.)"""
+    from kube_harness import gpu_node
+
+    core = R(dyn, "Node", "v1")
+
+    def add_node(i):
+        n = gpu_node(f"gang-{i}", 4)
+        n["metadata"]["labels"]["pool"] = "gang-test"
+        n["spec"]["taints"].append({"key": "gang-test", "value": "true", "effect": "NoSchedule"})
+        core.create(body=n)
+        wait_for(f"gang-{i} Ready", lambda: (lambda n: any(
+            c["type"] == "Ready" and c["status"] == "True" for c in (n["status"].get("conditions") or []))
+            and not any(t["key"].startswith("node.kubernetes.io/") for t in n["spec"].get("taints") or []))(
+            core.get(name=f"gang-{i}").to_dict()), timeout=60)
+
+    def placement(name):
+        by_gang: dict[str, int] = {}
+        for p in pods(dyn, name):
+            if p["metadata"]["labels"][M.LABEL_COMPONENT] == "dit":
+                g = p["metadata"]["labels"]["h3serve.io/gang"]
+                by_gang[g] = by_gang.get(g, 0) + int(bool(p["spec"].get("nodeName")))
+        return by_gang
+
+    def tried(name):  # the scheduler looked at every DiT pod
+        ps = [p for p in pods(dyn, name) if p["metadata"]["labels"][M.LABEL_COMPONENT] == "dit"]
+        return len(ps) == 4 and all(any(c["type"] == "PodScheduled" for c in p["status"].get("conditions") or [])
+                                    for p in ps)
+
+    gpu_taint = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    add_node(0)
+    try:
+        for attempt in range(3):
+            name = f"gangs-{attempt}"
+            doc = good_doc(name)
+            doc["spec"].update(placement="disaggregated", gpusPerNode=4, dit={
+                "ulysses": 8, "replicas": 2, "nodeSelector": {"pool": "gang-test"},
+                "tolerations": [gpu_taint, {"key": "gang-test", "operator": "Exists", "effect": "NoSchedule"}]})
+            create(dyn, doc)
+            pgs = wait_for("PodGroups", lambda: (lambda items: items if len(items) == 2 else None)(
+                R(dyn, "PodGroup", "scheduling.k8s.io/v1beta1").get(
+                    namespace=APPS_NS, label_selector=f"{M.LABEL_INSTANCE}={name}").to_dict()["items"]), timeout=60)
+            assert sorted(p["spec"]["schedulingPolicy"]["gang"]["minCount"] for p in pgs) == [2, 2]
+            if attempt == 0:  # one node: room for half a gang, so nothing is placed
+                wait_for("the scheduler tried every DiT pod", lambda: tried(name), timeout=60)
+                for _ in range(6):
+                    assert sorted(placement(name).values()) == [0, 0], placement(name)
+                    time.sleep(0.5)
+                add_node(1)
+            settled = wait_for("one gang placed", lambda: (lambda b: b if sorted(b.values()) == [0, 2] else None)(
+                placement(name)), timeout=60)
+            for _ in range(6):  # and it stays so: the waiting gang never takes a node of its own
+                time.sleep(0.5)
+                assert sorted(placement(name).values()) == [0, 2], placement(name)
+            waiting = next(g for g, n in settled.items() if n == 0)
+            assert condition(get_cr(dyn, name), "Ready")["status"] == "False"
+            assert all(not p["spec"].get("nodeName") for p in pods(dyn, name)
+                       if p["metadata"]["labels"].get("h3serve.io/gang") == waiting)
+            delete_cr(dyn, name)
+            wait_gone(dyn, name)
+    finally:
+        for i in range(2):
+            try:
+                core.delete(name=f"gang-{i}")
+            except NotFoundError:
+                pass
+
+
+def test_killing_a_gang_worker_restarts_the_whole_gang(operator, dyn):
+    name = "gang-restart"
+    doc = good_doc(name)
+    doc["spec"].update(placement="disaggregated", gpusPerNode=4, dit={"ulysses": 8})
+    create(dyn, doc)
+    ready_cr(dyn, name, timeout=90)
+    dit = lambda: {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods(dyn, name)  # noqa: E731
+                   if p["metadata"]["labels"][M.LABEL_COMPONENT] == "dit" and not p["metadata"].get("deletionTimestamp")}
+    before = dit()
+    assert sorted(before) == [f"{name}-dit-0-0", f"{name}-dit-0-1"]
+    time.sleep(6)  # older than the gang's start skew
+    R(dyn, "Pod").delete(name=f"{name}-dit-0-1", namespace=APPS_NS)  # a worker dies
+    wait_for("the leader restarted too", lambda: (lambda now: len(now) == 2 and not set(now.values()) & set(
+        before.values()))(dit()), timeout=60)
+    cr = ready_cr(dyn, name, timeout=60)
+    assert cr["status"]["stages"]["dit"] == {"ready": 1, "desired": 1}
+    ev = [e["message"] for e in events(dyn, name) if e["reason"] == "GroupRestart"]
+    assert ev and f"deleted {name}-dit-0-0" in ev[0], ev
+    delete_cr(dyn, name)
+    wait_gone(dyn, name)

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from h3serve.operator import manifests as M
-from h3serve.config.spec import H3DeploymentSpec, ServiceConfig, parse_and_validate
+from h3serve.config.spec import H3DeploymentSpec, ServiceConfig, SpecError, parse_and_validate
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "golden"
@@ -143,7 +143,8 @@ def test_disaggregated_one_workload_and_service_per_stage():
     kinds = {(o["kind"], o["metadata"]["name"]) for o in objs}
     for st in ("encoder", "dit", "vae", "muxer", "gateway"):
         assert ("Deployment", f"h3-split-{st}") in kinds and ("Service", f"h3-split-{st}") in kinds
-        assert ("PodDisruptionBudget", f"h3-split-{st}") in kinds
+        # a PDB only where it protects something: more than one replica
+        assert (("PodDisruptionBudget", f"h3-split-{st}") in kinds) == (st == "gateway")
     gpus = {o["metadata"]["name"]: o["spec"]["template"]["spec"]["containers"][0]["resources"].get("limits", {})
             .get("nvidia.com/gpu") for o in objs if o["kind"] == "Deployment"}
     assert gpus == {"h3-split-encoder": 2, "h3-split-dit": 8, "h3-split-vae": 8, "h3-split-muxer": None,
@@ -324,3 +325,160 @@ def test_cli_render(tmp_path):
     r = subprocess.run([sys.executable, "-m", "h3serve.operator.cli", "render", "-f", str(bad)],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "dit.ulysses=3 must divide" in r.stderr and not r.stdout
+
+
+def _templates(spec_doc: dict, name: str = "h3") -> dict[str, dict]:
+    """workload name -> its pod template (what the workload controller compares to decide on a rollout)."""
+    objs = M.render(parse_and_validate(spec_doc, name), name, "ns")
+    return {o["metadata"]["name"]: o["spec"]["template"] for o in objs if o["kind"] in ("Deployment", "StatefulSet")}
+
+
+def _changed(a: dict, b: dict) -> set[str]:
+    return {k for k in a if k in b and a[k] != b[k]}
+
+
+ROLLOUT_CASES = {  # spec change on the disaggregated example -> the workloads whose pods must roll
+    "dit-replicas": ({"dit": {"replicas": 3}}, set()),
+    "every-replica-count": ({"encoder": {"replicas": 2}, "vae": {"replicas": 4}, "muxer": {"replicas": 3},
+                             "gateway": {"replicas": 5}, "dit": {"replicas": 2}}, set()),
+    "vae-resources": ({"vae": {"resources": {"requests": {"cpu": "4"}}}}, {"h3-split-vae"}),
+    "muxer-workers": ({"muxer": {"workers": 4}}, {"h3-split-muxer"}),
+    "gateway-queue": ({"gateway": {"queueSize": 64}}, {"h3-split-gateway"}),
+    "dit-tolerations": ({"dit": {"tolerations": []}}, {"h3-split-dit"}),
+    # the degrees are validated together in every model stage's process, so each of them reads all four
+    "ulysses": ({"dit": {"ulysses": 2}, "vae": {"patchParallel": 4}}, {"h3-split-encoder", "h3-split-dit",
+                                                                     "h3-split-vae"}),
+    "transport": ({"transport": "nixl"}, {"h3-split-dit", "h3-split-vae", "h3-split-muxer", "h3-split-gateway"}),
+    "image": ({"image": "registry.example/h3serve:0.2.0"}, {"h3-split-encoder", "h3-split-dit", "h3-split-vae",
+                                                            "h3-split-muxer", "h3-split-gateway"}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROLLOUT_CASES))
+def test_a_change_rolls_only_the_stages_that_consume_it(case):
+    d = yaml.safe_load((ROOT / "examples" / "base-disaggregated.yaml").read_text())["spec"]
+    patch, want = ROLLOUT_CASES[case]
+    e = copy.deepcopy(d)
+    for k, v in patch.items():
+        e[k] = {**e[k], **v} if isinstance(v, dict) else v
+    assert _changed(_templates(d, "h3-split"), _templates(e, "h3-split")) == want
+
+
+def test_colocated_replicas_restart_nothing():
+    d = yaml.safe_load((ROOT / "examples" / "base-colocated.yaml").read_text())["spec"]
+    e = {**d, "replicas": 4}
+    assert _changed(_templates(d), _templates(e)) == set()
+
+
+def _pdbs(doc_spec: dict, name: str = "h3") -> dict[str, dict]:
+    objs = M.render(parse_and_validate(doc_spec, name), name, "ns")
+    return {o["metadata"]["name"]: o["spec"] for o in objs if o["kind"] == "PodDisruptionBudget"}
+
+
+def test_pdbs_only_where_replicas_exceed_one_with_min_available():
+    d = yaml.safe_load((ROOT / "examples" / "base-disaggregated.yaml").read_text())["spec"]
+    assert set(_pdbs(d)) == {"h3-gateway"} and _pdbs(d)["h3-gateway"]["minAvailable"] == 1
+    d["dit"]["replicas"], d["gpusPerNode"] = 3, 4  # a DiT replica = a gang of 2 pods: one gang may go
+    p = _pdbs(d)
+    assert p["h3-dit"]["minAvailable"] == 4 and "maxUnavailable" not in p["h3-dit"]
+    c = yaml.safe_load((ROOT / "examples" / "base-colocated.yaml").read_text())["spec"]
+    assert _pdbs(c) == {}
+    assert _pdbs({**c, "replicas": 2})["h3-engine"]["minAvailable"] == 1
+
+
+def test_cpu_stages_do_not_take_the_gpu_tolerations():
+    d = yaml.safe_load((ROOT / "examples" / "base-disaggregated.yaml").read_text())["spec"]
+    d["nodeSelector"] = {"pool": "gpu"}
+    t = _templates(d, "h3-split")
+    for st in ("encoder", "dit", "vae"):
+        assert t[f"h3-split-{st}"]["spec"]["tolerations"] == d["tolerations"]
+        assert t[f"h3-split-{st}"]["spec"]["nodeSelector"] == {"pool": "gpu"}
+    for st in ("muxer", "gateway"):
+        assert "tolerations" not in t[f"h3-split-{st}"]["spec"] and "nodeSelector" not in t[f"h3-split-{st}"]["spec"]
+    d["gateway"]["tolerations"] = [{"key": "edge", "operator": "Exists"}]
+    assert _templates(d, "h3-split")["h3-split-gateway"]["spec"]["tolerations"] == [{"key": "edge", "operator": "Exists"}]
+
+
+def _gateway_policy(doc_spec: dict) -> dict:
+    objs = M.render(parse_and_validate(doc_spec, "h3"), "h3", "ns")
+    return next(o["spec"] for o in objs if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "h3-gateway")
+
+
+def test_gateway_ingress_limited_to_namespaces_and_cidrs():
+    d = yaml.safe_load((ROOT / "examples" / "base-disaggregated.yaml").read_text())["spec"]
+    assert _gateway_policy(d)["ingress"][0] == {"ports": [{"port": 50051, "protocol": "TCP"},
+                                                          {"port": 8000, "protocol": "TCP"}]}  # anyone
+    d["gateway"]["ingressFrom"] = {"namespaces": ["web", "api"], "cidrs": ["10.1.0.0/16"]}
+    door = _gateway_policy(d)["ingress"][0]
+    assert door["from"] == [{"namespaceSelector": {"matchExpressions": [
+        {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["api", "web"]}]}},
+        {"ipBlock": {"cidr": "10.1.0.0/16"}}]
+    d["gateway"]["ingressFrom"] = {}  # nobody from outside the instance
+    assert _gateway_policy(d)["ingress"] == [{"from": [{"podSelector": {"matchLabels": {
+        M.LABEL_NAME: "h3serve", M.LABEL_INSTANCE: "h3"}}}]}]
+    d["gateway"]["ingressFrom"] = {"cidrs": ["10.1.0.0/99"], "namespaces": ["Bad_NS"]}
+    with pytest.raises(SpecError) as e:
+        parse_and_validate(d, "h3")
+    assert [f for f, _ in e.value.issues] == ["spec.gateway.ingressFrom.cidrs[0]", "spec.gateway.ingressFrom.namespaces[0]"]
+    assert "'10.1.0.0/99' is not an IP range such as 10.0.0.0/16" in str(e.value)
+
+
+def test_autoscaled_stage_gets_an_hpa_on_its_signal_and_no_replica_count():
+    d = yaml.safe_load((ROOT / "examples" / "base-disaggregated.yaml").read_text())["spec"]
+    d["dit"] = {**d["dit"], "autoscaling": {"minReplicas": 2, "maxReplicas": 6, "target": "90"}}
+    del d["dit"]["replicas"]
+    d["gateway"] = {**d["gateway"], "autoscaling": {"maxReplicas": 4, "scaleDownStabilizationSeconds": 30}}
+    del d["gateway"]["replicas"]
+    objs = M.render(parse_and_validate(d, "h3"), "h3", "ns")
+    by = {(o["kind"], o["metadata"]["name"]): o for o in objs}
+    assert "replicas" not in by[("Deployment", "h3-dit")]["spec"]  # the HPA owns it
+    assert by[("Deployment", "h3-vae")]["spec"]["replicas"] == 1
+    hpa = by[("HorizontalPodAutoscaler", "h3-dit")]["spec"]
+    assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "h3-dit"}
+    assert (hpa["minReplicas"], hpa["maxReplicas"]) == (2, 6)
+    assert hpa["metrics"] == [{"type": "Pods", "pods": {"metric": {"name": "h3serve_dit_queued_step_seconds"},
+                                                        "target": {"type": "AverageValue", "averageValue": "90"}}}]
+    gw = by[("HorizontalPodAutoscaler", "h3-gateway")]["spec"]
+    assert [m["pods"]["metric"]["name"] for m in gw["metrics"]] == ["h3serve_queue_depth", "h3serve_rtf"]
+    assert gw["behavior"] == {"scaleDown": {"stabilizationWindowSeconds": 30}}
+    assert by[("PodDisruptionBudget", "h3-dit")]["spec"]["minAvailable"] == 1  # minReplicas - 1
+    assert ("HorizontalPodAutoscaler", "h3-vae") not in by
+    for o in objs:
+        kubernetes_validate.validate(o, K8S_VERSION, strict=True)
+
+
+def test_autoscaling_refused_for_a_multi_node_gang():
+    d = yaml.safe_load((ROOT / "examples" / "base-disaggregated.yaml").read_text())["spec"]
+    d["gpusPerNode"] = 4
+    d["dit"] = {"ulysses": 4, "ring": 2, "autoscaling": {"maxReplicas": 3}}
+    with pytest.raises(SpecError) as e:
+        parse_and_validate(d, "h3")
+    assert ("spec.dit.autoscaling", "dit.autoscaling needs a dit replica on one node (dit needs 8 GPUs, gpusPerNode=4): "
+            "a multi-node gang scales by dit.replicas") in e.value.issues
+
+
+def test_every_pod_is_scrapable_and_the_monitoring_namespace_may_scrape():
+    d = yaml.safe_load((ROOT / "examples" / "base-disaggregated.yaml").read_text())["spec"]
+    t = _templates(d, "h3-split")
+    for st, port in (("encoder", 9401), ("dit", 9402), ("vae", 9403), ("muxer", 9404), ("gateway", 8000)):
+        ann = t[f"h3-split-{st}"]["metadata"]["annotations"]
+        assert (ann["prometheus.io/scrape"], ann["prometheus.io/port"], ann["prometheus.io/path"]) == (
+            "true", str(port), "/metrics"), st
+        c = t[f"h3-split-{st}"]["spec"]["containers"][0]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env.get("H3SERVE_METRICS_PORT") == (None if st == "gateway" else "9400")
+        if st != "gateway":
+            assert {"name": "metrics", "containerPort": port, "protocol": "TCP"} in c["ports"]
+    engine = _templates(yaml.safe_load((ROOT / "examples" / "base-colocated.yaml").read_text())["spec"], "h3-base")
+    ports = {p["name"]: p["containerPort"] for p in engine["h3-base-engine"]["spec"]["containers"][0]["ports"]}
+    assert {k: v for k, v in ports.items() if k.startswith("metrics")} == {
+        "metrics-enc": 9401, "metrics-dit": 9402, "metrics-vae": 9403, "metrics-mux": 9404}
+    objs = M.render(parse_and_validate({**d, "metrics": {"monitoringNamespace": "monitoring"}}, "h3"), "h3", "ns")
+    nps = {o["metadata"]["name"]: o["spec"] for o in objs if o["kind"] == "NetworkPolicy"}
+    mon = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    stage_rule = [r for r in nps["h3-stages"]["ingress"] if r["from"] == [mon]]
+    assert [p["port"] for p in stage_rule[0]["ports"]] == [9401, 9402, 9403, 9404]
+    gw_rule = [r for r in nps["h3-gateway"]["ingress"] if r.get("from") == [mon]]
+    assert [p["port"] for p in gw_rule[0]["ports"]] == [8000, 9401, 9402, 9403, 9404]
+    for o in objs:
+        kubernetes_validate.validate(o, K8S_VERSION, strict=True)

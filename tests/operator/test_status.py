@@ -168,3 +168,33 @@ def test_unschedulable_and_failing_pods_are_explained():
     assert "h3-base-engine-abc: 0/9 nodes are available: 9 Insufficient nvidia.com/gpu." in cond(st, "Degraded")["message"]
     assert "h3-base-gateway-xyz: ImagePullBackOff: pull access denied" in cond(st, "Degraded")["message"]
     assert "Insufficient nvidia.com/gpu" in cond(st, "Ready")["message"]
+
+
+def test_foreign_objects_are_degraded_and_named():
+    name, spec = spec_of("base-disaggregated")
+    st = S.compute(name=name, namespace="ns", generation=1, spec=spec, issues=[], workloads=live(spec, name),
+                   previous=None, now=T0, foreign=["Service/h3-split-gateway", "ConfigMap/h3-split-config"])
+    c = cond(st, "Degraded")
+    assert (c["status"], c["reason"]) == ("True", "ForeignObject")
+    assert c["message"].startswith("not adopted: Service/h3-split-gateway, ConfigMap/h3-split-config already exist")
+
+
+def _pod(name, created, rev="r1", deleting=False):
+    md = {"name": name, "creationTimestamp": created, "labels": {"controller-revision-hash": rev}}
+    if deleting:
+        md["deletionTimestamp"] = created
+    return {"metadata": md}
+
+
+def test_a_gang_restarts_whole_and_runs_one_config():
+    sts = {"status": {"updateRevision": "r2"}}
+    fresh = [_pod("g-0", "2026-01-01T00:00:00Z", "r2"), _pod("g-1", "2026-01-01T00:00:01Z", "r2")]
+    assert S.stale_gang_members(sts, fresh) == []
+    # the worker was recreated a minute later: the leader's world is gone
+    replaced = [_pod("g-0", "2026-01-01T00:00:00Z", "r2"), _pod("g-1", "2026-01-01T00:01:00Z", "r2")]
+    assert S.stale_gang_members(sts, replaced) == [("g-0", "group restart: another member of the gang was recreated")]
+    # a rolling update reached one member: the others go too (one config per gang)
+    rolling = [_pod("g-0", "2026-01-01T00:00:00Z", "r1"), _pod("g-1", "2026-01-01T00:02:00Z", "r2")]
+    assert [p for p, _ in S.stale_gang_members(sts, rolling)] == ["g-0"]
+    assert S.stale_gang_members(sts, [_pod("g-0", "2026-01-01T00:00:00Z"), _pod("g-1", "2026-01-01T00:05:00Z",
+                                                                                deleting=True)]) == []

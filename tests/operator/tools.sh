@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Build, once, the real Kubernetes components the operator tests run against:
-#   etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok, helm.
+#   etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok, helm, and the custom metrics API server
+#   (sigs.k8s.io/custom-metrics-apiserver's test adapter: a real custom.metrics.k8s.io aggregated API server whose
+#   values the tests write, standing in for Prometheus scraping pods that kwok does not run).
 # Everything lands in $H3SERVE_TOOLS_CACHE (default $HOME/.cache/h3serve-k8s), outside the repo,
 # and is reused on later runs: a tool is rebuilt only if its binary or its version stamp is missing.
 #
 #   tests/operator/tools.sh [TOOL...]          build what is missing, print the bin directory
 #   tests/operator/tools.sh --check [TOOL...]  exit 1 if anything is missing (builds nothing)
-# TOOL is helm, etcd, kwok or kubernetes (default: all).
+# TOOL is helm, etcd, kwok, kubernetes or metrics-adapter (default: all).
 #
 # Versions are pinned below; override with the environment variables of the same name.
 set -euo pipefail
@@ -16,6 +18,10 @@ K8S_VERSION=${K8S_VERSION:-v1.37.2}
 ETCD_VERSION=${ETCD_VERSION:-v3.6.16}
 KWOK_VERSION=${KWOK_VERSION:-v0.8.0}
 HELM_VERSION=${HELM_VERSION:-v3.22.0}
+METRICS_ADAPTER_VERSION=${METRICS_ADAPTER_VERSION:-v1.37.0}
+HERE=$(cd "$(dirname "$0")" && pwd)
+ADAPTER_MAIN=$HERE/metrics_adapter/main.go
+ADAPTER_STAMP="$METRICS_ADAPTER_VERSION+$(sha256sum "$ADAPTER_MAIN" | cut -c1-12)"
 NICE=${H3SERVE_TOOLS_NICE:-15}
 
 BIN=$CACHE/bin
@@ -96,10 +102,20 @@ build_k8s() {
     k8s.io/kubernetes/cmd/kube-scheduler
 }
 
+build_metrics_adapter() {
+  # A throw-away module: our main (metrics_adapter/main.go: the upstream test provider, its write endpoint on
+  # loopback) against the pinned release.
+  local w=$CACHE/src/metrics-adapter; rm -rf "$w"; mkdir -p "$w"; cp "$ADAPTER_MAIN" "$w/"
+  cd "$w"
+  printf 'module local/metricsadapter\n\ngo 1.26.0\n' > go.mod
+  nice -n "$NICE" go get "sigs.k8s.io/custom-metrics-apiserver@$METRICS_ADAPTER_VERSION"
+  nice -n "$NICE" go build -trimpath -ldflags "-s -w" -o "$BIN/custom-metrics-adapter" .
+}
+
 HELM_STAMP="$HELM_VERSION+k8s${K8S_VERSION%.*}"
 check=0
 if [[ ${1:-} == --check ]]; then check=1; shift; fi
-want=("$@"); [[ ${#want[@]} -gt 0 ]] || want=(helm etcd kwok kubernetes)
+want=("$@"); [[ ${#want[@]} -gt 0 ]] || want=(helm etcd kwok kubernetes metrics-adapter)
 
 ok() { # ok TOOL: is it built at the pinned version?
   case $1 in
@@ -107,7 +123,8 @@ ok() { # ok TOOL: is it built at the pinned version?
     etcd) have etcd "$ETCD_VERSION" etcd ;;
     kwok) have kwok "$KWOK_VERSION" kwok && [[ -s $SHARE/kwok-stages.yaml ]] ;;
     kubernetes) have k8s "$K8S_VERSION" kube-apiserver kube-controller-manager kube-scheduler ;;
-    *) echo "unknown tool $1 (helm, etcd, kwok, kubernetes)" >&2; exit 2 ;;
+    metrics-adapter) have metrics-adapter "$ADAPTER_STAMP" custom-metrics-adapter ;;
+    *) echo "unknown tool $1 (helm, etcd, kwok, kubernetes, metrics-adapter)" >&2; exit 2 ;;
   esac
 }
 
@@ -127,6 +144,8 @@ for t in "${want[@]}"; do
     etcd) timed "etcd@$ETCD_VERSION" build_etcd && mark etcd "$ETCD_VERSION" ;;
     kwok) timed "kwok@$KWOK_VERSION" build_kwok && mark kwok "$KWOK_VERSION" ;;
     kubernetes) timed "kubernetes@$K8S_VERSION" build_k8s && mark k8s "$K8S_VERSION" ;;
+    metrics-adapter) timed "custom-metrics-adapter@$METRICS_ADAPTER_VERSION" build_metrics_adapter &&
+      mark metrics-adapter "$ADAPTER_STAMP" ;;
   esac
 done
 rm -rf "$CACHE/src"

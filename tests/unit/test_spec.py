@@ -201,6 +201,10 @@ def test_every_rule_fires():
         base(placement="disaggregated", gpusPerNode=3, encoder={"tensorParallel": 4}, dit={"ulysses": 7}),
         base(model={"path": "/x", "volume": {"emptyDir": {}}}),
         base(model={"path": "/models/x", "volume": {"emptyDir": {}}, "adapter": {"path": "/y", "sha256": SHA}}),
+        base(model={"path": "/models/x", "mountPath": "/models/./w"}),
+        base(placement="disaggregated", **{st: {"replicas": 1, "autoscaling": {"minReplicas": 3, "maxReplicas": 2}}
+                                           for st in ("encoder", "dit", "vae", "muxer", "gateway")}),
+        base(**{st: {"autoscaling": {"maxReplicas": 2}} for st in ("encoder", "dit", "vae", "muxer", "gateway")}),
     ]
     fired = set()
     for d in bad_specs:

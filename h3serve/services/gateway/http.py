@@ -18,6 +18,8 @@ Request fields: prompt, seconds, size | width + height, num_frames, fps, seed, n
 model, extra_params {task, duration}, video_params, user, and the media fields input_reference, first_image,
 last_image, image_reference, audio_reference (docs/api.md; the OpenAI / vLLM-Omni mapping: docs/openai-compat.md). `?validate_only=true` validates and aligns without generating. The header
 `X-Request-Timeout: SECONDS` sets the request's deadline (default and upper bound: the server's request timeout).
+With API keys (auth.py) every /v1 call carries `Authorization: Bearer KEY` (checked before the body is read) and
+sees only its caller's jobs; health, readiness, metrics and the OpenAPI document stay open.
 """
 
 from __future__ import annotations
@@ -25,22 +27,23 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
+import tempfile
 import time
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from h3serve.config.request import Upload
 from h3serve.config.vocab import QUALITIES
 from h3serve.errors import H3Error, RequestError
-from h3serve.errortable import NotReady, TooLarge, error_object, http_error
+from h3serve.errortable import NotFound, NotReady, TooLarge, Unauthenticated, error_object, http_error
 from h3serve.media.thumbnail import first_frame_jpeg
 
+from .auth import Authenticator
 from .fields import MEDIA_FIELDS, REPEATABLE, fields_from_http, served_pools, short
 from .jobs import Job
 from .orchestrate import Gateway
@@ -96,10 +99,36 @@ def error_type(status: int) -> str:
     return "invalid_request_error" if status < 500 else "server_error"
 
 
+# A JSON or urlencoded body (a 20,000-character prompt is at most 80 kB of UTF-8; data URLs of a few images) is
+# read into memory, so its bound is small; larger media go as multipart uploads, which are spooled, not buffered.
+MAX_JSON_BODY_BYTES = 16 << 20
+
+
+async def _capped_body(request: Request) -> bytes:
+    """The body, refused with 413 once it passes MAX_JSON_BODY_BYTES (announced or while it streams in)."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > MAX_JSON_BODY_BYTES:
+        raise TooLarge(f"body: {int(length):,} bytes; a JSON or form body is at most {MAX_JSON_BODY_BYTES:,} bytes "
+                       "(send larger media as multipart uploads)")
+    buf = bytearray()
+    async for chunk in request.stream():
+        buf += chunk
+        if len(buf) > MAX_JSON_BODY_BYTES:
+            raise TooLarge(f"body: more than {MAX_JSON_BODY_BYTES:,} bytes; a JSON or form body is at most "
+                           f"{MAX_JSON_BODY_BYTES:,} bytes (send larger media as multipart uploads)")
+    request._body = bytes(buf)   # what request.body() / form() read from now on
+    return request._body
+
+
+# How long a client told "retry" (429 queue full, 503 draining / a stage down) waits first.
+RETRY_AFTER_S = {429: 1, 503: 5}
+
+
 def _error_response(exc: BaseException) -> JSONResponse:
     status, body = http_error(exc)
     body["error"]["type"] = error_type(status)
-    return JSONResponse(body, status_code=status)
+    retry = RETRY_AFTER_S.get(status) if body["error"].get("retryable") else None
+    return JSONResponse(body, status_code=status, headers={"Retry-After": str(retry)} if retry else None)
 
 
 def _refusal(status: int, code: str, param: str | None, message: str) -> JSONResponse:
@@ -112,15 +141,21 @@ NO_EDITS = ("H3 generates from a prompt and keyframes / references; it has no vi
 VARIANTS = ("video", "thumbnail")
 
 
-# A request body's bound: every reference at its largest (12 files of 20 MiB), base64-inflated in JSON
-MAX_BODY_BYTES = 12 * LARGEST_UPLOAD * 4 // 3 + (1 << 20)
+# A multipart body's bound: every reference at its largest (12 files of 20 MiB) and the form fields
+MAX_BODY_BYTES = 12 * LARGEST_UPLOAD + (1 << 20)
 
 
 async def read_body(request: Request) -> Any:
     length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-        raise TooLarge(f"body: {int(length):,} bytes; a request body is at most {MAX_BODY_BYTES:,} bytes")
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype == "multipart/form-data":
+        # parsed as it streams (files spooled), so bounded by the length it announces, which the server enforces
+        if length is None or not length.isdigit():
+            raise RequestError("content-length", length, "a multipart upload announces its Content-Length")
+        if int(length) > MAX_BODY_BYTES:
+            raise TooLarge(f"body: {int(length):,} bytes; a multipart body is at most {MAX_BODY_BYTES:,} bytes")
+    else:
+        await _capped_body(request)
     if ctype == "application/x-www-form-urlencoded":
         raw = await request.body()
         if raw.lstrip().startswith(b"{"):   # JSON sent without its content type (curl -d '{...}')
@@ -130,8 +165,15 @@ async def read_body(request: Request) -> Any:
             form = await request.form()
         except Exception as exc:  # noqa: BLE001 - malformed multipart
             raise RequestError("body", type(exc).__name__, "a well-formed form") from None
+        if ctype == "application/x-www-form-urlencoded":
+            try:   # the parser would replace undecodable bytes silently, altering the prompt
+                (await request.body()).decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise RequestError("body", f"byte {exc.start}", "UTF-8 form values") from None
         body: dict[str, Any] = {}
         for key, value in form.multi_items():
+            if not key:
+                raise RequestError("form field name", "", "a named form field (a field with an empty name)")
             outer, sep, inner = key.partition("[")
             if sep and inner.endswith("]") and "[" not in inner and isinstance(value, str):
                 # a nested object as OpenAI's SDK flattens it into form keys: extra_params[task], ...
@@ -161,13 +203,7 @@ async def read_body(request: Request) -> Any:
     if ctype not in ("", "application/json"):
         raise RequestError("content-type", ctype, "application/json, multipart/form-data or "
                                                   "application/x-www-form-urlencoded")
-    raw = bytearray()
-    async for part in request.stream():   # bounded also without a Content-Length (chunked)
-        raw += part
-        if len(raw) > MAX_BODY_BYTES:
-            raise TooLarge(f"body: more than {MAX_BODY_BYTES:,} bytes; a request body is at most "
-                           f"{MAX_BODY_BYTES:,} bytes")
-    raw = bytes(raw)
+    raw = await request.body()   # read (and bounded) by _capped_body
     try:
         return json.loads(raw, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
     except (ValueError, UnicodeDecodeError, RecursionError):
@@ -214,7 +250,34 @@ def job_object(job: Job, gateway: Gateway) -> dict:
     }
 
 
-def create_app(gateway: Gateway) -> FastAPI:
+def thumbnail(gateway: Gateway, job: Job) -> bytes:
+    """A completed job's first frame as JPEG, read from the job store (a local file, or the object copied to one)."""
+    mp4 = gateway.jobs.mp4(job)
+    if mp4 is None:
+        raise NotFound(f"video {job.id} is completed but its MP4 is no longer in the job store (deleted or expired)")
+    if mp4.path is not None:
+        return first_frame_jpeg(mp4.path)
+    with tempfile.NamedTemporaryFile(suffix=".mp4") as f:
+        for chunk in mp4.chunks:
+            f.write(chunk)
+        f.flush()
+        return first_frame_jpeg(f.name)
+
+
+def mp4_response(gateway: Gateway, job: Job, headers: dict, filename: str | None = None) -> Response:
+    """A completed job's MP4 from the job store: a file (with ranges) or streamed from the object store."""
+    mp4 = gateway.jobs.mp4(job)
+    if mp4 is None:
+        raise NotFound(f"video {job.id} is completed but its MP4 is no longer in the job store (deleted or expired)")
+    if mp4.path is not None:
+        return FileResponse(mp4.path, media_type="video/mp4", headers=headers, filename=filename)
+    if filename:
+        headers = {**headers, "Content-Disposition": f'attachment; filename="{filename}"'}
+    return StreamingResponse(mp4.chunks, media_type="video/mp4",
+                             headers={**headers, "Content-Length": str(mp4.size)})
+
+
+def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
     app = FastAPI(title="h3serve", version="0.1.0",
                   description="MiniMax H3 text -> video + audio. Videos API compatible with vLLM-Omni / OpenAI "
                               "where the fields apply.")
@@ -242,12 +305,26 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def _internal(request: Request, exc: Exception):
         return _error_response(exc)
 
+    keys = auth or Authenticator(None)
+
+    @app.middleware("http")
+    async def _authenticate(request: Request, call_next):
+        if request.url.path.startswith("/v1/"):
+            try:
+                request.state.owner = keys.caller(request.headers.get("authorization"))
+            except Unauthenticated as exc:
+                response = _error_response(exc)
+                response.headers["WWW-Authenticate"] = 'Bearer realm="h3serve"'
+                return response
+        return await call_next(request)
+
     def new_job(fields, names, request: Request, kind: str) -> Job:
         def sink(job: Job):
-            job.output_path = os.path.join(gateway.jobs.dir, f"{job.id}.mp4")
-            return FileSink(job.output_path)
+            return FileSink(gateway.jobs.mp4_path(job))
 
-        return gateway.new_job(fields, kind=kind, sink_factory=sink, timeout=_timeout(request), names=names)
+        job = gateway.new_job(fields, kind=kind, sink_factory=sink, timeout=_timeout(request), names=names)
+        job.owner = request.state.owner
+        return job
 
     @app.post("/v1/videos", openapi_extra=REQUEST_BODY, summary="Create a video job")
     async def create_video(request: Request, validate_only: bool = False):
@@ -266,24 +343,24 @@ def create_app(gateway: Gateway) -> FastAPI:
         fields, names = fields_from_http(await read_body(request))
         job = gateway.submit(await asyncio.to_thread(new_job, fields, names, request, "http"))
         while not job.done.is_set():
-            if await request.is_disconnected():
+            if await request.is_disconnected():   # nobody to answer: cancel quietly, no error logged
                 job.cancel("the HTTP client disconnected")
-                break
+                return Response(status_code=499)
             await asyncio.to_thread(job.done.wait, 0.25)
         if job.exc is not None:
             return _error_response(job.exc)
         headers = {"X-Request-Id": job.id,
                    "X-Stage-Durations": json.dumps({k: round(v, 4) for k, v in job.timings.items()
                                                     if k.endswith("_s")}, separators=(",", ":"))}
-        return FileResponse(job.output_path, media_type="video/mp4", headers=headers)
+        return await asyncio.to_thread(mp4_response, gateway, job, headers)
 
     @app.get("/v1/videos", summary="List video jobs")
-    async def list_videos(limit: int = 20, after: str | None = None, order: str = "desc"):
+    async def list_videos(request: Request, limit: int = 20, after: str | None = None, order: str = "desc"):
         if not 1 <= limit <= 100:
             raise RequestError("limit", limit, "an integer in [1, 100]")
         if order not in ("asc", "desc"):
             raise RequestError("order", order, "asc or desc")
-        jobs = gateway.jobs.list()
+        jobs = await asyncio.to_thread(gateway.jobs.list, request.state.owner)
         if order == "desc":
             jobs.reverse()
         if after is not None:
@@ -297,8 +374,8 @@ def create_app(gateway: Gateway) -> FastAPI:
                 "has_more": len(jobs) > limit}
 
     @app.get("/v1/videos/{video_id}", summary="Get a video job")
-    async def get_video(video_id: str):
-        return job_object(gateway.jobs.get(video_id), gateway)
+    async def get_video(request: Request, video_id: str):
+        return job_object(await asyncio.to_thread(gateway.jobs.get, video_id, request.state.owner), gateway)
 
     @app.get("/v1/models", summary="The model ids served")
     async def list_models():
@@ -321,30 +398,29 @@ def create_app(gateway: Gateway) -> FastAPI:
     @app.get("/v1/videos/{video_id}/content", summary="Download the MP4 (or its thumbnail)",
              response_class=FileResponse,
              responses={200: {"content": {"video/mp4": {}, "image/jpeg": {}}}})
-    async def get_content(video_id: str, variant: str = "video"):
+    async def get_content(request: Request, video_id: str, variant: str = "video"):
         if variant not in VARIANTS:
             return _refusal(400, "unsupported", "variant",
                             f"variant={variant!r} is not served: {' or '.join(VARIANTS)} (no spritesheet)")
-        job = gateway.jobs.get(video_id)
+        job = await asyncio.to_thread(gateway.jobs.get, video_id, request.state.owner)
         if job.status == "failed":
             raise NotReady(f"video {video_id} failed ({job.error.kind.code}): no content")
-        if job.status != "completed" or not job.output_path or not os.path.exists(job.output_path):
+        if job.status != "completed":
             raise NotReady(f"video {video_id} is {job.status} ({int(job.progress)}%); content is ready when "
                            "status is completed")
         if variant == "thumbnail":
-            jpeg = await asyncio.to_thread(first_frame_jpeg, job.output_path)
-            return Response(jpeg, media_type="image/jpeg")
-        return FileResponse(job.output_path, media_type="video/mp4", filename=f"{video_id}.mp4")
+            return Response(await asyncio.to_thread(thumbnail, gateway, job), media_type="image/jpeg")
+        return await asyncio.to_thread(mp4_response, gateway, job, {}, filename=f"{video_id}.mp4")
 
     @app.delete("/v1/videos/{video_id}", summary="Cancel (if unfinished) and delete a video job")
-    async def delete_video(video_id: str):
-        job = await asyncio.to_thread(gateway.jobs.delete, video_id)
+    async def delete_video(request: Request, video_id: str):
+        job = await asyncio.to_thread(gateway.jobs.delete, video_id, request.state.owner)
         return {"id": job.id, "object": "video.deleted", "deleted": True}
 
     @app.post("/v1/videos/{video_id}/cancel", summary="Cancel a video job and keep it")
-    async def cancel_video(video_id: str):
-        job = gateway.jobs.get(video_id)
-        gateway.jobs.cancel(video_id)
+    async def cancel_video(request: Request, video_id: str):
+        job = await asyncio.to_thread(gateway.jobs.get, video_id, request.state.owner)
+        await asyncio.to_thread(gateway.jobs.cancel, video_id, owner=request.state.owner)
         await asyncio.to_thread(job.done.wait, 10.0)
         return job_object(job, gateway)
 

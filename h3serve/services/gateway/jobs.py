@@ -4,8 +4,11 @@ finished jobs (TTL, max_jobs).
     new ──► admit: running < max_inflight, else a queue of queue_size, else QueueFull at once
         ──► take (a worker) ──► finish: completed | failed (the error classified through h3serve.errortable)
 
-A job's state: queued -> in_progress -> completed | failed. Live jobs are in the table; finished HTTP jobs stay
-until they expire (job_ttl_s, or the oldest past max_jobs), and their MP4 files with them.
+A job's state: queued -> in_progress -> completed | failed. Live jobs are in the table. HTTP jobs are also records
+in the job store (store.py: a directory or an S3 bucket every gateway replica shares), written when admitted,
+started and finished; a finished HTTP job is read back from the store, where it stays until it expires (job_ttl_s,
+or the oldest past max_jobs) with its MP4. A job in flight on a gateway that restarted or stopped ends `failed`.
+Each HTTP job belongs to its caller (`owner`, the API key's id): another caller gets PermissionDenied.
 """
 
 from __future__ import annotations
@@ -15,16 +18,18 @@ import logging
 import os
 import queue
 import shutil
+import socket
 import tempfile
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from dataclasses import fields as dc_fields
 from typing import Callable
 
 import grpc
 
-from h3serve.config.request import GenerationRequest
+from h3serve.config.request import GenerationRequest, ReferenceSpec
 from h3serve.config.stage import StageConfig
 from h3serve.errors import Cancelled, H3Error, RequestError
 from h3serve.errortable import (
@@ -32,21 +37,27 @@ from h3serve.errortable import (
     DeadlineExceeded,
     Draining,
     NotFound,
+    PermissionDenied,
     QueueFull,
     StageUnavailable,
+    TABLE,
+    INTERNAL,
     classify,
+    error_object,
     from_grpc,
 )
 
-from .fields import Validated
+from .fields import REQUEST_ID, Validated
 from .metrics import GatewayMetrics
 from .sinks import END, Sink, unlink
+from .store import HEARTBEAT_STALE_S, JobStore, Mp4, StoreError, open_store
 
 log = logging.getLogger("h3serve.gateway")
 
 EVENTS_BEHIND = 256        # events a live caller may lag before the job waits for it
 SWEEP_INTERVAL_S = 5.0
 SHUTDOWN_REASON = "the server is shutting down"
+FINISHED = ("completed", "failed")
 
 
 @dataclass(eq=False)
@@ -70,6 +81,13 @@ class Job:
     mp4_bytes: int = 0
     sha256: str = ""
     output_path: str | None = None
+    owner: str | None = None       # the caller's key id (None: auth off)
+    gateway: str = ""              # the instance running it (host:port) and its boot id, as stored
+    boot: str = ""
+    cancel_stored: bool = False    # a cancel asked through another replica's record
+    persisted: bool = True         # the store holds the job's latest state
+    deleted: bool = False          # deleted through another replica: never written again
+    aborted: H3Error | None = None # why the gateway gave up on it (a hung stage): its error, not "cancelled"
     events: queue.Queue | None = None
     done: threading.Event = field(default_factory=threading.Event)
     cancel_requested: threading.Event = field(default_factory=threading.Event)
@@ -126,6 +144,13 @@ class Job:
             call.cancel()
         return True
 
+    def abort(self, exc: H3Error) -> bool:
+        """Stop the job with `exc` as its outcome (the watchdog: a stage it needs is hung)."""
+        with self._lock:
+            if self.aborted is None:
+                self.aborted = exc
+        return self.cancel(str(exc))
+
     def cancelled(self) -> Cancelled:
         return Cancelled(self.cancel_reason or "cancelled")
 
@@ -135,11 +160,51 @@ class Job:
         if time.monotonic() >= self.deadline:
             raise DeadlineExceeded("the request's deadline passed")
 
+    def record(self) -> dict:
+        """The job as the store keeps it (JSON)."""
+        err = None
+        if self.error is not None:
+            err = {**error_object(self.error), "grpc": self.error.kind.grpc.name}
+        return {"id": self.id, "owner": self.owner, "status": self.status, "progress": self.progress,
+                "stage": self.stage, "created_at": self.created_at, "started_at": self.started_at,
+                "completed_at": self.completed_at, "request": self.request.to_dict(), "names": self.validated.names,
+                "model": self.validated.model, "timings": self.timings, "error": err, "mp4_bytes": self.mp4_bytes,
+                "sha256": self.sha256, "gateway": self.gateway, "boot": self.boot,
+                "cancel_requested": self.cancel_stored}
+
+    @classmethod
+    def from_record(cls, rec: dict) -> "Job":
+        """A job read back from the store (not run by this process: its events are the store's)."""
+        req = dict(rec["request"])
+        req["references"] = tuple(ReferenceSpec(**r) for r in req.get("references", ()))
+        init = {f.name for f in dc_fields(GenerationRequest) if f.init}
+        request = GenerationRequest(**{k: v for k, v in req.items() if k in init})
+        job = cls(id=rec["id"], kind="http", validated=Validated(request, dict(rec.get("names") or {}), rec["model"]),
+                  deadline=0.0, created_at=rec["created_at"], started_at=rec.get("started_at"),
+                  completed_at=rec.get("completed_at"), status=rec["status"], progress=rec.get("progress", 0.0),
+                  stage=rec.get("stage", ""), timings=dict(rec.get("timings") or {}),
+                  mp4_bytes=rec.get("mp4_bytes", 0), sha256=rec.get("sha256", ""), owner=rec.get("owner"),
+                  gateway=rec.get("gateway", ""), boot=rec.get("boot", ""),
+                  cancel_stored=bool(rec.get("cancel_requested")))
+        if rec.get("error"):
+            job.error = classified(rec["error"])
+        if job.status in FINISHED:
+            job.done.set()
+        return job
+
+
+def classified(err: dict) -> Classified:
+    """A stored error object back as the table's classification (its kind found by code and gRPC status)."""
+    kinds = [k for _, k in TABLE] + [INTERNAL]
+    kind = next((k for k in kinds if k.code == err.get("code") and k.grpc.name == err.get("grpc")),
+                next((k for k in kinds if k.code == err.get("code")), INTERNAL))
+    return Classified(kind=kind, message=err.get("message", ""), field=err.get("field"), stage=err.get("stage"))
+
 
 class JobTable:
-    """Every live job and the finished HTTP jobs until they expire, the admission queue and the running set."""
+    """Every live job, the admission queue and the running set; HTTP jobs also in the job store."""
 
-    def __init__(self, config: StageConfig, metrics: GatewayMetrics):
+    def __init__(self, config: StageConfig, metrics: GatewayMetrics, store: JobStore | None = None):
         self.config = config
         self.metrics = metrics
         self.draining = False
@@ -147,13 +212,21 @@ class JobTable:
         self.queue: collections.deque[Job] = collections.deque()
         self.running: dict[str, Job] = {}
         self.jobs: dict[str, Job] = {}
-        self.dir = config.jobs_dir or tempfile.mkdtemp(prefix="h3serve-jobs-")   # HTTP jobs' MP4s
-        self._own_dir = config.jobs_dir is None
+        # a private temp dir only when nothing durable is configured (then jobs live as long as the process)
+        self._own_dir = config.jobs_dir is None and config.job_store is None
+        self.dir = config.jobs_dir or tempfile.mkdtemp(prefix="h3serve-jobs-")   # MP4s (spooled, or kept)
         os.makedirs(self.dir, exist_ok=True)
+        self.store = store or open_store(config.job_store or config.jobs_dir, self.dir)
+        self.instance = f"{socket.gethostname()}:{config.port}"
+        self.boot = uuid.uuid4().hex
         self._stop = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep, name="h3serve-job-sweeper", daemon=True)
 
     def start(self) -> None:
+        self.store.beat(self.instance, self.boot)   # before any record names this boot
+        if not self.store.durable:
+            log.warning("jobs are kept in %s only while this process runs: set --jobs-dir or --job-store for "
+                        "jobs that survive a restart", self.dir)
         self._sweeper.start()
 
     def new(self, validated: Validated, *, kind: str, sink_factory: Callable[[Job], Sink] | None = None,
@@ -163,15 +236,20 @@ class JobTable:
         limit = self.config.request_timeout_s
         timeout = limit if timeout is None or timeout <= 0 else min(timeout, limit)
         job = Job(id=request_id or f"video_{uuid.uuid4().hex}", kind=kind, validated=validated,
-                  deadline=time.monotonic() + timeout)
+                  deadline=time.monotonic() + timeout, gateway=self.instance, boot=self.boot)
         if kind == "stream":
             job.events = queue.Queue(maxsize=EVENTS_BEHIND)
         job.sink = sink_factory(job) if sink_factory else None
         return job
 
+    def mp4_path(self, job: Job) -> str:
+        """Where an HTTP job's sink writes its MP4 (in place on disk, or spooled for the object store)."""
+        job.output_path = self.store.spool_path(job.id)
+        return job.output_path
+
     def admit(self, job: Job, down: dict[str, str]) -> Job:
         """Queue a job or refuse it at once: Draining, StageUnavailable (`down`: stage -> health of the stages
-        not SERVING), RequestError (id in use), QueueFull."""
+        not SERVING; or the job store unreachable), RequestError (id in use), QueueFull."""
         with self.cond:
             try:
                 if self.draining:
@@ -179,18 +257,21 @@ class JobTable:
                 if down:
                     stage, health = next(iter(down.items()))
                     raise StageUnavailable(stage, f"not ready (health: {health})")
-                if job.id in self.jobs:
+                if job.id in self.jobs or (job.kind == "http" and self.store.get_record(job.id) is not None):
                     raise RequestError("request_id", job.id, "an id not already in use")
                 busy = len(self.running) + len(self.queue)
                 capacity = self.config.max_inflight + self.config.queue_size
                 if busy >= capacity:
                     raise QueueFull(f"queue full: {len(self.running)} running and {len(self.queue)} waiting "
                                     f"(queue size {self.config.queue_size}); retry later")
+                job.queue_position = max(0, busy - self.config.max_inflight + 1) \
+                    if busy >= self.config.max_inflight else 0
+                if job.kind == "http":
+                    self.store.put_record(job.record())   # refused (StoreError) if the store cannot take it
             except H3Error as exc:
                 if not isinstance(exc, RequestError):   # request errors are counted by the API layer
                     self.metrics.requests.labels(outcome=classify(exc).kind.code).inc()
                 raise
-            job.queue_position = max(0, busy - self.config.max_inflight + 1) if busy >= self.config.max_inflight else 0
             job.t_admitted = time.monotonic()
             self.jobs[job.id] = job
             self.queue.append(job)
@@ -209,25 +290,47 @@ class JobTable:
             self.running[job.id] = job
             self.metrics.queue_depth.set(len(self.queue))
             self.metrics.inflight.set(len(self.running))
+        if job.kind == "http":
+            job.status, job.started_at = "in_progress", time.time()
+            self._save(job)
         return job
 
+    def _save(self, job: Job) -> None:
+        """Write the job's record; a store that cannot take it now gets it again from the sweeper."""
+        if job.deleted:
+            return
+        try:
+            self.store.put_record(job.record())
+            job.persisted = True
+        except StoreError as exc:
+            job.persisted = False
+            log.warning("request %s: %s (retried)", job.id, exc)
+
     def finish(self, job: Job, exc: BaseException | None) -> None:
-        """The job's outcome: completed (the sink commits) or failed with `exc` classified (the sink aborts)."""
+        """The job's outcome: completed (the sink commits, an HTTP job's MP4 is published to the store) or failed
+        with `exc` classified (the sink aborts)."""
         with self.cond:
             self.running.pop(job.id, None)
             self.metrics.inflight.set(len(self.running))
             if job.kind != "http":
                 self.jobs.pop(job.id, None)
         job.completed_at = time.time()
+        if exc is None and job.sink is not None:
+            try:
+                job.sink.commit()
+                if job.kind == "http" and job.output_path:
+                    self.store.publish(job.id, job.output_path)
+            except BaseException as e:  # noqa: BLE001 - the MP4 could not be kept: the job failed
+                exc = e
         if exc is None:
             job.status, job.progress = "completed", 100.0
             outcome = "completed"
-            if job.sink is not None:
-                job.sink.commit()
         else:
+            if job.aborted is not None:
+                exc = job.aborted
             if isinstance(exc, grpc.RpcError):
                 exc = from_grpc(exc, cancelled=job.cancel_requested.is_set())
-            if job.cancel_requested.is_set() and not isinstance(exc, (Cancelled, Draining)):
+            if job.cancel_requested.is_set() and not isinstance(exc, (Cancelled, Draining)) and job.aborted is None:
                 exc = job.cancelled()
             if isinstance(exc, Cancelled) and job.cancel_reason == SHUTDOWN_REASON:
                 exc = Draining("the server shut down before the request finished; retry elsewhere")
@@ -239,6 +342,12 @@ class JobTable:
                 job.sink.abort()
             if job.error.kind.code == "internal":
                 log.error("request %s failed", job.id, exc_info=exc)
+        if job.kind == "http":
+            self._save(job)
+            if job.persisted and self.store.durable:
+                with self.cond:   # read back from the store from now on
+                    if self.jobs.get(job.id) is job:
+                        self.jobs.pop(job.id)
         self.metrics.requests.labels(outcome=outcome).inc()
         if exc is None:
             self.metrics.observe(job.timings)
@@ -253,17 +362,69 @@ class JobTable:
                 threading.Thread(target=job.events.put, args=(END,), daemon=True).start()
         job.done.set()
 
-    def get(self, job_id: str) -> Job:
-        job = self.jobs.get(job_id)
-        if job is None:
-            raise NotFound(f"no video {job_id!r}")
+    # -- reading jobs back ---------------------------------------------------------------------------------
+    def _orphan_reason(self, rec: dict) -> str | None:
+        """Why a stored job still queued / in progress will never finish, or None while its gateway runs it."""
+        if rec.get("status") in FINISHED or (rec.get("gateway"), rec.get("boot")) == (self.instance, self.boot):
+            return None
+        beat = self.store.heartbeat(rec.get("gateway", ""))
+        if beat is None or beat.get("boot") != rec.get("boot"):
+            return f"the gateway running it ({rec.get('gateway')}) restarted before it finished"
+        if time.time() - float(beat.get("at", 0)) > HEARTBEAT_STALE_S:
+            return (f"the gateway running it ({rec.get('gateway')}) stopped: no heartbeat for more than "
+                    f"{HEARTBEAT_STALE_S:g}s")
+        return None
+
+    def _load(self, rec: dict) -> Job:
+        job = Job.from_record(rec)
+        reason = self._orphan_reason(rec)
+        if reason is not None:   # fail it for good, once, with the reason
+            was = job.status
+            job.status, job.completed_at = "failed", time.time()
+            job.error = classify(StageUnavailable("gateway", f"{reason}; the job was {was} and nothing of it "
+                                                             "was kept: submit it again"))
+            job.done.set()
+            self._save(job)
         return job
 
-    def cancel(self, job_id: str, reason: str = "cancelled by the caller") -> bool:
-        """Cancel a job: a queued one fails at once, a running one stops within one step or one clip."""
+    def _check_owner(self, job: Job, owner: str | None) -> Job:
+        if owner is not None and job.owner != owner:
+            raise PermissionDenied(f"video {job.id!r} belongs to another caller")
+        return job
+
+    def _record(self, job_id: str) -> dict | None:
+        """The stored record of an id (an id no job can have is not looked up: the store sees only valid names)."""
+        return self.store.get_record(job_id) if REQUEST_ID.match(job_id) else None
+
+    def get(self, job_id: str, owner: str | None = None) -> Job:
+        """A job by id: a live one of this process, else the store's record. `owner`: the caller's key id (None:
+        auth off) — another caller's job raises PermissionDenied."""
         job = self.jobs.get(job_id)
         if job is None:
-            raise NotFound(f"no request {job_id!r}")
+            rec = self._record(job_id)
+            if rec is None:
+                raise NotFound(f"no video {job_id!r}")
+            job = self._load(rec)
+        return self._check_owner(job, owner)
+
+    def mp4(self, job: Job) -> Mp4 | None:
+        """The stored MP4 of a completed job (None if the store has none)."""
+        return self.store.open_mp4(job.id)
+
+    def cancel(self, job_id: str, reason: str = "cancelled by the caller", owner: str | None = None) -> bool:
+        """Cancel a job: a queued one fails at once, a running one stops within one step or one clip. A job
+        another replica runs is asked through its record (that replica reads it within a sweep)."""
+        job = self.jobs.get(job_id)
+        if job is None:
+            if self._record(job_id) is None and job_id not in self.jobs:
+                raise NotFound(f"no request {job_id!r}")
+            job = self.get(job_id, owner)
+            if job.finished:
+                return False
+            job.cancel_stored = True
+            self.store.put_record(job.record())
+            return True
+        self._check_owner(job, owner)
         with self.cond:
             if job in self.queue:
                 self.queue.remove(job)
@@ -273,23 +434,30 @@ class JobTable:
                 return True
         return job.cancel(reason)
 
-    def delete(self, job_id: str) -> Job:
-        """Cancel a job if unfinished, then forget it and its MP4."""
-        job = self.get(job_id)
-        if not job.finished:
+    def delete(self, job_id: str, owner: str | None = None) -> Job:
+        """Cancel a job if unfinished, then forget it and its MP4 (here and in the store)."""
+        job = self.get(job_id, owner)
+        if not job.finished and job_id in self.jobs:
             self.cancel(job_id, "deleted by the caller")
             job.done.wait(30.0)
         with self.cond:
             self.jobs.pop(job_id, None)
+        self.store.delete(job_id)
         if job.output_path:
             unlink(job.output_path)
         return job
 
-    def list(self) -> list[Job]:
-        """The HTTP jobs, oldest first."""
+    def list(self, owner: str | None = None) -> list[Job]:
+        """The caller's HTTP jobs (every one when `owner` is None), oldest first: this process's live ones and the
+        store's."""
         with self.cond:
-            jobs = [j for j in self.jobs.values() if j.kind == "http"]
-        return sorted(jobs, key=lambda j: j.created_at)
+            live = {j.id: j for j in self.jobs.values() if j.kind == "http"}
+        jobs = dict(live)
+        for rec in self.store.records():
+            if rec["id"] not in jobs:
+                jobs[rec["id"]] = self._load(rec)
+        mine = [j for j in jobs.values() if owner is None or j.owner == owner]
+        return sorted(mine, key=lambda j: j.created_at)
 
     def busy(self) -> bool:
         return bool(self.running) or bool(self.queue)
@@ -309,23 +477,60 @@ class JobTable:
             job.cancel(reason)
 
     def close(self) -> None:
+        """Stop the sweeper; a durable store keeps every finished job and MP4 (only a private temp dir goes)."""
         self._stop.set()
         with self.cond:
             self.cond.notify_all()
+        if self._sweeper.is_alive():
+            self._sweeper.join(SWEEP_INTERVAL_S + 5)
+        self.store.close()
         if self._own_dir:
             shutil.rmtree(self.dir, ignore_errors=True)
 
+    # -- the sweeper: heartbeat, stored cancels, unsaved records, retention -------------------------------------
     def _sweep(self) -> None:
         while not self._stop.wait(SWEEP_INTERVAL_S):
-            now = time.time()
-            with self.cond:
-                finished = sorted((j for j in self.jobs.values() if j.finished), key=lambda j: j.completed_at or 0)
-                expired = [j for j in finished if now - (j.completed_at or now) > self.config.job_ttl_s]
-                excess = len(finished) - len(expired) - self.config.max_jobs
-                if excess > 0:
-                    expired += [j for j in finished if j not in expired][:excess]
-                for j in expired:
-                    self.jobs.pop(j.id, None)
-            for j in expired:
-                if j.output_path:
-                    unlink(j.output_path)
+            try:
+                self.sweep_once()
+            except StoreError as exc:
+                log.warning("job sweep: %s (retried)", exc)
+
+    def sweep_once(self) -> None:
+        self.store.beat(self.instance, self.boot)
+        with self.cond:
+            mine = [j for j in self.jobs.values() if j.kind == "http"]
+        for job in mine:
+            if not job.persisted:
+                self._save(job)
+                if job.persisted and job.finished and self.store.durable:
+                    with self.cond:
+                        self.jobs.pop(job.id, None)
+            elif not job.finished:
+                rec = self.store.get_record(job.id)
+                if rec is None:
+                    job.deleted = True
+                    job.cancel("deleted by the caller")
+                elif rec.get("cancel_requested"):
+                    self.cancel(job.id)
+        now = time.time()
+        finished = sorted((r for r in self.store.records() if r.get("status") in FINISHED),
+                          key=lambda r: r.get("completed_at") or 0)
+        expired = [r for r in finished if now - (r.get("completed_at") or now) > self.config.job_ttl_s]
+        excess = len(finished) - len(expired) - self.config.max_jobs
+        if excess > 0:
+            expired += [r for r in finished if r not in expired][:excess]
+        for r in expired:
+            self.store.delete(r["id"])
+        self._sweep_parts(mine)
+
+    def _sweep_parts(self, mine: list[Job]) -> None:
+        """MP4s half-written by a process that died (its .part files) go once their job is finished or gone."""
+        live = {j.output_path + ".part" for j in mine if j.output_path and not j.finished}
+        folder = os.path.dirname(self.store.spool_path("x"))
+        for name in os.listdir(folder):
+            path = os.path.join(folder, name)
+            if not name.endswith(".mp4.part") or path in live:
+                continue
+            rec = self._record(name[: -len(".mp4.part")])
+            if rec is None or rec.get("status") in FINISHED or self._orphan_reason(rec):
+                unlink(path)

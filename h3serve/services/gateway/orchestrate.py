@@ -30,7 +30,7 @@ from h3serve._proto import common_pb2, dit_pb2, encoder_pb2, gateway_pb2, muxer_
 from h3serve.config.request import SAMPLE_RATE
 from h3serve.config.stage import StageConfig
 from h3serve.errors import H3Error
-from h3serve.errortable import StageUnavailable, from_grpc
+from h3serve.errortable import StageFailed, StageUnavailable, from_grpc
 from h3serve.models.dit.layout import AUDIO_CHANNELS
 from h3serve.transport.grpc import collect_tensors, iter_tensor_chunks
 
@@ -271,15 +271,18 @@ class StageCalls:
         t0 = time.perf_counter()
         digest = hashlib.sha256()
         size = 0
-        started = False
+        started, total = False, -1
         for chunk in self._call("muxer", lambda: session.muxer.Fetch(
                 muxer_pb2.FetchRequest(session_id=session.id), timeout=job.remaining())):
             if not started:
-                job.sink.begin(int(chunk.total_bytes))
+                total = int(chunk.total_bytes)
+                job.sink.begin(total)
                 started = True
             digest.update(chunk.data)
             job.sink.write(int(chunk.offset), chunk.data)
             size += len(chunk.data)
+        if size != total:   # never a short MP4 presented as done
+            raise StageFailed("muxer", f"the MP4 fetched is {size} bytes, the muxer announced {total}")
         session.fetched = True
         self.t["fetch_s"] = time.perf_counter() - t0
         job.mp4_bytes, job.sha256 = size, digest.hexdigest()

@@ -3,6 +3,8 @@ API (h3serve/services/gateway/http.py). Both are thin adapters over `Gateway` (o
 the one table.
 
 Health: NOT_SERVING until every stage reports SERVING, and again while draining (SIGTERM).
+Callers: with an API keys file every gRPC call but health and reflection carries `authorization: Bearer KEY`
+(auth.py's interceptor refuses others before reading them); each job belongs to its caller.
 """
 
 from __future__ import annotations
@@ -20,12 +22,15 @@ from h3serve.config.stage import StageConfig
 from h3serve.errors import RequestError
 from h3serve.errortable import grpc_method
 from h3serve.runtime.stage import NO_DEADLINE, StageBase
+from h3serve.runtime.tls import Tls
 
+from .auth import AuthInterceptor, Authenticator, check_exposure
 from .fields import fields_from_proto, served_models
 from .http import create_app
 from .jobs import Job
 from .orchestrate import Gateway
 from .sinks import END, BytesSink, StreamSink
+from .watchdog import Watchdog
 
 log = logging.getLogger("h3serve.gateway")
 
@@ -50,6 +55,9 @@ class GatewayServicer(StageBase):
         super().__init__(config, health)
         self.max_message = config.max_sync_bytes + (1 << 20)
         self.gateway = Gateway(config, on_health=self._on_health)
+        self.auth = Authenticator(config.api_keys_file)
+        self.interceptors = (AuthInterceptor(self.auth),)
+        self.watchdog = Watchdog(self.gateway.stages, self.gateway.jobs)
         self.http_server = None
         self.http_thread = None
         self.http_port = None
@@ -62,15 +70,20 @@ class GatewayServicer(StageBase):
         gateway_pb2_grpc.add_GatewayServicer_to_server(self, server)
 
     def load(self) -> None:
+        check_exposure(self.config.api_keys_file, self.config.no_auth,
+                       (self.config.host,) + ((self.config.http_host,) if self.config.http_port is not None else ()))
         self.choose_transport(probe=False)   # nixl: chosen (or fallen back from) by the DiT, the VAE and the muxer
         self.gateway.start()
+        self.watchdog.start()
         if self.config.http_port is not None:
             self.start_http()
 
     def start_http(self) -> None:
-        app = create_app(self.gateway)
+        app = create_app(self.gateway, self.auth)
+        tls = Tls.of(self.config)   # HTTPS with the gateway's certificate when configured (then no plaintext)
         cfg = uvicorn.Config(app, host=self.config.http_host, port=self.config.http_port, log_level="warning",
-                             lifespan="off", access_log=False, timeout_graceful_shutdown=5)
+                             lifespan="off", access_log=False, timeout_graceful_shutdown=5,
+                             ssl_certfile=tls.cert, ssl_keyfile=tls.key)
         self.http_server = uvicorn.Server(cfg)
         self.http_thread = threading.Thread(target=self.http_server.run, name="h3serve-http", daemon=True)
         self.http_thread.start()
@@ -100,6 +113,7 @@ class GatewayServicer(StageBase):
         if self.http_server is not None:
             self.http_server.should_exit = True
             self.http_thread.join(10)
+        self.watchdog.close()
         self.gateway.close()
         super().close()
 
@@ -114,9 +128,12 @@ class GatewayServicer(StageBase):
 
     def _new_job(self, request, context, kind: str, sink_factory):
         rid = request.request_id if request.HasField("request_id") else None
+        owner = self.auth.caller_of(context.invocation_metadata())
         try:
-            return self.gateway.new_job(fields_from_proto(request), kind=kind, sink_factory=sink_factory,
-                                        timeout=self._timeout(context), request_id=rid)
+            job = self.gateway.new_job(fields_from_proto(request), kind=kind, sink_factory=sink_factory,
+                                       timeout=self._timeout(context), request_id=rid)
+            job.owner = owner
+            return job
         except RequestError:
             self.gateway.metrics.requests.labels(outcome="invalid_request").inc()
             raise
@@ -173,7 +190,8 @@ class GatewayServicer(StageBase):
 
     @grpc_method("gateway")
     def Cancel(self, request, context):
-        return gateway_pb2.CancelResponse(cancelled=self.gateway.jobs.cancel(request.request_id))
+        owner = self.auth.caller_of(context.invocation_metadata())
+        return gateway_pb2.CancelResponse(cancelled=self.gateway.jobs.cancel(request.request_id, owner=owner))
 
     @grpc_method("gateway")
     def Info(self, request, context):

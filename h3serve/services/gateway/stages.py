@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from h3serve._proto import dit_pb2_grpc, encoder_pb2_grpc, muxer_pb2_grpc, vae_pb2_grpc
 from h3serve.config.stage import StageConfig
 from h3serve.config.vocab import FASTH3_DIT, PIPELINE_STAGES
-from h3serve.transport.grpc import channel_options, insecure_channel
+from h3serve.runtime.tls import Tls
 
 from .metrics import GatewayMetrics
 
@@ -37,9 +37,9 @@ FRAME_EDGE = "vae->muxer"
 BALANCED = json.dumps({"loadBalancingConfig": [{"round_robin": {}}], "healthCheckConfig": {"serviceName": ""}})
 
 
-def balanced_channel(target: str) -> grpc.Channel:
+def balanced_channel(target: str, tls: Tls) -> grpc.Channel:
     """A channel to every replica `target` resolves to, balanced per call over the SERVING ones."""
-    return grpc.insecure_channel(target, options=[*channel_options(), ("grpc.service_config", BALANCED)])
+    return tls.channel(target, extra=(("grpc.service_config", BALANCED),))
 
 
 def unbound(address: str) -> bool:
@@ -54,9 +54,10 @@ class StageClients:
         self.addresses = {s: getattr(config, s) for s in PIPELINE_STAGES}
         if config.fasth3_dit and config.profile != "fasth3":   # a FastH3 DiT pool beside the base one
             self.addresses[FASTH3_DIT] = config.fasth3_dit
-        self.channels = {s: balanced_channel(a) for s, a in self.addresses.items()}
+        self.tls = Tls.of(config)   # mTLS to the stages when configured
+        self.channels = {s: balanced_channel(a, self.tls) for s, a in self.addresses.items()}
         # the health monitor's own channels: its Checks must not advance the request channels' round robin
-        self._health_channels = {s: balanced_channel(a) for s, a in self.addresses.items()}
+        self._health_channels = {s: balanced_channel(a, self.tls) for s, a in self.addresses.items()}
         self.encoder = encoder_pb2_grpc.EncoderStub(self.channels["encoder"])
         self.dit = dit_pb2_grpc.DiTStub(self.channels["dit"])
         # the DiT pool per profile: the deployment's own, and the FastH3 pool when configured
@@ -86,7 +87,7 @@ class StageClients:
         with self._lock:
             channel = self._extra.get(address)
             if channel is None:
-                channel = self._extra[address] = insecure_channel(address)
+                channel = self._extra[address] = self.tls.channel(address)
         return muxer_pb2_grpc.MuxerStub(channel)
 
     def ready(self) -> bool:

@@ -1,0 +1,132 @@
+"""Leader election on a coordination.k8s.io/v1 Lease, as controller-runtime and client-go do it.
+
+Every operator replica runs kopf (watches, liveness); only the holder of the Lease reconciles. A replica takes the
+Lease when it is free or its holder stopped renewing it for `duration` seconds, renews it every `renew` seconds, and
+gives it up on a clean exit (the next replica takes over at once). A leader that cannot renew before its Lease
+expires exits the process: another replica may already hold the Lease, and two never reconcile at once.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import threading
+import time
+from typing import Callable
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+log = logging.getLogger("h3serve.operator")
+
+LEASE_NAME = "h3serve-operator"
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+class Leader:
+    def __init__(self, namespace: str, identity: str, duration: float = 15.0, renew: float = 5.0,
+                 on_elected: Callable[[], None] | None = None, name: str = LEASE_NAME):
+        self.namespace, self.identity, self.name = namespace, identity, name
+        self.duration, self.renew = duration, renew
+        self.on_elected = on_elected
+        self.elected = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_renew = 0.0
+
+    # -- public ---------------------------------------------------------------------------------------------------
+    def start(self) -> "Leader":
+        self._thread = threading.Thread(target=self._run, name="leader-election", daemon=True)
+        self._thread.start()
+        return self
+
+    def is_leader(self) -> bool:
+        return self.elected.is_set() and time.monotonic() - self._last_renew < self.duration
+
+    def stop(self) -> None:
+        """Stop renewing and hand the Lease back (a clean shutdown: the next replica needs not wait it out)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.renew + 5)
+        if self.elected.is_set():
+            try:
+                lease = self._api().read_namespaced_lease(self.name, self.namespace)
+                if lease.spec.holder_identity == self.identity:
+                    lease.spec.holder_identity = None
+                    lease.spec.renew_time = None
+                    lease.spec.acquire_time = None
+                    self._api().replace_namespaced_lease(self.name, self.namespace, lease)
+                    log.info("leader election: released Lease %s/%s", self.namespace, self.name)
+            except ApiException as e:
+                log.warning("leader election: could not release the Lease: %s", e.reason)
+            self.elected.clear()
+
+    # -- the loop -------------------------------------------------------------------------------------------------
+    def _api(self) -> client.CoordinationV1Api:
+        return client.CoordinationV1Api()
+
+    def _run(self) -> None:
+        log.info("leader election: %s waits for Lease %s/%s", self.identity, self.namespace, self.name)
+        while not self._stop.is_set():
+            try:
+                ok = self._try_acquire_or_renew()
+            except Exception as e:  # noqa: BLE001 - the API server may be briefly away; the expiry check decides
+                log.warning("leader election: %s", e)
+                ok = False
+            if ok:
+                self._last_renew = time.monotonic()
+                if not self.elected.is_set():
+                    log.info("leader election: %s is the leader (Lease %s/%s)", self.identity, self.namespace,
+                             self.name)
+                    self.elected.set()
+                    if self.on_elected is not None:
+                        self.on_elected()
+            elif self.elected.is_set() and time.monotonic() - self._last_renew >= self.duration - self.renew:
+                # cannot prove the Lease is still ours before another replica may take it: stop now
+                log.error("leader election: lost Lease %s/%s; exiting so that a single replica reconciles",
+                          self.namespace, self.name)
+                os._exit(1)
+            self._stop.wait(self.renew if self.elected.is_set() else min(self.renew, 2.0))
+
+    def _try_acquire_or_renew(self) -> bool:
+        api, now = self._api(), _now()
+        try:
+            lease = api.read_namespaced_lease(self.name, self.namespace)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+            body = client.V1Lease(metadata=client.V1ObjectMeta(name=self.name, namespace=self.namespace),
+                                  spec=client.V1LeaseSpec(holder_identity=self.identity,
+                                                          lease_duration_seconds=int(self.duration),
+                                                          acquire_time=now, renew_time=now, lease_transitions=0))
+            try:
+                api.create_namespaced_lease(self.namespace, body)
+                return True
+            except ApiException as e2:
+                if e2.status == 409:  # another replica created it first
+                    return False
+                raise
+        spec = lease.spec
+        holder = spec.holder_identity
+        renewed = spec.renew_time or spec.acquire_time
+        expired = (not holder or renewed is None or
+                   (now - renewed).total_seconds() > (spec.lease_duration_seconds or self.duration))
+        if holder != self.identity and not expired:
+            return False
+        if holder != self.identity:
+            spec.lease_transitions = (spec.lease_transitions or 0) + 1
+            spec.acquire_time = now
+            spec.holder_identity = self.identity
+        spec.lease_duration_seconds = int(self.duration)
+        spec.renew_time = now
+        try:
+            api.replace_namespaced_lease(self.name, self.namespace, lease)  # resourceVersion: optimistic lock
+            return True
+        except ApiException as e:
+            if e.status == 409:
+                return False
+            raise

@@ -1,0 +1,311 @@
+"""Where HTTP jobs live: a job record (JSON) and, once completed, its MP4, in a store every gateway replica shares.
+
+    DiskStore  DIR/jobs/<id>.json  DIR/videos/<id>.mp4        embedded and laptop (`--jobs-dir DIR`)
+    S3Store    s3://BUCKET/PREFIX: PREFIX/jobs/<id>.json, PREFIX/videos/<id>.mp4, PREFIX/gateways/<instance>.json
+               (`--job-store s3://BUCKET/PREFIX`; endpoint and credentials from the environment as every S3 client
+               reads them: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION)
+
+A record is written when the job is admitted, when it starts, and when it ends; the MP4 is published before the
+record says `completed`, so a completed record always has its MP4. Each gateway writes a heartbeat
+(`gateways/<host:port>.json`: its boot id and time); a record still queued or in progress whose gateway restarted
+(another boot id) or stopped beating is an orphan, and whoever reads it first marks it failed with the reason.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass
+from typing import Iterator, Protocol
+
+import urllib3
+
+from h3serve.errortable import StageUnavailable
+
+log = logging.getLogger("h3serve.gateway")
+
+CHUNK = 1 << 20            # download chunk
+HEARTBEAT_STALE_S = 30.0   # a gateway silent this long is gone (it beats every few seconds)
+S3_CONNECT_S, S3_READ_S = 3.0, 60.0
+
+
+class StoreError(StageUnavailable):
+    """The job store could not be read or written (UNAVAILABLE, retryable, naming the store)."""
+
+    def __init__(self, message: str):
+        super().__init__("job-store", message)
+
+
+@dataclass(frozen=True)
+class Mp4:
+    """A stored MP4: a local path (served with ranges) or a stream of chunks of a known size."""
+
+    size: int
+    path: str | None = None
+    chunks: Iterator[bytes] | None = None
+
+
+class JobStore(Protocol):
+    durable: bool
+
+    def put_record(self, record: dict) -> None: ...
+
+    def get_record(self, job_id: str) -> dict | None: ...
+
+    def records(self) -> list[dict]: ...
+
+    def delete(self, job_id: str) -> None: ...
+
+    def spool_path(self, job_id: str) -> str: ...
+
+    def publish(self, job_id: str, path: str) -> None: ...
+
+    def open_mp4(self, job_id: str) -> Mp4 | None: ...
+
+    def beat(self, instance: str, boot: str) -> None: ...
+
+    def heartbeat(self, instance: str) -> dict | None: ...
+
+    def close(self) -> None: ...
+
+
+def _dumps(obj: dict) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
+
+
+def _safe(name: str) -> str:
+    """A job id or instance as an object / file name (ids are checked by the API; this keeps paths flat)."""
+    return urllib.parse.quote(name, safe="-_.:")
+
+
+class DiskStore:
+    """Records and MP4s under one directory; every write is a temp file renamed into place."""
+
+    def __init__(self, root: str, *, durable: bool = True):
+        self.root = root
+        self.durable = durable
+        for sub in ("jobs", "videos", "gateways"):
+            os.makedirs(os.path.join(root, sub), exist_ok=True)
+
+    def _path(self, sub: str, name: str, ext: str) -> str:
+        return os.path.join(self.root, sub, _safe(name) + ext)
+
+    def _write(self, path: str, data: bytes) -> None:
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def _read(self, path: str) -> dict | None:
+        try:
+            with open(path, "rb") as f:
+                return json.loads(f.read())
+        except FileNotFoundError:
+            return None
+        except ValueError:
+            log.warning("job store: unreadable record %s ignored", path)
+            return None
+
+    def put_record(self, record: dict) -> None:
+        self._write(self._path("jobs", record["id"], ".json"), _dumps(record))
+
+    def get_record(self, job_id: str) -> dict | None:
+        return self._read(self._path("jobs", job_id, ".json"))
+
+    def records(self) -> list[dict]:
+        out = []
+        for name in os.listdir(os.path.join(self.root, "jobs")):
+            if name.endswith(".json"):
+                rec = self._read(os.path.join(self.root, "jobs", name))
+                if rec is not None:
+                    out.append(rec)
+        return out
+
+    def delete(self, job_id: str) -> None:
+        for path in (self._path("videos", job_id, ".mp4"), self._path("jobs", job_id, ".json")):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    def spool_path(self, job_id: str) -> str:
+        return self._path("videos", job_id, ".mp4")
+
+    def publish(self, job_id: str, path: str) -> None:
+        pass   # the sink wrote it in place
+
+    def open_mp4(self, job_id: str) -> Mp4 | None:
+        path = self._path("videos", job_id, ".mp4")
+        try:
+            return Mp4(size=os.path.getsize(path), path=path)
+        except FileNotFoundError:
+            return None
+
+    def beat(self, instance: str, boot: str) -> None:
+        self._write(self._path("gateways", instance, ".json"), _dumps({"boot": boot, "at": time.time()}))
+
+    def heartbeat(self, instance: str) -> dict | None:
+        return self._read(self._path("gateways", instance, ".json"))
+
+    def close(self) -> None:
+        pass
+
+
+class S3Store:
+    """Records and MP4s as objects of an S3 bucket (MinIO's client: any S3-compatible server). MP4s are spooled
+    on local disk while the muxer's bytes arrive, uploaded when complete, and streamed back on download."""
+
+    durable = True
+
+    def __init__(self, url: str, spool_dir: str, env: dict | None = None):
+        from minio import Minio   # lazy: only an S3-backed gateway needs the client
+
+        env = os.environ if env is None else env
+        parsed = urllib.parse.urlparse(url)
+        if parsed.scheme != "s3" or not parsed.netloc:
+            raise ValueError(f"job store {url!r}: expected s3://BUCKET[/PREFIX] or a directory")
+        self.bucket = parsed.netloc
+        self.prefix = parsed.path.strip("/")
+        endpoint = env.get("AWS_ENDPOINT_URL") or "https://s3.amazonaws.com"
+        ep = urllib.parse.urlparse(endpoint)
+        if ep.scheme not in ("http", "https") or not ep.netloc:
+            raise ValueError(f"AWS_ENDPOINT_URL {endpoint!r}: expected http(s)://HOST[:PORT]")
+        self.endpoint = endpoint
+        # bounded waits: an unreachable store fails a call in seconds (the client's default waits minutes)
+        http = urllib3.PoolManager(timeout=urllib3.Timeout(connect=S3_CONNECT_S, read=S3_READ_S), maxsize=16,
+                                   retries=urllib3.Retry(total=2, backoff_factor=0.2,
+                                                         status_forcelist=(500, 502, 503, 504)))
+        self.client = Minio(ep.netloc, access_key=env.get("AWS_ACCESS_KEY_ID"),
+                            secret_key=env.get("AWS_SECRET_ACCESS_KEY"), region=env.get("AWS_REGION") or None,
+                            secure=ep.scheme == "https", http_client=http)
+        self.spool = spool_dir
+        os.makedirs(spool_dir, exist_ok=True)
+        self._etags: dict[str, tuple[str, dict]] = {}   # records of finished jobs do not change: read once
+        self._call("reach the bucket", self._ensure_bucket)
+
+    def _ensure_bucket(self) -> None:
+        if not self.client.bucket_exists(self.bucket):
+            self.client.make_bucket(self.bucket)
+
+    def _key(self, sub: str, name: str, ext: str) -> str:
+        return "/".join(p for p in (self.prefix, sub, _safe(name) + ext) if p)
+
+    def _call(self, what: str, fn, *args, **kwargs):
+        from minio.error import S3Error
+
+        try:
+            return fn(*args, **kwargs)
+        except S3Error as exc:
+            if exc.code in ("NoSuchKey", "NoSuchObject"):
+                return None
+            raise StoreError(f"could not {what} in s3://{self.bucket}/{self.prefix}: {exc.code}") from None
+        except Exception as exc:  # noqa: BLE001 - connection refused, reset, timeouts: the store is unreachable
+            raise StoreError(f"could not {what} at {self.endpoint}: {type(exc).__name__}") from None
+
+    def _get_json(self, key: str) -> dict | None:
+        def get():
+            resp = self.client.get_object(self.bucket, key)
+            try:
+                return resp.read()
+            finally:
+                resp.close()
+                resp.release_conn()
+
+        data = self._call("read a job record", get)
+        if data is None:
+            return None
+        try:
+            return json.loads(data)
+        except ValueError:
+            log.warning("job store: unreadable record %s ignored", key)
+            return None
+
+    def _put_json(self, key: str, obj: dict) -> None:
+        data = _dumps(obj)
+        self._call("write a job record", self.client.put_object, self.bucket, key, io.BytesIO(data), len(data),
+                   content_type="application/json")
+
+    def put_record(self, record: dict) -> None:
+        self._put_json(self._key("jobs", record["id"], ".json"), record)
+
+    def get_record(self, job_id: str) -> dict | None:
+        return self._get_json(self._key("jobs", job_id, ".json"))
+
+    def records(self) -> list[dict]:
+        prefix = self._key("jobs", "", "")
+        objs = self._call("list the jobs", lambda: list(self.client.list_objects(self.bucket, prefix=prefix,
+                                                                                 recursive=True)))
+        out, seen = [], set()
+        for o in objs or ():
+            seen.add(o.object_name)
+            cached = self._etags.get(o.object_name)
+            if cached is not None and cached[0] == o.etag:
+                out.append(cached[1])
+                continue
+            rec = self._get_json(o.object_name)
+            if rec is None:
+                continue
+            if rec.get("status") in ("completed", "failed"):
+                self._etags[o.object_name] = (o.etag, rec)
+            out.append(rec)
+        for gone in set(self._etags) - seen:
+            self._etags.pop(gone, None)
+        return out
+
+    def delete(self, job_id: str) -> None:
+        for key in (self._key("videos", job_id, ".mp4"), self._key("jobs", job_id, ".json")):
+            self._call("delete a job", self.client.remove_object, self.bucket, key)
+
+    def spool_path(self, job_id: str) -> str:
+        return os.path.join(self.spool, _safe(job_id) + ".mp4")
+
+    def publish(self, job_id: str, path: str) -> None:
+        try:
+            self._call("upload the MP4", self.client.fput_object, self.bucket, self._key("videos", job_id, ".mp4"),
+                       path, content_type="video/mp4")
+        finally:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    def open_mp4(self, job_id: str) -> Mp4 | None:
+        key = self._key("videos", job_id, ".mp4")
+        st = self._call("find the MP4", self.client.stat_object, self.bucket, key)
+        if st is None:
+            return None
+        resp = self._call("read the MP4", self.client.get_object, self.bucket, key)
+        if resp is None:
+            return None
+
+        def chunks() -> Iterator[bytes]:
+            try:
+                yield from resp.stream(CHUNK)
+            finally:
+                resp.close()
+                resp.release_conn()
+
+        return Mp4(size=st.size, chunks=chunks())
+
+    def beat(self, instance: str, boot: str) -> None:
+        self._put_json(self._key("gateways", instance, ".json"), {"boot": boot, "at": time.time()})
+
+    def heartbeat(self, instance: str) -> dict | None:
+        return self._get_json(self._key("gateways", instance, ".json"))
+
+    def close(self) -> None:
+        pass
+
+
+def open_store(spec: str | None, spool_dir: str) -> JobStore:
+    """`s3://BUCKET/PREFIX` -> S3Store (spooling under `spool_dir`); a directory -> DiskStore."""
+    if spec and spec.startswith("s3://"):
+        return S3Store(spec, spool_dir)
+    return DiskStore(spec or spool_dir, durable=bool(spec))

@@ -1,0 +1,103 @@
+"""TLS on the front door (gRPC and HTTPS) and mTLS between the stages: a real stack whose every process has a
+certificate of one test CA (made here with `cryptography`). A real handshake works end to end; plaintext clients,
+clients without a certificate and clients of another CA are refused; a stage dials only its declared peers."""
+
+from __future__ import annotations
+
+import ssl
+
+import grpc
+import httpx
+import pytest
+
+from h3serve._proto import common_pb2, dit_pb2_grpc, gateway_pb2, gateway_pb2_grpc
+from h3serve.client import Client
+from h3serve.config.stage import StageConfig
+from h3serve.errors import RequestError
+from h3serve.runtime.stage import StageBase
+from h3serve.runtime.tls import check_peer, parse_peers
+
+from .certs import make_ca, make_leaf
+from .conftest import REQUEST, Stack
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pki")
+    ca_key, ca_cert, ca = make_ca(d / "ca")
+    crt, key = make_leaf(d / "stage", ca_key, ca_cert)
+    o_key, o_cert, _ = make_ca(d / "other-ca", "another CA")
+    o_crt, o_k = make_leaf(d / "outsider", o_key, o_cert, "outsider")
+    return {"ca": ca, "crt": crt, "key": key, "other_crt": o_crt, "other_key": o_k}
+
+
+@pytest.fixture(scope="module")
+def tls_stack(tiny_checkpoint, pki):
+    s = Stack(tiny_checkpoint, "--queue-size", "1", "--grace-s", "10", "--tls-cert", str(pki["crt"]),
+              "--tls-key", str(pki["key"]), "--tls-ca", str(pki["ca"]))
+    yield s
+    assert s.stop() == 0
+
+
+def creds(pki, *, cert: str | None = None, key: str | None = None):
+    ca = pki["ca"].read_bytes()
+    if cert is None:
+        return grpc.ssl_channel_credentials(ca)
+    return grpc.ssl_channel_credentials(ca, pki[key].read_bytes(), pki[cert].read_bytes())
+
+
+def test_front_door_grpc_over_tls_generates_and_plaintext_is_refused(tls_stack, pki):
+    with Client(tls_stack.grpc, credentials=creds(pki)) as client:
+        result = client.generate_sync(REQUEST["prompt"], **{k: v for k, v in REQUEST.items() if k != "prompt"},
+                                      timeout=120)
+        assert result.mp4_bytes > 1000 and result.mp4[4:8] == b"ftyp"   # every stage hop was mTLS
+    with grpc.insecure_channel(tls_stack.grpc) as ch, pytest.raises(grpc.RpcError) as info:
+        gateway_pb2_grpc.GatewayStub(ch).Info(gateway_pb2.InfoRequest(), timeout=5)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    other = grpc.ssl_channel_credentials(pki["other_crt"].read_bytes())   # trusts another CA only
+    with grpc.secure_channel(tls_stack.grpc, other) as ch, pytest.raises(grpc.RpcError) as info:
+        gateway_pb2_grpc.GatewayStub(ch).Info(gateway_pb2.InfoRequest(), timeout=5)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_front_door_https_and_plaintext_refused(tls_stack, pki):
+    assert tls_stack.http.startswith("https://")
+    r = httpx.get(f"{tls_stack.http}/ready", verify=ssl.create_default_context(cafile=str(pki["ca"])), timeout=10)
+    assert r.status_code == 200
+    plain = tls_stack.http.replace("https://", "http://")
+    with pytest.raises(httpx.HTTPError):
+        r = httpx.get(f"{plain}/health", timeout=10)
+        raise AssertionError(f"plaintext HTTP answered {r.status_code}")
+    with pytest.raises(httpx.ConnectError):   # a client that does not trust the certificate stops itself
+        httpx.get(f"{tls_stack.http}/health", timeout=10)
+
+
+def test_stages_require_a_certificate_of_the_deployment(tls_stack, pki):
+    dit = tls_stack.addresses["dit"]
+    for c in (None, creds(pki), creds(pki, cert="other_crt", key="other_key")):
+        ch = grpc.secure_channel(dit, c) if c is not None else grpc.insecure_channel(dit)
+        with ch, pytest.raises(grpc.RpcError) as info:
+            dit_pb2_grpc.DiTStub(ch).Status(common_pb2.StatusRequest(), timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    with grpc.secure_channel(dit, creds(pki, cert="crt", key="key")) as ch:
+        assert dit_pb2_grpc.DiTStub(ch).Status(common_pb2.StatusRequest(), timeout=5).ready
+
+
+def test_a_stage_dials_only_declared_peers():
+    peers = parse_peers("127.0.0.1:50055, muxer.ns.svc:50051, 10.8.0.0/16")
+    for ok in ("127.0.0.1:50055", "muxer.ns.svc:50051", "10.8.3.4:50051"):
+        check_peer(peers, ok, "sink.address")
+    for bad in ("127.0.0.1:22", "169.254.169.254:80", "unix:/var/run/docker.sock", "evil.example:50051", "x"):
+        with pytest.raises(RequestError) as info:
+            check_peer(peers, bad, "sink.address")
+        assert info.value.field == "sink.address" and "peers" in str(info.value)
+    stage = StageBase(StageConfig(stage="vae", peers="127.0.0.1:50055"))
+    try:
+        with pytest.raises(RequestError, match="sink.address"):
+            stage.channel("127.0.0.1:22")
+        assert stage._channels == {}          # nothing dialled, nothing kept
+        assert stage.channel("127.0.0.1:50055") is stage.channel("127.0.0.1:50055")
+    finally:
+        stage.close()
+    with pytest.raises(RequestError, match="peers"):
+        parse_peers("not-an-address")

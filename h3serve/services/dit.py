@@ -124,7 +124,12 @@ class DiTServicer(StageBase):
 
     def attention(self) -> dict | None:
         # this process's choice; under Ulysses x Ring every rank makes the same one (same build, same levers)
-        return kernels.attention_choice(self.device) if self.ready else None
+        if not self.ready:
+            return None
+        try:
+            return kernels.attention_choice(self.device)
+        except ValueError as exc:   # --no-warmup with a bad $H3SERVE_ATTENTION: every forward fails the same way
+            return {"kernel": "none", "reason": str(exc)}
 
     def info(self) -> dict:
         return {**super().info(), "tasks": list(self.tasks),

@@ -89,3 +89,18 @@ def test_choice_metric_names_kernel_and_transport(monkeypatch):
     finally:
         mux.close()
         enc.close()
+
+
+def test_dit_reports_attention_once_ready_and_a_bad_forced_name_without_failing_status(fresh_choice, monkeypatch):
+    from h3serve.services.dit import DiTServicer
+
+    dit = DiTServicer(StageConfig(stage="dit", device="cpu"))
+    try:
+        assert "attention" not in dit.info()   # not loaded: nothing chosen yet
+        dit.device, dit.ready = torch.device("cpu"), True
+        monkeypatch.setenv("H3SERVE_ATTENTION", "nope")
+        assert dit.info()["attention"] == {
+            "kernel": "none", "reason": "unknown attention implementation 'nope'; choose one of "
+                                        "('sdpa', 'cudnn', 'flash', 'fa3', 'fp8') or 'auto'"}
+    finally:
+        dit.close()

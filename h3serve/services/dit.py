@@ -31,6 +31,7 @@ from h3serve.distributed.proxies import DiTEngineProxy
 from h3serve.errors import RequestError
 from h3serve.errortable import grpc_method
 from h3serve.models import conditions as cond
+from h3serve.models.dit import kernels
 from h3serve.models.dit.engine import COMPONENT_FOR_TASK, DiTEngine, DiTRequest
 from h3serve.runtime.device import DTYPES, pick_device
 from h3serve.runtime.stage import StageBase
@@ -89,6 +90,7 @@ class DiTServicer(StageBase):
         self.engine = None
         self.tasks: tuple[str, ...] = ("t2va",)
         self.last_transport: dict | None = None   # the latents edge's last stream
+        self.device: torch.device | None = None    # the DiT's device, once loading started
 
     def register(self, server) -> None:
         dit_pb2_grpc.add_DiTServicer_to_server(self, server)
@@ -99,7 +101,7 @@ class DiTServicer(StageBase):
 
     def _load(self) -> None:
         c = self.config
-        device = pick_device(c.device)
+        device = self.device = pick_device(c.device)
         self.tasks = served_tasks(c)
         components = tuple(sorted({COMPONENT_FOR_TASK[t] for t in self.tasks}))
         if self.start_ranks() is not None:   # --ulysses x --ring: every rank loads (and fuses) the DiT itself
@@ -120,6 +122,15 @@ class DiTServicer(StageBase):
                              profile=c.profile, steps=None if c.profile == "fasth3" else 2)
             out = self.engine.generate(req)
             self.check_finite(video_latents=out.video, audio_latents=out.audio)
+
+    def attention(self) -> dict | None:
+        # this process's choice; under Ulysses x Ring every rank makes the same one (same build, same levers)
+        if not self.ready:
+            return None
+        try:
+            return kernels.attention_choice(self.device)
+        except ValueError as exc:   # --no-warmup with a bad $H3SERVE_ATTENTION: every forward fails the same way
+            return {"kernel": "none", "reason": str(exc)}
 
     def info(self) -> dict:
         return {**super().info(), "tasks": list(self.tasks),

@@ -127,7 +127,7 @@ class DiTEngine:
                 log.info("%s: %d linear layers in FP8", component, len(quantize_dit(model)))
             models[component] = model
         if levers.fp8_attention:
-            kernels.choose_attention(device, "fp8")
+            kernels.choose_attention(device, "fp8", "the fp8_attention lever is on")
         engine = cls(models, device=device, profile=profile)
         engine.levers = levers
         return engine

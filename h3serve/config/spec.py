@@ -352,7 +352,7 @@ class ServiceConfig:
     name: str
     namespace: str
     spec: H3DeploymentSpec
-    endpoints: dict  # stage -> "host:port" of the stage's gRPC Service (its leader pods)
+    endpoints: dict  # stage -> gRPC target of the stage (disaggregated: dns:/// of its headless Service)
     dtype: str       # the model stages' engine dtype and device (the operator's choice for GPU pods)
     device: str
 

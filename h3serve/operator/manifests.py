@@ -11,7 +11,8 @@ What it renders for an H3Deployment `<name>`:
   node is one pod with N GPUs and N ranks (a Deployment); a replica larger than a node is a gang: a StatefulSet per
   replica `<name>-<component>-<r>` with one pod per node, a headless Service of the same name, leader = ordinal 0.
 - A Service per component, selecting leaders only: `<name>-<stage>` and the front door `<name>-gateway` (which
-  selects the gateway pods, or the engine pods when colocated).
+  selects the gateway pods, or the engine pods when colocated); disaggregated, each stage also gets a headless
+  Service `<name>-<stage>-headless`, the `dns:///` target the gateway balances its calls over.
 - A PodDisruptionBudget per component; NetworkPolicies: the front door takes traffic from anywhere on its gRPC and
   HTTP ports, everything else only from pods of the same H3Deployment.
 
@@ -124,14 +125,21 @@ def workload_names(spec: H3DeploymentSpec, name: str, component: str) -> list[tu
     return [("Deployment", f"{name}-{component}")]
 
 
+def headless_name(name: str, comp: str) -> str:
+    """The headless Service of a disaggregated stage: its DNS name resolves to every ready replica (leader) pod."""
+    return f"{name}-{comp}-headless"
+
+
 def endpoints(spec: H3DeploymentSpec, name: str, namespace: str) -> dict[str, str]:
-    """stage -> "host:port": a stage's Service, or (colocated) the stage's loopback port inside the replica pod."""
-    host = lambda comp: f"{name}-{comp}.{namespace}.svc:{GRPC_PORT}"  # noqa: E731
+    """stage -> gRPC target. Disaggregated: `dns:///` of the stage's headless Service, so the dialer (the gateway)
+    resolves every ready replica and balances per call (gRPC round_robin); rendered whatever the replica count, so
+    that scaling (spec, /scale or an HPA) changes no config and restarts nothing. Colocated: the stage's loopback
+    port inside the replica pod. The gateway's own entry is its Service."""
     if spec.placement == "colocated":
         out = {st: f"127.0.0.1:{GRPC_PORT + PORT_OFFSETS[st]}" for st in PIPELINE_STAGES}
     else:
-        out = {st: host(st) for st in PIPELINE_STAGES}
-    out[GATEWAY] = host(GATEWAY)
+        out = {st: f"dns:///{headless_name(name, st)}.{namespace}.svc:{GRPC_PORT}" for st in PIPELINE_STAGES}
+    out[GATEWAY] = f"{name}-{GATEWAY}.{namespace}.svc:{GRPC_PORT}"
     return out
 
 
@@ -217,6 +225,10 @@ def _component(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, cfg
     if front(comp):
         svc_spec["type"] = spec.gateway.service_type
     objs.append(_meta({"apiVersion": "v1", "kind": "Service", "spec": svc_spec}, svc_name, name, namespace, comp))
+    if comp in PIPELINE_STAGES:  # disaggregated: the per-call balanced target of the gateway (`endpoints`)
+        objs.append(_meta({"apiVersion": "v1", "kind": "Service", "spec": {
+            "clusterIP": "None", "selector": svc_selector, "ports": ports}},
+            headless_name(name, comp), name, namespace, comp))
 
     if gang == 1:
         objs.append(_deployment(spec, name, namespace, comp, replicas, gpus, cfg_hash))

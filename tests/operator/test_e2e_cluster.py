@@ -413,6 +413,18 @@ def test_scale_subresource_works_without_replicas_in_every_placement(operator, d
         assert replaced(before, after) == {} and before[comp] < after[comp] and len(after[comp]) == 2
         assert {c: u for c, u in after.items() if c != comp} == {c: u for c, u in before.items() if c != comp}
         if comp == "dit":  # the other stages keep their own counts
+            # the gateway's DiT target is the headless Service, which now resolves to both ready DiT pods
+            cfg = yaml.safe_load(R(dyn, "ConfigMap").get(name=f"{name}-config", namespace=APPS_NS)
+                                 .to_dict()["data"]["h3serve.yaml"])
+            assert cfg["endpoints"]["dit"] == f"dns:///{name}-dit-headless.{APPS_NS}.svc:50051"
+            dit_ips = {p["status"]["podIP"] for p in pods(dyn, name)
+                       if p["metadata"]["labels"][M.LABEL_COMPONENT] == "dit"}
+            wait_for("both DiT pods behind the headless Service", lambda: {
+                a for sl in R(dyn, "EndpointSlice", "discovery.k8s.io/v1").get(
+                    namespace=APPS_NS, label_selector=f"kubernetes.io/service-name={name}-dit-headless"
+                ).to_dict()["items"] for ep in sl.get("endpoints") or []
+                if (ep.get("conditions") or {}).get("ready") for a in ep["addresses"]} == dit_ips, timeout=30)
+            assert len(dit_ips) == 2
             assert all(cr["status"]["stages"][st]["desired"] == (2 if st == "gateway" else 1)
                        for st in ("encoder", "vae", "muxer", "gateway"))
             # with dit.replicas set the DiT count is not spec.replicas': a scale is refused by name, not ignored

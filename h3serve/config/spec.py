@@ -262,6 +262,9 @@ class MetricsSpec:
     monitoring_namespace: Optional[str] = f("monitoringNamespace", "Namespace of the Prometheus that scrapes the pods: "
                                             "the NetworkPolicies let it reach every pod's metrics ports.", None,
                                             maxLength=63, pattern="^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    service_monitor: bool = f("serviceMonitor", "Render a monitoring.coreos.com/v1 ServiceMonitor (the Prometheus "
+                              "Operator's) over every metrics port, where the API server serves that API; where it "
+                              "does not, a Warning Event NoServiceMonitor says it was skipped.", False)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from kube_harness import (
     MetricsAdapter, Operator, die_with_parent, free_port, listening_addresses, load_example, wait_for, write_kubeconfig,
 )
 from kubernetes import dynamic
-from kubernetes.dynamic.exceptions import ApiException, NotFoundError
+from kubernetes.dynamic.exceptions import ApiException, NotFoundError, ResourceNotFoundError
 
 from h3serve.operator import crd as crd_module
 from h3serve.operator import manifests as M
@@ -125,9 +125,19 @@ def condition(cr: dict, ctype: str) -> dict:
     return next((c for c in (cr.get("status") or {}).get("conditions") or [] if c["type"] == ctype), {})
 
 
+def served(dyn, kind: str) -> bool:
+    try:
+        R(dyn, kind)
+        return True
+    except ResourceNotFoundError:
+        return False
+
+
 def children(dyn, name, ns=APPS_NS) -> dict[tuple[str, str], dict]:
     out = {}
     for kind in CHILD_KINDS:
+        if kind in M.OPTIONAL_KINDS and not served(dyn, kind):
+            continue
         for o in R(dyn, kind).get(namespace=ns, label_selector=f"{M.LABEL_INSTANCE}={name}").to_dict()["items"]:
             out[(kind, o["metadata"]["name"])] = o
     return out
@@ -438,6 +448,27 @@ def test_scale_subresource_works_without_replicas_in_every_placement(operator, d
     finally:
         delete_cr(dyn, name)
     wait_gone(dyn, name)
+
+
+def test_service_monitor_skipped_with_an_event_where_the_api_is_not_served(operator, dyn):
+    """This control plane serves no monitoring.coreos.com/v1: the rest is applied, no ServiceMonitor, and a Warning
+    Event says why."""
+    doc = small(load_example("base-colocated", APPS_NS), "sc-mon")
+    doc["spec"]["metrics"] = {"serviceMonitor": True}
+    create(dyn, doc)
+    try:
+        cr = ready_cr(dyn, "sc-mon")
+        assert condition(cr, "Degraded")["status"] == "False"
+        ev = wait_for("NoServiceMonitor Event", lambda: [e for e in events(dyn, "sc-mon")
+                                                         if e.get("reason") == "NoServiceMonitor"], timeout=30)
+        assert ev[0]["type"] == "Warning" and "monitoring.coreos.com/v1 ServiceMonitor" in (
+            ev[0].get("note") or ev[0].get("message") or ""), ev[0]
+        assert not served(dyn, "ServiceMonitor") and set(children(dyn, "sc-mon")) == {
+            (o["kind"], o["metadata"]["name"]) for o in M.render(H3DeploymentSpec.from_dict(doc["spec"]), "sc-mon",
+                                                                 APPS_NS, service_monitors=False)}
+    finally:
+        delete_cr(dyn, "sc-mon")
+    wait_gone(dyn, "sc-mon")
 
 
 def test_changing_dit_ulysses_rolls_out(operator, dyn):

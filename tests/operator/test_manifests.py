@@ -533,3 +533,40 @@ def test_colocated_stages_stay_on_loopback_without_headless_services():
     assert not [o for o in objs if o["kind"] == "Service" and o["spec"].get("clusterIP") == "None"]
     cfg = yaml.safe_load(next(o for o in objs if o["kind"] == "ConfigMap")["data"]["h3serve.yaml"])
     assert all(v.startswith("127.0.0.1:") for k, v in cfg["endpoints"].items() if k != "gateway")
+
+
+@pytest.mark.parametrize("example", ["base-disaggregated", "base-colocated"])
+def test_service_monitor_only_when_asked_and_served(example):
+    doc = yaml.safe_load((ROOT / "examples" / f"{example}.yaml").read_text())
+    spec = parse_and_validate(doc["spec"], "h3")
+    kinds = lambda objs: [o["kind"] for o in objs]  # noqa: E731
+    assert "ServiceMonitor" not in kinds(M.render(spec, "h3", "apps"))  # off by default
+    d = copy.deepcopy(doc["spec"])
+    d.setdefault("metrics", {})["serviceMonitor"] = True
+    spec = parse_and_validate(d, "h3")
+    assert "ServiceMonitor" not in kinds(M.render(spec, "h3", "apps", service_monitors=False))  # API not served
+    objs = M.render(spec, "h3", "apps")
+    by = {(o["kind"], o["metadata"]["name"]): o for o in objs}
+    gw, stages = by[("ServiceMonitor", "h3-gateway")], by[("ServiceMonitor", "h3-stages")]
+    svc = by[("Service", "h3-metrics")]
+    assert svc["spec"]["clusterIP"] == "None"
+    # every metrics port a container names is a Service port (by name) and a ServiceMonitor endpoint
+    pods = [o["spec"]["template"] for o in objs if o["kind"] in ("Deployment", "StatefulSet")]
+    named = {p["name"] for t in pods for c in t["spec"]["containers"] for p in c["ports"]
+             if p["name"].startswith("metrics")}
+    assert {p["targetPort"] for p in svc["spec"]["ports"]} == named
+    assert [e["port"] for e in stages["spec"]["endpoints"]] == [p["name"] for p in svc["spec"]["ports"]]
+    assert gw["spec"]["endpoints"] == [{"port": "http", "path": "/metrics"}]
+    # the selectors pick the Services carrying those ports: the metrics Service, the front door
+    sel = stages["spec"]["selector"]["matchLabels"]
+    assert sel.items() <= svc["metadata"]["labels"].items()
+    front = by[("Service", "h3-gateway")]
+    for e in gw["spec"]["selector"]["matchExpressions"]:
+        assert front["metadata"]["labels"][e["key"]] in e["values"]
+    assert "http" in {p["name"] for p in front["spec"]["ports"]}
+    for o in (gw, stages):
+        assert o["apiVersion"] == "monitoring.coreos.com/v1" and o["spec"]["namespaceSelector"] == {
+            "matchNames": ["apps"]}
+    # the pod selector of the metrics Service covers every workload pod of the instance
+    for t in pods:
+        assert svc["spec"]["selector"].items() <= t["metadata"]["labels"].items()

@@ -73,19 +73,29 @@ def apply(obj: dict) -> dict:
 
 
 _served: dict[str, bool] = {}
+_served_lock = threading.Lock()
 
 
 def served(kind: str) -> bool:
     """Does the API server serve this child kind (API discovery, once per process)?"""
-    if kind not in _served:
-        from kubernetes.dynamic.exceptions import ResourceNotFoundError
-
-        try:
-            _resource(M.KINDS[kind][0], kind)
-            _served[kind] = True
-        except ResourceNotFoundError:
-            _served[kind] = False
+    with _served_lock:
+        if kind not in _served:
+            _served[kind] = _discover(kind)
     return _served[kind]
+
+
+def _discover(kind: str) -> bool:
+    # The group version's own discovery document, not the dynamic client's cache: a miss there invalidates and
+    # rebuilds the cache, which races with the reconciles of other objects using it in other threads.
+    from kubernetes.dynamic.exceptions import NotFoundError
+
+    api_version, plural = M.KINDS[kind]
+    path = f"/apis/{api_version}" if "/" in api_version else f"/api/{api_version}"
+    try:
+        doc = dynamic().request("GET", path).to_dict()
+    except NotFoundError:
+        return False
+    return any(r.get("name") == plural and r.get("kind") == kind for r in doc.get("resources") or [])
 
 
 def get(kind: str, namespace: str, name: str) -> dict | None:

@@ -33,7 +33,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -435,7 +435,7 @@ def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
                 "inflight": len(gateway.jobs.running), "transport": gateway.transports.details()}
         return JSONResponse(body, status_code=200 if gateway.ready() else 503)
 
-    @app.get("/metrics", summary="Prometheus metrics")
+    @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)   # declared text/plain
     async def metrics():
         return Response(gateway.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 

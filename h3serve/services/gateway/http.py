@@ -89,6 +89,14 @@ REQUEST_BODY = {"requestBody": {"required": True, "content": {
         "image_reference": {"type": "array", "items": FILE}, "audio_reference": {"type": "array", "items": FILE}}}},
 }}}
 
+# Every 4xx / 5xx answer is this error object (errortable.error_object + `type`), declared so clients can rely on it.
+ERROR_RESPONSE = {"description": "The error object", "content": {"application/json": {"schema": {
+    "type": "object", "required": ["error"], "properties": {"error": {
+        "type": "object", "required": ["code", "message", "type", "retryable"], "properties": {
+            "code": {"type": "string"}, "message": {"type": "string", "minLength": 1}, "type": {"type": "string"},
+            "field": {"type": ["string", "null"]}, "param": {"type": ["string", "null"]},
+            "stage": {"type": ["string", "null"]}, "retryable": {"type": "boolean"}}}}}}}}
+
 
 # OpenAI's error `type` by HTTP status (the SDK reads `error.type`, `error.param`, `error.code`, `error.message`)
 def error_type(status: int) -> str:
@@ -280,7 +288,8 @@ def mp4_response(gateway: Gateway, job: Job, headers: dict, filename: str | None
 def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
     app = FastAPI(title="h3serve", version="0.1.0",
                   description="MiniMax H3 text -> video + audio. Videos API compatible with vLLM-Omni / OpenAI "
-                              "where the fields apply.")
+                              "where the fields apply.",
+                  responses={"4XX": ERROR_RESPONSE, "5XX": ERROR_RESPONSE})
 
     @app.exception_handler(H3Error)
     async def _h3(request: Request, exc: H3Error):
@@ -428,7 +437,8 @@ def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
     async def health():
         return {"status": "ok"}
 
-    @app.get("/ready", summary="Readiness: every stage SERVING and not draining")
+    @app.get("/ready", summary="Readiness: every stage SERVING and not draining",
+             responses={503: {"description": "Not ready: the same object, status not_ready"}})
     async def ready():
         body = {"status": "ready" if gateway.ready() else "not_ready", "stages": dict(gateway.stages.status),
                 "draining": gateway.draining, "queue_depth": len(gateway.jobs.queue),

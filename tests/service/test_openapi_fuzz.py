@@ -18,6 +18,18 @@ from .conftest import REQUEST
 MAX_EXAMPLES = int(os.environ.get("H3SERVE_OPENAPI_FUZZ_N", "50"))   # per operation and mode; raise for more
 
 
+def _wait_idle(base_url: str, timeout: float = 120.0) -> None:
+    import httpx
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        ready = httpx.get(f"{base_url}/ready", timeout=10).json()
+        if ready["inflight"] == 0 and ready["queue_depth"] == 0:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"the gateway still has jobs after {timeout}s: {ready}")
+
+
 def test_openapi_operations_get_no_5xx_and_match_their_schema(stack):
     import httpx
     import schemathesis
@@ -73,6 +85,7 @@ def test_openapi_operations_get_no_5xx_and_match_their_schema(stack):
                 failures.append(f"{key} {mode.value}: {type(exc).__name__}: {str(exc)[:1500]}")
 
     # one real generation through /v1/videos/sync: the canonical small request; its MP4 matches the document
+    _wait_idle(stack.http)   # queue size 1: a job an earlier test left running would make it a 429
     mp4 = send(schema["/v1/videos/sync"]["POST"].Case(body=dict(REQUEST), media_type="application/json"), 300)
     assert mp4.status_code == 200 and mp4.content[4:8] == b"ftyp"
 

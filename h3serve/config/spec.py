@@ -234,10 +234,45 @@ class IngressFromSpec:
                               maxItems=64)
 
 
+_DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$"
+
+
+@dataclass(frozen=True)
+class AuthSpec:
+    api_keys_secret: Optional[str] = f("apiKeysSecret", "Secret whose key `keys` is the callers' API keys file (one "
+                                       "`NAME sha256:HEX` line per key, docs/security.md); mounted read-only into the "
+                                       "front door's pods and re-read within a second when the Secret changes.", None,
+                                       maxLength=253, pattern=_DNS_SUBDOMAIN)
+    disabled: bool = f("disabled", "No authentication (`--no-auth`): the front door serves anyone who can reach it.",
+                       False)
+
+
+@dataclass(frozen=True)
+class S3JobStoreSpec:
+    bucket: str = f("bucket", "Bucket of the job records and finished MP4s (it must exist).", minLength=3,
+                    maxLength=63, pattern=r"^[a-z0-9][-a-z0-9.]{1,61}[a-z0-9]$")
+    credentials_secret: str = f("credentialsSecret", "Secret with the keys AWS_ACCESS_KEY_ID and "
+                                "AWS_SECRET_ACCESS_KEY (passed to the gateway as environment variables).",
+                                minLength=1, maxLength=253, pattern=_DNS_SUBDOMAIN)
+    prefix: str = f("prefix", "Key prefix inside the bucket (jobs/, videos/ and gateways/ go below it).", "h3serve",
+                    minLength=1, maxLength=512, pattern=r"^[A-Za-z0-9!_.*'()-]+(/[A-Za-z0-9!_.*'()-]+)*$")
+    endpoint: Optional[str] = f("endpoint", "URL of the S3-compatible server (AWS_ENDPOINT_URL), e.g. "
+                                "http://minio.storage.svc:9000; omitted: AWS S3.", None, maxLength=1024,
+                                pattern=r"^https?://[^/?#\s]+/?$")
+    region: Optional[str] = f("region", "Region of the bucket (AWS_REGION).", None, maxLength=64,
+                              pattern=r"^[a-z0-9-]+$")
+
+
+@dataclass(frozen=True)
+class JobStoreSpec:
+    s3: S3JobStoreSpec = f("s3", "An S3-compatible object store (`--job-store s3://BUCKET/PREFIX`).")
+
+
 @dataclass(frozen=True)
 class GatewaySpec:
     replicas: Optional[int] = f("replicas", "Gateway replicas (the gRPC + HTTP front door, CPU only; "
-                                "disaggregated placement only, default 2: a colocated replica runs its own gateway).",
+                                "disaggregated placement only; default 2 with a jobStore, else 1: more than one needs the "
+                                "shared jobStore. A colocated replica runs its own gateway).",
                                 None, minimum=0, maximum=1024)
     autoscaling: Optional[AutoscalingSpec] = f("autoscaling", AUTOSCALING_DOC, None)
     queue_size: int = f("queueSize", "Requests a gateway admits before it answers RESOURCE_EXHAUSTED.", 16,
@@ -253,6 +288,12 @@ class GatewaySpec:
     ingress_from: Optional[IngressFromSpec] = f("ingressFrom", "Who may reach the front door's gRPC and HTTP ports "
                                                 "(its NetworkPolicy): these namespaces and IP ranges, plus the pods of "
                                                 "this H3Deployment. Omitted: anyone.", None)
+    auth: AuthSpec = f("auth", "Who may call the front door: API keys from a Secret (apiKeysSecret) or explicitly "
+                       "nobody checked (disabled: true); one of the two is required.", factory=AuthSpec)
+    job_store: Optional[JobStoreSpec] = f("jobStore", "Where HTTP jobs and finished MP4s live, shared by every gateway "
+                                          "(they survive restarts and rolling updates). Required for more than one "
+                                          "gateway; omitted: one gateway keeps them in a temporary folder, lost when it "
+                                          "restarts.", None)
 
 
 @dataclass(frozen=True)
@@ -315,7 +356,9 @@ class H3DeploymentSpec:
         if getattr(self, stage).autoscaling is not None:
             return getattr(self, stage).autoscaling.min_replicas
         r = getattr(self, stage).replicas
-        return (2 if stage == "gateway" else 1) if r is None else r
+        if r is None:  # gateways share their jobs only through a job store: without one, a single gateway
+            return 2 if stage == "gateway" and self.gateway.job_store is not None else 1
+        return r
 
     def pods_per_replica(self, gpus: int) -> int:
         """1 when a replica's GPUs fit one node, else the gang size (one pod per node)."""

@@ -25,6 +25,10 @@ from h3serve.errors import H3Error
 CONFIG_ENV = "H3SERVE_CONFIG"  # path of the mounted ServiceConfig
 API_KEYS_ENV = "H3SERVE_API_KEYS_FILE"  # the gateway's API keys file (the default of --api-keys-file)
 API_KEY_ENV = "H3SERVE_API_KEY"         # a client's API key (the default of the SDK's and the CLI's key)
+# Where the operator mounts Secrets into the pods (read-only; a Secret volume swaps its files atomically on change).
+API_KEYS_DIR = "/etc/h3serve-keys"       # spec.gateway.auth.apiKeysSecret
+API_KEYS_KEY = "keys"                    # the Secret's key that holds the API keys file
+API_KEYS_PATH = f"{API_KEYS_DIR}/{API_KEYS_KEY}"
 
 
 @dataclass
@@ -156,4 +160,11 @@ def service_config_values(service_config: dict, stage: str) -> dict[str, Any]:
     if stage == "gateway":
         out.update(http_host="0.0.0.0", http_port=int(service_config["ports"]["http"]),
                    queue_size=spec.gateway.queue_size, **{s: sc.endpoints[s] for s in PIPELINE_STAGES})
+        auth, store = spec.gateway.auth, spec.gateway.job_store
+        if auth.api_keys_secret is not None:
+            out["api_keys_file"] = API_KEYS_PATH
+        elif auth.disabled:
+            out["no_auth"] = True
+        if store is not None:  # endpoint, region and credentials come from the pod's AWS_* environment
+            out["job_store"] = f"s3://{store.s3.bucket}/{store.s3.prefix}"
     return out

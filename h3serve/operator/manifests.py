@@ -32,7 +32,7 @@ import yaml
 
 from h3serve.config.metrics import METRICS_PORT, SIGNALS
 from h3serve.config.spec import API_VERSION, KIND, H3DeploymentSpec, ServiceConfig
-from h3serve.config.stage import CONFIG_ENV, service_config_values
+from h3serve.config.stage import API_KEYS_DIR, API_KEYS_KEY, CONFIG_ENV, service_config_values
 from h3serve.config.vocab import (
     DIST_PORT,
     GRPC_PORT,
@@ -366,6 +366,9 @@ def _pod_template(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, 
     if comp != GATEWAY and comp != "muxer" and spec.model.volume is not None:
         mounts.append({"name": "model", "mountPath": spec.model.mount_path, "readOnly": True})
         volumes.append({"name": "model", **_readonly_volume(spec.model.volume)})
+    secret_mounts, secret_volumes = _secret_volumes(spec, comp)
+    mounts += secret_mounts
+    volumes += secret_volumes
     command, args = _command(comp, gang)
     container = {
         "name": comp,
@@ -373,7 +376,7 @@ def _pod_template(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, 
         "imagePullPolicy": spec.image_pull_policy,
         "command": command,
         "ports": ports,
-        "env": _env(spec, comp) + dist_env,
+        "env": _env(spec, comp) + dist_env + _job_store_env(spec, comp),
         "resources": _resources(spec, base_res, gpus_per_pod),
         "securityContext": _security_context(),
         "volumeMounts": mounts,
@@ -418,6 +421,32 @@ def _pod_template(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, 
     ann = {ANN_CONFIG_HASH: cfg_hash, "prometheus.io/scrape": "true", "prometheus.io/port": str(scrape),
            "prometheus.io/path": "/metrics"}
     return {"metadata": {"labels": tmpl_labels, "annotations": ann}, "spec": pod}
+
+
+def _secret_volumes(spec: H3DeploymentSpec, comp: str) -> tuple[list[dict], list[dict]]:
+    """The Secrets a component's pods mount read-only (whole volumes, never subPath: a Secret volume then swaps its
+    files atomically on a change, and the gateway re-reads its keys without a restart)."""
+    mounts: list[dict] = []
+    volumes: list[dict] = []
+    keys = spec.gateway.auth.api_keys_secret
+    if front(comp) and keys is not None:
+        mounts.append({"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})
+        volumes.append({"name": "api-keys", "secret": {"secretName": keys, "defaultMode": 0o440,
+                                                       "items": [{"key": API_KEYS_KEY, "path": API_KEYS_KEY}]}})
+    return mounts, volumes
+
+
+def _job_store_env(spec: H3DeploymentSpec, comp: str) -> list[dict]:
+    """The object store's endpoint, region and credentials, as the gateway's S3 client reads them (AWS_*)."""
+    store = spec.gateway.job_store
+    if not front(comp) or store is None:
+        return []
+    s3 = store.s3
+    env = [{"name": "AWS_ENDPOINT_URL", "value": s3.endpoint}] if s3.endpoint else []
+    env += [{"name": "AWS_REGION", "value": s3.region}] if s3.region else []
+    env += [{"name": k, "valueFrom": {"secretKeyRef": {"name": s3.credentials_secret, "key": k}}}
+            for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")]
+    return env
 
 
 def _readonly_volume(source: dict) -> dict:

@@ -234,6 +234,11 @@ BAD_SPECS = {
     "autoscaling-colocated": {st: {"autoscaling": {"maxReplicas": 2}}
                               for st in ("encoder", "dit", "vae", "muxer", "gateway")},
     "adapter-dotdot": {"profile": "fasth3", "model": {"adapter": {"path": "/models/a/../../b", "sha256": SHA}}},
+    "auth-unset": {"gateway": {"queueSize": 4}},
+    "auth-both": {"gateway": {"auth": {"apiKeysSecret": "h3-keys", "disabled": True}}},
+    "gateways-without-store": {"replicas": 2},
+    "gateways-without-store-split": {"placement": "disaggregated", "gateway": {"auth": {"disabled": True},
+                                                                              "replicas": 3}},
 }
 
 
@@ -241,7 +246,8 @@ def good_doc(name: str) -> dict:
     """A small valid colocated H3Deployment (1 GPU per replica) that schedules on the test's GPU nodes."""
     spec = {"image": "img:1", "model": {"path": "/models/H3",
                                         "volume": {"persistentVolumeClaim": {"claimName": "h3-weights"}}},
-            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "gateway": {"auth": {"disabled": True}}}
     return {"apiVersion": "h3serve.io/v1alpha1", "kind": "H3Deployment",
             "metadata": {"name": name, "namespace": APPS_NS}, "spec": spec}
 

@@ -258,7 +258,7 @@ def test_stage_config_is_a_slice_of_the_rendered_service_config():
     assert StageConfig.from_service_config(d, "gateway") == StageConfig(
         stage="gateway", **common, transport="nixl", http_host="0.0.0.0", http_port=8000, queue_size=16,
         encoder="f-encoder.ns.svc:50051", dit="f-dit.ns.svc:50051", vae="f-vae.ns.svc:50051",
-        muxer="f-muxer.ns.svc:50051")
+        muxer="f-muxer.ns.svc:50051", api_keys_file="/etc/h3serve-keys/keys", job_store="s3://h3-jobs/h3-fast")
 
 
 def test_without_the_service_config_argv_alone_configures_the_stage():
@@ -482,3 +482,79 @@ def test_every_pod_is_scrapable_and_the_monitoring_namespace_may_scrape():
     assert [p["port"] for p in gw_rule[0]["ports"]] == [8000, 9401, 9402, 9403, 9404]
     for o in objs:
         kubernetes_validate.validate(o, K8S_VERSION, strict=True)
+
+
+# ---- the front door's Secrets: API keys and the job store ----------------------------------------------------------
+
+def _spec_doc(example: str) -> dict:
+    return yaml.safe_load((ROOT / "examples" / f"{example}.yaml").read_text())["spec"]
+
+
+def _front_and_others(objs):
+    front, others = [], []
+    for o, pod in pods(objs):
+        (front if o["metadata"]["labels"][M.LABEL_COMPONENT] in (M.GATEWAY, M.ENGINE) else others).append(pod)
+    return front, others
+
+
+def _gateway_config(spec, name="h3") -> "object":
+    from h3serve.config.stage import StageConfig
+
+    return StageConfig.from_service_config(M.service_config(spec, name, "ns").to_dict(), "gateway")
+
+
+@pytest.mark.parametrize("example", ["base-colocated", "base-disaggregated"])
+def test_the_api_keys_secret_is_mounted_into_the_front_door_only_and_named_in_its_config(example):
+    spec = parse_and_validate(_spec_doc(example), "h3")
+    front, others = _front_and_others(M.render(spec, "h3", "ns"))
+    assert front and others or example == "base-colocated"
+    cfg = _gateway_config(spec)
+    assert cfg.api_keys_file and not cfg.no_auth
+    for pod in front:
+        vol = next(v for v in pod["volumes"] if v["name"] == "api-keys")
+        assert vol["secret"]["secretName"] == "h3-api-keys"
+        mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "api-keys")
+        # a whole-volume mount (no subPath): the Secret's update reaches the file, the gateway re-reads it
+        assert mount["readOnly"] is True and "subPath" not in mount
+        item = vol["secret"]["items"][0]
+        assert cfg.api_keys_file == f"{mount['mountPath']}/{item['path']}"
+    for pod in others:
+        assert all(v["name"] != "api-keys" for v in pod["volumes"])
+
+
+def test_auth_disabled_renders_no_auth_and_mounts_nothing():
+    d = _spec_doc("fasth3-colocated")
+    d["gateway"]["auth"] = {"disabled": True}
+    spec = parse_and_validate(d, "h3")
+    cfg = _gateway_config(spec)
+    assert cfg.no_auth is True and cfg.api_keys_file is None
+    front, _ = _front_and_others(M.render(spec, "h3", "ns"))
+    assert all(v["name"] != "api-keys" for pod in front for v in pod["volumes"])
+    # the gateway's own parser accepts what the launcher passes on
+    from h3serve.runtime.launcher import child_argv
+    assert "--no-auth" in child_argv(cfg, "gateway", 50051, {}, 8000, "info")
+
+
+def test_the_job_store_is_the_gateways_config_and_its_credentials_come_from_the_secret():
+    spec = parse_and_validate(_spec_doc("base-disaggregated"), "h3")
+    cfg = _gateway_config(spec)
+    assert cfg.job_store == "s3://h3-jobs/h3-split"
+    objs = M.render(spec, "h3", "ns")
+    front, others = _front_and_others(objs)
+    gw = next(o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] == "h3-gateway")
+    assert gw["spec"]["replicas"] == 2  # two gateways: they share the store
+    env = {e["name"]: e for e in front[0]["containers"][0]["env"]}
+    assert env["AWS_ENDPOINT_URL"]["value"] == "http://minio.storage.svc:9000"
+    assert env["AWS_REGION"]["value"] == "us-east-1"
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        assert env[k]["valueFrom"] == {"secretKeyRef": {"name": "h3-jobs-s3", "key": k}}
+    for pod in others:  # the stages never see the store's credentials
+        assert not any(e["name"].startswith("AWS_") for e in pod["containers"][0]["env"])
+    # no store: one gateway, and asking for more is refused with the rule's message
+    d = _spec_doc("base-disaggregated")
+    del d["gateway"]["jobStore"]
+    with pytest.raises(SpecError, match=r"spec.gateway.jobStore: more than one gateway"):
+        parse_and_validate(d, "h3")
+    del d["gateway"]["replicas"]
+    spec = parse_and_validate(d, "h3")
+    assert spec.stage_replicas("gateway") == 1 and _gateway_config(spec).job_store is None

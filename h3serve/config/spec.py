@@ -297,6 +297,31 @@ class GatewaySpec:
 
 
 @dataclass(frozen=True)
+class IssuerRefSpec:
+    name: str = f("name", "The cert-manager Issuer or ClusterIssuer that signs the deployment's certificate.",
+                  minLength=1, maxLength=253, pattern=_DNS_SUBDOMAIN)
+    kind: str = f("kind", "Issuer (in this namespace) or ClusterIssuer.", "Issuer", enum=["Issuer", "ClusterIssuer"])
+    group: str = f("group", "API group of the issuer.", "cert-manager.io", minLength=1, maxLength=253)
+
+
+@dataclass(frozen=True)
+class CertManagerSpec:
+    issuer_ref: IssuerRefSpec = f("issuerRef", "Who signs the certificate (its ca.crt becomes the deployment's CA).")
+
+
+@dataclass(frozen=True)
+class TlsSpec:
+    secret_name: str = f("secretName", "kubernetes.io/tls Secret with tls.crt, tls.key and ca.crt, mounted read-only into "
+                         "every pod: each server listens for TLS only, the stages require client certificates the CA "
+                         "signed (mTLS), every channel verifies its peer. It must name the deployment's Service DNS "
+                         "names and 127.0.0.1 (colocated stages talk over loopback).", minLength=1, maxLength=253,
+                         pattern=_DNS_SUBDOMAIN)
+    cert_manager: Optional[CertManagerSpec] = f("certManager", "Render a cert-manager Certificate that writes secretName "
+                                                "(the Service DNS names and 127.0.0.1); omitted: you provide the "
+                                                "Secret.", None)
+
+
+@dataclass(frozen=True)
 class MetricsSpec:
     monitoring_namespace: Optional[str] = f("monitoringNamespace", "Namespace of the Prometheus that scrapes the pods: "
                                             "the NetworkPolicies let it reach every pod's metrics ports.", None,
@@ -338,6 +363,8 @@ class H3DeploymentSpec:
     metrics: MetricsSpec = f("metrics", "Prometheus scraping: every pod carries prometheus.io/scrape, port and path "
                              "annotations; stage processes serve /metrics on port 9400 plus their offset (encoder 9401, "
                              "dit 9402, vae 9403, muxer 9404), the gateway on its HTTP port.", factory=MetricsSpec)
+    tls: Optional[TlsSpec] = f("tls", "TLS on the front door and mTLS between the stages, from a Secret. Omitted: "
+                               "plaintext.", None)
     drain_seconds: int = f("drainSeconds", "How long a pod that is asked to stop keeps serving the requests it "
                            "admitted; the pod's termination grace period is this plus 30 s.", 900,
                            minimum=0, maximum=86400)

@@ -29,6 +29,8 @@ API_KEY_ENV = "H3SERVE_API_KEY"         # a client's API key (the default of the
 API_KEYS_DIR = "/etc/h3serve-keys"       # spec.gateway.auth.apiKeysSecret
 API_KEYS_KEY = "keys"                    # the Secret's key that holds the API keys file
 API_KEYS_PATH = f"{API_KEYS_DIR}/{API_KEYS_KEY}"
+TLS_DIR = "/etc/h3serve-tls"             # spec.tls.secretName: a kubernetes.io/tls Secret (+ ca.crt)
+TLS_FILES = {"tls_cert": "tls.crt", "tls_key": "tls.key", "tls_ca": "ca.crt"}  # StageConfig field -> Secret key
 
 
 @dataclass
@@ -145,6 +147,8 @@ def service_config_values(service_config: dict, stage: str) -> dict[str, Any]:
         out.update(checkpoint=spec.model.path, dtype=sc.dtype, device=sc.device,
                    encoder_tp=spec.encoder.tensor_parallel, ulysses=spec.dit.ulysses, ring=spec.dit.ring,
                    vae_pp=spec.vae.patch_parallel)
+    if spec.tls is not None:  # every process: its servers, and the channels to its peers
+        out.update({k: f"{TLS_DIR}/{v}" for k, v in TLS_FILES.items()})
     lv = spec.dit.levers
     if colocated or stage == "dit":
         out.update(dit_resident_blocks=lv.resident_blocks, dit_offload_mode=lv.offload_mode, fp8=lv.fp8,

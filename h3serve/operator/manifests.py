@@ -32,7 +32,7 @@ import yaml
 
 from h3serve.config.metrics import METRICS_PORT, SIGNALS
 from h3serve.config.spec import API_VERSION, KIND, H3DeploymentSpec, ServiceConfig
-from h3serve.config.stage import API_KEYS_DIR, API_KEYS_KEY, CONFIG_ENV, service_config_values
+from h3serve.config.stage import API_KEYS_DIR, API_KEYS_KEY, CONFIG_ENV, TLS_DIR, TLS_FILES, service_config_values
 from h3serve.config.vocab import (
     DIST_PORT,
     GRPC_PORT,
@@ -70,10 +70,13 @@ KINDS: dict[str, tuple[str, str]] = {  # kind -> (apiVersion, plural)
     "NetworkPolicy": ("networking.k8s.io/v1", "networkpolicies"),
     "HorizontalPodAutoscaler": ("autoscaling/v2", "horizontalpodautoscalers"),
     "PodGroup": ("scheduling.k8s.io/v1beta1", "podgroups"),
+    "Certificate": ("cert-manager.io/v1", "certificates"),
 }
 # PodGroup (gang scheduling, Kubernetes 1.37 beta behind the GenericWorkload feature gate) may be missing: the operator
 # renders it only where the API server serves it.
-OPTIONAL_KINDS = ("PodGroup",)
+# A Certificate (cert-manager, spec.tls.certManager) is rendered only when asked; where cert-manager is not installed
+# its apply fails and says so (ApplyFailed).
+OPTIONAL_KINDS = ("PodGroup", "Certificate")
 
 
 def labels(name: str, component: str | None = None) -> dict[str, str]:
@@ -179,6 +182,8 @@ def render(spec: H3DeploymentSpec, name: str, namespace: str, owner: dict | None
     for comp in components(spec):
         objs += _component(spec, name, namespace, comp, config_hash(cfg, comp), gang_scheduling)
     objs += _network_policies(spec, name, namespace)
+    if spec.tls is not None and spec.tls.cert_manager is not None:  # before the pods that mount its Secret
+        objs.insert(2, _certificate(spec, name, namespace, objs))
     if owner is not None:
         ref = {"apiVersion": API_VERSION, "kind": KIND, "name": owner["name"], "uid": owner["uid"],
                "controller": True, "blockOwnerDeletion": True}
@@ -433,7 +438,26 @@ def _secret_volumes(spec: H3DeploymentSpec, comp: str) -> tuple[list[dict], list
         mounts.append({"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})
         volumes.append({"name": "api-keys", "secret": {"secretName": keys, "defaultMode": 0o440,
                                                        "items": [{"key": API_KEYS_KEY, "path": API_KEYS_KEY}]}})
+    if spec.tls is not None:  # every pod: its servers and its channels to peers
+        mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
+        volumes.append({"name": "tls", "secret": {"secretName": spec.tls.secret_name, "defaultMode": 0o440,
+                                                  "items": [{"key": k, "path": k} for k in TLS_FILES.values()]}})
     return mounts, volumes
+
+
+def _certificate(spec: H3DeploymentSpec, name: str, namespace: str, objs: list[dict]) -> dict:
+    """A cert-manager Certificate for every Service the deployment renders (each name as peers and clients dial
+    it) and 127.0.0.1 (colocated stages talk over loopback); both server and client auth (mTLS)."""
+    services = sorted({o["metadata"]["name"] for o in objs if o["kind"] == "Service"})
+    dns = [d for s in services for d in (s, f"{s}.{namespace}", f"{s}.{namespace}.svc",
+                                         f"{s}.{namespace}.svc.cluster.local")]
+    ref = spec.tls.cert_manager.issuer_ref
+    cert = {"apiVersion": "cert-manager.io/v1", "kind": "Certificate", "spec": {
+        "secretName": spec.tls.secret_name, "dnsNames": [*dns, "localhost"], "ipAddresses": ["127.0.0.1"],
+        "usages": ["server auth", "client auth", "digital signature", "key encipherment"],
+        "privateKey": {"algorithm": "ECDSA", "size": 256, "rotationPolicy": "Always"},
+        "issuerRef": {"name": ref.name, "kind": ref.kind, "group": ref.group}}}
+    return _meta(cert, f"{name}-tls", name, namespace, None)
 
 
 def _job_store_env(spec: H3DeploymentSpec, comp: str) -> list[dict]:

@@ -292,6 +292,34 @@ def _grpc_probe(period: int, failures: int, timeout: int = 5) -> dict:
             "timeoutSeconds": timeout, "failureThreshold": failures}
 
 
+PROBE = ["python", "-m", "h3serve.runtime.probe"]  # h3serve/runtime/probe.py
+
+
+def _probes(spec: H3DeploymentSpec, name: str, namespace: str, comp: str) -> dict[str, dict]:
+    """Startup: gRPC health SERVING = weights loaded and one warm-up pass done (loading ~100 GB from a network volume
+    can take long: up to an hour; the gateway only waits for its channels). Readiness: SERVING; NOT_SERVING again
+    while draining, so endpoints drop the pod before it stops. Liveness: the process answers gRPC health at all,
+    NOT_SERVING included (a draining server must be let finish), so a hung one (SIGSTOP) is restarted where a TCP
+    check would pass. The kubelet's gRPC probe fails on NOT_SERVING and speaks no TLS: liveness, and with spec.tls
+    every probe, is the exec probe `h3serve.runtime.probe` (the pod's own certificate, the Service's name)."""
+    tls: list[str] = []
+    if spec.tls is not None:
+        svc = f"{name}-{GATEWAY}" if comp == ENGINE else f"{name}-{comp}"
+        tls = [*(a for k, v in TLS_FILES.items() for a in (f"--{k.replace('_', '-')}", f"{TLS_DIR}/{v}")),
+               "--server-name", f"{svc}.{namespace}.svc"]
+
+    def probe(period: int, failures: int, live: bool = False) -> dict:
+        if not tls and not live:
+            return _grpc_probe(period, failures)
+        cmd = [*PROBE, "--port", str(GRPC_PORT), *(["--live"] if live else []), "--timeout", "5", *tls]
+        # a Python start and one check: well inside the timeout
+        return {"exec": {"command": cmd}, "periodSeconds": period, "timeoutSeconds": 15, "failureThreshold": failures}
+
+    return {"startupProbe": probe(10, 360) if comp != GATEWAY else probe(5, 60),
+            "readinessProbe": probe(5, 3),
+            "livenessProbe": probe(20, 6, live=True)}
+
+
 def metrics_ports(comp: str) -> dict[str, int]:
     """stage -> the port its process serves /metrics on, for the processes of a component's pods."""
     if comp == GATEWAY:
@@ -385,15 +413,7 @@ def _pod_template(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, 
         "resources": _resources(spec, base_res, gpus_per_pod),
         "securityContext": _security_context(),
         "volumeMounts": mounts,
-        # Startup: gRPC health SERVING = weights loaded and one warm-up pass done. Loading ~100 GB of weights from
-        # a network volume can take long: allow up to an hour (the gateway only waits for its channels).
-        "startupProbe": _grpc_probe(10, 360) if comp != GATEWAY else _grpc_probe(5, 60),
-        # Readiness: NOT_SERVING again while draining, so endpoints drop the pod before it stops.
-        "readinessProbe": _grpc_probe(5, 3),
-        # Liveness: the server still accepts connections (a draining server reports NOT_SERVING, on purpose not a
-        # liveness failure: it must be allowed to finish its requests).
-        "livenessProbe": {"tcpSocket": {"port": GRPC_PORT}, "periodSeconds": 20, "timeoutSeconds": 10,
-                          "failureThreshold": 6},
+        **_probes(spec, name, namespace, comp),
         # Let endpoints drop the pod before SIGTERM starts the drain.
         "lifecycle": {"preStop": {"sleep": {"seconds": 5}}},
         "terminationMessagePolicy": "FallbackToLogsOnError",

@@ -105,9 +105,15 @@ def test_pods_meet_restricted_pod_security(path):
             assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
             assert sc["runAsNonRoot"] is True and sc["seccompProfile"] == {"type": "RuntimeDefault"}
             assert {"startupProbe", "readinessProbe", "livenessProbe"} <= set(c)
-            assert c["startupProbe"]["grpc"] == {"port": 50051, "service": ""}  # SERVING = loaded + warmed up
-            assert c["readinessProbe"]["grpc"] == {"port": 50051, "service": ""}  # NOT_SERVING while draining
-            assert "tcpSocket" in c["livenessProbe"]  # a draining server is alive
+            for kind in ("startupProbe", "readinessProbe"):  # SERVING = loaded + warmed up; NOT_SERVING: draining
+                p = c[kind]
+                if "grpc" in p:  # plaintext: the kubelet's own gRPC probe
+                    assert p["grpc"] == {"port": 50051, "service": ""}
+                else:  # TLS: the exec probe with the pod's certificate
+                    cmd = p["exec"]["command"]
+                    assert cmd[:3] == M.PROBE and "--live" not in cmd and "--tls-cert" in cmd, cmd
+            live = c["livenessProbe"]["exec"]["command"]  # a draining server (NOT_SERVING) is alive; a hung one not
+            assert live[:3] == M.PROBE and "--live" in live
         for v in pod["volumes"]:  # restricted: only these volume types
             assert set(v) - {"name"} <= {"configMap", "emptyDir", "persistentVolumeClaim", "secret", "projected",
                                          "csi", "downwardAPI", "ephemeral"}

@@ -134,6 +134,10 @@ class ModelSpec:
     mount_path: str = f("mountPath", "Where model.volume is mounted in every pod.", "/models",
                         pattern="^/.*", maxLength=512)
     adapter: Optional[AdapterSpec] = f("adapter", "The FastH3 4-step adapter; required by profile fasth3.", None)
+    manifest_sha256: Optional[str] = f("manifestSha256", "Lower-case hex sha256 of the checkpoint's "
+                                       "h3serve-manifest.json (`h3serve checkpoint manifest DIR` prints it): each model "
+                                       "stage checks the manifest, then every file it loads, before loading any "
+                                       "tensor (`--checkpoint-manifest-sha256`).", None, pattern="^[0-9a-f]{64}$")
 
 
 @dataclass(frozen=True)

@@ -147,6 +147,8 @@ def service_config_values(service_config: dict, stage: str) -> dict[str, Any]:
         out.update(checkpoint=spec.model.path, dtype=sc.dtype, device=sc.device,
                    encoder_tp=spec.encoder.tensor_parallel, ulysses=spec.dit.ulysses, ring=spec.dit.ring,
                    vae_pp=spec.vae.patch_parallel)
+        if spec.model.manifest_sha256 is not None:
+            out["checkpoint_manifest_sha256"] = spec.model.manifest_sha256
     if spec.tls is not None:  # every process: its servers, and the channels to its peers
         out.update({k: f"{TLS_DIR}/{v}" for k, v in TLS_FILES.items()})
     lv = spec.dit.levers

@@ -605,3 +605,28 @@ def test_tls_secret_is_mounted_into_every_pod_and_every_process_reads_it():
     assert all(v["name"] != "tls" for _, pod in pods(plain) for v in pod["volumes"])
     assert StageConfig.from_service_config(M.service_config(parse_and_validate(d, "h3"), "h3", "ns").to_dict(),
                                            "dit").tls_cert is None
+
+
+def test_the_manifest_pin_reaches_every_model_stage_and_only_those():
+    from h3serve.config.stage import StageConfig
+    from h3serve.runtime.launcher import child_argv
+
+    d = _spec_doc("base-disaggregated")
+    pin = d["model"]["manifestSha256"]
+    spec = parse_and_validate(d, "h3")
+    cfg = M.service_config(spec, "h3", "ns").to_dict()
+    for st in ("encoder", "dit", "vae"):
+        sc = StageConfig.from_service_config(cfg, st)
+        assert sc.checkpoint_manifest_sha256 == pin
+        argv = child_argv(sc, st, 50051, {}, None, "info")  # what a launcher passes its child
+        assert argv[argv.index("--checkpoint-manifest-sha256") + 1] == pin
+    assert StageConfig.from_service_config(cfg, "muxer").checkpoint_manifest_sha256 is None
+    # colocated: every process of the engine pod reads it
+    c = _spec_doc("fasth3-colocated")
+    c["model"]["manifestSha256"] = pin
+    ccfg = M.service_config(parse_and_validate(c, "h3"), "h3", "ns").to_dict()
+    assert StageConfig.from_service_config(ccfg, "gateway").checkpoint_manifest_sha256 == pin
+    # a pin that is not a sha256 is refused naming the field
+    c["model"]["manifestSha256"] = "ABC"
+    with pytest.raises(SpecError, match=r"spec.model.manifestSha256"):
+        parse_and_validate(c, "h3")

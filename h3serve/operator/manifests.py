@@ -138,9 +138,10 @@ def endpoints(spec: H3DeploymentSpec, name: str, namespace: str) -> dict[str, st
     return out
 
 
-def public_endpoints(name: str, namespace: str) -> dict[str, str]:
+def public_endpoints(name: str, namespace: str, tls: bool = False) -> dict[str, str]:
+    scheme = "https" if tls else "http"  # with spec.tls the gateway's HTTP API is HTTPS only
     return {"grpc": f"{name}-{GATEWAY}.{namespace}.svc:{GRPC_PORT}",
-            "http": f"http://{name}-{GATEWAY}.{namespace}.svc:{HTTP_PORT}"}
+            "http": f"{scheme}://{name}-{GATEWAY}.{namespace}.svc:{HTTP_PORT}"}
 
 
 def service_config(spec: H3DeploymentSpec, name: str, namespace: str) -> ServiceConfig:

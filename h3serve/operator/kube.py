@@ -73,19 +73,23 @@ def apply(obj: dict) -> dict:
 
 
 _served: dict[str, bool] = {}
+_served_lock = threading.Lock()
 
 
 def served(kind: str) -> bool:
     """Does the API server serve this child kind (API discovery, once per process)?"""
-    if kind not in _served:
-        from kubernetes.dynamic.exceptions import ResourceNotFoundError
-
-        try:
-            _resource(M.KINDS[kind][0], kind)
-            _served[kind] = True
-        except ResourceNotFoundError:
-            _served[kind] = False
+    with _served_lock:
+        if kind not in _served:
+            _served[kind] = _discover(kind)
     return _served[kind]
+
+
+def _discover(kind: str) -> bool:
+    # Asked of the API server's group discovery, not of the dynamic client: a kind it does not know makes it refresh
+    # its shared discovery cache, which races with the other workers' lookups.
+    api_version, _ = M.KINDS[kind]
+    groups = client.ApisApi(dynamic().client).get_api_versions().groups or []
+    return any(v.group_version == api_version for g in groups for v in g.versions or [])
 
 
 def get(kind: str, namespace: str, name: str) -> dict | None:

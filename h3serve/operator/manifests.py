@@ -475,7 +475,7 @@ def _certificate(spec: H3DeploymentSpec, name: str, namespace: str, objs: list[d
     ref = spec.tls.cert_manager.issuer_ref
     cert = {"apiVersion": "cert-manager.io/v1", "kind": "Certificate", "spec": {
         "secretName": spec.tls.secret_name, "dnsNames": [*dns, "localhost"], "ipAddresses": ["127.0.0.1"],
-        "usages": ["server auth", "client auth", "digital signature", "key encipherment"],
+        "usages": ["server auth", "client auth", "digital signature"],  # an ECDSA key: no key encipherment
         "privateKey": {"algorithm": "ECDSA", "size": 256, "rotationPolicy": "Always"},
         "issuerRef": {"name": ref.name, "kind": ref.kind, "group": ref.group}}}
     return _meta(cert, f"{name}-tls", name, namespace, None)

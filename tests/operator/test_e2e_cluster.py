@@ -508,6 +508,22 @@ def test_operator_only_rule_reports_spec_valid_false(operator, dyn):
     wait_gone(dyn, "gpu-in-resources")
 
 
+def test_cert_manager_asked_for_but_not_installed_is_apply_failed_naming_it(operator, dyn):
+    doc = good_doc("tls-no-cm")
+    doc["spec"]["tls"] = {"secretName": "tls-no-cm", "certManager": {"issuerRef": {"name": "ca"}}}
+    create(dyn, doc)
+
+    def degraded():
+        cr = get_cr(dyn, "tls-no-cm")
+        return cr if condition(cr, "Degraded").get("reason") == "ApplyFailed" else None
+    cr = wait_for("Degraded=ApplyFailed", degraded, timeout=60)
+    assert ("Certificate/tls-no-cm-tls: the API server does not serve cert-manager.io/v1 Certificate"
+            in condition(cr, "Degraded")["message"])
+    assert operator.alive()
+    delete_cr(dyn, "tls-no-cm")
+    wait_gone(dyn, "tls-no-cm")
+
+
 def test_unschedulable_pods_are_explained_in_status(operator, dyn):
     doc = good_doc("no-toleration")
     doc["spec"].pop("tolerations")  # the GPU nodes are tainted nvidia.com/gpu:NoSchedule
@@ -775,7 +791,7 @@ def test_helm_upgrade_from_the_previous_chart_upgrades_the_crd(operator, control
     old["metadata"]["resourceVersion"] = live["metadata"]["resourceVersion"]
     crds.replace(body=old, name=old["metadata"]["name"])
     probe = good_doc("ingress-probe")
-    probe["spec"]["gateway"] = {"ingressFrom": {"namespaces": ["web"]}}
+    probe["spec"]["gateway"] = {**probe["spec"]["gateway"], "ingressFrom": {"namespaces": ["web"]}}
 
     def dry_run_gateway():
         return R(dyn, "H3Deployment").create(body=probe, namespace=APPS_NS,

@@ -321,7 +321,9 @@ def test_openapi_rejects_enums_bounds_and_names(installed, dyn):
     assert "metadata.name must be at most 40 characters" in json.loads(e.value.body)["message"]
     # and a valid spec passes, with the defaults filled in by the API server
     ok = R(dyn, "H3Deployment").create(body=doc, namespace=APPS_NS, query_params=[("dryRun", "All")]).to_dict()
-    assert ok["spec"]["dit"] == {"ulysses": 1, "ring": 1} and ok["spec"]["gateway"]["queueSize"] == 16
+    assert {k: ok["spec"]["dit"][k] for k in ("ulysses", "ring")} == {"ulysses": 1, "ring": 1}
+    assert ok["spec"]["dit"]["levers"] == {"fp8": False, "fp8Attention": False, "offloadMode": "local"}
+    assert ok["spec"]["gateway"]["queueSize"] == 16 and ok["spec"]["gateway"]["auth"] == {"disabled": True}
     assert H3DeploymentSpec.from_dict(ok["spec"]) == H3DeploymentSpec.from_dict(doc["spec"])
 
 

@@ -74,7 +74,7 @@ def run(cmd: list[str], port: int, files: dict[str, str] | None = None) -> tuple
     argv[argv.index("--port") + 1] = str(port)
     argv = [files.get(a, a) if files else a for a in argv]
     t = time.monotonic()
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=30, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=30)
     return r.returncode, r.stdout.strip() + r.stderr.strip(), time.monotonic() - t
 
 

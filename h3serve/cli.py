@@ -130,7 +130,7 @@ def _generate_remote(args: argparse.Namespace, t0: float) -> int:
                   seed=int(args.seed) if args.seed is not None else None, task=args.task,
                   num_inference_steps=int(args.steps) if args.steps is not None else None,
                   first_image=args.first_image, last_image=args.last_image,   # the files' bytes go to the server
-                  references=args.reference or None)
+                  references=args.reference or None, quality=args.quality)
     bar = None
     if not args.no_progress:
         from tqdm import tqdm

@@ -17,9 +17,9 @@
         gen = client.stream("a kite"); async for event in gen: ...; await gen.result(); await gen.cancel()
 
 Request fields (keyword arguments): seconds, size, width, height, num_frames, fps, seed, num_inference_steps
-(alias steps), task, quality, model, request_id; fl2va keyframes first_image / last_image and ref2va references
-(a list, in model order) as bytes or paths (a reference as "kind:path", (kind, bytes) or a path whose extension
-says the kind):
+(alias steps), task, quality (lossless | high: step reuse, profile base), model, request_id; fl2va keyframes
+first_image / last_image and ref2va references (a list, in model order) as bytes or paths (a reference as
+"kind:path", (kind, bytes) or a path whose extension says the kind):
 
     client.generate("the kite lands", first_image="kite.png", last_image=Path("beach.jpg").read_bytes())
     client.generate("she sings", references=["subject.png", "audio:voice.wav"])
@@ -156,6 +156,12 @@ class GenerationResult:
     mp4_bytes: int
     sha256: str
     timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def forwards_computed(self) -> int | None:
+        """DiT forwards whose whole block stack ran (the steps for quality lossless; fewer when high reused some)."""
+        value = self.timings.get("dit_forwards_computed")
+        return None if value is None else int(value)
 
 
 def build_request(prompt: str, *, validate_only: bool = False, **fields: Any):

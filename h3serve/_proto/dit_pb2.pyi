@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DiTParams(_message.Message):
-    __slots__ = ("request_id", "latent_frames", "latent_height", "latent_width", "audio_latents", "seed", "task", "profile", "steps", "latents_sink", "condition_kinds")
+    __slots__ = ("request_id", "latent_frames", "latent_height", "latent_width", "audio_latents", "seed", "task", "profile", "steps", "latents_sink", "condition_kinds", "quality")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LATENT_FRAMES_FIELD_NUMBER: _ClassVar[int]
     LATENT_HEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class DiTParams(_message.Message):
     STEPS_FIELD_NUMBER: _ClassVar[int]
     LATENTS_SINK_FIELD_NUMBER: _ClassVar[int]
     CONDITION_KINDS_FIELD_NUMBER: _ClassVar[int]
+    QUALITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     latent_frames: int
     latent_height: int
@@ -31,7 +32,8 @@ class DiTParams(_message.Message):
     steps: int
     latents_sink: _common_pb2.Sink
     condition_kinds: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., latent_frames: _Optional[int] = ..., latent_height: _Optional[int] = ..., latent_width: _Optional[int] = ..., audio_latents: _Optional[int] = ..., seed: _Optional[int] = ..., task: _Optional[str] = ..., profile: _Optional[str] = ..., steps: _Optional[int] = ..., latents_sink: _Optional[_Union[_common_pb2.Sink, _Mapping]] = ..., condition_kinds: _Optional[_Iterable[str]] = ...) -> None: ...
+    quality: str
+    def __init__(self, request_id: _Optional[str] = ..., latent_frames: _Optional[int] = ..., latent_height: _Optional[int] = ..., latent_width: _Optional[int] = ..., audio_latents: _Optional[int] = ..., seed: _Optional[int] = ..., task: _Optional[str] = ..., profile: _Optional[str] = ..., steps: _Optional[int] = ..., latents_sink: _Optional[_Union[_common_pb2.Sink, _Mapping]] = ..., condition_kinds: _Optional[_Iterable[str]] = ..., quality: _Optional[str] = ...) -> None: ...
 
 class DiTInput(_message.Message):
     __slots__ = ("params", "chunk", "end")
@@ -54,15 +56,19 @@ class DiTEvent(_message.Message):
     def __init__(self, progress: _Optional[_Union[_common_pb2.Progress, _Mapping]] = ..., chunk: _Optional[_Union[_common_pb2.TensorChunk, _Mapping]] = ..., done: _Optional[_Union[DiTDone, _Mapping]] = ...) -> None: ...
 
 class DiTDone(_message.Message):
-    __slots__ = ("steps", "seconds", "step_seconds", "transport", "peak_memory_mb")
+    __slots__ = ("steps", "seconds", "step_seconds", "transport", "peak_memory_mb", "forwards_computed", "block_evaluations")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     PEAK_MEMORY_MB_FIELD_NUMBER: _ClassVar[int]
+    FORWARDS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_EVALUATIONS_FIELD_NUMBER: _ClassVar[int]
     steps: int
     seconds: float
     step_seconds: _containers.RepeatedScalarFieldContainer[float]
     transport: _common_pb2.TransportInfo
     peak_memory_mb: float
-    def __init__(self, steps: _Optional[int] = ..., seconds: _Optional[float] = ..., step_seconds: _Optional[_Iterable[float]] = ..., transport: _Optional[_Union[_common_pb2.TransportInfo, _Mapping]] = ..., peak_memory_mb: _Optional[float] = ...) -> None: ...
+    forwards_computed: int
+    block_evaluations: int
+    def __init__(self, steps: _Optional[int] = ..., seconds: _Optional[float] = ..., step_seconds: _Optional[_Iterable[float]] = ..., transport: _Optional[_Union[_common_pb2.TransportInfo, _Mapping]] = ..., peak_memory_mb: _Optional[float] = ..., forwards_computed: _Optional[int] = ..., block_evaluations: _Optional[int] = ...) -> None: ...

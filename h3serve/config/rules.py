@@ -255,9 +255,6 @@ RULES: tuple[Rule, ...] = (
                               all_of(unset("dit.levers.residentBlocks"), op("!", Field("dit.levers.fp8")),
                                      op("!", Field("dit.levers.fp8Attention")))),
          LEVERS_MESSAGE, dict(SPEC_NAMES)),
-    Rule("replicas", any_of(COLOCATED, unset("replicas")),
-         "spec.replicas only applies to colocated placement: set encoder.replicas, dit.replicas, vae.replicas and "
-         "muxer.replicas instead"),
     Rule("placement", any_of(DISAGGREGATED, all_of(*(unset(f"{s}.replicas") for s in (*PIPELINE_STAGES, "gateway")))),
          "per-stage replicas only apply to disaggregated placement: with placement colocated set spec.replicas and "
          "remove encoder/dit/vae/muxer/gateway.replicas (each colocated replica runs its own gateway)"),

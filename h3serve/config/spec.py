@@ -180,7 +180,9 @@ class DitSpec:
                      f"{DIT_HEADS} heads.", 1, minimum=1, maximum=DIT_HEADS)
     ring: int = f("ring", "Ring-attention sequence-parallel degree of the DiT (any; GPUs per DiT replica = ulysses x "
                   "ring).", 1, minimum=1, maximum=MAX_REPLICA_GPUS)
-    replicas: Optional[int] = f("replicas", "DiT replicas (disaggregated placement only; default 1).", None,
+    replicas: Optional[int] = f("replicas", "DiT replicas (disaggregated placement only; default spec.replicas, "
+                                "which the /scale subresource sets: set here, the DiT count is no longer scalable "
+                                "through /scale).", None,
                                 minimum=0, maximum=1024)
     autoscaling: Optional[AutoscalingSpec] = f("autoscaling", AUTOSCALING_DOC, None)
     resources: Optional[dict] = f("resources", "CPU/memory requests and limits of a DiT pod (colocated: of the "
@@ -330,6 +332,9 @@ class MetricsSpec:
     monitoring_namespace: Optional[str] = f("monitoringNamespace", "Namespace of the Prometheus that scrapes the pods: "
                                             "the NetworkPolicies let it reach every pod's metrics ports.", None,
                                             maxLength=63, pattern="^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    service_monitor: bool = f("serviceMonitor", "Render a monitoring.coreos.com/v1 ServiceMonitor (the Prometheus "
+                              "Operator's) over every metrics port, where the API server serves that API; where it "
+                              "does not, a Warning Event NoServiceMonitor says it was skipped.", False)
 
 
 @dataclass(frozen=True)
@@ -342,8 +347,10 @@ class H3DeploymentSpec:
                        "disaggregated: one workload per stage.", "colocated", enum=list(PLACEMENTS))
     transport: str = f("transport", "How tensors move between stages: grpc (always works) or nixl (UCX: RDMA, "
                        "shared memory or TCP).", "grpc", enum=list(TRANSPORTS))
-    replicas: Optional[int] = f("replicas", "Replicas of the whole serving graph (colocated placement only; "
-                                "default 1). The /scale subresource sets this.", None, minimum=0, maximum=1024)
+    replicas: int = f("replicas", "Replicas of the DiT pool, the one the /scale subresource (kubectl scale, an HPA "
+                      "on the H3Deployment) sets: colocated, the engine replicas (each runs every stage); "
+                      "disaggregated, the DiT replicas unless dit.replicas or dit.autoscaling sets them (the other "
+                      "stages keep their own replicas).", 1, minimum=0, maximum=1024)
     gpus_per_node: int = f("gpusPerNode", "GPUs of one node. A stage (or colocated replica) that needs more is a "
                            "gang of pods, one per node.", 8, minimum=1, maximum=64)
     gpu_resource_name: str = f("gpuResourceName", "Extended resource that counts GPUs.", "nvidia.com/gpu",
@@ -383,12 +390,13 @@ class H3DeploymentSpec:
     def stage_replicas(self, stage: str) -> int:
         """Replicas of a stage; for an autoscaled one, its fewest (the autoscaler sets the live count)."""
         if self.placement == "colocated":
-            return 1 if self.replicas is None else self.replicas
+            return self.replicas
         if getattr(self, stage).autoscaling is not None:
             return getattr(self, stage).autoscaling.min_replicas
         r = getattr(self, stage).replicas
-        if r is None:  # gateways share their jobs only through a job store: without one, a single gateway
-            return 2 if stage == "gateway" and self.gateway.job_store is not None else 1
+        if r is None:  # the DiT pool defaults to spec.replicas (the /scale subresource); gateways share their jobs
+            # only through a job store: 2 with one, else a single gateway
+            return {"dit": self.replicas, "gateway": 2 if self.gateway.job_store is not None else 1}.get(stage, 1)
         return r
 
     def pods_per_replica(self, gpus: int) -> int:
@@ -420,7 +428,7 @@ class ServiceConfig:
     name: str
     namespace: str
     spec: H3DeploymentSpec
-    endpoints: dict  # stage -> "host:port" of the stage's gRPC Service (its leader pods)
+    endpoints: dict  # stage -> gRPC target of the stage (disaggregated: dns:/// of its headless Service)
     dtype: str       # the model stages' engine dtype and device (the operator's choice for GPU pods)
     device: str
 

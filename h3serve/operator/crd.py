@@ -73,13 +73,25 @@ def _object_schema(cls) -> dict:
     return out
 
 
+# A transition rule (it compares with the stored object, which the operator never sees, so only the API server
+# checks it): /scale writes spec.replicas, which a disaggregated spec ignores while dit.replicas or dit.autoscaling
+# sets the DiT count; a scale there is refused by name instead of silently doing nothing.
+SCALE_RULE = {
+    "rule": "self.replicas == oldSelf.replicas || self.placement == 'colocated' || "
+            "(!has(self.dit.replicas) && !has(self.dit.autoscaling))",
+    "message": "spec.replicas (the /scale subresource) cannot change while dit.replicas or dit.autoscaling sets the "
+               "DiT replicas of this disaggregated H3Deployment: change dit.replicas, or remove it to scale with "
+               "spec.replicas",
+    "fieldPath": ".replicas", "reason": "FieldValueForbidden"}
+
+
 def spec_schema() -> dict:
     schema = _object_schema(S.H3DeploymentSpec)
     schema["description"] = "The desired serving graph. See h3serve.config.spec.H3DeploymentSpec."
     # every rule sits on the spec itself and names its field: the API server reports it at spec.<field>
     schema["x-kubernetes-validations"] = [
         {"rule": r.check.cel(), "messageExpression": r.cel_message(), "fieldPath": "." + r.field,
-         "reason": "FieldValueInvalid"} for r in RULES]
+         "reason": "FieldValueInvalid"} for r in RULES] + [SCALE_RULE]
     return schema
 
 
@@ -106,7 +118,8 @@ def status_schema() -> dict:
                        "description": "Per stage: ready and desired replicas (a gang counts once)."},
             "endpoint": {"type": "object", "properties": {"grpc": {"type": "string"}, "http": {"type": "string"}},
                          "description": "Where clients reach the gateway."},
-            "replicas": {"type": "integer", "description": "Ready replicas (colocated) or ready DiT replicas."},
+            "replicas": {"type": "integer", "description": "Ready replicas of the DiT pool (colocated: engine "
+                         "replicas), what spec.replicas scales."},
             "selector": {"type": "string", "description": "Label selector of the pods counted in replicas."},
             "summary": {"type": "string", "description": "Ready stages / all stages."},
         },

@@ -119,7 +119,13 @@ def reconcile(namespace: str, name: str, logger: logging.Logger) -> dict | None:
                  for o in kube.list_children(namespace, name, kind) if kube.owned_by(o, uid)}
         if spec is not None and not issues:
             gangs = kube.served("PodGroup")
-            desired = M.render(spec, name, namespace, owner={"name": name, "uid": uid}, gang_scheduling=gangs)
+            monitors = kube.served("ServiceMonitor")
+            desired = M.render(spec, name, namespace, owner={"name": name, "uid": uid}, gang_scheduling=gangs,
+                               service_monitors=monitors)
+            if spec.metrics.service_monitor and not monitors:
+                _event(cr, "Warning", "NoServiceMonitor", "spec.metrics.serviceMonitor is skipped: the API server "
+                       "serves no monitoring.coreos.com/v1 ServiceMonitor (install the Prometheus Operator's CRDs, "
+                       "then restart the operator); the pods keep their prometheus.io scrape annotations", once=True)
             if not gangs and any(M.gang_size(spec, c) > 1 for c in M.components(spec)):
                 _event(cr, "Warning", "NoGangScheduling", "the API server serves no scheduling.k8s.io/v1beta1 "
                        "PodGroup (feature gate GenericWorkload): multi-node replicas are placed pod by pod, and a "

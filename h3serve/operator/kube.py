@@ -85,11 +85,17 @@ def served(kind: str) -> bool:
 
 
 def _discover(kind: str) -> bool:
-    # Asked of the API server's group discovery, not of the dynamic client: a kind it does not know makes it refresh
-    # its shared discovery cache, which races with the other workers' lookups.
-    api_version, _ = M.KINDS[kind]
-    groups = client.ApisApi(dynamic().client).get_api_versions().groups or []
-    return any(v.group_version == api_version for g in groups for v in g.versions or [])
+    # The group version's own discovery document, not the dynamic client's cache: a miss there invalidates and
+    # rebuilds the cache, which races with the reconciles of other objects using it in other threads.
+    from kubernetes.dynamic.exceptions import NotFoundError
+
+    api_version, plural = M.KINDS[kind]
+    path = f"/apis/{api_version}" if "/" in api_version else f"/api/{api_version}"
+    try:
+        doc = dynamic().request("GET", path).to_dict()
+    except NotFoundError:
+        return False
+    return any(r.get("name") == plural and r.get("kind") == kind for r in doc.get("resources") or [])
 
 
 def get(kind: str, namespace: str, name: str) -> dict | None:

@@ -11,7 +11,8 @@ What it renders for an H3Deployment `<name>`:
   node is one pod with N GPUs and N ranks (a Deployment); a replica larger than a node is a gang: a StatefulSet per
   replica `<name>-<component>-<r>` with one pod per node, a headless Service of the same name, leader = ordinal 0.
 - A Service per component, selecting leaders only: `<name>-<stage>` and the front door `<name>-gateway` (which
-  selects the gateway pods, or the engine pods when colocated).
+  selects the gateway pods, or the engine pods when colocated); disaggregated, each stage also gets a headless
+  Service `<name>-<stage>-headless`, the `dns:///` target the gateway balances its calls over.
 - A PodDisruptionBudget per component; NetworkPolicies: the front door takes traffic from anywhere on its gRPC and
   HTTP ports, everything else only from pods of the same H3Deployment.
 
@@ -70,13 +71,15 @@ KINDS: dict[str, tuple[str, str]] = {  # kind -> (apiVersion, plural)
     "NetworkPolicy": ("networking.k8s.io/v1", "networkpolicies"),
     "HorizontalPodAutoscaler": ("autoscaling/v2", "horizontalpodautoscalers"),
     "PodGroup": ("scheduling.k8s.io/v1beta1", "podgroups"),
+    "ServiceMonitor": ("monitoring.coreos.com/v1", "servicemonitors"),
     "Certificate": ("cert-manager.io/v1", "certificates"),
 }
 # PodGroup (gang scheduling, Kubernetes 1.37 beta behind the GenericWorkload feature gate) may be missing: the operator
 # renders it only where the API server serves it.
+# ServiceMonitor (the Prometheus Operator's CRD) likewise, when spec.metrics.serviceMonitor asks for it.
 # A Certificate (cert-manager, spec.tls.certManager) is rendered only when asked; where cert-manager is not installed
 # its apply fails and says so (ApplyFailed).
-OPTIONAL_KINDS = ("PodGroup", "Certificate")
+OPTIONAL_KINDS = ("PodGroup", "ServiceMonitor", "Certificate")
 
 
 def labels(name: str, component: str | None = None) -> dict[str, str]:
@@ -127,14 +130,21 @@ def workload_names(spec: H3DeploymentSpec, name: str, component: str) -> list[tu
     return [("Deployment", f"{name}-{component}")]
 
 
+def headless_name(name: str, comp: str) -> str:
+    """The headless Service of a disaggregated stage: its DNS name resolves to every ready replica (leader) pod."""
+    return f"{name}-{comp}-headless"
+
+
 def endpoints(spec: H3DeploymentSpec, name: str, namespace: str) -> dict[str, str]:
-    """stage -> "host:port": a stage's Service, or (colocated) the stage's loopback port inside the replica pod."""
-    host = lambda comp: f"{name}-{comp}.{namespace}.svc:{GRPC_PORT}"  # noqa: E731
+    """stage -> gRPC target. Disaggregated: `dns:///` of the stage's headless Service, so the dialer (the gateway)
+    resolves every ready replica and balances per call (gRPC round_robin); rendered whatever the replica count, so
+    that scaling (spec, /scale or an HPA) changes no config and restarts nothing. Colocated: the stage's loopback
+    port inside the replica pod. The gateway's own entry is its Service."""
     if spec.placement == "colocated":
         out = {st: f"127.0.0.1:{GRPC_PORT + PORT_OFFSETS[st]}" for st in PIPELINE_STAGES}
     else:
-        out = {st: host(st) for st in PIPELINE_STAGES}
-    out[GATEWAY] = host(GATEWAY)
+        out = {st: f"dns:///{headless_name(name, st)}.{namespace}.svc:{GRPC_PORT}" for st in PIPELINE_STAGES}
+    out[GATEWAY] = f"{name}-{GATEWAY}.{namespace}.svc:{GRPC_PORT}"
     return out
 
 
@@ -168,10 +178,11 @@ def _dump_yaml_like(d: Any) -> str:
 
 
 def render(spec: H3DeploymentSpec, name: str, namespace: str, owner: dict | None = None,
-           gang_scheduling: bool = True) -> list[dict]:
+           gang_scheduling: bool = True, service_monitors: bool = True) -> list[dict]:
     """All desired objects, in apply order. `owner` = the H3Deployment's metadata (needs `uid`) -> ownerReferences.
     `gang_scheduling`: the cluster serves scheduling.k8s.io/v1beta1 PodGroups, so each multi-node replica is placed
-    all or nothing (a PodGroup with a gang policy of the replica's pod count)."""
+    all or nothing (a PodGroup with a gang policy of the replica's pod count). `service_monitors`: the cluster serves
+    monitoring.coreos.com/v1 ServiceMonitors (rendered when spec.metrics.serviceMonitor asks)."""
     objs: list[dict] = []
     cfg = service_config(spec, name, namespace).to_dict()
     cfg_text = _dump_yaml_like(cfg)
@@ -183,6 +194,8 @@ def render(spec: H3DeploymentSpec, name: str, namespace: str, owner: dict | None
     for comp in components(spec):
         objs += _component(spec, name, namespace, comp, config_hash(cfg, comp), gang_scheduling)
     objs += _network_policies(spec, name, namespace)
+    if spec.metrics.service_monitor and service_monitors:
+        objs += _service_monitor(spec, name, namespace)
     if spec.tls is not None and spec.tls.cert_manager is not None:  # before the pods that mount its Secret
         objs.insert(2, _certificate(spec, name, namespace, objs))
     if owner is not None:
@@ -223,6 +236,10 @@ def _component(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, cfg
     if front(comp):
         svc_spec["type"] = spec.gateway.service_type
     objs.append(_meta({"apiVersion": "v1", "kind": "Service", "spec": svc_spec}, svc_name, name, namespace, comp))
+    if comp in PIPELINE_STAGES:  # disaggregated: the per-call balanced target of the gateway (`endpoints`)
+        objs.append(_meta({"apiVersion": "v1", "kind": "Service", "spec": {
+            "clusterIP": "None", "selector": svc_selector, "ports": ports}},
+            headless_name(name, comp), name, namespace, comp))
 
     if gang == 1:
         objs.append(_deployment(spec, name, namespace, comp, replicas, gpus, cfg_hash))
@@ -548,6 +565,37 @@ def _statefulset(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, g
         "persistentVolumeClaimRetentionPolicy": {"whenDeleted": "Delete", "whenScaled": "Delete"},
         "selector": {"matchLabels": {**selector(name, comp), "h3serve.io/gang": gname}}, "template": tmpl}}
     return _meta(sts, gname, name, namespace, comp)
+
+
+def _service_monitor(spec: H3DeploymentSpec, name: str, namespace: str) -> list[dict]:
+    """A ServiceMonitor over every metrics port: the gateway's (`http` of the front-door Service) and each stage
+    process' (`metrics[-<stage>]`), through a headless Service `<name>-metrics` that selects every pod of the
+    instance by its named metrics ports (Prometheus scrapes each pod, gang workers too)."""
+    # Named target ports: each pod's EndpointSlice entry carries only the ports its container names, so a stage pod
+    # is scraped on its own metrics port (disaggregated: "metrics", a different number per stage) and nowhere else.
+    if spec.placement == "colocated":
+        ports = {f"metrics-{st[:3]}": p for st, p in metrics_ports(ENGINE).items() if p != HTTP_PORT}
+    else:
+        ports = {"metrics": METRICS_PORT}
+    svc_ports = [{"name": n, "port": p, "targetPort": n, "protocol": "TCP"} for n, p in ports.items()]
+    svc = _meta({"apiVersion": "v1", "kind": "Service", "spec": {
+        "clusterIP": "None", "selector": {LABEL_NAME: "h3serve", LABEL_INSTANCE: name}, "ports": svc_ports}},
+        f"{name}-metrics", name, namespace, None)
+    svc["metadata"]["labels"]["h3serve.io/metrics"] = "true"
+    endpoints = [{"port": n, "path": "/metrics"} for n in ports]
+    gw = {"port": "http", "path": "/metrics"}
+    mon = _meta({"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor", "spec": {
+        "selector": {"matchExpressions": [
+            {"key": LABEL_INSTANCE, "operator": "In", "values": [name]},
+            {"key": LABEL_NAME, "operator": "In", "values": ["h3serve"]},
+            {"key": LABEL_COMPONENT, "operator": "In", "values": [GATEWAY, ENGINE]}]},
+        "namespaceSelector": {"matchNames": [namespace]}, "endpoints": [gw]}}, f"{name}-gateway", name, namespace,
+        None)
+    stages = _meta({"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor", "spec": {
+        "selector": {"matchLabels": {LABEL_INSTANCE: name, "h3serve.io/metrics": "true"}},
+        "namespaceSelector": {"matchNames": [namespace]}, "endpoints": endpoints}}, f"{name}-stages", name,
+        namespace, None)
+    return [svc, mon, stages]
 
 
 def _network_policies(spec: H3DeploymentSpec, name: str, namespace: str) -> list[dict]:

@@ -170,7 +170,8 @@ class Launcher:
         ch = grpc.secure_channel(self.addresses[stage], self.credentials) if self.credentials else \
             grpc.insecure_channel(self.addresses[stage])
         try:
-            status = ch.unary_unary(f"/{SERVICE_NAMES[stage]}/Status",
+            service = SERVICE_NAMES["dit" if stage == FASTH3_DIT else stage]   # the FastH3 pool is a DiT
+            status = ch.unary_unary(f"/{service}/Status",
                                     request_serializer=common_pb2.StatusRequest.SerializeToString,
                                     response_deserializer=common_pb2.StageStatus.FromString)(
                 common_pb2.StatusRequest(), timeout=1.0)

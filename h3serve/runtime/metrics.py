@@ -2,8 +2,8 @@
 
 The gateway keeps its own registry at GET /metrics on its HTTP port (h3serve.services.gateway.metrics). Each stage
 exports the signal its autoscaler reads (h3serve.config.metrics.SIGNALS), computed at scrape time from what the stage
-already tracks (its admitted requests and their work units), plus request counters and readiness. Without the
-variable (a laptop, the tests) nothing listens.
+already tracks (its admitted requests and their work units), plus request counters, readiness and the attention
+kernel and transport it chose. Without the variable (a laptop, the tests) nothing listens.
 """
 
 from __future__ import annotations
@@ -62,6 +62,12 @@ class StageCollector:
             g = GaugeMetricFamily(name, doc, labels=["stage"])
             g.add_metric([stage], value)
             yield g
+        attention = s.attention()
+        g = GaugeMetricFamily("h3serve_stage_choice", "1: the attention kernel (none: no attention, or not loaded) "
+                              "and the transport the stage chose; the reasons are in its Status",
+                              labels=["stage", "attention", "transport"])
+        g.add_metric([stage, attention["kernel"] if attention else "none", s.transport.chosen], 1)
+        yield g
 
 
 def metrics_port(stage: str, env: dict | None = None) -> int | None:

@@ -123,10 +123,13 @@ class TransportChoice:
     chosen: str = "grpc"
     reason: str = "requested"
 
+    def summary(self) -> dict:
+        """The Status details' `transport` of every stage: {requested, chosen, reason}."""
+        return {"requested": self.requested, "chosen": self.chosen, "reason": self.reason}
+
     def details(self, edge: str, last_stream: dict | None) -> dict:
         """An edge's entry in the Status details: this process's choice and what the edge's last stream used."""
-        return {"edge": edge, "requested": self.requested, "chosen": self.chosen, "reason": self.reason,
-                "last_stream": last_stream}
+        return {"edge": edge, **self.summary(), "last_stream": last_stream}
 
 
 class StageBase:
@@ -157,7 +160,9 @@ class StageBase:
         self.load_error = ""   # why load failed when the stage stays up NOT_SERVING (IntegrityError)
         self.ready = False
         self.parallel = None   # h3serve.runtime.ranks.ParallelStage when the stage has several ranks
-        self.transport = TransportChoice(config.transport or "grpc")   # decided at load by `choose_transport`
+        requested = config.transport or "grpc"
+        self.transport = TransportChoice(   # decided at load by `choose_transport`
+            requested, "grpc", "requested" if requested == "grpc" else "not decided yet (at load)")
         self._channels: dict[str, grpc.Channel] = {}   # to the stages this one streams to, by address
         self._channels_lock = threading.Lock()
         self.tls = Tls.of(config)
@@ -196,13 +201,15 @@ class StageBase:
 
     def choose_transport(self, *, probe: bool = True) -> None:
         """Decide, once at load, the transport of this stage's edges: `nixl` when NIXL works in this process, else
-        `grpc` with the reason (logged). `probe=False`: a stage that moves no tensor by NIXL itself (the gateway)
-        only checks the name."""
+        `grpc` with the reason (logged). `probe=False`: a stage that moves no tensor by NIXL itself (the encoder,
+        the gateway) checks the name and uses gRPC."""
         requested = self.transport.requested
         if probe:
             self.transport = TransportChoice(requested, *select_transport(requested))
         else:
             validate_transport(requested)
+            self.transport = TransportChoice(requested, "grpc", "requested" if requested == "grpc" else
+                                             f"the {self.stage} has no NIXL edge: its tensors travel by gRPC")
 
     def _on_engine(self, scope: RequestScope, fn: Callable[[], Any]) -> Any:
         self.engine_scope = scope
@@ -261,9 +268,19 @@ class StageBase:
         self.parallel = ParallelStage.start(self, degrees)
         return self.parallel
 
+    def attention(self) -> dict | None:
+        """The attention kernel this stage's model runs and why, {"kernel", "reason"}; None: no attention (or not
+        loaded yet)."""
+        return None
+
     def info(self) -> dict:
+        """The Status details (`StageStatus.info_json`). Every stage: `transport` ({requested, chosen, reason},
+        stages with NIXL edges add `edge` and `last_stream`); stages with attention: `attention`."""
         out = {"load_seconds": round(self.load_seconds, 3), "profile": self.config.profile,
-               "dtype": self.config.dtype, "threads": self.config.threads}
+               "dtype": self.config.dtype, "threads": self.config.threads, "transport": self.transport.summary()}
+        attention = self.attention()
+        if attention is not None:
+            out["attention"] = attention
         if self.load_error:
             out["load_error"] = self.load_error
         if self.parallel is not None:

@@ -26,10 +26,12 @@ from h3serve.config.request import (
     num_frames_to_latents,
 )
 from h3serve.config.stage import StageConfig
+from h3serve.config.vocab import DEFAULT_QUALITY, QUALITIES
 from h3serve.distributed.proxies import DiTEngineProxy
 from h3serve.errors import RequestError
 from h3serve.errortable import grpc_method
 from h3serve.models import conditions as cond
+from h3serve.models.dit import kernels
 from h3serve.models.dit.engine import COMPONENT_FOR_TASK, DiTEngine, DiTRequest
 from h3serve.runtime.device import DTYPES, pick_device
 from h3serve.runtime.stage import StageBase
@@ -88,6 +90,7 @@ class DiTServicer(StageBase):
         self.engine = None
         self.tasks: tuple[str, ...] = ("t2va",)
         self.last_transport: dict | None = None   # the latents edge's last stream
+        self.device: torch.device | None = None    # the DiT's device, once loading started
 
     def register(self, server) -> None:
         dit_pb2_grpc.add_DiTServicer_to_server(self, server)
@@ -98,7 +101,7 @@ class DiTServicer(StageBase):
 
     def _load(self) -> None:
         c = self.config
-        device = pick_device(c.device)
+        device = self.device = pick_device(c.device)
         self.tasks = served_tasks(c)
         components = tuple(sorted({COMPONENT_FOR_TASK[t] for t in self.tasks}))
         if self.start_ranks() is not None:   # --ulysses x --ring: every rank loads (and fuses) the DiT itself
@@ -120,6 +123,15 @@ class DiTServicer(StageBase):
             out = self.engine.generate(req)
             self.check_finite(video_latents=out.video, audio_latents=out.audio)
 
+    def attention(self) -> dict | None:
+        # this process's choice; under Ulysses x Ring every rank makes the same one (same build, same levers)
+        if not self.ready:
+            return None
+        try:
+            return kernels.attention_choice(self.device)
+        except ValueError as exc:   # --no-warmup with a bad $H3SERVE_ATTENTION: every forward fails the same way
+            return {"kernel": "none", "reason": str(exc)}
+
     def info(self) -> dict:
         return {**super().info(), "tasks": list(self.tasks),
                 "transport": self.transport.details(LATENTS_EDGE, self.last_transport)}
@@ -134,6 +146,9 @@ class DiTServicer(StageBase):
         if task not in self.tasks:
             raise RequestError("task", p.task, f"this DiT serves {' | '.join(self.tasks)} (profile "
                                                f"{self.config.profile})")
+        quality = p.quality or DEFAULT_QUALITY
+        if quality not in QUALITIES:
+            raise RequestError("quality", p.quality, "one of " + " | ".join(QUALITIES))
         kinds = list(p.condition_kinds)
         try:
             cond.check_kinds(kinds, task)
@@ -165,7 +180,7 @@ class DiTServicer(StageBase):
                 latent_h=p.latent_height, latent_w=p.latent_width, audio_latents=p.audio_latents, seed=int(p.seed),
                 task=task, profile=p.profile, steps=p.steps or None, anchors=c.anchors,
                 condition_latents=c.condition_latents, references=c.references,
-                reference_audio_rows=c.reference_audio_rows)
+                reference_audio_rows=c.reference_audio_rows, quality=quality)
             t0 = time.perf_counter()
 
             def work(emit):
@@ -178,7 +193,8 @@ class DiTServicer(StageBase):
             sink = p.latents_sink
             result = yield from self.engine_events(scope, work, lambda p: dit_pb2.DiTEvent(progress=p))
             done = dit_pb2.DiTDone(steps=result.steps, seconds=result.seconds, step_seconds=result.step_seconds,
-                                   peak_memory_mb=scope.peak_memory_mb)
+                                   peak_memory_mb=scope.peak_memory_mb, forwards_computed=result.forwards_computed,
+                                   block_evaluations=result.block_evaluations)
             if sink.address and sink.session_id:   # the latents go straight to the VAE (dit->vae over Control)
                 info = self._send_latents(scope, sink, result)
                 done.transport.CopyFrom(common_pb2.TransportInfo(**info))

@@ -15,7 +15,7 @@ from h3serve.errortable import grpc_method
 from h3serve.models import conditions as cond
 from h3serve.models.encoder.cache import EncodeCache, cache_key, checkpoint_identity
 from h3serve.models.encoder.fp8 import quantize_text_decoder
-from h3serve.models.encoder.model import DEFAULT_LAYER, TextEncoder
+from h3serve.models.encoder.model import ATTENTION, DEFAULT_LAYER, TextEncoder
 from h3serve.runtime.device import DTYPES, pick_device
 from h3serve.runtime.stage import StageBase
 from h3serve.transport.grpc import GrpcStreamReceiver, iter_tensor_chunks
@@ -47,6 +47,8 @@ class EncoderServicer(StageBase):
         encoder_pb2_grpc.add_EncoderServicer_to_server(self, server)
 
     def load(self) -> None:
+        self.choose_transport(probe=False)   # its tensors go to the gateway over gRPC
+
         def load():
             self.short_edge = cond.reference_short_edge(
                 CheckpointFolder(self.config.checkpoint, components=[]).pipeline_config)
@@ -110,6 +112,10 @@ class EncoderServicer(StageBase):
         key = self._key(task=p.task, prompt=p.prompt, width=p.width, height=p.height, kinds=kinds,
                         images=[tensors[f"condition.{i}"] for i in visual])
         yield from self._encode(scope, run, key)
+
+    def attention(self) -> dict:
+        return {"kernel": ATTENTION, "reason": "fixed: the Qwen3-VL encoder runs transformers' "
+                                                f"{ATTENTION!r} attention"}
 
     def info(self) -> dict:
         return {**super().info(), "cache": self.cache.snapshot()}

@@ -70,7 +70,7 @@ def test_every_rule_is_in_the_schema():
 
     collect(crd.spec_schema())
     assert rules == [{"rule": r.check.cel(), "messageExpression": r.cel_message(), "fieldPath": "." + r.field,
-                      "reason": "FieldValueInvalid"} for r in RULES]
+                      "reason": "FieldValueInvalid"} for r in RULES] + [crd.SCALE_RULE]
     schema = crd.spec_schema()
     for r in RULES:  # each fieldPath names a field of the schema
         node = schema

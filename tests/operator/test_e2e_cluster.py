@@ -20,7 +20,7 @@ from kube_harness import (
     MetricsAdapter, Operator, die_with_parent, free_port, listening_addresses, load_example, wait_for, write_kubeconfig,
 )
 from kubernetes import dynamic
-from kubernetes.dynamic.exceptions import ApiException, NotFoundError
+from kubernetes.dynamic.exceptions import ApiException, NotFoundError, ResourceNotFoundError
 
 from h3serve.operator import crd as crd_module
 from h3serve.operator import manifests as M
@@ -125,9 +125,19 @@ def condition(cr: dict, ctype: str) -> dict:
     return next((c for c in (cr.get("status") or {}).get("conditions") or [] if c["type"] == ctype), {})
 
 
+def served(dyn, kind: str) -> bool:
+    try:
+        R(dyn, kind)
+        return True
+    except ResourceNotFoundError:
+        return False
+
+
 def children(dyn, name, ns=APPS_NS) -> dict[tuple[str, str], dict]:
     out = {}
     for kind in CHILD_KINDS:
+        if kind in M.OPTIONAL_KINDS and not served(dyn, kind):
+            continue
         for o in R(dyn, kind).get(namespace=ns, label_selector=f"{M.LABEL_INSTANCE}={name}").to_dict()["items"]:
             out[(kind, o["metadata"]["name"])] = o
     return out
@@ -217,7 +227,6 @@ BAD_SPECS = {
     "dit-heads": {"dit": {"ulysses": 3}, "encoder": {"tensorParallel": 1}},
     "vae-pp": {"dit": {"ulysses": 4}, "vae": {"patchParallel": 2}, "encoder": {"tensorParallel": 4}},
     "fasth3-adapter": {"profile": "fasth3"},
-    "replicas-placement": {"placement": "disaggregated", "replicas": 2},
     "stage-replicas-colocated": {"dit": {"replicas": 2}},
     "colocated-encoder": {"dit": {"ulysses": 2}, "encoder": {"tensorParallel": 4}},
     "gang-whole-nodes": {"placement": "disaggregated", "gpusPerNode": 4, "dit": {"ulysses": 7, "ring": 2}},
@@ -321,9 +330,10 @@ def test_openapi_rejects_enums_bounds_and_names(installed, dyn):
     assert "metadata.name must be at most 40 characters" in json.loads(e.value.body)["message"]
     # and a valid spec passes, with the defaults filled in by the API server
     ok = R(dyn, "H3Deployment").create(body=doc, namespace=APPS_NS, query_params=[("dryRun", "All")]).to_dict()
-    assert {k: ok["spec"]["dit"][k] for k in ("ulysses", "ring")} == {"ulysses": 1, "ring": 1}
+    assert (ok["spec"]["dit"]["ulysses"], ok["spec"]["dit"]["ring"], ok["spec"]["gateway"]["queueSize"]) == (1, 1, 16)
     assert ok["spec"]["dit"]["levers"] == {"fp8": False, "fp8Attention": False, "offloadMode": "local"}
-    assert ok["spec"]["gateway"]["queueSize"] == 16 and ok["spec"]["gateway"]["auth"] == {"disabled": True}
+    assert ok["spec"]["gateway"]["auth"] == {"disabled": True}
+    assert ok["spec"]["replicas"] == 1  # the /scale path exists on every CR
     assert H3DeploymentSpec.from_dict(ok["spec"]) == H3DeploymentSpec.from_dict(doc["spec"])
 
 
@@ -379,6 +389,94 @@ def test_scale_subresource_sets_colocated_replicas(operator, dyn):
     cr = ready_cr(dyn, name)
     assert cr["status"]["stages"]["dit"] == {"ready": 2, "desired": 2} and cr["status"]["replicas"] == 2
     assert first < pod_uids(dyn, name)["engine"]  # scaled, not restarted: the first pod still runs
+
+
+def small(doc: dict, name: str) -> dict:
+    """An example made small (one GPU per model stage) under another name, its replica counts all unset."""
+    doc["metadata"]["name"] = name
+    sp = doc["spec"]
+    sp.pop("replicas", None)
+    for st in ("encoder", "dit", "vae", "muxer", "gateway"):
+        sp.get(st, {}).pop("replicas", None)
+    sp.setdefault("encoder", {})["tensorParallel"] = 1
+    sp.setdefault("dit", {}).update(ulysses=1, ring=1)
+    sp.setdefault("vae", {})["patchParallel"] = 1
+    return doc
+
+
+@pytest.mark.parametrize("example", ["base-disaggregated", "base-colocated"])
+def test_scale_subresource_works_without_replicas_in_every_placement(operator, dyn, example):
+    """/scale (what kubectl scale and an HPA on the H3Deployment use) reads and writes spec.replicas, defaulted to 1:
+    colocated the engine replicas, disaggregated the DiT pool; no pod of another stage is replaced."""
+    doc = small(load_example(example, APPS_NS), "sc-" + example.split("-")[1][:5])
+    name, comp = doc["metadata"]["name"], ("dit" if "disagg" in example else "engine")
+    create(dyn, doc)
+    try:
+        assert get_cr(dyn, name)["spec"]["replicas"] == 1  # the schema's default: the /scale path always exists
+        ready_cr(dyn, name)
+        before = pod_uids(dyn, name)
+        scale = R(dyn, "H3Deployment").subresources["scale"]
+        s = scale.get(name=name, namespace=APPS_NS).to_dict()
+        assert s["spec"]["replicas"] == 1 and s["status"]["replicas"] == 1, s
+        assert s["status"]["selector"] == ",".join(f"{k}={v}" for k, v in M.selector(name, comp).items())
+        scale.patch(body={"spec": {"replicas": 2}}, name=name, namespace=APPS_NS,
+                    content_type="application/merge-patch+json")
+        wait_for(f"{comp} scaled to 2", lambda: (R(dyn, "Deployment").get(name=f"{name}-{comp}", namespace=APPS_NS)
+                                                 .to_dict()["status"].get("readyReplicas") or 0) == 2, timeout=60)
+        cr = ready_cr(dyn, name)
+        assert cr["status"]["stages"]["dit"] == {"ready": 2, "desired": 2}
+        s = scale.get(name=name, namespace=APPS_NS).to_dict()
+        assert s["spec"]["replicas"] == 2 and s["status"]["replicas"] == 2, s
+        after = pod_uids(dyn, name)
+        assert replaced(before, after) == {} and before[comp] < after[comp] and len(after[comp]) == 2
+        assert {c: u for c, u in after.items() if c != comp} == {c: u for c, u in before.items() if c != comp}
+        if comp == "dit":  # the other stages keep their own counts
+            # the gateway's DiT target is the headless Service, which now resolves to both ready DiT pods
+            cfg = yaml.safe_load(R(dyn, "ConfigMap").get(name=f"{name}-config", namespace=APPS_NS)
+                                 .to_dict()["data"]["h3serve.yaml"])
+            assert cfg["endpoints"]["dit"] == f"dns:///{name}-dit-headless.{APPS_NS}.svc:50051"
+            dit_ips = {p["status"]["podIP"] for p in pods(dyn, name)
+                       if p["metadata"]["labels"][M.LABEL_COMPONENT] == "dit"}
+            wait_for("both DiT pods behind the headless Service", lambda: {
+                a for sl in R(dyn, "EndpointSlice", "discovery.k8s.io/v1").get(
+                    namespace=APPS_NS, label_selector=f"kubernetes.io/service-name={name}-dit-headless"
+                ).to_dict()["items"] for ep in sl.get("endpoints") or []
+                if (ep.get("conditions") or {}).get("ready") for a in ep["addresses"]} == dit_ips, timeout=30)
+            assert len(dit_ips) == 2
+            assert all(cr["status"]["stages"][st]["desired"] == (2 if st == "gateway" else 1)
+                       for st in ("encoder", "vae", "muxer", "gateway"))
+            # with dit.replicas set the DiT count is not spec.replicas': a scale is refused by name, not ignored
+            R(dyn, "H3Deployment").patch(body={"spec": {"dit": {"replicas": 2}}}, name=name, namespace=APPS_NS,
+                                         content_type="application/merge-patch+json")
+            with pytest.raises(ApiException) as e:
+                scale.patch(body={"spec": {"replicas": 3}}, name=name, namespace=APPS_NS,
+                            content_type="application/merge-patch+json")
+            assert e.value.status == 422 and "spec.replicas (the /scale subresource) cannot change while " \
+                "dit.replicas or dit.autoscaling" in e.value.body, e.value.body
+    finally:
+        delete_cr(dyn, name)
+    wait_gone(dyn, name)
+
+
+def test_service_monitor_skipped_with_an_event_where_the_api_is_not_served(operator, dyn):
+    """This control plane serves no monitoring.coreos.com/v1: the rest is applied, no ServiceMonitor, and a Warning
+    Event says why."""
+    doc = small(load_example("base-colocated", APPS_NS), "sc-mon")
+    doc["spec"]["metrics"] = {"serviceMonitor": True}
+    create(dyn, doc)
+    try:
+        cr = ready_cr(dyn, "sc-mon")
+        assert condition(cr, "Degraded")["status"] == "False"
+        ev = wait_for("NoServiceMonitor Event", lambda: [e for e in events(dyn, "sc-mon")
+                                                         if e.get("reason") == "NoServiceMonitor"], timeout=30)
+        assert ev[0]["type"] == "Warning" and "monitoring.coreos.com/v1 ServiceMonitor" in (
+            ev[0].get("note") or ev[0].get("message") or ""), ev[0]
+        assert not served(dyn, "ServiceMonitor") and set(children(dyn, "sc-mon")) == {
+            (o["kind"], o["metadata"]["name"]) for o in M.render(H3DeploymentSpec.from_dict(doc["spec"]), "sc-mon",
+                                                                 APPS_NS, service_monitors=False)}
+    finally:
+        delete_cr(dyn, "sc-mon")
+    wait_gone(dyn, "sc-mon")
 
 
 def test_changing_dit_ulysses_rolls_out(operator, dyn):

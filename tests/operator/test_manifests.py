@@ -240,7 +240,7 @@ def test_pods_read_their_stage_config_from_the_mounted_service_config(path, tmp_
             assert sc.transport == (spec.transport if stage != "encoder" else "grpc")
             if stage == "gateway":
                 assert (sc.http_host, sc.http_port, sc.queue_size) == ("0.0.0.0", 8000, spec.gateway.queue_size)
-                want = (f"127.0.0.1:{50051 + M.PORT_OFFSETS['dit']}" if colocated else f"{name}-dit.h3.svc:50051")
+                want = (f"127.0.0.1:{50051 + M.PORT_OFFSETS['dit']}" if colocated else f"dns:///{name}-dit-headless.h3.svc:50051")
                 assert sc.dit == want
             if not colocated and stage != "gateway":  # peers reach this very pod
                 assert sc.advertise == "$(POD_IP):50051"
@@ -266,8 +266,8 @@ def test_stage_config_is_a_slice_of_the_rendered_service_config():
                                                                        transport="nixl")
     assert StageConfig.from_service_config(d, "gateway") == StageConfig(
         stage="gateway", **common, transport="nixl", http_host="0.0.0.0", http_port=8000, queue_size=16,
-        encoder="f-encoder.ns.svc:50051", dit="f-dit.ns.svc:50051", vae="f-vae.ns.svc:50051",
-        muxer="f-muxer.ns.svc:50051", api_keys_file="/etc/h3serve-keys/keys", job_store="s3://h3-jobs/h3-fast")
+        api_keys_file="/etc/h3serve-keys/keys", job_store="s3://h3-jobs/h3-fast",
+        **{st: f"dns:///f-{st}-headless.ns.svc:50051" for st in ("encoder", "dit", "vae", "muxer")})
 
 
 def test_without_the_service_config_argv_alone_configures_the_stage():
@@ -495,6 +495,95 @@ def test_every_pod_is_scrapable_and_the_monitoring_namespace_may_scrape():
             kubernetes_validate.validate(o, K8S_VERSION, strict=True)
 
 
+@pytest.mark.parametrize("example,gpus_per_node", [("base-disaggregated", 8), ("fasth3-disaggregated", 8),
+                                                   ("base-disaggregated", 4)], ids=["base", "fasth3", "gangs"])
+def test_gateway_targets_are_headless_services_balanced_per_call(example, gpus_per_node):
+    """Disaggregated, the gateway dials every stage as `dns:///` of a headless Service that selects the stage's
+    (leader) pods, so its round_robin channel resolves and balances over every ready replica; the Service exists
+    whatever the replica count, so scaling renders the same targets (no config change, no restart)."""
+    from h3serve.config.stage import StageConfig
+
+    doc = yaml.safe_load((ROOT / "examples" / f"{example}.yaml").read_text())
+    doc["spec"]["gpusPerNode"] = gpus_per_node  # 4: the DiT and the VAE are gangs of 2 pods
+    objs = M.render(parse_and_validate(doc["spec"], "h3"), "h3", "apps")
+    assert (gpus_per_node == 4) == any(o["kind"] == "StatefulSet" for o in objs)
+    svcs = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Service"}
+    cfg = yaml.safe_load(next(o for o in objs if o["kind"] == "ConfigMap")["data"]["h3serve.yaml"])
+    gw = StageConfig.from_service_config(cfg, "gateway")
+    for st in ("encoder", "dit", "vae", "muxer"):
+        target = getattr(gw, st)
+        assert target == f"dns:///h3-{st}-headless.apps.svc:50051", target
+        host, port = target.removeprefix("dns:///").rsplit(":", 1)
+        svc = svcs[host.split(".")[0]]
+        assert svc["spec"]["clusterIP"] == "None" and "publishNotReadyAddresses" not in svc["spec"]
+        assert [p["port"] for p in svc["spec"]["ports"]] == [int(port)]
+        assert svc["spec"]["selector"] == svcs[f"h3-{st}"]["spec"]["selector"]  # the pods that serve gRPC
+        assert svc["spec"]["selector"][M.LABEL_COMPONENT] == st
+        # the selected pods are the stage's workload pods (a gang: its leaders)
+        for w in (o for o in objs if o["kind"] in ("Deployment", "StatefulSet")
+                  and o["metadata"]["labels"][M.LABEL_COMPONENT] == st):
+            pod_labels = w["spec"]["template"]["metadata"]["labels"]
+            sel = dict(svc["spec"]["selector"])
+            if sel.pop(M.LABEL_POD_INDEX, None) is not None:
+                assert w["kind"] == "StatefulSet"
+            assert sel.items() <= pod_labels.items()
+    # a replica change renders the same targets and gateway config hash
+    d = copy.deepcopy(doc["spec"])
+    for st in ("encoder", "dit", "vae", "muxer"):
+        d[st]["replicas"] = 3
+    scaled = M.render(parse_and_validate(d, "h3"), "h3", "apps")
+    hashes = lambda os: {o["metadata"]["name"]: o["spec"]["template"]["metadata"]["annotations"][M.ANN_CONFIG_HASH]  # noqa: E731
+                         for o in os if o["kind"] in ("Deployment", "StatefulSet")}
+    assert {k: v for k, v in hashes(scaled).items() if k in hashes(objs)} == hashes(objs)
+    assert sorted(n for n in svcs if n.endswith("-headless")) == sorted(
+        f"h3-{st}-headless" for st in ("dit", "encoder", "muxer", "vae"))
+
+
+def test_colocated_stages_stay_on_loopback_without_headless_services():
+    doc = yaml.safe_load((ROOT / "examples" / "base-colocated.yaml").read_text())
+    objs = M.render(parse_and_validate(doc["spec"], "h3"), "h3", "apps")
+    assert not [o for o in objs if o["kind"] == "Service" and o["spec"].get("clusterIP") == "None"]
+    cfg = yaml.safe_load(next(o for o in objs if o["kind"] == "ConfigMap")["data"]["h3serve.yaml"])
+    assert all(v.startswith("127.0.0.1:") for k, v in cfg["endpoints"].items() if k != "gateway")
+
+
+@pytest.mark.parametrize("example", ["base-disaggregated", "base-colocated"])
+def test_service_monitor_only_when_asked_and_served(example):
+    doc = yaml.safe_load((ROOT / "examples" / f"{example}.yaml").read_text())
+    spec = parse_and_validate(doc["spec"], "h3")
+    kinds = lambda objs: [o["kind"] for o in objs]  # noqa: E731
+    assert "ServiceMonitor" not in kinds(M.render(spec, "h3", "apps"))  # off by default
+    d = copy.deepcopy(doc["spec"])
+    d.setdefault("metrics", {})["serviceMonitor"] = True
+    spec = parse_and_validate(d, "h3")
+    assert "ServiceMonitor" not in kinds(M.render(spec, "h3", "apps", service_monitors=False))  # API not served
+    objs = M.render(spec, "h3", "apps")
+    by = {(o["kind"], o["metadata"]["name"]): o for o in objs}
+    gw, stages = by[("ServiceMonitor", "h3-gateway")], by[("ServiceMonitor", "h3-stages")]
+    svc = by[("Service", "h3-metrics")]
+    assert svc["spec"]["clusterIP"] == "None"
+    # every metrics port a container names is a Service port (by name) and a ServiceMonitor endpoint
+    pods = [o["spec"]["template"] for o in objs if o["kind"] in ("Deployment", "StatefulSet")]
+    named = {p["name"] for t in pods for c in t["spec"]["containers"] for p in c["ports"]
+             if p["name"].startswith("metrics")}
+    assert {p["targetPort"] for p in svc["spec"]["ports"]} == named
+    assert [e["port"] for e in stages["spec"]["endpoints"]] == [p["name"] for p in svc["spec"]["ports"]]
+    assert gw["spec"]["endpoints"] == [{"port": "http", "path": "/metrics"}]
+    # the selectors pick the Services carrying those ports: the metrics Service, the front door
+    sel = stages["spec"]["selector"]["matchLabels"]
+    assert sel.items() <= svc["metadata"]["labels"].items()
+    front = by[("Service", "h3-gateway")]
+    for e in gw["spec"]["selector"]["matchExpressions"]:
+        assert front["metadata"]["labels"][e["key"]] in e["values"]
+    assert "http" in {p["name"] for p in front["spec"]["ports"]}
+    for o in (gw, stages):
+        assert o["apiVersion"] == "monitoring.coreos.com/v1" and o["spec"]["namespaceSelector"] == {
+            "matchNames": ["apps"]}
+    # the pod selector of the metrics Service covers every workload pod of the instance
+    for t in pods:
+        assert svc["spec"]["selector"].items() <= t["metadata"]["labels"].items()
+
+
 # ---- the front door's Secrets: API keys and the job store ----------------------------------------------------------
 
 def _spec_doc(example: str) -> dict:
@@ -596,7 +685,7 @@ def test_tls_secret_is_mounted_into_every_pod_and_every_process_reads_it():
                                                                    "group": "cert-manager.io"}
     assert {"server auth", "client auth"} <= set(c["usages"]) and c["ipAddresses"] == ["127.0.0.1"]
     for host in M.endpoints(spec, "h3", "ns").values():
-        assert host.rsplit(":", 1)[0] in c["dnsNames"]
+        assert host.removeprefix("dns:///").rsplit(":", 1)[0] in c["dnsNames"]  # the name a channel verifies
     # without certManager nothing but the mount; without tls nothing at all
     del d["tls"]["certManager"]
     assert not [o for o in M.render(parse_and_validate(d, "h3"), "h3", "ns") if o["kind"] == "Certificate"]

@@ -98,7 +98,7 @@ class Stack:
         raise TimeoutError(f"{stage} still busy after {timeout}s")
 
     def stop(self, timeout: float = 90.0) -> int:
-        for c in self._channels.values():
+        for c in getattr(self, "_channels", {}).values():   # none yet if the stack never came up
             c.close()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

@@ -189,7 +189,7 @@ def test_reflection_lists_the_services(stack):
 
 @pytest.mark.parametrize("fields,field", [
     (dict(seconds=3), "seconds"), (dict(num_inference_steps=1), "num_inference_steps"), (dict(size="250x256"), "size"),
-    (dict(task="i2v"), "task"), (dict(task="fl2va"), "first_image"), (dict(quality="high"), "quality"),
+    (dict(task="i2v"), "task"), (dict(task="fl2va"), "first_image"), (dict(quality="fast"), "quality"),
     (dict(model="sora"), "model"), (dict(fps=30), "fps"), (dict(seed=-1), "seed"),
     (dict(num_frames=100, seconds=5), "num_frames"), (dict(request_id="bad id!"), "request_id"),
 ])

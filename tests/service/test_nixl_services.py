@@ -70,6 +70,10 @@ def test_mp4_over_nixl_is_byte_identical_to_grpc(nixl_stack, grpc_mp4):
         t = _transport(nixl_stack, stage)
         assert (t["requested"], t["chosen"]) == ("nixl", "nixl"), t
         assert (t["last_stream"]["requested"], t["last_stream"]["chosen"]) == ("nixl", "nixl"), t
+        assert t["reason"].startswith("NIXL "), t
+    t = _transport(nixl_stack, "encoder")   # no NIXL edge: its text states go to the gateway by gRPC
+    assert t == {"requested": "nixl", "chosen": "grpc",
+                 "reason": "the encoder has no NIXL edge: its tensors travel by gRPC"}, t
     assert _nixl_counters(nixl_stack, "muxer")["agents_live"] == 0      # the session's agent and pool are gone
     assert _nixl_counters(nixl_stack, "muxer")["regions_registered"] == 0
     ready = httpx.get(f"{nixl_stack.http}/ready", timeout=5).json()

@@ -76,6 +76,8 @@ def http(stack):
 
 @SETTINGS
 @given(body=http_bodies)
+@example(body={"extra_params": {"task": []}})   # a wrong type named as sent: extra_params.task
+@example(body={**VALID, "model": "FastH3", "quality": "high"})
 def test_http_fields_never_5xx_and_rejections_name_the_field(http, body):
     r = http.post("/v1/videos", params={"validate_only": "true"}, json=body)
     event(f"HTTP {r.status_code}")

@@ -102,3 +102,12 @@ def test_fasth3_refuses_step_reuse_with_the_lever_message(model):
 def test_bad_policy_config_is_refused():
     with pytest.raises(ValueError, match="front blocks"):
         StepReuse(4, ReuseConfig(front_blocks=3, back_blocks=1))
+
+
+def test_a_shallow_stack_keeps_one_middle_block_to_skip():
+    c = ReuseConfig()
+    assert c.fitted(50) is c and c.fitted(4) is c
+    assert (c.fitted(3).front_blocks, c.fitted(3).back_blocks) == (1, 1)
+    assert (c.fitted(2).front_blocks, c.fitted(2).back_blocks) == (1, 0)
+    with pytest.raises(ValueError, match="front blocks"):
+        StepReuse(1, c.fitted(1))   # one block: nothing to skip

@@ -49,7 +49,7 @@ def test_defaults_and_round_trip():
     assert validate(s, "h3") == []
     again = H3DeploymentSpec.from_dict(s.to_dict())
     assert again == s
-    assert "replicas" not in s.to_dict()  # unset optionals stay unset (the CRD's /scale sees no default)
+    assert s.to_dict()["replicas"] == 1  # always present: the CRD's /scale reads and writes it
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
@@ -133,7 +133,12 @@ def test_fields_nothing_acts_on_are_gone(gone):
 
 
 def test_replicas_belong_to_their_placement():
-    assert "spec.replicas" in fields(base(placement="disaggregated", replicas=2))
+    # disaggregated, spec.replicas (the /scale subresource) is the DiT pool's count unless dit.replicas sets it
+    s = H3DeploymentSpec.from_dict(base(placement="disaggregated", replicas=2))
+    assert fields(s.to_dict()) == [] and [s.stage_replicas(st) for st in ("encoder", "dit", "vae", "muxer")] == [
+        1, 2, 1, 1]
+    assert H3DeploymentSpec.from_dict(base(placement="disaggregated", replicas=2, dit={"replicas": 3})
+                                      ).stage_replicas("dit") == 3
     assert "spec.placement" in fields(base(placement="colocated", dit={"replicas": 2}))
     assert "spec.placement" in fields(base(placement="colocated", gateway={"replicas": 2}))
     assert fields(base(placement="colocated", replicas=3)) == ["spec.gateway.jobStore"]  # three gateways

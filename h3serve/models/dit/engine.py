@@ -127,7 +127,7 @@ class DiTEngine:
                 log.info("%s: %d linear layers in FP8", component, len(quantize_dit(model)))
             models[component] = model
         if levers.fp8_attention:
-            kernels.choose_attention(device, "fp8")
+            kernels.choose_attention(device, "fp8", "the fp8_attention lever is on")
         engine = cls(models, device=device, profile=profile)
         engine.levers = levers
         return engine
@@ -198,7 +198,7 @@ class DiTEngine:
             raise ProfileError(conflict)
         if req.quality == "high":
             groups = getattr(model, "groups", None)  # every sequence-parallel rank must take the same decision
-            policy = StepReuse(layers, self.reuse, group=groups.data if groups is not None else None)
+            policy = StepReuse(layers, self.reuse.fitted(layers), group=groups.data if groups is not None else None)
             policy.begin(video_schedule.num_steps)
             inner.step_policy = policy
         try:

@@ -7,9 +7,10 @@ Attention (every implementation takes and returns (B, H, N, Dh), no mask, scale 
 * ``cudnn`` / ``flash``: ``F.scaled_dot_product_attention`` pinned to that backend.
 * ``sdpa``: plain ``F.scaled_dot_product_attention`` (PyTorch picks; the CPU path).
 
-The choice is made once per process and device type (``auto_attention``), logged once, and can be forced with
-``H3SERVE_ATTENTION=sdpa|cudnn|flash|fa3``. Auto: fa3 when importable on a CUDA device of compute capability 9.x,
-else cudnn on CUDA, else sdpa.
+The choice is made once per process and device type (``auto_attention``), logged once with its reason (which
+``attention_choice`` returns for the DiT stage's Status), and can be forced with
+``H3SERVE_ATTENTION=sdpa|cudnn|flash|fa3|fp8``. Auto: fa3 when importable on a CUDA device of compute capability
+9.x, else cudnn on CUDA, else sdpa.
 
 Fused element-wise kernels (Triton, CUDA; ``H3SERVE_FUSED=0|1``, default on for CUDA tensors when Triton imports).
 Each reproduces the plain torch path's bf16 rounding steps, so the outputs equal it up to the order of the RMS
@@ -143,58 +144,101 @@ _IMPLS: dict[str, AttentionFn] = {
 }
 
 
-def fa3_available(device: torch.device | str | None = None) -> bool:
-    """fa3-fwd imports and the device is a Hopper GPU (compute capability 9.x)."""
+def fa3_unavailable(device: torch.device | str | None = None) -> str | None:
+    """Why FA3 cannot run on `device` (None: fa3-fwd imports and the device is a Hopper GPU, compute capability
+    9.x)."""
     if not torch.cuda.is_available():
-        return False
+        return "no CUDA device"
     try:
         _fa3_func()
-    except Exception:  # noqa: BLE001 - not installed, or built for another torch/CUDA
-        return False
+    except ModuleNotFoundError as exc:
+        if exc.name == "fa3_fwd_interface":
+            return "fa3-fwd not installed"
+        return f"fa3-fwd does not load: {type(exc).__name__}: {exc}"
+    except Exception as exc:  # noqa: BLE001 - built for another torch/CUDA, a missing shared library
+        return f"fa3-fwd does not load: {type(exc).__name__}: {exc}"
     dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
-    return torch.cuda.get_device_capability(dev)[0] == 9
+    major, minor = torch.cuda.get_device_capability(dev)
+    if major != 9:
+        return f"{torch.cuda.get_device_name(dev)} is compute capability {major}.{minor}, FA3 needs 9.x (Hopper)"
+    return None
 
 
-def resolve_attention(device: torch.device | str, name: str | None = None) -> tuple[str, AttentionFn]:
-    """The attention implementation for `device`: `name`, else $H3SERVE_ATTENTION, else the auto choice."""
-    device = torch.device(device)
-    name = (name or os.environ.get("H3SERVE_ATTENTION", "") or "auto").lower()
+def fa3_available(device: torch.device | str | None = None) -> bool:
+    """fa3-fwd imports and the device is a Hopper GPU (compute capability 9.x)."""
+    return fa3_unavailable(device) is None
+
+
+def _off_cuda(device: torch.device) -> str:
+    return "no CUDA device" if not torch.cuda.is_available() else f"the DiT runs on {device.type}"
+
+
+def _resolve(device: torch.device, name: str | None, reason: str | None) -> tuple[str, AttentionFn, str]:
+    """(name, implementation, why): `name` (chosen for `reason`), else $H3SERVE_ATTENTION, else the auto choice."""
+    env = os.environ.get("H3SERVE_ATTENTION", "")
+    if name:
+        why = reason or f"{name} chosen"
+    elif env:
+        name, why = env, f"H3SERVE_ATTENTION={env}"
+    else:
+        name, why = "auto", ""
+    name = name.lower()
     if name == "auto":
         if device.type == "cuda":
-            name = "fa3" if fa3_available(device) else "cudnn"
+            missing = fa3_unavailable(device)
+            name, why = ("fa3", "auto: fa3-fwd on a Hopper GPU") if missing is None else ("cudnn", f"auto: {missing}")
         else:
-            name = "sdpa"
+            name, why = "sdpa", f"auto: {_off_cuda(device)}"
     if name not in _IMPLS:
         raise ValueError(f"unknown attention implementation {name!r}; choose one of {ATTENTION_NAMES} or 'auto'")
     if name not in ("sdpa", "fp8") and device.type != "cuda":
         raise ValueError(f"attention {name!r} needs a CUDA device, got {device}")
     if name == "fa3":
         _fa3_func()  # fail loudly here when forced but missing
-    return name, _IMPLS[name]
+    if name == "fp8":  # the path `fp8_attention` takes on this device
+        missing = fa3_unavailable(device) if device.type == "cuda" else _off_cuda(device)
+        why += "; FA3's FP8 forward" if missing is None else f"; SDPA on the dequantized e4m3 operands ({missing})"
+    return name, _IMPLS[name], why
+
+
+def resolve_attention(device: torch.device | str, name: str | None = None) -> tuple[str, AttentionFn]:
+    """The attention implementation for `device`: `name`, else $H3SERVE_ATTENTION, else the auto choice."""
+    return _resolve(torch.device(device), name, None)[:2]
 
 
 _CHOSEN: dict[str, tuple[str, AttentionFn]] = {}
+_WHY: dict[str, str] = {}   # why each device type's choice was made (`attention_choice`)
 
 
 def chosen_attention(device: torch.device | str) -> tuple[str, AttentionFn]:
     """The per-process choice for `device`'s type, made (and logged) on first use."""
     dev = torch.device(device)
     if dev.type not in _CHOSEN:
-        _CHOSEN[dev.type] = resolve_attention(dev)
-        log.info("DiT attention on %s: %s", dev.type, _CHOSEN[dev.type][0])
+        name, fn, why = _resolve(dev, None, None)
+        _CHOSEN[dev.type], _WHY[dev.type] = (name, fn), why
+        log.info("DiT attention on %s: %s (%s)", dev.type, name, why)
     return _CHOSEN[dev.type]
 
 
-def choose_attention(device: torch.device | str, name: str) -> None:
-    """Fix the per-process choice for `device`'s type (a deployment lever: `fp8` attention)."""
+def choose_attention(device: torch.device | str, name: str, reason: str | None = None) -> None:
+    """Fix the per-process choice for `device`'s type (a deployment lever: `fp8` attention), for `reason`."""
     dev = torch.device(device)
-    _CHOSEN[dev.type] = resolve_attention(dev, name)
-    log.info("DiT attention on %s: %s (chosen)", dev.type, name)
+    name, fn, why = _resolve(dev, name, reason)
+    _CHOSEN[dev.type], _WHY[dev.type] = (name, fn), why
+    log.info("DiT attention on %s: %s (%s)", dev.type, name, why)
+
+
+def attention_choice(device: torch.device | str) -> dict[str, str]:
+    """The per-process choice for `device`'s type and why, as a stage reports it: {"kernel", "reason"}."""
+    dev = torch.device(device)
+    name = chosen_attention(dev)[0]
+    return {"kernel": name, "reason": _WHY[dev.type]}
 
 
 def reset_attention_choice() -> None:
     """Forget the per-process choice (tests, or after changing $H3SERVE_ATTENTION)."""
     _CHOSEN.clear()
+    _WHY.clear()
 
 
 def auto_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ over the group, so every rank takes the same decision. The counts (`forwards_com
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,14 @@ class ReuseConfig:
             raise ValueError(f"step reuse: threshold >= 0, max_reuse_run >= 0, warmup_steps >= 1, final_steps >= 0; "
                              f"got {self}")
         return self
+
+    def fitted(self, num_layers: int) -> "ReuseConfig":
+        """The same policy on a stack too shallow for its front + back blocks (small test models): back, then front,
+        shrunk so that one middle block remains to skip. Deep enough stacks get the config unchanged."""
+        back = min(self.back_blocks, max(0, num_layers - 2))
+        front = min(self.front_blocks, max(1, num_layers - 1 - back))
+        return self if (front, back) == (self.front_blocks, self.back_blocks) else dataclasses.replace(
+            self, front_blocks=front, back_blocks=back)
 
 
 class StepReuse:

@@ -35,6 +35,7 @@ __all__ = ["TextEncoder", "EncodedText", "DEFAULT_LAYER"]
 log = logging.getLogger("h3serve.encoder")
 
 DEFAULT_LAYER = 50  # hidden_states[50]: output of decoder layer index 49
+ATTENTION = "sdpa"  # transformers' attention implementation, fixed (the encoder stage reports it)
 
 
 @dataclass
@@ -107,9 +108,9 @@ class TextEncoder:
         config.text_config.num_hidden_layers = layer
         if getattr(config.text_config, "layer_types", None):
             config.text_config.layer_types = list(config.text_config.layer_types)[:layer]
-        config._attn_implementation = "sdpa"
-        config.text_config._attn_implementation = "sdpa"
-        config.vision_config._attn_implementation = "sdpa"
+        config._attn_implementation = ATTENTION
+        config.text_config._attn_implementation = ATTENTION
+        config.vision_config._attn_implementation = ATTENTION
 
         with init_empty_weights(include_buffers=False):
             model = Qwen3VLModel(config)

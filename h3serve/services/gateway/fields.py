@@ -20,7 +20,6 @@ from h3serve.errors import RequestError
 
 from .uploads import VIDEO_REFUSED, Conditions, decode_conditions, from_data_url
 
-QUALITIES = ("lossless",)
 # model ids a deployment accepts per profile; the first is the one it reports
 MODEL_IDS = {"base": ("MiniMax-H3", "h3", "base"), "fasth3": ("FastH3", "fasth3")}
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -29,7 +28,7 @@ REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 API_FIELDS = {"prompt": "prompt", "seconds": "seconds", "size": "size", "width": "width", "height": "height",
               "num_frames": "num_frames", "fps": "fps", "seed": "seed", "num_inference_steps": "steps",
               "task": "task", "first_image": "first_image", "last_image": "last_image",
-              "references": "references"}
+              "references": "references", "quality": "quality"}
 NUMERIC_FIELDS = ("seconds", "width", "height", "num_frames", "fps", "seed", "num_inference_steps")
 PROTO_FIELDS = ("seconds", "size", "width", "height", "num_frames", "fps", "seed", "num_inference_steps", "task",
                 "quality", "model")
@@ -295,12 +294,11 @@ def validate_fields(fields: dict[str, Any], *, config: StageConfig,
     if http:
         api_names.update(HTTP_NAMES)
     api_names.update(names or {})
-    check_types(fields)
+    try:
+        check_types(fields)
+    except RequestError as exc:   # named as the caller spelled it (extra_params.task, video_params.width)
+        raise _renamed(exc, {f: api_names.get(API_FIELDS.get(f, f), f) for f in fields}) from None
     profile, model_id = _pool(config, fields.get("model"))
-    quality = fields.get("quality")
-    if quality is not None and quality not in QUALITIES:
-        raise RequestError("quality", short(quality),
-                           "'lossless' (the only mode served: no step caching or sparse attention)")
     served_tasks = config.tasks_for(profile)
     not_served = f"{model_id} serves {' | '.join(served_tasks)} (profile {profile}; the server's --tasks)"
     task = fields.get("task")

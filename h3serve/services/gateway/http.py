@@ -38,6 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from h3serve.config.request import Upload
+from h3serve.config.vocab import QUALITIES
 from h3serve.errors import H3Error, RequestError
 from h3serve.errortable import NotFound, NotReady, TooLarge, Unauthenticated, error_object, http_error
 from h3serve.media.thumbnail import first_frame_jpeg
@@ -63,7 +64,8 @@ JSON_BODY = {
         "seed": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1},
         "num_inference_steps": {"type": "integer", "description": "Sigma grid points incl. the terminal 0 "
                                                                   "(N -> N-1 steps); base default 50, fasth3 5"},
-        "quality": {"type": "string", "enum": ["lossless"]},
+        "quality": {"type": "string", "enum": list(QUALITIES), "description": "lossless (default) | high: step "
+                                                                         "reuse, profile base only"},
         "model": {"type": "string"},
         "extra_params": {"type": "object", "properties": {"task": {"type": "string",
                                                                    "enum": ["t2va", "fl2va", "ref2va"]},
@@ -233,7 +235,7 @@ def job_object(job: Job, gateway: Gateway) -> dict:
         "expires_at": int(job.completed_at + gateway.config.job_ttl_s) if job.completed_at else None,
         "prompt": r.prompt, "seconds": f"{r.seconds:g}", "size": f"{r.width}x{r.height}", "width": r.width,
         "height": r.height, "num_frames": r.num_frames, "fps": r.fps, "seed": r.seed, "num_inference_steps": r.steps,
-        "quality": "lossless", "task": r.task, "profile": r.profile, "queue_position": job.queue_position,
+        "quality": r.quality, "task": r.task, "profile": r.profile, "queue_position": job.queue_position,
         "error": error_object(job.error) if job.error else None,
         "inference_time_s": round(t["t_client"], 6) if job.status == "completed" and "t_client" in t else None,
         "stage_durations": durations, "rtf": round(t["rtf_client"], 6) if "rtf_client" in t else None,
@@ -242,6 +244,9 @@ def job_object(job: Job, gateway: Gateway) -> dict:
         "user": job.validated.user,
         # the largest of the stages' peaks (device allocator on a GPU, RSS on the CPU; each stage is a process)
         "peak_memory_mb": round(t["peak_memory_mb"], 1) if t.get("peak_memory_mb") else None,
+        # DiT forwards whose whole block stack ran (= the steps for lossless; fewer when quality=high reused some)
+        "dit_forwards_computed": int(t["dit_forwards_computed"]) if "dit_forwards_computed" in t else None,
+        "dit_block_evaluations": int(t["dit_block_evaluations"]) if "dit_block_evaluations" in t else None,
     }
 
 

@@ -153,7 +153,7 @@ class StageCalls:
         params = dit_pb2.DiTParams(
             request_id=job.id, latent_frames=req.latent_frames, latent_height=req.latent_height,
             latent_width=req.latent_width, audio_latents=req.audio_latents, seed=req.seed, task=req.task,
-            profile=req.profile, steps=req.steps, latents_sink=latents_sink,
+            profile=req.profile, steps=req.steps, latents_sink=latents_sink, quality=req.quality,
             condition_kinds=list(conds.kinds) if conds is not None else [])
         inputs = itertools.chain(
             [dit_pb2.DiTInput(params=params)],
@@ -175,6 +175,8 @@ class StageCalls:
                 self.metrics.latents_relayed_bytes.inc(len(ev.chunk.data))
             elif kind == "done":
                 self.t["dit_steps"] = float(ev.done.steps)
+                self.t["dit_forwards_computed"] = float(ev.done.forwards_computed)   # < steps: quality=high reused
+                self.t["dit_block_evaluations"] = float(ev.done.block_evaluations)
                 self._peak(ev.done.peak_memory_mb)
                 if ev.done.HasField("transport"):
                     self.transports.record(ev.done.transport)

@@ -197,6 +197,16 @@ DISAGGREGATED = op("==", Field("placement"), "disaggregated")
 WHOLE_NODES = "a stage larger than a node must span whole nodes (a multiple of gpusPerNode)"
 
 
+# The front door runs one gateway, or shares its jobs through an object store.
+ONE_GATEWAY = any_of(
+    has("gateway.jobStore"),
+    all_of(COLOCATED, any_of(unset("replicas"), op("<=", Field("replicas"), 1))),
+    all_of(DISAGGREGATED, unset("gateway.autoscaling"),
+           any_of(unset("gateway.replicas"), op("<=", Field("gateway.replicas"), 1))),
+    all_of(DISAGGREGATED, has("gateway.autoscaling"), op("<=", Field("gateway.autoscaling.maxReplicas"), 1)),
+)
+
+
 def _inside_mount(path: str) -> Op:
     return op("startsWith", Field(path), op("+", Field("model.mountPath"), "/"))
 
@@ -264,6 +274,13 @@ RULES: tuple[Rule, ...] = (
          "model.adapter.path {path} must be inside model.mountPath {mount}, where model.volume is mounted",
          dict(path=Field("model.adapter.path"), mount=Field("model.mountPath"))),
     *(rule for st in (*PIPELINE_STAGES, "gateway") for rule in _autoscaling_rules(st)),
+    Rule("gateway.auth", op("!=", has("gateway.auth.apiKeysSecret"), Field("gateway.auth.disabled")),
+         "gateway.auth needs exactly one of gateway.auth.apiKeysSecret (the Secret whose key keys holds the callers' "
+         "hashed API keys) or gateway.auth.disabled: true (the front door then serves anyone who can reach it)"),
+    Rule("gateway.jobStore", ONE_GATEWAY,
+         "more than one gateway (gateway.replicas, gateway.autoscaling.maxReplicas, or a colocated spec.replicas: "
+         "each colocated replica runs its own gateway) needs gateway.jobStore, so that every gateway sees every "
+         "job: set gateway.jobStore.s3 or run one gateway"),
     Rule("model.path", _normal("model.path"), "model.path " + NORMAL_PATH, dict(path=Field("model.path"))),
     Rule("model.mountPath", _normal("model.mountPath"), "model.mountPath " + NORMAL_PATH,
          dict(path=Field("model.mountPath"))),

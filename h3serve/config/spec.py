@@ -134,6 +134,10 @@ class ModelSpec:
     mount_path: str = f("mountPath", "Where model.volume is mounted in every pod.", "/models",
                         pattern="^/.*", maxLength=512)
     adapter: Optional[AdapterSpec] = f("adapter", "The FastH3 4-step adapter; required by profile fasth3.", None)
+    manifest_sha256: Optional[str] = f("manifestSha256", "Lower-case hex sha256 of the checkpoint's "
+                                       "h3serve-manifest.json (`h3serve checkpoint manifest DIR` prints it): each model "
+                                       "stage checks the manifest, then every file it loads, before loading any "
+                                       "tensor (`--checkpoint-manifest-sha256`).", None, pattern="^[0-9a-f]{64}$")
 
 
 @dataclass(frozen=True)
@@ -236,10 +240,45 @@ class IngressFromSpec:
                               maxItems=64)
 
 
+_DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$"
+
+
+@dataclass(frozen=True)
+class AuthSpec:
+    api_keys_secret: Optional[str] = f("apiKeysSecret", "Secret whose key `keys` is the callers' API keys file (one "
+                                       "`NAME sha256:HEX` line per key, docs/security.md); mounted read-only into the "
+                                       "front door's pods and re-read within a second when the Secret changes.", None,
+                                       maxLength=253, pattern=_DNS_SUBDOMAIN)
+    disabled: bool = f("disabled", "No authentication (`--no-auth`): the front door serves anyone who can reach it.",
+                       False)
+
+
+@dataclass(frozen=True)
+class S3JobStoreSpec:
+    bucket: str = f("bucket", "Bucket of the job records and finished MP4s (it must exist).", minLength=3,
+                    maxLength=63, pattern=r"^[a-z0-9][-a-z0-9.]{1,61}[a-z0-9]$")
+    credentials_secret: str = f("credentialsSecret", "Secret with the keys AWS_ACCESS_KEY_ID and "
+                                "AWS_SECRET_ACCESS_KEY (passed to the gateway as environment variables).",
+                                minLength=1, maxLength=253, pattern=_DNS_SUBDOMAIN)
+    prefix: str = f("prefix", "Key prefix inside the bucket (jobs/, videos/ and gateways/ go below it).", "h3serve",
+                    minLength=1, maxLength=512, pattern=r"^[A-Za-z0-9!_.*'()-]+(/[A-Za-z0-9!_.*'()-]+)*$")
+    endpoint: Optional[str] = f("endpoint", "URL of the S3-compatible server (AWS_ENDPOINT_URL), e.g. "
+                                "http://minio.storage.svc:9000; omitted: AWS S3.", None, maxLength=1024,
+                                pattern=r"^https?://[^/?#\s]+/?$")
+    region: Optional[str] = f("region", "Region of the bucket (AWS_REGION).", None, maxLength=64,
+                              pattern=r"^[a-z0-9-]+$")
+
+
+@dataclass(frozen=True)
+class JobStoreSpec:
+    s3: S3JobStoreSpec = f("s3", "An S3-compatible object store (`--job-store s3://BUCKET/PREFIX`).")
+
+
 @dataclass(frozen=True)
 class GatewaySpec:
     replicas: Optional[int] = f("replicas", "Gateway replicas (the gRPC + HTTP front door, CPU only; "
-                                "disaggregated placement only, default 2: a colocated replica runs its own gateway).",
+                                "disaggregated placement only; default 2 with a jobStore, else 1: more than one needs the "
+                                "shared jobStore. A colocated replica runs its own gateway).",
                                 None, minimum=0, maximum=1024)
     autoscaling: Optional[AutoscalingSpec] = f("autoscaling", AUTOSCALING_DOC, None)
     queue_size: int = f("queueSize", "Requests a gateway admits before it answers RESOURCE_EXHAUSTED.", 16,
@@ -255,6 +294,37 @@ class GatewaySpec:
     ingress_from: Optional[IngressFromSpec] = f("ingressFrom", "Who may reach the front door's gRPC and HTTP ports "
                                                 "(its NetworkPolicy): these namespaces and IP ranges, plus the pods of "
                                                 "this H3Deployment. Omitted: anyone.", None)
+    auth: AuthSpec = f("auth", "Who may call the front door: API keys from a Secret (apiKeysSecret) or explicitly "
+                       "nobody checked (disabled: true); one of the two is required.", factory=AuthSpec)
+    job_store: Optional[JobStoreSpec] = f("jobStore", "Where HTTP jobs and finished MP4s live, shared by every gateway "
+                                          "(they survive restarts and rolling updates). Required for more than one "
+                                          "gateway; omitted: one gateway keeps them in a temporary folder, lost when it "
+                                          "restarts.", None)
+
+
+@dataclass(frozen=True)
+class IssuerRefSpec:
+    name: str = f("name", "The cert-manager Issuer or ClusterIssuer that signs the deployment's certificate.",
+                  minLength=1, maxLength=253, pattern=_DNS_SUBDOMAIN)
+    kind: str = f("kind", "Issuer (in this namespace) or ClusterIssuer.", "Issuer", enum=["Issuer", "ClusterIssuer"])
+    group: str = f("group", "API group of the issuer.", "cert-manager.io", minLength=1, maxLength=253)
+
+
+@dataclass(frozen=True)
+class CertManagerSpec:
+    issuer_ref: IssuerRefSpec = f("issuerRef", "Who signs the certificate (its ca.crt becomes the deployment's CA).")
+
+
+@dataclass(frozen=True)
+class TlsSpec:
+    secret_name: str = f("secretName", "kubernetes.io/tls Secret with tls.crt, tls.key and ca.crt, mounted read-only into "
+                         "every pod: each server listens for TLS only, the stages require client certificates the CA "
+                         "signed (mTLS), every channel verifies its peer. It must name the deployment's Service DNS "
+                         "names and 127.0.0.1 (colocated stages talk over loopback).", minLength=1, maxLength=253,
+                         pattern=_DNS_SUBDOMAIN)
+    cert_manager: Optional[CertManagerSpec] = f("certManager", "Render a cert-manager Certificate that writes secretName "
+                                                "(the Service DNS names and 127.0.0.1); omitted: you provide the "
+                                                "Secret.", None)
 
 
 @dataclass(frozen=True)
@@ -304,6 +374,8 @@ class H3DeploymentSpec:
     metrics: MetricsSpec = f("metrics", "Prometheus scraping: every pod carries prometheus.io/scrape, port and path "
                              "annotations; stage processes serve /metrics on port 9400 plus their offset (encoder 9401, "
                              "dit 9402, vae 9403, muxer 9404), the gateway on its HTTP port.", factory=MetricsSpec)
+    tls: Optional[TlsSpec] = f("tls", "TLS on the front door and mTLS between the stages, from a Secret. Omitted: "
+                               "plaintext.", None)
     drain_seconds: int = f("drainSeconds", "How long a pod that is asked to stop keeps serving the requests it "
                            "admitted; the pod's termination grace period is this plus 30 s.", 900,
                            minimum=0, maximum=86400)
@@ -322,8 +394,9 @@ class H3DeploymentSpec:
         if getattr(self, stage).autoscaling is not None:
             return getattr(self, stage).autoscaling.min_replicas
         r = getattr(self, stage).replicas
-        if r is None:  # the DiT pool defaults to spec.replicas (the /scale subresource), the gateway to 2
-            return {"dit": self.replicas, "gateway": 2}.get(stage, 1)
+        if r is None:  # the DiT pool defaults to spec.replicas (the /scale subresource); gateways share their jobs
+            # only through a job store: 2 with one, else a single gateway
+            return {"dit": self.replicas, "gateway": 2 if self.gateway.job_store is not None else 1}.get(stage, 1)
         return r
 
     def pods_per_replica(self, gpus: int) -> int:

@@ -25,6 +25,12 @@ from h3serve.errors import H3Error
 CONFIG_ENV = "H3SERVE_CONFIG"  # path of the mounted ServiceConfig
 API_KEYS_ENV = "H3SERVE_API_KEYS_FILE"  # the gateway's API keys file (the default of --api-keys-file)
 API_KEY_ENV = "H3SERVE_API_KEY"         # a client's API key (the default of the SDK's and the CLI's key)
+# Where the operator mounts Secrets into the pods (read-only; a Secret volume swaps its files atomically on change).
+API_KEYS_DIR = "/etc/h3serve-keys"       # spec.gateway.auth.apiKeysSecret
+API_KEYS_KEY = "keys"                    # the Secret's key that holds the API keys file
+API_KEYS_PATH = f"{API_KEYS_DIR}/{API_KEYS_KEY}"
+TLS_DIR = "/etc/h3serve-tls"             # spec.tls.secretName: a kubernetes.io/tls Secret (+ ca.crt)
+TLS_FILES = {"tls_cert": "tls.crt", "tls_key": "tls.key", "tls_ca": "ca.crt"}  # StageConfig field -> Secret key
 
 
 @dataclass
@@ -141,6 +147,10 @@ def service_config_values(service_config: dict, stage: str) -> dict[str, Any]:
         out.update(checkpoint=spec.model.path, dtype=sc.dtype, device=sc.device,
                    encoder_tp=spec.encoder.tensor_parallel, ulysses=spec.dit.ulysses, ring=spec.dit.ring,
                    vae_pp=spec.vae.patch_parallel)
+        if spec.model.manifest_sha256 is not None:
+            out["checkpoint_manifest_sha256"] = spec.model.manifest_sha256
+    if spec.tls is not None:  # every process: its servers, and the channels to its peers
+        out.update({k: f"{TLS_DIR}/{v}" for k, v in TLS_FILES.items()})
     lv = spec.dit.levers
     if colocated or stage == "dit":
         out.update(dit_resident_blocks=lv.resident_blocks, dit_offload_mode=lv.offload_mode, fp8=lv.fp8,
@@ -156,4 +166,11 @@ def service_config_values(service_config: dict, stage: str) -> dict[str, Any]:
     if stage == "gateway":
         out.update(http_host="0.0.0.0", http_port=int(service_config["ports"]["http"]),
                    queue_size=spec.gateway.queue_size, **{s: sc.endpoints[s] for s in PIPELINE_STAGES})
+        auth, store = spec.gateway.auth, spec.gateway.job_store
+        if auth.api_keys_secret is not None:
+            out["api_keys_file"] = API_KEYS_PATH
+        elif auth.disabled:
+            out["no_auth"] = True
+        if store is not None:  # endpoint, region and credentials come from the pod's AWS_* environment
+            out["job_store"] = f"s3://{store.s3.bucket}/{store.s3.prefix}"
     return out

@@ -133,6 +133,11 @@ def reconcile(namespace: str, name: str, logger: logging.Logger) -> dict | None:
             keep = {(o["kind"], o["metadata"]["name"]) for o in desired}
             for obj in desired:
                 key = (obj["kind"], obj["metadata"]["name"])
+                if obj["kind"] in M.OPTIONAL_KINDS and not kube.served(obj["kind"]):  # asked for, not installed
+                    apply_error = (f"{obj['kind']}/{key[1]}: the API server does not serve {obj['apiVersion']} "
+                                   f"{obj['kind']} (spec.tls.certManager needs cert-manager installed)")
+                    logger.error("apply failed: %s", apply_error)
+                    break
                 before = owned.get(key)
                 if before is None:
                     other = kube.get(key[0], namespace, key[1])

@@ -33,7 +33,7 @@ import yaml
 
 from h3serve.config.metrics import METRICS_PORT, SIGNALS
 from h3serve.config.spec import API_VERSION, KIND, H3DeploymentSpec, ServiceConfig
-from h3serve.config.stage import CONFIG_ENV, service_config_values
+from h3serve.config.stage import API_KEYS_DIR, API_KEYS_KEY, CONFIG_ENV, TLS_DIR, TLS_FILES, service_config_values
 from h3serve.config.vocab import (
     DIST_PORT,
     GRPC_PORT,
@@ -72,11 +72,14 @@ KINDS: dict[str, tuple[str, str]] = {  # kind -> (apiVersion, plural)
     "HorizontalPodAutoscaler": ("autoscaling/v2", "horizontalpodautoscalers"),
     "PodGroup": ("scheduling.k8s.io/v1beta1", "podgroups"),
     "ServiceMonitor": ("monitoring.coreos.com/v1", "servicemonitors"),
+    "Certificate": ("cert-manager.io/v1", "certificates"),
 }
 # PodGroup (gang scheduling, Kubernetes 1.37 beta behind the GenericWorkload feature gate) may be missing: the operator
 # renders it only where the API server serves it.
 # ServiceMonitor (the Prometheus Operator's CRD) likewise, when spec.metrics.serviceMonitor asks for it.
-OPTIONAL_KINDS = ("PodGroup", "ServiceMonitor")
+# A Certificate (cert-manager, spec.tls.certManager) is rendered only when asked; where cert-manager is not installed
+# its apply fails and says so (ApplyFailed).
+OPTIONAL_KINDS = ("PodGroup", "ServiceMonitor", "Certificate")
 
 
 def labels(name: str, component: str | None = None) -> dict[str, str]:
@@ -145,9 +148,10 @@ def endpoints(spec: H3DeploymentSpec, name: str, namespace: str) -> dict[str, st
     return out
 
 
-def public_endpoints(name: str, namespace: str) -> dict[str, str]:
+def public_endpoints(name: str, namespace: str, tls: bool = False) -> dict[str, str]:
+    scheme = "https" if tls else "http"  # with spec.tls the gateway's HTTP API is HTTPS only
     return {"grpc": f"{name}-{GATEWAY}.{namespace}.svc:{GRPC_PORT}",
-            "http": f"http://{name}-{GATEWAY}.{namespace}.svc:{HTTP_PORT}"}
+            "http": f"{scheme}://{name}-{GATEWAY}.{namespace}.svc:{HTTP_PORT}"}
 
 
 def service_config(spec: H3DeploymentSpec, name: str, namespace: str) -> ServiceConfig:
@@ -192,6 +196,8 @@ def render(spec: H3DeploymentSpec, name: str, namespace: str, owner: dict | None
     objs += _network_policies(spec, name, namespace)
     if spec.metrics.service_monitor and service_monitors:
         objs += _service_monitor(spec, name, namespace)
+    if spec.tls is not None and spec.tls.cert_manager is not None:  # before the pods that mount its Secret
+        objs.insert(2, _certificate(spec, name, namespace, objs))
     if owner is not None:
         ref = {"apiVersion": API_VERSION, "kind": KIND, "name": owner["name"], "uid": owner["uid"],
                "controller": True, "blockOwnerDeletion": True}
@@ -304,6 +310,34 @@ def _grpc_probe(period: int, failures: int, timeout: int = 5) -> dict:
             "timeoutSeconds": timeout, "failureThreshold": failures}
 
 
+PROBE = ["python", "-m", "h3serve.runtime.probe"]  # h3serve/runtime/probe.py
+
+
+def _probes(spec: H3DeploymentSpec, name: str, namespace: str, comp: str) -> dict[str, dict]:
+    """Startup: gRPC health SERVING = weights loaded and one warm-up pass done (loading ~100 GB from a network volume
+    can take long: up to an hour; the gateway only waits for its channels). Readiness: SERVING; NOT_SERVING again
+    while draining, so endpoints drop the pod before it stops. Liveness: the process answers gRPC health at all,
+    NOT_SERVING included (a draining server must be let finish), so a hung one (SIGSTOP) is restarted where a TCP
+    check would pass. The kubelet's gRPC probe fails on NOT_SERVING and speaks no TLS: liveness, and with spec.tls
+    every probe, is the exec probe `h3serve.runtime.probe` (the pod's own certificate, the Service's name)."""
+    tls: list[str] = []
+    if spec.tls is not None:
+        svc = f"{name}-{GATEWAY}" if comp == ENGINE else f"{name}-{comp}"
+        tls = [*(a for k, v in TLS_FILES.items() for a in (f"--{k.replace('_', '-')}", f"{TLS_DIR}/{v}")),
+               "--server-name", f"{svc}.{namespace}.svc"]
+
+    def probe(period: int, failures: int, live: bool = False) -> dict:
+        if not tls and not live:
+            return _grpc_probe(period, failures)
+        cmd = [*PROBE, "--port", str(GRPC_PORT), *(["--live"] if live else []), "--timeout", "5", *tls]
+        # a Python start and one check: well inside the timeout
+        return {"exec": {"command": cmd}, "periodSeconds": period, "timeoutSeconds": 15, "failureThreshold": failures}
+
+    return {"startupProbe": probe(10, 360) if comp != GATEWAY else probe(5, 60),
+            "readinessProbe": probe(5, 3),
+            "livenessProbe": probe(20, 6, live=True)}
+
+
 def metrics_ports(comp: str) -> dict[str, int]:
     """stage -> the port its process serves /metrics on, for the processes of a component's pods."""
     if comp == GATEWAY:
@@ -383,6 +417,9 @@ def _pod_template(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, 
     if comp != GATEWAY and comp != "muxer" and spec.model.volume is not None:
         mounts.append({"name": "model", "mountPath": spec.model.mount_path, "readOnly": True})
         volumes.append({"name": "model", **_readonly_volume(spec.model.volume)})
+    secret_mounts, secret_volumes = _secret_volumes(spec, comp)
+    mounts += secret_mounts
+    volumes += secret_volumes
     command, args = _command(comp, gang)
     container = {
         "name": comp,
@@ -390,19 +427,11 @@ def _pod_template(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, 
         "imagePullPolicy": spec.image_pull_policy,
         "command": command,
         "ports": ports,
-        "env": _env(spec, comp) + dist_env,
+        "env": _env(spec, comp) + dist_env + _job_store_env(spec, comp),
         "resources": _resources(spec, base_res, gpus_per_pod),
         "securityContext": _security_context(),
         "volumeMounts": mounts,
-        # Startup: gRPC health SERVING = weights loaded and one warm-up pass done. Loading ~100 GB of weights from
-        # a network volume can take long: allow up to an hour (the gateway only waits for its channels).
-        "startupProbe": _grpc_probe(10, 360) if comp != GATEWAY else _grpc_probe(5, 60),
-        # Readiness: NOT_SERVING again while draining, so endpoints drop the pod before it stops.
-        "readinessProbe": _grpc_probe(5, 3),
-        # Liveness: the server still accepts connections (a draining server reports NOT_SERVING, on purpose not a
-        # liveness failure: it must be allowed to finish its requests).
-        "livenessProbe": {"tcpSocket": {"port": GRPC_PORT}, "periodSeconds": 20, "timeoutSeconds": 10,
-                          "failureThreshold": 6},
+        **_probes(spec, name, namespace, comp),
         # Let endpoints drop the pod before SIGTERM starts the drain.
         "lifecycle": {"preStop": {"sleep": {"seconds": 5}}},
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -435,6 +464,51 @@ def _pod_template(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, 
     ann = {ANN_CONFIG_HASH: cfg_hash, "prometheus.io/scrape": "true", "prometheus.io/port": str(scrape),
            "prometheus.io/path": "/metrics"}
     return {"metadata": {"labels": tmpl_labels, "annotations": ann}, "spec": pod}
+
+
+def _secret_volumes(spec: H3DeploymentSpec, comp: str) -> tuple[list[dict], list[dict]]:
+    """The Secrets a component's pods mount read-only (whole volumes, never subPath: a Secret volume then swaps its
+    files atomically on a change, and the gateway re-reads its keys without a restart)."""
+    mounts: list[dict] = []
+    volumes: list[dict] = []
+    keys = spec.gateway.auth.api_keys_secret
+    if front(comp) and keys is not None:
+        mounts.append({"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})
+        volumes.append({"name": "api-keys", "secret": {"secretName": keys, "defaultMode": 0o440,
+                                                       "items": [{"key": API_KEYS_KEY, "path": API_KEYS_KEY}]}})
+    if spec.tls is not None:  # every pod: its servers and its channels to peers
+        mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
+        volumes.append({"name": "tls", "secret": {"secretName": spec.tls.secret_name, "defaultMode": 0o440,
+                                                  "items": [{"key": k, "path": k} for k in TLS_FILES.values()]}})
+    return mounts, volumes
+
+
+def _certificate(spec: H3DeploymentSpec, name: str, namespace: str, objs: list[dict]) -> dict:
+    """A cert-manager Certificate for every Service the deployment renders (each name as peers and clients dial
+    it) and 127.0.0.1 (colocated stages talk over loopback); both server and client auth (mTLS)."""
+    services = sorted({o["metadata"]["name"] for o in objs if o["kind"] == "Service"})
+    dns = [d for s in services for d in (s, f"{s}.{namespace}", f"{s}.{namespace}.svc",
+                                         f"{s}.{namespace}.svc.cluster.local")]
+    ref = spec.tls.cert_manager.issuer_ref
+    cert = {"apiVersion": "cert-manager.io/v1", "kind": "Certificate", "spec": {
+        "secretName": spec.tls.secret_name, "dnsNames": [*dns, "localhost"], "ipAddresses": ["127.0.0.1"],
+        "usages": ["server auth", "client auth", "digital signature"],  # an ECDSA key: no key encipherment
+        "privateKey": {"algorithm": "ECDSA", "size": 256, "rotationPolicy": "Always"},
+        "issuerRef": {"name": ref.name, "kind": ref.kind, "group": ref.group}}}
+    return _meta(cert, f"{name}-tls", name, namespace, None)
+
+
+def _job_store_env(spec: H3DeploymentSpec, comp: str) -> list[dict]:
+    """The object store's endpoint, region and credentials, as the gateway's S3 client reads them (AWS_*)."""
+    store = spec.gateway.job_store
+    if not front(comp) or store is None:
+        return []
+    s3 = store.s3
+    env = [{"name": "AWS_ENDPOINT_URL", "value": s3.endpoint}] if s3.endpoint else []
+    env += [{"name": "AWS_REGION", "value": s3.region}] if s3.region else []
+    env += [{"name": k, "valueFrom": {"secretKeyRef": {"name": s3.credentials_secret, "key": k}}}
+            for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")]
+    return env
 
 
 def _readonly_volume(source: dict) -> dict:

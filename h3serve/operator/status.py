@@ -188,7 +188,7 @@ def compute(*, name: str, namespace: str, generation: int, spec: H3DeploymentSpe
         "observedGeneration": generation,
         "conditions": conds,
         "stages": stages,
-        "endpoint": M.public_endpoints(name, namespace),
+        "endpoint": M.public_endpoints(name, namespace, tls=spec is not None and spec.tls is not None),
         "replicas": comp_ready.get(scale_comp, 0),
         "selector": ",".join(f"{k}={v}" for k, v in M.selector(name, scale_comp).items()),
         "summary": f"{ready_stages}/{len(stages)}",

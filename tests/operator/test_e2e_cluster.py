@@ -35,7 +35,7 @@ CHART = ROOT / "charts" / "h3serve-operator"
 SYSTEM_NS, APPS_NS = "h3-system", "h3-apps"
 RELEASE = "h3op"
 EXAMPLES = ["base-colocated", "base-disaggregated", "fasth3-colocated", "fasth3-disaggregated"]
-CHILD_KINDS = list(M.KINDS)
+CHILD_KINDS = [k for k in M.KINDS if k != "Certificate"]  # the test cluster runs no cert-manager
 
 
 # ---- fixtures ---------------------------------------------------------------------------------------------------
@@ -243,6 +243,11 @@ BAD_SPECS = {
     "autoscaling-colocated": {st: {"autoscaling": {"maxReplicas": 2}}
                               for st in ("encoder", "dit", "vae", "muxer", "gateway")},
     "adapter-dotdot": {"profile": "fasth3", "model": {"adapter": {"path": "/models/a/../../b", "sha256": SHA}}},
+    "auth-unset": {"gateway": {"auth": {}}},
+    "auth-both": {"gateway": {"auth": {"apiKeysSecret": "h3-keys", "disabled": True}}},
+    "gateways-without-store": {"replicas": 2},
+    "gateways-without-store-split": {"placement": "disaggregated", "gateway": {"auth": {"disabled": True},
+                                                                              "replicas": 3}},
 }
 
 
@@ -250,7 +255,8 @@ def good_doc(name: str) -> dict:
     """A small valid colocated H3Deployment (1 GPU per replica) that schedules on the test's GPU nodes."""
     spec = {"image": "img:1", "model": {"path": "/models/H3",
                                         "volume": {"persistentVolumeClaim": {"claimName": "h3-weights"}}},
-            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "gateway": {"auth": {"disabled": True}}}
     return {"apiVersion": "h3serve.io/v1alpha1", "kind": "H3Deployment",
             "metadata": {"name": name, "namespace": APPS_NS}, "spec": spec}
 
@@ -325,6 +331,8 @@ def test_openapi_rejects_enums_bounds_and_names(installed, dyn):
     # and a valid spec passes, with the defaults filled in by the API server
     ok = R(dyn, "H3Deployment").create(body=doc, namespace=APPS_NS, query_params=[("dryRun", "All")]).to_dict()
     assert (ok["spec"]["dit"]["ulysses"], ok["spec"]["dit"]["ring"], ok["spec"]["gateway"]["queueSize"]) == (1, 1, 16)
+    assert ok["spec"]["dit"]["levers"] == {"fp8": False, "fp8Attention": False, "offloadMode": "local"}
+    assert ok["spec"]["gateway"]["auth"] == {"disabled": True}
     assert ok["spec"]["replicas"] == 1  # the /scale path exists on every CR
     assert H3DeploymentSpec.from_dict(ok["spec"]) == H3DeploymentSpec.from_dict(doc["spec"])
 
@@ -600,6 +608,22 @@ def test_operator_only_rule_reports_spec_valid_false(operator, dyn):
     wait_gone(dyn, "gpu-in-resources")
 
 
+def test_cert_manager_asked_for_but_not_installed_is_apply_failed_naming_it(operator, dyn):
+    doc = good_doc("tls-no-cm")
+    doc["spec"]["tls"] = {"secretName": "tls-no-cm", "certManager": {"issuerRef": {"name": "ca"}}}
+    create(dyn, doc)
+
+    def degraded():
+        cr = get_cr(dyn, "tls-no-cm")
+        return cr if condition(cr, "Degraded").get("reason") == "ApplyFailed" else None
+    cr = wait_for("Degraded=ApplyFailed", degraded, timeout=60)
+    assert ("Certificate/tls-no-cm-tls: the API server does not serve cert-manager.io/v1 Certificate"
+            in condition(cr, "Degraded")["message"])
+    assert operator.alive()
+    delete_cr(dyn, "tls-no-cm")
+    wait_gone(dyn, "tls-no-cm")
+
+
 def test_unschedulable_pods_are_explained_in_status(operator, dyn):
     doc = good_doc("no-toleration")
     doc["spec"].pop("tolerations")  # the GPU nodes are tainted nvidia.com/gpu:NoSchedule
@@ -867,7 +891,7 @@ def test_helm_upgrade_from_the_previous_chart_upgrades_the_crd(operator, control
     old["metadata"]["resourceVersion"] = live["metadata"]["resourceVersion"]
     crds.replace(body=old, name=old["metadata"]["name"])
     probe = good_doc("ingress-probe")
-    probe["spec"]["gateway"] = {"ingressFrom": {"namespaces": ["web"]}}
+    probe["spec"]["gateway"] = {**probe["spec"]["gateway"], "ingressFrom": {"namespaces": ["web"]}}
 
     def dry_run_gateway():
         return R(dyn, "H3Deployment").create(body=probe, namespace=APPS_NS,

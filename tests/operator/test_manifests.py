@@ -23,6 +23,7 @@ GOLDEN = ROOT / "tests" / "golden"
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 OWNER = {"name": "", "uid": "6f1c1a57-0000-4000-8000-000000000001"}
 K8S_VERSION = "1.37.0"
+CRD_KINDS = ("Certificate",)  # cert-manager's
 
 
 def render_example(path: pathlib.Path, namespace: str = "h3") -> list[dict]:
@@ -53,6 +54,8 @@ def test_golden(path):
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
 def test_every_object_passes_kubernetes_validate_strict(path):
     for obj in render_example(path):
+        if obj["kind"] in CRD_KINDS:  # not Kubernetes' own: kubernetes-validate has no schema for it
+            continue
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
 
 
@@ -60,7 +63,7 @@ def test_kubernetes_validate_cli_strict(tmp_path):
     files = []
     for path in EXAMPLES:
         f = tmp_path / path.name
-        f.write_text(M.to_yaml(render_example(path)))
+        f.write_text(M.to_yaml([o for o in render_example(path) if o["kind"] not in CRD_KINDS]))
         files.append(str(f))
     exe = pathlib.Path(sys.executable).with_name("kubernetes-validate")
     r = subprocess.run([str(exe), "--strict", "--quiet", "-k", K8S_VERSION, *files], capture_output=True, text=True)
@@ -102,9 +105,15 @@ def test_pods_meet_restricted_pod_security(path):
             assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
             assert sc["runAsNonRoot"] is True and sc["seccompProfile"] == {"type": "RuntimeDefault"}
             assert {"startupProbe", "readinessProbe", "livenessProbe"} <= set(c)
-            assert c["startupProbe"]["grpc"] == {"port": 50051, "service": ""}  # SERVING = loaded + warmed up
-            assert c["readinessProbe"]["grpc"] == {"port": 50051, "service": ""}  # NOT_SERVING while draining
-            assert "tcpSocket" in c["livenessProbe"]  # a draining server is alive
+            for kind in ("startupProbe", "readinessProbe"):  # SERVING = loaded + warmed up; NOT_SERVING: draining
+                p = c[kind]
+                if "grpc" in p:  # plaintext: the kubelet's own gRPC probe
+                    assert p["grpc"] == {"port": 50051, "service": ""}
+                else:  # TLS: the exec probe with the pod's certificate
+                    cmd = p["exec"]["command"]
+                    assert cmd[:3] == M.PROBE and "--live" not in cmd and "--tls-cert" in cmd, cmd
+            live = c["livenessProbe"]["exec"]["command"]  # a draining server (NOT_SERVING) is alive; a hung one not
+            assert live[:3] == M.PROBE and "--live" in live
         for v in pod["volumes"]:  # restricted: only these volume types
             assert set(v) - {"name"} <= {"configMap", "emptyDir", "persistentVolumeClaim", "secret", "projected",
                                          "csi", "downwardAPI", "ephemeral"}
@@ -257,6 +266,7 @@ def test_stage_config_is_a_slice_of_the_rendered_service_config():
                                                                        transport="nixl")
     assert StageConfig.from_service_config(d, "gateway") == StageConfig(
         stage="gateway", **common, transport="nixl", http_host="0.0.0.0", http_port=8000, queue_size=16,
+        api_keys_file="/etc/h3serve-keys/keys", job_store="s3://h3-jobs/h3-fast",
         **{st: f"dns:///f-{st}-headless.ns.svc:50051" for st in ("encoder", "dit", "vae", "muxer")})
 
 
@@ -443,7 +453,8 @@ def test_autoscaled_stage_gets_an_hpa_on_its_signal_and_no_replica_count():
     assert by[("PodDisruptionBudget", "h3-dit")]["spec"]["minAvailable"] == 1  # minReplicas - 1
     assert ("HorizontalPodAutoscaler", "h3-vae") not in by
     for o in objs:
-        kubernetes_validate.validate(o, K8S_VERSION, strict=True)
+        if o["kind"] not in CRD_KINDS:
+            kubernetes_validate.validate(o, K8S_VERSION, strict=True)
 
 
 def test_autoscaling_refused_for_a_multi_node_gang():
@@ -480,7 +491,8 @@ def test_every_pod_is_scrapable_and_the_monitoring_namespace_may_scrape():
     gw_rule = [r for r in nps["h3-gateway"]["ingress"] if r.get("from") == [mon]]
     assert [p["port"] for p in gw_rule[0]["ports"]] == [8000, 9401, 9402, 9403, 9404]
     for o in objs:
-        kubernetes_validate.validate(o, K8S_VERSION, strict=True)
+        if o["kind"] not in CRD_KINDS:
+            kubernetes_validate.validate(o, K8S_VERSION, strict=True)
 
 
 @pytest.mark.parametrize("example,gpus_per_node", [("base-disaggregated", 8), ("fasth3-disaggregated", 8),
@@ -570,3 +582,140 @@ def test_service_monitor_only_when_asked_and_served(example):
     # the pod selector of the metrics Service covers every workload pod of the instance
     for t in pods:
         assert svc["spec"]["selector"].items() <= t["metadata"]["labels"].items()
+
+
+# ---- the front door's Secrets: API keys and the job store ----------------------------------------------------------
+
+def _spec_doc(example: str) -> dict:
+    return yaml.safe_load((ROOT / "examples" / f"{example}.yaml").read_text())["spec"]
+
+
+def _front_and_others(objs):
+    front, others = [], []
+    for o, pod in pods(objs):
+        (front if o["metadata"]["labels"][M.LABEL_COMPONENT] in (M.GATEWAY, M.ENGINE) else others).append(pod)
+    return front, others
+
+
+def _gateway_config(spec, name="h3") -> "object":
+    from h3serve.config.stage import StageConfig
+
+    return StageConfig.from_service_config(M.service_config(spec, name, "ns").to_dict(), "gateway")
+
+
+@pytest.mark.parametrize("example", ["base-colocated", "base-disaggregated"])
+def test_the_api_keys_secret_is_mounted_into_the_front_door_only_and_named_in_its_config(example):
+    spec = parse_and_validate(_spec_doc(example), "h3")
+    front, others = _front_and_others(M.render(spec, "h3", "ns"))
+    assert front and others or example == "base-colocated"
+    cfg = _gateway_config(spec)
+    assert cfg.api_keys_file and not cfg.no_auth
+    for pod in front:
+        vol = next(v for v in pod["volumes"] if v["name"] == "api-keys")
+        assert vol["secret"]["secretName"] == "h3-api-keys"
+        mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "api-keys")
+        # a whole-volume mount (no subPath): the Secret's update reaches the file, the gateway re-reads it
+        assert mount["readOnly"] is True and "subPath" not in mount
+        item = vol["secret"]["items"][0]
+        assert cfg.api_keys_file == f"{mount['mountPath']}/{item['path']}"
+    for pod in others:
+        assert all(v["name"] != "api-keys" for v in pod["volumes"])
+
+
+def test_auth_disabled_renders_no_auth_and_mounts_nothing():
+    d = _spec_doc("fasth3-colocated")
+    d["gateway"]["auth"] = {"disabled": True}
+    spec = parse_and_validate(d, "h3")
+    cfg = _gateway_config(spec)
+    assert cfg.no_auth is True and cfg.api_keys_file is None
+    front, _ = _front_and_others(M.render(spec, "h3", "ns"))
+    assert all(v["name"] != "api-keys" for pod in front for v in pod["volumes"])
+    # the gateway's own parser accepts what the launcher passes on
+    from h3serve.runtime.launcher import child_argv
+    assert "--no-auth" in child_argv(cfg, "gateway", 50051, {}, 8000, "info")
+
+
+def test_the_job_store_is_the_gateways_config_and_its_credentials_come_from_the_secret():
+    spec = parse_and_validate(_spec_doc("base-disaggregated"), "h3")
+    cfg = _gateway_config(spec)
+    assert cfg.job_store == "s3://h3-jobs/h3-split"
+    objs = M.render(spec, "h3", "ns")
+    front, others = _front_and_others(objs)
+    gw = next(o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] == "h3-gateway")
+    assert gw["spec"]["replicas"] == 2  # two gateways: they share the store
+    env = {e["name"]: e for e in front[0]["containers"][0]["env"]}
+    assert env["AWS_ENDPOINT_URL"]["value"] == "http://minio.storage.svc:9000"
+    assert env["AWS_REGION"]["value"] == "us-east-1"
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        assert env[k]["valueFrom"] == {"secretKeyRef": {"name": "h3-jobs-s3", "key": k}}
+    for pod in others:  # the stages never see the store's credentials
+        assert not any(e["name"].startswith("AWS_") for e in pod["containers"][0]["env"])
+    # no store: one gateway, and asking for more is refused with the rule's message
+    d = _spec_doc("base-disaggregated")
+    del d["gateway"]["jobStore"]
+    with pytest.raises(SpecError, match=r"spec.gateway.jobStore: more than one gateway"):
+        parse_and_validate(d, "h3")
+    del d["gateway"]["replicas"]
+    spec = parse_and_validate(d, "h3")
+    assert spec.stage_replicas("gateway") == 1 and _gateway_config(spec).job_store is None
+
+
+def test_tls_secret_is_mounted_into_every_pod_and_every_process_reads_it():
+    from h3serve.config.stage import StageConfig
+
+    d = _spec_doc("base-disaggregated")
+    d["tls"]["certManager"] = {"issuerRef": {"name": "h3-ca", "kind": "ClusterIssuer"}}
+    spec = parse_and_validate(d, "h3")
+    objs = M.render(spec, "h3", "ns")
+    cfg = M.service_config(spec, "h3", "ns").to_dict()
+    for o, pod in pods(objs):
+        vol = next(v for v in pod["volumes"] if v["name"] == "tls")
+        assert vol["secret"]["secretName"] == "h3-split-tls"
+        mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "tls")
+        assert mount["readOnly"] is True and "subPath" not in mount
+        files = {f"{mount['mountPath']}/{i['path']}" for i in vol["secret"]["items"]}
+        comp = o["metadata"]["labels"][M.LABEL_COMPONENT]
+        sc = StageConfig.from_service_config(cfg, comp)
+        assert {sc.tls_cert, sc.tls_key, sc.tls_ca} == files, comp
+    # cert-manager: one Certificate, before the workloads, naming every Service the pods are dialled by
+    certs = [o for o in objs if o["kind"] == "Certificate"]
+    assert len(certs) == 1 and objs.index(certs[0]) < min(objs.index(o) for o, _ in pods(objs))
+    c = certs[0]["spec"]
+    assert c["secretName"] == "h3-split-tls" and c["issuerRef"] == {"name": "h3-ca", "kind": "ClusterIssuer",
+                                                                   "group": "cert-manager.io"}
+    assert {"server auth", "client auth"} <= set(c["usages"]) and c["ipAddresses"] == ["127.0.0.1"]
+    for host in M.endpoints(spec, "h3", "ns").values():
+        assert host.removeprefix("dns:///").rsplit(":", 1)[0] in c["dnsNames"]  # the name a channel verifies
+    # without certManager nothing but the mount; without tls nothing at all
+    del d["tls"]["certManager"]
+    assert not [o for o in M.render(parse_and_validate(d, "h3"), "h3", "ns") if o["kind"] == "Certificate"]
+    del d["tls"]
+    plain = M.render(parse_and_validate(d, "h3"), "h3", "ns")
+    assert all(v["name"] != "tls" for _, pod in pods(plain) for v in pod["volumes"])
+    assert StageConfig.from_service_config(M.service_config(parse_and_validate(d, "h3"), "h3", "ns").to_dict(),
+                                           "dit").tls_cert is None
+
+
+def test_the_manifest_pin_reaches_every_model_stage_and_only_those():
+    from h3serve.config.stage import StageConfig
+    from h3serve.runtime.launcher import child_argv
+
+    d = _spec_doc("base-disaggregated")
+    pin = d["model"]["manifestSha256"]
+    spec = parse_and_validate(d, "h3")
+    cfg = M.service_config(spec, "h3", "ns").to_dict()
+    for st in ("encoder", "dit", "vae"):
+        sc = StageConfig.from_service_config(cfg, st)
+        assert sc.checkpoint_manifest_sha256 == pin
+        argv = child_argv(sc, st, 50051, {}, None, "info")  # what a launcher passes its child
+        assert argv[argv.index("--checkpoint-manifest-sha256") + 1] == pin
+    assert StageConfig.from_service_config(cfg, "muxer").checkpoint_manifest_sha256 is None
+    # colocated: every process of the engine pod reads it
+    c = _spec_doc("fasth3-colocated")
+    c["model"]["manifestSha256"] = pin
+    ccfg = M.service_config(parse_and_validate(c, "h3"), "h3", "ns").to_dict()
+    assert StageConfig.from_service_config(ccfg, "gateway").checkpoint_manifest_sha256 == pin
+    # a pin that is not a sha256 is refused naming the field
+    c["model"]["manifestSha256"] = "ABC"
+    with pytest.raises(SpecError, match=r"spec.model.manifestSha256"):
+        parse_and_validate(c, "h3")

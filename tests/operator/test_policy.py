@@ -9,7 +9,8 @@ from h3serve.config.spec import DEFAULT_VOLUME_KINDS, AdmissionPolicy, H3Deploym
 
 def spec(**over) -> H3DeploymentSpec:
     d = {"image": "registry.example/h3serve:0.1.0", "model": {"path": "/models/H3",
-                                                                 "volume": {"persistentVolumeClaim": {"claimName": "w"}}}}
+                                                                 "volume": {"persistentVolumeClaim": {"claimName": "w"}}},
+         "gateway": {"auth": {"apiKeysSecret": "keys"}}}
     d.update(over)
     return H3DeploymentSpec.from_dict(d)
 

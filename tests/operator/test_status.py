@@ -55,7 +55,7 @@ def test_all_ready():
     assert st["stages"] == {"encoder": {"ready": 1, "desired": 1}, "dit": {"ready": 1, "desired": 1},
                             "vae": {"ready": 1, "desired": 1}, "muxer": {"ready": 1, "desired": 1},
                             "gateway": {"ready": 2, "desired": 2}}
-    assert st["endpoint"] == {"grpc": "h3-split-gateway.ns.svc:50051", "http": "http://h3-split-gateway.ns.svc:8000"}
+    assert st["endpoint"] == {"grpc": "h3-split-gateway.ns.svc:50051", "http": "https://h3-split-gateway.ns.svc:8000"}  # spec.tls: HTTPS
     assert st["observedGeneration"] == 1 and st["summary"] == "5/5" and st["replicas"] == 1
     assert st["selector"] == "app.kubernetes.io/name=h3serve,app.kubernetes.io/instance=h3-split,app.kubernetes.io/component=dit"
 

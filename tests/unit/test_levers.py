@@ -17,7 +17,7 @@ SHA = "0" * 64
 
 
 def spec_doc(**kw) -> dict:
-    d = {"model": {"path": "/models/H3"}, "image": "img:1"}
+    d = {"model": {"path": "/models/H3"}, "image": "img:1", "gateway": {"auth": {"disabled": True}}}
     d.update(kw)
     return d
 

@@ -19,7 +19,8 @@ SHA = "4ce198c83132251b7fd0de2503823aa49c53983f068318f66cb19eaefb7fcc12"
 
 def base(**over) -> dict:
     d = {"image": "img:1", "model": {"path": "/models/MiniMax-H3",
-                                     "volume": {"persistentVolumeClaim": {"claimName": "w"}}}}
+                                     "volume": {"persistentVolumeClaim": {"claimName": "w"}}},
+         "gateway": {"auth": {"disabled": True}}}
     for k, v in over.items():
         d[k] = v
     return d
@@ -39,7 +40,12 @@ def test_defaults_and_round_trip():
         ("base", "colocated", "grpc", 8, "nvidia.com/gpu")
     assert (s.encoder.tensor_parallel, s.dit.ulysses, s.dit.ring, s.vae.patch_parallel) == (1, 1, 1, 1)
     assert s.stage_replicas("dit") == 1 and s.gateway.replicas is None and s.model.mount_path == "/models"
-    assert H3DeploymentSpec.from_dict(base(placement="disaggregated")).stage_replicas("gateway") == 2
+    # one gateway unless a job store lets several share their jobs
+    assert H3DeploymentSpec.from_dict(base(placement="disaggregated")).stage_replicas("gateway") == 1
+    shared = base(placement="disaggregated",
+                  gateway={"auth": {"disabled": True}, "jobStore": {"s3": {"bucket": "b1b", "credentialsSecret": "c"}}})
+    assert H3DeploymentSpec.from_dict(shared).stage_replicas("gateway") == 2 and validate(
+        H3DeploymentSpec.from_dict(shared), "h3") == []
     assert validate(s, "h3") == []
     again = H3DeploymentSpec.from_dict(s.to_dict())
     assert again == s
@@ -135,7 +141,10 @@ def test_replicas_belong_to_their_placement():
                                       ).stage_replicas("dit") == 3
     assert "spec.placement" in fields(base(placement="colocated", dit={"replicas": 2}))
     assert "spec.placement" in fields(base(placement="colocated", gateway={"replicas": 2}))
-    assert fields(base(placement="colocated", replicas=3)) == []
+    assert fields(base(placement="colocated", replicas=3)) == ["spec.gateway.jobStore"]  # three gateways
+    store = {"s3": {"bucket": "jobs", "credentialsSecret": "s3"}}
+    assert fields(base(placement="colocated", replicas=3, gateway={"auth": {"disabled": True},
+                                                                   "jobStore": store})) == []
     s = H3DeploymentSpec.from_dict(base(placement="disaggregated", dit={"replicas": 3}))
     assert s.stage_replicas("dit") == 3 and s.stage_replicas("encoder") == 1
 

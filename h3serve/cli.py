@@ -234,6 +234,8 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key", default=None, metavar="PEM", help="the key of --tls-cert")
     p.add_argument("--tls-ca", default=None, metavar="PEM",
                    help="the deployment's CA: stages require peer certificates it signed (mTLS) and verify theirs")
+    p.add_argument("--tls-peer-name", default=None, metavar="NAME",
+                   help="the name checked in a peer's certificate instead of the host dialled (pods dialled by IP)")
     p.add_argument("--peers", default=None, metavar="LIST",
                    help="what a stage may dial when a request names an address: HOST:PORT or NET/LEN, comma "
                         "separated (the launcher sets it; unset: any)")

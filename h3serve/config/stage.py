@@ -54,6 +54,7 @@ class StageConfig:
     tls_cert: str | None = None      # this process's certificate (PEM): gRPC and HTTPS servers, mTLS client
     tls_key: str | None = None
     tls_ca: str | None = None        # the deployment's CA: stage servers require client certs it signed (mTLS)
+    tls_peer_name: str | None = None  # the name a peer's certificate is checked for (peers are dialled by pod IP)
     peers: str | None = None         # what a stage may dial when a request names an address (runtime/tls.py)
     warmup: bool = True
     # gateway
@@ -131,6 +132,12 @@ def connect_host(host: str) -> str:
     return "127.0.0.1" if host in ("", "0.0.0.0", "::", "[::]") else host
 
 
+def tls_peer_name(name: str, namespace: str) -> str:
+    """The name every stage's certificate carries and every channel to a peer checks: disaggregated stages dial
+    each other by pod IP, which no shared certificate can name. Never resolved, only matched."""
+    return f"{name}.{namespace}.h3serve-peer"
+
+
 def service_config_values(service_config: dict, stage: str) -> dict[str, Any]:
     """The knobs of `stage` that a ServiceConfig sets (and only those: argv may fill the rest).
 
@@ -151,6 +158,8 @@ def service_config_values(service_config: dict, stage: str) -> dict[str, Any]:
             out["checkpoint_manifest_sha256"] = spec.model.manifest_sha256
     if spec.tls is not None:  # every process: its servers, and the channels to its peers
         out.update({k: f"{TLS_DIR}/{v}" for k, v in TLS_FILES.items()})
+        if not colocated:
+            out["tls_peer_name"] = tls_peer_name(service_config["name"], service_config["namespace"])
     lv = spec.dit.levers
     if colocated or stage == "dit":
         out.update(dit_resident_blocks=lv.resident_blocks, dit_offload_mode=lv.offload_mode, fp8=lv.fp8,

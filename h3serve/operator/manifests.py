@@ -33,7 +33,7 @@ import yaml
 
 from h3serve.config.metrics import METRICS_PORT, SIGNALS
 from h3serve.config.spec import API_VERSION, KIND, H3DeploymentSpec, ServiceConfig
-from h3serve.config.stage import API_KEYS_DIR, API_KEYS_KEY, CONFIG_ENV, TLS_DIR, TLS_FILES, service_config_values
+from h3serve.config.stage import API_KEYS_DIR, API_KEYS_KEY, CONFIG_ENV, TLS_DIR, TLS_FILES, service_config_values, tls_peer_name
 from h3serve.config.vocab import (
     DIST_PORT,
     GRPC_PORT,
@@ -491,7 +491,8 @@ def _certificate(spec: H3DeploymentSpec, name: str, namespace: str, objs: list[d
                                          f"{s}.{namespace}.svc.cluster.local")]
     ref = spec.tls.cert_manager.issuer_ref
     cert = {"apiVersion": "cert-manager.io/v1", "kind": "Certificate", "spec": {
-        "secretName": spec.tls.secret_name, "dnsNames": [*dns, "localhost"], "ipAddresses": ["127.0.0.1"],
+        "secretName": spec.tls.secret_name, "dnsNames": [*dns, tls_peer_name(name, namespace), "localhost"],
+        "ipAddresses": ["127.0.0.1"],
         "usages": ["server auth", "client auth", "digital signature"],  # an ECDSA key: no key encipherment
         "privateKey": {"algorithm": "ECDSA", "size": 256, "rotationPolicy": "Always"},
         "issuerRef": {"name": ref.name, "kind": ref.kind, "group": ref.group}}}

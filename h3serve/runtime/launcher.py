@@ -54,7 +54,8 @@ def parse_stages(text: str) -> list[str]:
 
 _PASS = ("checkpoint", "checkpoint_manifest_sha256", "profile", "adapter", "adapter_sha256", "dtype", "device",
          "threads", "host", "grace_s", "queue_size", "max_inflight", "request_timeout_s", "jobs_dir", "job_store",
-         "job_ttl_s", "max_jobs", "max_sync_bytes", "api_keys_file", "tls_cert", "tls_key", "tls_ca", "transport",
+         "job_ttl_s", "max_jobs", "max_sync_bytes", "api_keys_file", "tls_cert", "tls_key", "tls_ca", "tls_peer_name",
+         "transport",
          "model_name", "frame_format", "mux_threads", "crf", "preset", "session_ttl_s", "max_session_ttl_s",
          "max_sessions", "tmp_dir", "http_host", "encoder_tp", "ulysses", "ring", "vae_pp", "dit_resident_blocks",
          "dit_offload_mode", "fp8", "fp8_attention", "encoder_cache_bytes", "fasth3_dit", "tasks")

@@ -5,6 +5,8 @@
     --tls-ca FILE                    the CA of the deployment's peers: stage servers require a client certificate it
                                      signed (mTLS), and every channel to a peer verifies the peer's certificate
                                      against it. The gateway's front door asks callers for none (they use API keys).
+    --tls-peer-name NAME             the name checked in a peer's certificate instead of the host dialled (the
+                                     operator sets it: disaggregated stages dial each other by pod IP)
     --peers LIST                     comma list of what a stage may dial when a request names an address (a sink):
                                      HOST:PORT, or NET/LEN (any port in that network, e.g. a pod CIDR). The
                                      launcher sets it to the stages it started. Unset: any address (with a warning).
@@ -43,10 +45,11 @@ class Tls:
     cert: str | None = None
     key: str | None = None
     ca: str | None = None
+    peer_name: str | None = None   # checked in every peer's certificate instead of the dialled host
 
     @classmethod
     def of(cls, config: StageConfig) -> "Tls":
-        tls = cls(config.tls_cert, config.tls_key, config.tls_ca)
+        tls = cls(config.tls_cert, config.tls_key, config.tls_ca, config.tls_peer_name)
         if (tls.cert is None) != (tls.key is None):
             raise H3Error("--tls-cert and --tls-key go together: give both or neither")
         if tls.ca is not None and tls.cert is None:
@@ -74,6 +77,8 @@ class Tls:
         options = [*channel_options(max_message), *extra]
         if not self.enabled:
             return grpc.insecure_channel(address, options=options)
+        if self.peer_name:
+            options.append(("grpc.ssl_target_name_override", self.peer_name))
         return grpc.secure_channel(address, self.channel_credentials(), options=options)
 
     def add_port(self, server: grpc.Server, address: str, *, require_client: bool) -> int:

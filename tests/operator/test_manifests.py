@@ -661,7 +661,7 @@ def test_the_job_store_is_the_gateways_config_and_its_credentials_come_from_the_
 
 
 def test_tls_secret_is_mounted_into_every_pod_and_every_process_reads_it():
-    from h3serve.config.stage import StageConfig
+    from h3serve.config.stage import StageConfig, tls_peer_name
 
     d = _spec_doc("base-disaggregated")
     d["tls"]["certManager"] = {"issuerRef": {"name": "h3-ca", "kind": "ClusterIssuer"}}
@@ -677,6 +677,7 @@ def test_tls_secret_is_mounted_into_every_pod_and_every_process_reads_it():
         comp = o["metadata"]["labels"][M.LABEL_COMPONENT]
         sc = StageConfig.from_service_config(cfg, comp)
         assert {sc.tls_cert, sc.tls_key, sc.tls_ca} == files, comp
+        assert sc.tls_peer_name == tls_peer_name("h3", "ns"), comp   # peers are dialled by pod IP
     # cert-manager: one Certificate, before the workloads, naming every Service the pods are dialled by
     certs = [o for o in objs if o["kind"] == "Certificate"]
     assert len(certs) == 1 and objs.index(certs[0]) < min(objs.index(o) for o, _ in pods(objs))
@@ -686,6 +687,7 @@ def test_tls_secret_is_mounted_into_every_pod_and_every_process_reads_it():
     assert {"server auth", "client auth"} <= set(c["usages"]) and c["ipAddresses"] == ["127.0.0.1"]
     for host in M.endpoints(spec, "h3", "ns").values():
         assert host.removeprefix("dns:///").rsplit(":", 1)[0] in c["dnsNames"]  # the name a channel verifies
+    assert tls_peer_name("h3", "ns") in c["dnsNames"]                               # and the one pod IPs are checked for
     # without certManager nothing but the mount; without tls nothing at all
     del d["tls"]["certManager"]
     assert not [o for o in M.render(parse_and_validate(d, "h3"), "h3", "ns") if o["kind"] == "Certificate"]

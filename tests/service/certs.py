@@ -41,11 +41,12 @@ def make_ca(path: Path, cn: str = "h3serve test CA"):
     return key, cert, crt
 
 
-def make_leaf(path: Path, ca_key, ca_cert, cn: str = "h3serve"):
+def make_leaf(path: Path, ca_key, ca_cert, cn: str = "h3serve", dns: tuple[str, ...] = ("localhost",),
+              ips: tuple[str, ...] = ("127.0.0.1", "::1")):
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.timezone.utc)
-    san = x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-                                       x509.IPAddress(ipaddress.ip_address("::1"))])
+    san = x509.SubjectAlternativeName([*(x509.DNSName(d) for d in dns),
+                                       *(x509.IPAddress(ipaddress.ip_address(i)) for i in ips)])
     cert = (x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(ca_cert.subject)
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))

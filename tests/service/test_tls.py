@@ -12,10 +12,10 @@ import pytest
 
 from h3serve._proto import common_pb2, dit_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from h3serve.client import Client
-from h3serve.config.stage import StageConfig
+from h3serve.config.stage import StageConfig, tls_peer_name
 from h3serve.errors import RequestError
 from h3serve.runtime.stage import StageBase
-from h3serve.runtime.tls import check_peer, parse_peers
+from h3serve.runtime.tls import Tls, check_peer, parse_peers
 
 from .certs import make_ca, make_leaf
 from .conftest import REQUEST, Stack
@@ -101,3 +101,34 @@ def test_a_stage_dials_only_declared_peers():
         stage.close()
     with pytest.raises(RequestError, match="peers"):
         parse_peers("not-an-address")
+
+
+def test_peers_dialled_by_ip_are_checked_for_the_deployments_peer_name(tmp_path):
+    """Disaggregated stages dial each other by pod IP, which a shared certificate cannot name: with
+    --tls-peer-name every channel checks that name instead, and a certificate without it is refused."""
+    from concurrent import futures
+
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    ca_key, ca_cert, ca = make_ca(tmp_path / "ca")
+    name = tls_peer_name("h3", "ns")
+    crt, key = make_leaf(tmp_path / "pod", ca_key, ca_cert, dns=(name,), ips=())   # no IP in it, as in a cluster
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = Tls(str(crt), str(key), str(ca)).add_port(server, "127.0.0.1:0", require_client=True)
+    server.start()
+    try:
+        def check(tls: Tls) -> bool:
+            with tls.channel(f"127.0.0.1:{port}") as ch:
+                try:
+                    health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                    return True
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+                    return False
+
+        assert check(Tls(str(crt), str(key), str(ca), peer_name=name))
+        assert not check(Tls(str(crt), str(key), str(ca)))                      # 127.0.0.1 is not in it
+        assert not check(Tls(str(crt), str(key), str(ca), peer_name="other.ns.h3serve-peer"))
+    finally:
+        server.stop(0)

@@ -119,20 +119,16 @@ def stack(tiny_checkpoint):
     assert code == 0, f"launcher exited with {code}"
 
 
-@pytest.fixture(scope="session")
-def embedded(tiny_checkpoint, tmp_path_factory):
-    """`embedded(**api_fields) -> bytes`: the embedded pipeline's MP4 for a request (fp32, cpu, 1 thread)."""
+def embedded_maker(pipe, out):
+    """`make(**api_fields) -> bytes`: `pipe`'s MP4 for a request (1 thread), each request generated once."""
     import torch
 
-    from h3serve.pipeline import Pipeline
     from h3serve.config.request import validate_request
 
     cache: dict = {}
-    out = tmp_path_factory.mktemp("embedded")
-    pipe = Pipeline.load(tiny_checkpoint, dtype="fp32", device="cpu")
 
     def make(**fields) -> bytes:
-        key = json.dumps(fields, sort_keys=True)
+        key = json.dumps(fields, sort_keys=True, default=str)
         if key not in cache:
             before = torch.get_num_threads()
             torch.set_num_threads(THREADS)
@@ -145,3 +141,12 @@ def embedded(tiny_checkpoint, tmp_path_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def embedded(tiny_checkpoint, tmp_path_factory):
+    """`embedded(**api_fields) -> bytes`: the embedded pipeline's MP4 for a request (fp32, cpu, 1 thread)."""
+    from h3serve.pipeline import Pipeline
+
+    pipe = Pipeline.load(tiny_checkpoint, dtype="fp32", device="cpu")
+    return embedded_maker(pipe, tmp_path_factory.mktemp("embedded"))

@@ -13,7 +13,6 @@ import base64
 import io
 import json
 
-import grpc
 import httpx
 import numpy as np
 import pytest
@@ -23,7 +22,7 @@ from h3serve.client import Client
 from h3serve.errors import RequestError
 from h3serve.testing.mp4check import check_mp4, ffprobe_report
 
-from .conftest import THREADS, Stack, embedded_request
+from .conftest import Stack, embedded_maker, embedded_request
 
 BASE = dict(prompt="the kite lands on the beach", seconds=5, size="320x256", seed=3, num_inference_steps=3)
 
@@ -92,29 +91,10 @@ def cond_stack(ckpt):
 @pytest.fixture(scope="module")
 def embedded_cond(ckpt, tmp_path_factory):
     """`make(**validate_request fields) -> bytes` from the embedded pipeline (fp32, cpu, 1 thread)."""
-    import torch
-
-    from h3serve.config.request import validate_request
     from h3serve.pipeline import Pipeline
 
     pipe = Pipeline.load(ckpt, dtype="fp32", device="cpu", tasks=("t2va", "fl2va", "ref2va"))
-    out = tmp_path_factory.mktemp("embedded-cond")
-    cache: dict = {}
-
-    def make(**fields) -> bytes:
-        key = json.dumps(fields, sort_keys=True, default=str)
-        if key not in cache:
-            before = torch.get_num_threads()
-            torch.set_num_threads(THREADS)
-            try:
-                path = out / f"{len(cache)}.mp4"
-                pipe.generate(validate_request(**embedded_request(**fields)), path)
-                cache[key] = path.read_bytes()
-            finally:
-                torch.set_num_threads(before)
-        return cache[key]
-
-    yield make
+    yield embedded_maker(pipe, tmp_path_factory.mktemp("embedded-cond"))
     pipe.close()
 
 

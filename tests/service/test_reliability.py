@@ -54,7 +54,8 @@ def test_deadline_stops_the_dit_within_one_step(stack, embedded):
     assert time.monotonic() - t0 < 4.5
     st = stack.wait_idle("dit")
     assert st.last.outcome in ("deadline", "cancelled"), st.last
-    assert 0 < st.last.deadline_remaining_s <= 3.0      # the gateway passed the remaining deadline on
+    # the gateway passed the remaining deadline on (grpc-timeout rounds up, by at most 10 ms a hop below 10 s)
+    assert 0 < st.last.deadline_remaining_s <= 3.05
     assert st.last.units_done - st.last.units_at_signal <= 1, st.last
     steps = st.work_units_total
     time.sleep(0.5)

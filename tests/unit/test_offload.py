@@ -103,9 +103,14 @@ def _rank(rank: int, world: int, store: str, mode: str, r: int, q) -> None:
 
 @pytest.mark.parametrize("mode", ["allgather", "local"])
 def test_two_gloo_ranks_match_resident(mode, tmp_path):
-    with torch.no_grad():
-        ref = tiny_model()
-        want = [ref(*inputs(t=t)) for t in ((0.7, 0.4), (0.3, 0.2), (0.7, 0.4))]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # as the ranks run: another thread count sums in another order (not bitwise)
+    try:
+        with torch.no_grad():
+            ref = tiny_model()
+            want = [ref(*inputs(t=t)) for t in ((0.7, 0.4), (0.3, 0.2), (0.7, 0.4))]
+    finally:
+        torch.set_num_threads(threads)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     store = str(tmp_path / "rendezvous")

@@ -199,6 +199,22 @@ class DitSpec:
 
 
 @dataclass(frozen=True)
+class FastH3PoolSpec:
+    adapter: AdapterSpec = f("adapter", "The FastH3 4-step adapter this pool loads (path inside model.mountPath, and "
+                             "its sha256, required).")
+    ulysses: int = f("ulysses", "Ulysses degree of the FastH3 DiT (as dit.ulysses).", 1, minimum=1, maximum=DIT_HEADS)
+    ring: int = f("ring", "Ring degree of the FastH3 DiT (GPUs per FastH3 replica = ulysses x ring).", 1, minimum=1,
+                  maximum=MAX_REPLICA_GPUS)
+    replicas: int = f("replicas", "FastH3 DiT replicas.", 1, minimum=0, maximum=1024)
+    resources: Optional[dict] = f("resources", "CPU/memory requests and limits of a FastH3 DiT pod; the GPU count is "
+                                  "set from ulysses x ring.", None, **RESOURCES_SCHEMA)
+
+    @property
+    def sp(self) -> int:
+        return self.ulysses * self.ring
+
+
+@dataclass(frozen=True)
 class VaeSpec:
     patch_parallel: int = f("patchParallel", "Patch-parallel degree of the VAE decode (tiles over ranks): 1 or "
                             "the whole DiT group (dit.ulysses x dit.ring).", 1, minimum=1, maximum=MAX_REPLICA_GPUS)
@@ -360,6 +376,10 @@ class H3DeploymentSpec:
     vae: VaeSpec = f("vae", "The video + audio decoder stage.", factory=VaeSpec)
     muxer: MuxerSpec = f("muxer", "The MP4 muxer stage (CPU).", factory=MuxerSpec)
     gateway: GatewaySpec = f("gateway", "The front door.", factory=GatewaySpec)
+    fasth3: Optional[FastH3PoolSpec] = f("fasth3", "A FastH3 DiT pool beside the base one (profile base, "
+                                         "disaggregated placement): its own workload dit-fasth3 with its adapter, "
+                                         "degrees and replicas, sharing the encoder, VAE and muxer; the gateway "
+                                         "routes a request to it by model.", None)
     image_pull_policy: str = f("imagePullPolicy", "Pull policy of every container.", "IfNotPresent",
                                enum=["Always", "IfNotPresent", "Never"])
     image_pull_secrets: Optional[list] = f("imagePullSecrets", "Names of Secrets to pull the image with.", None)
@@ -507,9 +527,9 @@ def _operator_only_checks(s: H3DeploymentSpec) -> list[tuple[str, str]]:
     if s.model.volume is not None and len(s.model.volume) != 1:
         issues.append(("spec.model.volume", f"model.volume must name exactly one volume source (e.g. "
                                             f"persistentVolumeClaim), found {sorted(s.model.volume) or 'none'}"))
-    for st in (*PIPELINE_STAGES, "gateway"):
-        gpus = s.stage_gpus(st) if st != "gateway" else 0
-        if getattr(s, st).autoscaling is not None and s.pods_per_replica(gpus) > 1:
+    for st in (*PIPELINE_STAGES, "gateway", *(["fasth3"] if s.fasth3 is not None else [])):
+        gpus = s.stage_gpus(st) if st not in ("gateway", "fasth3") else 0
+        if st != "fasth3" and getattr(s, st).autoscaling is not None and s.pods_per_replica(gpus) > 1:
             issues.append((f"spec.{st}.autoscaling", f"{st}.autoscaling needs a {st} replica on one node ({st} needs "
                                                      f"{gpus} GPUs, gpusPerNode={s.gpus_per_node}): a multi-node gang "
                                                      f"scales by {st}.replicas"))

@@ -32,6 +32,7 @@ from h3serve.config.vocab import (
     DIT_HEADS,
     ENCODER_HEADS,
     ENCODER_KV_HEADS,
+    FASTH3_DIT,
     GRPC_PORT,
     HEALTH_SERVICE,
     HTTP_PORT,
@@ -51,6 +52,7 @@ TRANSPORTS = ("grpc", "nixl")
 MAX_REPLICA_GPUS = 1024  # a bound for the schema: GPUs of one stage replica (Ring has no head limit)
 
 NAME_MAX = 40  # leaves room for "-encoder-12" suffixes and StatefulSet pod / revision-hash labels (<= 63)
+STATEFULSET_NAME_MAX = 52  # its pods' controller-revision-hash label is the name + "-" + a 10-character hash
 _NAME_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _DNS_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -518,6 +520,13 @@ def validate(spec: H3DeploymentSpec, name: str | None = None) -> list[tuple[str,
     if name is not None and (len(name) > NAME_MAX or not _NAME_RE.match(name)):
         issues.append(("metadata.name", f"name {name!r} must be at most {NAME_MAX} characters of a-z, 0-9 and '-', "
                                         f"start with a letter and end with a letter or digit"))
+    if name is not None and spec.fasth3 is not None and spec.pods_per_replica(spec.fasth3.sp) > 1:
+        longest = f"{name}-{FASTH3_DIT}-{max(spec.fasth3.replicas - 1, 0)}"  # the pool's last gang StatefulSet
+        if len(longest) > STATEFULSET_NAME_MAX:
+            issues.append(("metadata.name", f"name {name!r} is too long for the fasth3 pool's multi-node replicas: "
+                                            f"their StatefulSet {longest} has {len(longest)} characters, at most "
+                                            f"{STATEFULSET_NAME_MAX}; use a name of at most "
+                                            f"{STATEFULSET_NAME_MAX - len(longest) + len(name)} characters"))
     issues += _operator_only_checks(spec)
     return issues
 

@@ -823,3 +823,13 @@ def test_fasth3_pool_rules_name_the_field(patch, says):
     with pytest.raises(SpecError) as e:
         parse_and_validate(d, "h3")
     assert says in str(e.value), str(e.value)
+
+
+def test_a_name_too_long_for_the_fasth3_pools_gangs_is_refused_naming_the_limit():
+    d = {**_spec_doc("base-disaggregated"), "gpusPerNode": 2, "fasth3": {**FAST, "replicas": 10},
+         "dit": {"ulysses": 2, "ring": 1}, "vae": {"patchParallel": 1}}
+    parse_and_validate(d, "a" * 39)  # a...a-dit-fasth3-9: 52 characters
+    with pytest.raises(SpecError, match=r"StatefulSet a{40}-dit-fasth3-9 has 53 characters, at most 52; use a name of "
+                                        r"at most 39 characters"):
+        parse_and_validate(d, "a" * 40)
+    parse_and_validate({**d, "gpusPerNode": 8}, "a" * 40)  # one-node replicas: a Deployment, no such label

@@ -226,6 +226,10 @@ def _positive(path: str) -> Op:
     return op("<=", Field(path), 0)
 
 
+FAST_SP = op("*", Field("fasth3.ulysses"), Field("fasth3.ring"))  # the FastH3 pool's GPUs per replica
+NO_FAST = unset("fasth3")
+
+
 def _autoscaling_rules(st: str) -> tuple[Rule, ...]:
     auto = f"{st}.autoscaling"
     return (
@@ -281,6 +285,26 @@ RULES: tuple[Rule, ...] = (
          "more than one gateway (gateway.replicas, gateway.autoscaling.maxReplicas, or a colocated spec.replicas: "
          "each colocated replica runs its own gateway) needs gateway.jobStore, so that every gateway sees every "
          "job: set gateway.jobStore.s3 or run one gateway"),
+    Rule("fasth3", any_of(NO_FAST, op("==", Field("profile"), "base")),
+         "fasth3 (a FastH3 pool beside the base one) needs profile base, got profile {p}: a fasth3 deployment "
+         "serves FastH3 alone; remove spec.fasth3", dict(p=Field("profile"))),
+    Rule("fasth3", any_of(NO_FAST, DISAGGREGATED),
+         "fasth3 needs placement disaggregated: a colocated replica is one engine pod running every stage on the "
+         "same GPUs, and a second DiT pool inside it is not built; use placement disaggregated or remove spec.fasth3"),
+    Rule("fasth3.adapter", any_of(NO_FAST, has("fasth3.adapter.sha256")),
+         "fasth3.adapter needs sha256 (the lower-case hex sha256 of the FastH3 adapter file): the pool refuses a "
+         "file that does not match"),
+    Rule("fasth3.ulysses", any_of(NO_FAST, op("in", Field("fasth3.ulysses"), ulysses_choices())), ULYSSES_MESSAGE,
+         dict(FIELD_NAMES, ulysses="fasth3.ulysses", ring="fasth3.ring", u=Field("fasth3.ulysses"), heads=DIT_HEADS,
+              choices=join_choices(ulysses_choices()))),
+    Rule("fasth3", any_of(NO_FAST, _positive("gpusPerNode"), op("<=", FAST_SP, GPN), op("==", op("%", FAST_SP, GPN), 0)),
+         "fasth3 needs {n:d} GPUs, more than gpusPerNode={gpn:d}: {whole}", dict(n=FAST_SP, gpn=GPN, whole=WHOLE_NODES)),
+    Rule("fasth3.adapter.path",
+         any_of(NO_FAST, all_of(_normal("fasth3.adapter.path"),
+                                any_of(unset("model.volume"), _inside_mount("fasth3.adapter.path")))),
+         "fasth3.adapter.path {path} must be a normalised absolute path (no '.', '..' or empty segments) inside "
+         "model.mountPath {mount} when model.volume is set",
+         dict(path=Field("fasth3.adapter.path"), mount=Field("model.mountPath"))),
     Rule("model.path", _normal("model.path"), "model.path " + NORMAL_PATH, dict(path=Field("model.path"))),
     Rule("model.mountPath", _normal("model.mountPath"), "model.mountPath " + NORMAL_PATH,
          dict(path=Field("model.mountPath"))),

@@ -32,6 +32,7 @@ from h3serve.config.vocab import (
     DIT_HEADS,
     ENCODER_HEADS,
     ENCODER_KV_HEADS,
+    FASTH3_DIT,
     GRPC_PORT,
     HEALTH_SERVICE,
     HTTP_PORT,
@@ -51,6 +52,7 @@ TRANSPORTS = ("grpc", "nixl")
 MAX_REPLICA_GPUS = 1024  # a bound for the schema: GPUs of one stage replica (Ring has no head limit)
 
 NAME_MAX = 40  # leaves room for "-encoder-12" suffixes and StatefulSet pod / revision-hash labels (<= 63)
+STATEFULSET_NAME_MAX = 52  # its pods' controller-revision-hash label is the name + "-" + a 10-character hash
 _NAME_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _DNS_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -195,6 +197,22 @@ class DitSpec:
     @property
     def sp(self) -> int:
         """The sequence-parallel group size: one GPU (and one rank) per member."""
+        return self.ulysses * self.ring
+
+
+@dataclass(frozen=True)
+class FastH3PoolSpec:
+    adapter: AdapterSpec = f("adapter", "The FastH3 4-step adapter this pool loads (path inside model.mountPath, and "
+                             "its sha256, required).")
+    ulysses: int = f("ulysses", "Ulysses degree of the FastH3 DiT (as dit.ulysses).", 1, minimum=1, maximum=DIT_HEADS)
+    ring: int = f("ring", "Ring degree of the FastH3 DiT (GPUs per FastH3 replica = ulysses x ring).", 1, minimum=1,
+                  maximum=MAX_REPLICA_GPUS)
+    replicas: int = f("replicas", "FastH3 DiT replicas.", 1, minimum=0, maximum=1024)
+    resources: Optional[dict] = f("resources", "CPU/memory requests and limits of a FastH3 DiT pod; the GPU count is "
+                                  "set from ulysses x ring.", None, **RESOURCES_SCHEMA)
+
+    @property
+    def sp(self) -> int:
         return self.ulysses * self.ring
 
 
@@ -360,6 +378,10 @@ class H3DeploymentSpec:
     vae: VaeSpec = f("vae", "The video + audio decoder stage.", factory=VaeSpec)
     muxer: MuxerSpec = f("muxer", "The MP4 muxer stage (CPU).", factory=MuxerSpec)
     gateway: GatewaySpec = f("gateway", "The front door.", factory=GatewaySpec)
+    fasth3: Optional[FastH3PoolSpec] = f("fasth3", "A FastH3 DiT pool beside the base one (profile base, "
+                                         "disaggregated placement): its own workload dit-fasth3 with its adapter, "
+                                         "degrees and replicas, sharing the encoder, VAE and muxer; the gateway "
+                                         "routes a request to it by model.", None)
     image_pull_policy: str = f("imagePullPolicy", "Pull policy of every container.", "IfNotPresent",
                                enum=["Always", "IfNotPresent", "Never"])
     image_pull_secrets: Optional[list] = f("imagePullSecrets", "Names of Secrets to pull the image with.", None)
@@ -498,6 +520,13 @@ def validate(spec: H3DeploymentSpec, name: str | None = None) -> list[tuple[str,
     if name is not None and (len(name) > NAME_MAX or not _NAME_RE.match(name)):
         issues.append(("metadata.name", f"name {name!r} must be at most {NAME_MAX} characters of a-z, 0-9 and '-', "
                                         f"start with a letter and end with a letter or digit"))
+    if name is not None and spec.fasth3 is not None and spec.pods_per_replica(spec.fasth3.sp) > 1:
+        longest = f"{name}-{FASTH3_DIT}-{max(spec.fasth3.replicas - 1, 0)}"  # the pool's last gang StatefulSet
+        if len(longest) > STATEFULSET_NAME_MAX:
+            issues.append(("metadata.name", f"name {name!r} is too long for the fasth3 pool's multi-node replicas: "
+                                            f"their StatefulSet {longest} has {len(longest)} characters, at most "
+                                            f"{STATEFULSET_NAME_MAX}; use a name of at most "
+                                            f"{STATEFULSET_NAME_MAX - len(longest) + len(name)} characters"))
     issues += _operator_only_checks(spec)
     return issues
 
@@ -507,9 +536,9 @@ def _operator_only_checks(s: H3DeploymentSpec) -> list[tuple[str, str]]:
     if s.model.volume is not None and len(s.model.volume) != 1:
         issues.append(("spec.model.volume", f"model.volume must name exactly one volume source (e.g. "
                                             f"persistentVolumeClaim), found {sorted(s.model.volume) or 'none'}"))
-    for st in (*PIPELINE_STAGES, "gateway"):
-        gpus = s.stage_gpus(st) if st != "gateway" else 0
-        if getattr(s, st).autoscaling is not None and s.pods_per_replica(gpus) > 1:
+    for st in (*PIPELINE_STAGES, "gateway", *(["fasth3"] if s.fasth3 is not None else [])):
+        gpus = s.stage_gpus(st) if st not in ("gateway", "fasth3") else 0
+        if st != "fasth3" and getattr(s, st).autoscaling is not None and s.pods_per_replica(gpus) > 1:
             issues.append((f"spec.{st}.autoscaling", f"{st}.autoscaling needs a {st} replica on one node ({st} needs "
                                                      f"{gpus} GPUs, gpusPerNode={s.gpus_per_node}): a multi-node gang "
                                                      f"scales by {st}.replicas"))

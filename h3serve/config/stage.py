@@ -14,6 +14,7 @@ from h3serve.config.spec import ServiceConfig
 from h3serve.config.vocab import (
     DEFAULT_DTYPE,
     DEFAULT_TASKS,
+    FASTH3_DIT,
     MODEL_STAGES,
     PIPELINE_STAGES,
     PORT_OFFSETS,
@@ -23,6 +24,7 @@ from h3serve.config.vocab import (
 from h3serve.errors import H3Error
 
 CONFIG_ENV = "H3SERVE_CONFIG"  # path of the mounted ServiceConfig
+COMPONENT_ENV = "H3SERVE_COMPONENT"  # the pod's component; dit-fasth3: a DiT process of the FastH3 pool
 API_KEYS_ENV = "H3SERVE_API_KEYS_FILE"  # the gateway's API keys file (the default of --api-keys-file)
 API_KEY_ENV = "H3SERVE_API_KEY"         # a client's API key (the default of the SDK's and the CLI's key)
 # Where the operator mounts Secrets into the pods (read-only; a Secret volume swaps its files atomically on change).
@@ -143,7 +145,18 @@ def service_config_values(service_config: dict, stage: str) -> dict[str, Any]:
 
     A colocated replica pod runs every stage (`--stages all`): each of its processes gets the model knobs, and the
     stages listen on the pod's gRPC port + their offset. Disaggregated, a pod runs one stage on the gRPC port.
+    `stage` FASTH3_DIT: a DiT process of the spec's FastH3 pool (profile fasth3, its adapter and degrees).
     """
+    if stage == FASTH3_DIT:
+        out = service_config_values(service_config, "dit")
+        pool = ServiceConfig.from_dict(service_config).spec.fasth3
+        if pool is None:
+            raise ValueError(f"{FASTH3_DIT}: this ServiceConfig declares no fasth3 pool")
+        # the levers are base-only; vae_pp belongs to the VAE (1: it must not be checked against this pool's group)
+        out.update(profile="fasth3", adapter=pool.adapter.path, adapter_sha256=pool.adapter.sha256,
+                   ulysses=pool.ulysses, ring=pool.ring, vae_pp=1, dit_resident_blocks=None,
+                   dit_offload_mode="local", fp8=False, fp8_attention=False)
+        return out
     sc = ServiceConfig.from_dict(service_config)
     spec, grpc_port = sc.spec, int(service_config["ports"]["grpc"])
     colocated = spec.placement == "colocated"
@@ -175,6 +188,8 @@ def service_config_values(service_config: dict, stage: str) -> dict[str, Any]:
     if stage == "gateway":
         out.update(http_host="0.0.0.0", http_port=int(service_config["ports"]["http"]),
                    queue_size=spec.gateway.queue_size, **{s: sc.endpoints[s] for s in PIPELINE_STAGES})
+        if FASTH3_DIT in sc.endpoints:
+            out["fasth3_dit"] = sc.endpoints[FASTH3_DIT]
         auth, store = spec.gateway.auth, spec.gateway.job_store
         if auth.api_keys_secret is not None:
             out["api_keys_file"] = API_KEYS_PATH

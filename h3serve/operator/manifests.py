@@ -7,7 +7,8 @@ What it renders for an H3Deployment `<name>`:
 - ConfigMap `<name>-config` holding the service config (`h3serve.config.spec.ServiceConfig`) every process reads.
 - Workloads. `colocated`: component `engine`, one pod per replica running every stage (gateway included) on the
   same GPUs (`h3serve serve --stages all`: the stages talk over loopback inside the pod). `disaggregated`: one
-  workload per stage (`encoder`, `dit`, `vae`, `muxer`) plus the gateway Deployment. A replica whose GPUs fit one
+  workload per stage (`encoder`, `dit`, `vae`, `muxer`; with spec.fasth3 also `dit-fasth3`, a second DiT pool of
+  profile fasth3 the gateway routes to by model) plus the gateway Deployment. A replica whose GPUs fit one
   node is one pod with N GPUs and N ranks (a Deployment); a replica larger than a node is a gang: a StatefulSet per
   replica `<name>-<component>-<r>` with one pod per node, a headless Service of the same name, leader = ordinal 0.
 - A Service per component, selecting leaders only: `<name>-<stage>` and the front door `<name>-gateway` (which
@@ -33,9 +34,10 @@ import yaml
 
 from h3serve.config.metrics import METRICS_PORT, SIGNALS
 from h3serve.config.spec import API_VERSION, KIND, H3DeploymentSpec, ServiceConfig
-from h3serve.config.stage import API_KEYS_DIR, API_KEYS_KEY, CONFIG_ENV, TLS_DIR, TLS_FILES, service_config_values, tls_peer_name
+from h3serve.config.stage import API_KEYS_DIR, API_KEYS_KEY, COMPONENT_ENV, CONFIG_ENV, TLS_DIR, TLS_FILES, service_config_values, tls_peer_name
 from h3serve.config.vocab import (
     DIST_PORT,
+    FASTH3_DIT,
     GRPC_PORT,
     HEALTH_SERVICE,
     HTTP_PORT,
@@ -94,14 +96,19 @@ def selector(name: str, component: str) -> dict[str, str]:
 
 
 def components(spec: H3DeploymentSpec) -> list[str]:
-    """The workload components of a spec: the engine (colocated), or each stage then the gateway."""
-    return [ENGINE] if spec.placement == "colocated" else [*PIPELINE_STAGES, GATEWAY]
+    """The workload components of a spec: the engine (colocated), or each stage (and the FastH3 DiT pool, when
+    declared) then the gateway."""
+    if spec.placement == "colocated":
+        return [ENGINE]
+    return [*PIPELINE_STAGES, *([FASTH3_DIT] if spec.fasth3 is not None else []), GATEWAY]
 
 
 def component_gpus(spec: H3DeploymentSpec, component: str) -> int:
     """GPUs (= ranks) of one replica of a component."""
     if component == ENGINE:
         return spec.dit.sp
+    if component == FASTH3_DIT:
+        return spec.fasth3.sp
     if component in MODEL_STAGES:
         return spec.stage_gpus(component)
     return 0
@@ -110,12 +117,14 @@ def component_gpus(spec: H3DeploymentSpec, component: str) -> int:
 def component_replicas(spec: H3DeploymentSpec, component: str) -> int:
     if component == ENGINE:
         return spec.stage_replicas("dit")
+    if component == FASTH3_DIT:
+        return spec.fasth3.replicas
     return spec.stage_replicas(component)
 
 
 def autoscaling(spec: H3DeploymentSpec, component: str):
     """The component's AutoscalingSpec, or None (the colocated engine scales by spec.replicas)."""
-    return None if component == ENGINE else getattr(spec, component).autoscaling
+    return None if component in (ENGINE, FASTH3_DIT) else getattr(spec, component).autoscaling
 
 
 def gang_size(spec: H3DeploymentSpec, component: str) -> int:
@@ -143,7 +152,8 @@ def endpoints(spec: H3DeploymentSpec, name: str, namespace: str) -> dict[str, st
     if spec.placement == "colocated":
         out = {st: f"127.0.0.1:{GRPC_PORT + PORT_OFFSETS[st]}" for st in PIPELINE_STAGES}
     else:
-        out = {st: f"dns:///{headless_name(name, st)}.{namespace}.svc:{GRPC_PORT}" for st in PIPELINE_STAGES}
+        out = {st: f"dns:///{headless_name(name, st)}.{namespace}.svc:{GRPC_PORT}"
+               for st in (*PIPELINE_STAGES, *([FASTH3_DIT] if spec.fasth3 is not None else []))}
     out[GATEWAY] = f"{name}-{GATEWAY}.{namespace}.svc:{GRPC_PORT}"
     return out
 
@@ -236,7 +246,7 @@ def _component(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, cfg
     if front(comp):
         svc_spec["type"] = spec.gateway.service_type
     objs.append(_meta({"apiVersion": "v1", "kind": "Service", "spec": svc_spec}, svc_name, name, namespace, comp))
-    if comp in PIPELINE_STAGES:  # disaggregated: the per-call balanced target of the gateway (`endpoints`)
+    if comp in (*PIPELINE_STAGES, FASTH3_DIT):  # disaggregated: the gateway's per-call balanced target (`endpoints`)
         objs.append(_meta({"apiVersion": "v1", "kind": "Service", "spec": {
             "clusterIP": "None", "selector": svc_selector, "ports": ports}},
             headless_name(name, comp), name, namespace, comp))
@@ -271,14 +281,16 @@ def _component(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, cfg
 
 
 def _stage_opts(spec: H3DeploymentSpec, comp: str):
-    sub = spec.gateway if comp == GATEWAY else (spec.dit if comp == ENGINE else getattr(spec, comp))
-    node_selector, tolerations = sub.node_selector, sub.tolerations
+    sub = spec.gateway if comp == GATEWAY else (spec.dit if comp in (ENGINE, FASTH3_DIT) else getattr(spec, comp))
+    node_selector, tolerations = sub.node_selector, sub.tolerations  # the FastH3 pool is placed like the DiT
     if component_gpus(spec, comp):  # the spec-wide placement is for GPU pods: CPU stages do not tolerate GPU taints
         node_selector = spec.node_selector if node_selector is None else node_selector
         tolerations = spec.tolerations if tolerations is None else tolerations
     resources = sub.resources
     if comp == ENGINE:  # the engine pod runs every stage: take the DiT's resources (the largest stage)
         resources = spec.dit.resources
+    if comp == FASTH3_DIT:
+        resources = spec.fasth3.resources
     return node_selector, tolerations, resources
 
 
@@ -342,6 +354,8 @@ def metrics_ports(comp: str) -> dict[str, int]:
     """stage -> the port its process serves /metrics on, for the processes of a component's pods."""
     if comp == GATEWAY:
         return {GATEWAY: HTTP_PORT}
+    if comp == FASTH3_DIT:  # its pods run a DiT process
+        return metrics_ports("dit")
     out = {st: METRICS_PORT + PORT_OFFSETS[st] for st in component_stages(comp) if st in PIPELINE_STAGES}
     if comp == ENGINE:
         out[GATEWAY] = HTTP_PORT
@@ -351,7 +365,7 @@ def metrics_ports(comp: str) -> dict[str, int]:
 def _env(spec: H3DeploymentSpec, comp: str) -> list[dict]:
     env = [
         {"name": CONFIG_ENV, "value": CONFIG_PATH},
-        {"name": "H3SERVE_COMPONENT", "value": comp},
+        {"name": COMPONENT_ENV, "value": comp},
         *([{"name": "H3SERVE_METRICS_PORT", "value": str(METRICS_PORT)}] if comp != GATEWAY else []),
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
@@ -380,8 +394,8 @@ def _dist_env(world: int, per_pod: int, nnodes: int, master: str, gang: bool) ->
 
 def serve_args(comp: str) -> list[str]:
     """The `h3serve serve` command line of a component: its stages; the rest is in the mounted service config."""
-    args = ["h3serve", "serve", "--stages", "all" if comp == ENGINE else comp]
-    if comp in PIPELINE_STAGES:  # peers (the VAE streaming to a muxer) reach this very pod
+    args = ["h3serve", "serve", "--stages", "all" if comp == ENGINE else ("dit" if comp == FASTH3_DIT else comp)]
+    if comp in (*PIPELINE_STAGES, FASTH3_DIT):  # peers (the VAE streaming to a muxer) reach this very pod
         args += ["--advertise", f"$(POD_IP):{GRPC_PORT}"]
     return args
 

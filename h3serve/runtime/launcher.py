@@ -28,7 +28,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from h3serve._proto import common_pb2
-from h3serve.config.stage import CONFIG_ENV, StageConfig, connect_host, service_config_values
+from h3serve.config.stage import COMPONENT_ENV, CONFIG_ENV, StageConfig, connect_host, service_config_values
 from h3serve.config.vocab import FASTH3_DIT, HTTP_PORT, MODEL_STAGES, PORT_OFFSETS, SERVICE_NAMES, STAGES, START_ORDER
 from h3serve.distributed.world import free_port
 from h3serve.errors import H3Error, RequestError
@@ -300,7 +300,8 @@ def config_from_args(args: argparse.Namespace, stage: str, environ: Mapping[str,
         except (OSError, ValueError) as exc:
             raise H3Error(f"{CONFIG_ENV}={path}: cannot read the mounted ServiceConfig: {exc}") from None
         try:
-            values.update(service_config_values(doc, stage))
+            pool = FASTH3_DIT if stage == "dit" and environ.get(COMPONENT_ENV) == FASTH3_DIT else stage
+            values.update(service_config_values(doc, pool))
         except (KeyError, TypeError, ValueError) as exc:   # not a ServiceConfig the operator rendered
             raise H3Error(f"{CONFIG_ENV}={path}: not a ServiceConfig ({type(exc).__name__}: {exc})") from None
     return StageConfig(**values)

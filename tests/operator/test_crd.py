@@ -91,7 +91,8 @@ def _eval_message_expression(r, doc: dict) -> str:
 def test_message_expressions_say_what_python_says():
     doc = S.H3DeploymentSpec.from_dict({
         "image": "i", "profile": "fasth3", "model": {"path": "/m/H3", "adapter": {"path": "/x/a", "sha256": "0" * 64}},
-        "encoder": {"tensorParallel": 3}, "dit": {"ulysses": 3, "ring": 2}, "vae": {"patchParallel": 5}}).to_dict()
+        "encoder": {"tensorParallel": 3}, "dit": {"ulysses": 3, "ring": 2}, "vae": {"patchParallel": 5},
+        "fasth3": {"adapter": {"path": "/x/b"}, "ulysses": 3, "ring": 3}}).to_dict()
     for r in RULES:
         assert _eval_message_expression(r, doc) == r.format(doc), r.field
 

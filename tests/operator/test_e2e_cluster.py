@@ -248,6 +248,18 @@ BAD_SPECS = {
     "gateways-without-store": {"replicas": 2},
     "gateways-without-store-split": {"placement": "disaggregated", "gateway": {"auth": {"disabled": True},
                                                                               "replicas": 3}},
+    # a FastH3 pool beside the base one (spec.fasth3)
+    "fasth3-colocated": {"fasth3": {"adapter": {"path": "/models/f.safetensors", "sha256": SHA}}},
+    "fasth3-profile": {"placement": "disaggregated", "profile": "fasth3",
+                       "model": {"adapter": {"path": "/models/a.safetensors", "sha256": SHA}},
+                       "fasth3": {"adapter": {"path": "/models/f.safetensors", "sha256": SHA}}},
+    "fasth3-sha256": {"placement": "disaggregated", "fasth3": {"adapter": {"path": "/models/f.safetensors"}}},
+    "fasth3-heads": {"placement": "disaggregated",
+                     "fasth3": {"adapter": {"path": "/models/f.safetensors", "sha256": SHA}, "ulysses": 3}},
+    "fasth3-gang": {"placement": "disaggregated", "gpusPerNode": 4,
+                    "fasth3": {"adapter": {"path": "/models/f.safetensors", "sha256": SHA}, "ulysses": 2, "ring": 3}},
+    "fasth3-adapter-path": {"placement": "disaggregated",
+                            "fasth3": {"adapter": {"path": "/elsewhere/f.safetensors", "sha256": SHA}}},
 }
 
 

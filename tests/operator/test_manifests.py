@@ -202,7 +202,7 @@ def test_pods_read_their_stage_config_from_the_mounted_service_config(path, tmp_
     """Every container's argv parses with the real CLI; with the rendered ServiceConfig mounted, each process it
     starts gets the StageConfig it needs (degrees, profile, adapter, dtype, ports, peer addresses)."""
     from h3serve.cli import build_parser
-    from h3serve.config.stage import CONFIG_ENV
+    from h3serve.config.stage import COMPONENT_ENV, CONFIG_ENV
     from h3serve.runtime.launcher import config_from_args, parse_stages
 
     parser = build_parser()
@@ -212,27 +212,36 @@ def test_pods_read_their_stage_config_from_the_mounted_service_config(path, tmp_
     objs = render_example(path)
     cfg = tmp_path / "h3serve.yaml"
     cfg.write_text([o for o in objs if o["kind"] == "ConfigMap"][0]["data"]["h3serve.yaml"])
-    environ = {CONFIG_ENV: str(cfg)}
     colocated = spec.placement == "colocated"
     for w, pod in pods(objs):
         c = pod["containers"][0]
         argv = c.get("args") or c["command"]
         assert argv[:2] == ["h3serve", "serve"]
-        assert {e["name"]: e.get("value") for e in c["env"]}[CONFIG_ENV] == M.CONFIG_PATH
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env[CONFIG_ENV] == M.CONFIG_PATH
+        environ = {CONFIG_ENV: str(cfg), COMPONENT_ENV: env[COMPONENT_ENV]}
+        # the FastH3 pool's pods run a DiT process of profile fasth3 with the pool's adapter and degrees
+        pool = spec.fasth3 if env[COMPONENT_ENV] == "dit-fasth3" else None
         assert not {"--ulysses", "--ring", "--encoder-tp", "--vae-pp", "--profile", "--dtype"} & set(argv)
         ns = parser.parse_args(argv[1:])
         comp = w["metadata"]["labels"][M.LABEL_COMPONENT]
         # the processes of this pod: one stage, or (colocated) every stage under the launcher
         for stage in parse_stages(ns.stages):
             sc = config_from_args(ns, stage, environ)
-            assert (sc.stage, sc.host, sc.profile, sc.grace_s) == (stage, "0.0.0.0", spec.profile, spec.drain_seconds)
+            assert (sc.stage, sc.host, sc.profile, sc.grace_s) == (
+                stage, "0.0.0.0", "fasth3" if pool else spec.profile, spec.drain_seconds)
             assert spec.drain_seconds <= pod["terminationGracePeriodSeconds"] - 30
             assert sc.port == 50051 + (M.PORT_OFFSETS[stage] if colocated else 0)
-            if colocated or stage in ("encoder", "dit", "vae"):
+            if pool is not None:
+                assert (sc.checkpoint, sc.dtype, sc.device) == (spec.model.path, "bf16", "cuda")
+                assert (sc.ulysses, sc.ring, sc.vae_pp) == (pool.ulysses, pool.ring, 1)
+                assert (sc.adapter, sc.adapter_sha256) == (pool.adapter.path, pool.adapter.sha256)
+                assert (sc.fp8, sc.dit_resident_blocks) == (False, None)
+            elif colocated or stage in ("encoder", "dit", "vae"):
                 assert (sc.checkpoint, sc.dtype, sc.device) == (spec.model.path, "bf16", "cuda")
                 assert (sc.encoder_tp, sc.ulysses, sc.ring, sc.vae_pp) == (
                     spec.encoder.tensor_parallel, spec.dit.ulysses, spec.dit.ring, spec.vae.patch_parallel)
-            if (colocated or stage == "dit") and spec.profile == "fasth3":
+            if (colocated or stage == "dit") and spec.profile == "fasth3" and pool is None:
                 assert (sc.adapter, sc.adapter_sha256) == (spec.model.adapter.path, spec.model.adapter.sha256)
             if colocated or stage == "muxer":
                 assert sc.mux_threads == spec.muxer.workers
@@ -242,6 +251,7 @@ def test_pods_read_their_stage_config_from_the_mounted_service_config(path, tmp_
                 assert (sc.http_host, sc.http_port, sc.queue_size) == ("0.0.0.0", 8000, spec.gateway.queue_size)
                 want = (f"127.0.0.1:{50051 + M.PORT_OFFSETS['dit']}" if colocated else f"dns:///{name}-dit-headless.h3.svc:50051")
                 assert sc.dit == want
+                assert sc.fasth3_dit == (f"dns:///{name}-dit-fasth3-headless.h3.svc:50051" if spec.fasth3 else None)
             if not colocated and stage != "gateway":  # peers reach this very pod
                 assert sc.advertise == "$(POD_IP):50051"
         if comp == "engine":
@@ -721,3 +731,105 @@ def test_the_manifest_pin_reaches_every_model_stage_and_only_those():
     c["model"]["manifestSha256"] = "ABC"
     with pytest.raises(SpecError, match=r"spec.model.manifestSha256"):
         parse_and_validate(c, "h3")
+
+
+# ---- a FastH3 DiT pool beside the base one (spec.fasth3) -----------------------------------------------------------
+
+FAST = {"adapter": {"path": "/models/FastH3/adapter.safetensors", "sha256": "ab" * 32}, "ulysses": 2, "ring": 2,
+        "replicas": 3}
+
+
+@pytest.mark.parametrize("gpus_per_node", [8, 2], ids=["one-node", "gangs"])
+def test_fasth3_pool_is_a_second_dit_workload_with_services_and_the_gateways_target(gpus_per_node):
+    from h3serve.config.stage import StageConfig
+
+    d = {**_spec_doc("base-disaggregated"), "gpusPerNode": gpus_per_node, "fasth3": FAST}
+    d["dit"] = {**d["dit"], "ring": 1} if gpus_per_node == 2 else d["dit"]  # 4 GPUs: a gang of 2 pods
+    d["vae"] = {**d["vae"], "patchParallel": 1}
+    objs = M.render(parse_and_validate(d, "h3"), "h3", "apps")
+    fast = [o for o in objs if o["metadata"]["labels"].get(M.LABEL_COMPONENT) == "dit-fasth3"]
+    base = [o for o in objs if o["metadata"]["labels"].get(M.LABEL_COMPONENT) == "dit"]
+    # the same kinds of objects as the base DiT (Services, workloads, gang Services and PodGroups), under its name
+    assert {o["kind"] for o in fast} == {o["kind"] for o in base} | {"PodDisruptionBudget"}
+    svcs = {o["metadata"]["name"]: o for o in fast if o["kind"] == "Service"}
+    assert svcs["h3-dit-fasth3-headless"]["spec"]["clusterIP"] == "None"
+    assert svcs["h3-dit-fasth3-headless"]["spec"]["selector"] == svcs["h3-dit-fasth3"]["spec"]["selector"]
+    workloads = [o for o in fast if o["kind"] in ("Deployment", "StatefulSet")]
+    if gpus_per_node == 8:
+        assert [(w["kind"], w["spec"]["replicas"]) for w in workloads] == [("Deployment", 3)]
+    else:  # 4 GPUs over 2-GPU nodes: one StatefulSet (a gang of 2 pods) per replica, like the DiT's
+        assert [(w["kind"], w["metadata"]["name"], w["spec"]["replicas"]) for w in workloads] == [
+            ("StatefulSet", f"h3-dit-fasth3-{r}", 2) for r in range(3)]
+        assert {o["metadata"]["name"] for o in fast if o["kind"] == "PodGroup"} == {f"h3-dit-fasth3-{r}" for r in range(3)}
+    for w in workloads:
+        c = w["spec"]["template"]["spec"]["containers"][0]
+        argv = c.get("args") or c["command"]
+        assert argv[:4] == ["h3serve", "serve", "--stages", "dit"]
+        assert {e["name"]: e.get("value") for e in c["env"]}["H3SERVE_COMPONENT"] == "dit-fasth3"
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == 4 // (1 if gpus_per_node == 8 else 2)
+        sel = {k: v for k, v in svcs["h3-dit-fasth3"]["spec"]["selector"].items() if k != M.LABEL_POD_INDEX}
+        assert sel.items() <= w["spec"]["template"]["metadata"]["labels"].items()
+    assert [o["spec"]["minAvailable"] for o in fast if o["kind"] == "PodDisruptionBudget"] == [
+        2 * (1 if gpus_per_node == 8 else 2)]
+    cfg = yaml.safe_load(next(o for o in objs if o["kind"] == "ConfigMap")["data"]["h3serve.yaml"])
+    gw = StageConfig.from_service_config(cfg, "gateway")
+    assert gw.fasth3_dit == "dns:///h3-dit-fasth3-headless.apps.svc:50051"
+    assert gw.dit == "dns:///h3-dit-headless.apps.svc:50051"
+    pool = StageConfig.from_service_config(cfg, "dit-fasth3")
+    assert (pool.stage, pool.profile, pool.ulysses, pool.ring, pool.adapter, pool.adapter_sha256) == (
+        "dit", "fasth3", 2, 2, FAST["adapter"]["path"], FAST["adapter"]["sha256"])
+    # no spec.fasth3: no such key for the gateway, and the pool's slice cannot be asked for
+    plain = M.service_config(parse_and_validate(_spec_doc("base-disaggregated"), "h3"), "h3", "apps").to_dict()
+    assert StageConfig.from_service_config(plain, "gateway").fasth3_dit is None
+    with pytest.raises(ValueError, match="declares no fasth3 pool"):
+        StageConfig.from_service_config(plain, "dit-fasth3")
+
+
+FAST_ROLLOUTS = {  # change of the FastH3 pool -> the workloads whose pods roll
+    "add-the-pool": (None, FAST, {"h3-split-gateway"}),  # the gateway gains its target; the new pool just starts
+    "adapter": (FAST, {**FAST, "adapter": {"path": "/models/FastH3/v2.safetensors", "sha256": "cd" * 32}},
+                {"h3-split-dit-fasth3"}),
+    "degrees": (FAST, {**FAST, "ulysses": 4, "ring": 1}, {"h3-split-dit-fasth3"}),
+    "resources": (FAST, {**FAST, "resources": {"requests": {"cpu": "4"}}}, {"h3-split-dit-fasth3"}),
+    "replicas": (FAST, {**FAST, "replicas": 5}, set()),
+    "remove-the-pool": (FAST, None, {"h3-split-gateway"}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FAST_ROLLOUTS))
+def test_changing_the_fasth3_pool_restarts_only_its_pods_and_the_gateway(case):
+    before, after, want = FAST_ROLLOUTS[case]
+    d = _spec_doc("base-disaggregated")
+    a = {**d, **({"fasth3": before} if before else {})}
+    b = {**d, **({"fasth3": after} if after else {})}
+    assert _changed(_templates(a, "h3-split"), _templates(b, "h3-split")) == want
+
+
+@pytest.mark.parametrize("patch,says", [
+    ({"placement": "colocated", "dit": {"ulysses": 4, "ring": 2}, "vae": {"patchParallel": 1}, "encoder": {},
+      "muxer": {}, "gateway": {"auth": {"disabled": True}}},
+     "fasth3 needs placement disaggregated: a colocated replica is one engine pod"),
+    ({"profile": "fasth3", "model": {"path": "/models/MiniMax-H3", "adapter": FAST["adapter"]}},
+     "fasth3 (a FastH3 pool beside the base one) needs profile base, got profile fasth3"),
+    ({"fasth3": {**FAST, "adapter": {"path": FAST["adapter"]["path"]}}}, "fasth3.adapter needs sha256"),
+    ({"fasth3": {**FAST, "ulysses": 3}}, "fasth3.ulysses=3 must divide the DiT's 56 attention heads"),
+    ({"fasth3": {**FAST, "ulysses": 4, "ring": 3}}, "fasth3 needs 12 GPUs, more than gpusPerNode=8"),
+    ({"fasth3": {**FAST, "adapter": {**FAST["adapter"], "path": "/elsewhere/a.safetensors"}}},
+     "fasth3.adapter.path /elsewhere/a.safetensors must be a normalised absolute path"),
+    ({"fasth3": {**FAST, "resources": {"limits": {"nvidia.com/gpu": 2}}}}, "remove nvidia.com/gpu from fasth3"),
+])
+def test_fasth3_pool_rules_name_the_field(patch, says):
+    d = {**_spec_doc("base-disaggregated"), "fasth3": FAST, **patch}
+    with pytest.raises(SpecError) as e:
+        parse_and_validate(d, "h3")
+    assert says in str(e.value), str(e.value)
+
+
+def test_a_name_too_long_for_the_fasth3_pools_gangs_is_refused_naming_the_limit():
+    d = {**_spec_doc("base-disaggregated"), "gpusPerNode": 2, "fasth3": {**FAST, "replicas": 10},
+         "dit": {"ulysses": 2, "ring": 1}, "vae": {"patchParallel": 1}}
+    parse_and_validate(d, "a" * 39)  # a...a-dit-fasth3-9: 52 characters
+    with pytest.raises(SpecError, match=r"StatefulSet a{40}-dit-fasth3-9 has 53 characters, at most 52; use a name of "
+                                        r"at most 39 characters"):
+        parse_and_validate(d, "a" * 40)
+    parse_and_validate({**d, "gpusPerNode": 8}, "a" * 40)  # one-node replicas: a Deployment, no such label

@@ -219,6 +219,8 @@ def test_every_rule_fires():
         base(placement="disaggregated", **{st: {"replicas": 1, "autoscaling": {"minReplicas": 3, "maxReplicas": 2}}
                                            for st in ("encoder", "dit", "vae", "muxer", "gateway")}),
         base(**{st: {"autoscaling": {"maxReplicas": 2}} for st in ("encoder", "dit", "vae", "muxer", "gateway")}),
+        base(fasth3={"adapter": {"path": "/models/../f"}, "ulysses": 3, "ring": 3}),  # profile-free rules
+        base(profile="fasth3", fasth3={"adapter": {"path": "/f", "sha256": SHA}}),
     ]
     fired = set()
     for d in bad_specs:

@@ -150,3 +150,39 @@ def embedded(tiny_checkpoint, tmp_path_factory):
 
     pipe = Pipeline.load(tiny_checkpoint, dtype="fp32", device="cpu")
     return embedded_maker(pipe, tmp_path_factory.mktemp("embedded"))
+
+
+class LoneStage:
+    """One stage in its own process (`h3serve serve --stages <stage> --port 0`) with extra environment."""
+
+    def __init__(self, stage: str, *argv: str, env: dict, timeout: float = 120.0):
+        cmd = [sys.executable, "-m", "h3serve.cli", "--log-level", "WARNING", "serve", "--stages", stage,
+               "--port", "0", "--threads", str(THREADS), *argv]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=REPO,
+                                     env=dict(os.environ, OMP_NUM_THREADS=str(THREADS), PYTHONUNBUFFERED="1", **env))
+        self.address = None
+        ready = threading.Event()
+
+        def read():
+            for line in self.proc.stdout:
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue
+                if event.get("event") == "ready":
+                    self.address = event["address"]
+                    ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not ready.wait(timeout):
+            self.stop()
+            raise RuntimeError(f"{stage} did not become ready within {timeout}s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()

@@ -13,7 +13,7 @@ import pytest
 
 from h3serve.client import Client, Progress, StageUnavailable
 
-from .conftest import REQUEST, Stack
+from .conftest import REQUEST, LoneStage, Stack
 
 FIELDS = {k: v for k, v in REQUEST.items() if k != "prompt"}
 
@@ -107,42 +107,12 @@ def test_the_encoder_stops_a_huge_prompt_when_its_caller_gives_up(stack):
                                  "encoder_free_after_cancel_s": round(freed_cancel, 2)}))
 
 
-class _LoneMuxer:
-    """`h3serve serve --stages muxer` alone, with a long grace period (as the rendered pods have)."""
-
-    def __init__(self, *argv: str):
-        import subprocess
-        import sys
-        import threading
-
-        from .conftest import REPO
-
-        cmd = [sys.executable, "-m", "h3serve.cli", "--log-level", "WARNING", "serve", "--stages", "muxer", "--port",
-               "0", "--grace-s", "900", *argv]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=REPO,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        ready = threading.Event()
-
-        def read():
-            for line in self.proc.stdout:
-                try:
-                    event = json.loads(line)
-                except ValueError:
-                    continue
-                if event.get("event") == "ready":
-                    self.address = event["address"]
-                    ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        assert ready.wait(60), "the muxer did not start"
-
-
 def test_muxer_sessions_are_capped_in_count_and_ttl_and_never_hold_sigterm():
     import grpc
 
     from h3serve._proto import muxer_pb2, muxer_pb2_grpc
 
-    mux = _LoneMuxer("--max-sessions", "3")
+    mux = LoneStage("muxer", "--grace-s", "900", "--max-sessions", "3", env={})
     try:
         with grpc.insecure_channel(mux.address) as ch:
             stub = muxer_pb2_grpc.MuxerStub(ch)

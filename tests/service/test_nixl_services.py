@@ -18,9 +18,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
-import threading
 import time
 
 import grpc
@@ -30,7 +27,7 @@ import pytest
 from h3serve._proto import common_pb2, muxer_pb2_grpc
 from h3serve.client import Client, Progress, StageUnavailable
 
-from .conftest import REPO, REQUEST, THREADS, Stack
+from .conftest import REQUEST, LoneStage, Stack
 
 pytest.importorskip("nixl")
 
@@ -125,48 +122,12 @@ def test_vae_killed_mid_stream_under_nixl_fails_unavailable_and_the_next_request
     assert _transport(nixl_stack, "vae")["last_stream"]["chosen"] == "nixl"
 
 
-class _LoneStage:
-    """One stage in its own process (`h3serve serve --stages <stage> --port 0`) with extra environment."""
-
-    def __init__(self, stage: str, *argv: str, env: dict, timeout: float = 120.0):
-        cmd = [sys.executable, "-m", "h3serve.cli", "--log-level", "WARNING", "serve", "--stages", stage,
-               "--port", "0", "--threads", str(THREADS), *argv]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=REPO,
-                                     env=dict(os.environ, OMP_NUM_THREADS=str(THREADS), PYTHONUNBUFFERED="1", **env))
-        self.address = None
-        ready = threading.Event()
-
-        def read():
-            for line in self.proc.stdout:
-                try:
-                    event = json.loads(line)
-                except ValueError:
-                    continue
-                if event.get("event") == "ready":
-                    self.address = event["address"]
-                    ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(timeout):
-            self.stop()
-            raise RuntimeError(f"{stage} did not become ready within {timeout}s")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
 def test_nixl_disabled_on_the_muxer_falls_back_to_grpc_and_says_why(tiny_checkpoint, grpc_mp4):
     # the DiT and the muxer in one process with NIXL disabled: both NIXL edges fall back, each saying why
-    muxer = _LoneStage("muxer", "--transport", "nixl", env={"H3SERVE_NIXL_DISABLE": "1"})
+    muxer = LoneStage("muxer", "--transport", "nixl", env={"H3SERVE_NIXL_DISABLE": "1"})
     dit = None
     try:
-        dit = _LoneStage("dit", "--transport", "nixl", "--checkpoint", str(tiny_checkpoint),
+        dit = LoneStage("dit", "--transport", "nixl", "--checkpoint", str(tiny_checkpoint),
                          env={"H3SERVE_NIXL_DISABLE": "1"})
         s = Stack(tiny_checkpoint, "--stages", "encoder,vae,gateway", "--muxer", muxer.address,
                   "--dit", dit.address, "--transport", "nixl")

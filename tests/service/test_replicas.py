@@ -9,7 +9,7 @@ from h3serve._proto import common_pb2, encoder_pb2_grpc
 from h3serve.client import Client
 
 from .conftest import REQUEST, Stack
-from .test_nixl_services import _LoneStage
+from .conftest import LoneStage
 
 
 def _requests(address: str) -> int:
@@ -18,8 +18,8 @@ def _requests(address: str) -> int:
 
 
 def test_two_encoder_replicas_both_serve_and_a_draining_one_is_skipped(tiny_checkpoint):
-    a = _LoneStage("encoder", "--checkpoint", str(tiny_checkpoint), "--grace-s", "30", env={})
-    b = _LoneStage("encoder", "--checkpoint", str(tiny_checkpoint), env={})
+    a = LoneStage("encoder", "--checkpoint", str(tiny_checkpoint), "--grace-s", "30", env={})
+    b = LoneStage("encoder", "--checkpoint", str(tiny_checkpoint), env={})
     s = None
     try:
         target = f"ipv4:{a.address},{b.address}"

@@ -16,9 +16,10 @@ import os
 import sys
 import time
 
-from h3serve.config.levers import CLI_NAMES, Levers, check_combination
+from h3serve.config.levers import CLI_NAMES, LeverError, Levers, check_combination, staging_conflict
 from h3serve.config.stage import API_KEY_ENV, API_KEYS_ENV, StageConfig
-from h3serve.config.vocab import (DEFAULT_DTYPE, DIT_LAYERS, DTYPES, GRPC_PORT, HTTP_PORT, MIN_RESIDENT_BLOCKS,
+from h3serve.config.vocab import (DEFAULT_DTYPE, DIT_LAYERS, DTYPES, ENCODER_LAYERS, GRPC_PORT, HTTP_PORT,
+                                  MIN_RESIDENT_BLOCKS,
                                   MODEL_STAGES, OFFLOAD_MODES)
 from h3serve.errors import H3Error
 
@@ -63,6 +64,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the result as one JSON line")
     p.add_argument("-o", "--output", required=True, help="MP4 path to write")
+    _add_levers(p)
     p.set_defaults(func=_cmd_generate)
 
 
@@ -77,7 +79,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     out_dir = os.path.dirname(os.path.abspath(args.output))
     if os.path.isdir(args.output) or not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
         raise H3Error(f"--output {args.output}: expected a file path in an existing, writable folder")
+    levers = _levers(args)
     if args.server:
+        if levers.any:
+            raise H3Error("--server: the levers are the deployment's (h3serve serve flags), not a request's")
         return _generate_remote(args, t0)
     if not args.checkpoint:
         raise H3Error("generate needs --checkpoint DIR (embedded) or --server HOST:PORT (a running gateway)")
@@ -96,7 +101,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     pipe = Pipeline.load(
         args.checkpoint, profile=args.profile, adapter=args.adapter, adapter_sha256=args.adapter_sha256,
         dtype=args.dtype, device=args.device, tasks=(request.task,), encoder_tp=args.encoder_tp,
-        ulysses=args.ulysses, ring=args.ring, vae_pp=args.vae_pp,
+        ulysses=args.ulysses, ring=args.ring, vae_pp=args.vae_pp, levers=levers,
     )
     try:
         result = pipe.generate(request, args.output, progress=not args.no_progress)
@@ -273,15 +278,37 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--start-timeout", type=float, default=600.0, help="launcher: seconds to wait for health")
     p.add_argument("--no-restart", action="store_true", help="launcher: stop everything when a stage dies")
     p.add_argument("--json", action="store_true", help="launcher: print endpoints and events as JSON lines")
+    _add_levers(p)
+
+
+def _add_levers(p: argparse.ArgumentParser) -> None:
+    """The capacity and speed levers (config/levers.py): the same flags for `serve` and the embedded `generate`."""
+    d = StageConfig()
     p.add_argument("--dit-resident-blocks", type=int, default=None, metavar="R",
                    help=f"dit: layerwise offload, R DiT blocks on the GPU ({MIN_RESIDENT_BLOCKS}..{DIT_LAYERS}), the "
                         "rest streamed from pinned host memory (default: all resident)")
     p.add_argument("--dit-offload-mode", default=d.dit_offload_mode, choices=OFFLOAD_MODES,
                    help="dit: with several ranks, each pins the whole host copy (local) or a shard (allgather)")
+    p.add_argument("--encoder-resident-layers", type=int, default=None, metavar="R",
+                   help=f"encoder: layerwise offload, R text decoder layers on the GPU ({MIN_RESIDENT_BLOCKS}.."
+                        f"{ENCODER_LAYERS}), the rest streamed from pinned host memory (default: all resident)")
+    p.add_argument("--vae-staged", type=_on_off, default=d.vae_staged, metavar="on|off",
+                   help="vae: both VAEs in pinned host memory, copied to the GPU for each request (default off)")
     p.add_argument("--fp8", type=_on_off, default=d.fp8, metavar="on|off",
                    help="dit, encoder: FP8 linear layers in the DiT blocks and the text decoder (lossy; default off)")
     p.add_argument("--fp8-attention", type=_on_off, default=d.fp8_attention, metavar="on|off",
                    help="dit: FP8 attention, FlashAttention-3's FP8 forward (lossy; default off)")
+
+
+def _levers(args: argparse.Namespace) -> Levers:
+    """The levers the flags ask for, checked (range, the combination rule, the VAE's degree) before anything loads."""
+    levers = Levers(args.dit_resident_blocks, args.dit_offload_mode, args.fp8, args.fp8_attention,
+                    args.encoder_resident_layers, args.vae_staged).check()
+    check_combination(args.profile, levers, names=CLI_NAMES)
+    conflict = staging_conflict(levers, args.vae_pp)
+    if conflict is not None:
+        raise LeverError("--vae-staged", conflict)
+    return levers
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -295,8 +322,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     servicers = {"encoder": EncoderServicer, "dit": DiTServicer, "vae": VAEServicer, "muxer": MuxerServicer,
                  "gateway": GatewayServicer}
-    levers = Levers(args.dit_resident_blocks, args.dit_offload_mode, args.fp8, args.fp8_attention).check()
-    check_combination(args.profile, levers, names=CLI_NAMES)  # before anything starts
+    _levers(args)  # before anything starts
     return serve_main(args, servicers)
 
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from PIL import Image
 from tqdm import tqdm
 
+from h3serve.config.levers import LeverError, Levers, check_combination, staging_conflict
 from h3serve.config.parallel import ParallelDegrees
 from h3serve.config.request import SAMPLE_RATE, GenerationRequest, media_source
 from h3serve.config.vocab import DEFAULT_DTYPE, PROFILES
@@ -31,6 +32,7 @@ from h3serve.media.mux import Mp4Writer
 from h3serve.models.dit.engine import COMPONENT_FOR_TASK, DiTEngine, DiTRequest
 from h3serve.models import conditions as cond
 from h3serve.models.dit.parallel import build_dit_rank
+from h3serve.models.encoder.fp8 import quantize_text_decoder
 from h3serve.models.encoder.model import TextEncoder
 from h3serve.models.encoder.parallel import build_encoder_rank
 from h3serve.models.vae.audio import AudioVAE
@@ -151,7 +153,10 @@ class Pipeline:
         ulysses: int = 1,
         ring: int = 1,
         vae_pp: int = 1,
+        levers: Levers = Levers(),
     ) -> "Pipeline":
+        """`levers` (config/levers.py, all off by default): DiT offload and FP8, the text decoder's offload (and FP8
+        with `levers.fp8`), VAE staging; checked here as the CLI checks them."""
         t0 = time.perf_counter()
         if dtype not in DTYPES:
             raise H3Error(f"dtype={dtype!r} is invalid: one of {', '.join(DTYPES)}")
@@ -164,6 +169,10 @@ class Pipeline:
                 raise ProfileError(f"profile=fasth3 serves t2va only, not {sorted(set(tasks) - {'t2va'})}")
         elif adapter:
             raise ProfileError("an adapter is only fused for profile=fasth3 (per-request LoRA is not supported)")
+        levers.check()
+        check_combination(profile, levers)
+        if staging_conflict(levers, vae_pp) is not None:
+            raise LeverError("--vae-staged", staging_conflict(levers, vae_pp))
         root = Path(checkpoint)
         if not root.is_dir():
             raise CheckpointError(f"checkpoint folder {root} does not exist")
@@ -180,9 +189,11 @@ class Pipeline:
                              encoder_intermediate=int(text["intermediate_size"]))
             # This process is rank 0; ranks 1..N-1 are spawned, and every rank loads its own part (_replica_rank).
             handle = launch(degrees.world_size, _replica_rank, (str(root), torch_dtype, components, profile, adapter,
-                            adapter_sha256, degrees), device=dev.type)
+                            adapter_sha256, degrees, levers), device=dev.type)
             try:
                 audio_vae = AudioVAE.load(root, dtype=torch.float32, device=handle.runtime.device)  # rank 0 only
+                if levers.vae_staged:
+                    audio_vae.stage()
             except BaseException:
                 handle.close()
                 raise
@@ -192,12 +203,14 @@ class Pipeline:
 
         fused = Adapter.open(adapter, adapter_sha256) if profile == "fasth3" else None
         dit = DiTEngine.load(root, components=components, dtype=torch_dtype, device=dev, profile=profile,
-                             adapter=fused)
+                             adapter=fused, levers=levers)
         if fused is not None:
             fused.close()
+        dit.apply_offload(levers)
         encoder = TextEncoder.load(root, dtype=torch_dtype, device=dev)
         video_vae = VideoVAE.load(root, dtype=torch_dtype, device=dev)
         audio_vae = AudioVAE.load(root, dtype=torch.float32, device=dev)
+        apply_stage_levers(levers, encoder, video_vae, audio_vae)
         _sync(dev)
         return cls(checkpoint=root, profile=profile, dtype=dtype, device=dev, encoder=encoder, dit=dit,
                    video_vae=video_vae, audio_vae=audio_vae, load_seconds=time.perf_counter() - t0)
@@ -338,14 +351,27 @@ class Pipeline:
 # -- parallel degrees: what every rank builds ------------------------------------------------------------------------
 
 
+def apply_stage_levers(levers: Levers, encoder, video_vae, audio_vae) -> None:
+    """The encoder's and the VAEs' levers on loaded models (the DiT's are applied by DiTEngine)."""
+    if levers.fp8:
+        quantize_text_decoder(encoder.model)
+    if levers.encoder_resident_layers is not None:
+        encoder.offload(levers.encoder_resident_layers)
+    if levers.vae_staged:
+        video_vae.stage()
+        audio_vae.stage()
+
+
 def _replica_rank(runtime, checkpoint: str, dtype: torch.dtype, components: Sequence[str], profile: str,
-                  adapter: str | None, adapter_sha256: str | None, degrees: ParallelDegrees) -> dict:
+                  adapter: str | None, adapter_sha256: str | None, degrees: ParallelDegrees,
+                  levers: Levers = Levers()) -> dict:
     """Every rank: the groups of the three models first (in the same order on every rank), then its part of each
     (DiT under USP, encoder shard, VAE tiles); returns the ops rank 0's stand-ins call, and "memory"."""
-    encoder = build_encoder_rank(runtime, checkpoint, dtype, degrees.encoder_tp)
+    encoder = build_encoder_rank(runtime, checkpoint, dtype, degrees.encoder_tp, levers.fp8,
+                                 levers.encoder_resident_layers)
     dit = build_dit_rank(runtime, checkpoint, dtype, components, profile, adapter, adapter_sha256, degrees.ulysses,
-                         degrees.ring)
-    vae = build_vae_rank(runtime, checkpoint, dtype, degrees.vae_pp)
+                         degrees.ring, levers)
+    vae = build_vae_rank(runtime, checkpoint, dtype, degrees.vae_pp, levers.vae_staged)
 
     def memory(payload, local):
         """Every rank's `process_memory` (read-only), gathered on the control group; rank 0 gets the list by rank."""

@@ -25,7 +25,7 @@ from h3serve.config.parallel import (
     ulysses_choices,
     vae_pp_choices,
 )
-from h3serve.config.levers import LEVERS_MESSAGE, SPEC_NAMES
+from h3serve.config.levers import LEVERS_MESSAGE, SPEC_NAMES, STAGED_VAE_MESSAGE
 from h3serve.config.vocab import DIT_HEADS, ENCODER_HEADS, ENCODER_KV_HEADS, PIPELINE_STAGES
 
 # ---- expressions: evaluated in Python, rendered as CEL -----------------------------------------------------------
@@ -257,8 +257,11 @@ RULES: tuple[Rule, ...] = (
          "profile fasth3 needs model.adapter with path and sha256 (the FastH3 4-step adapter file and its checksum)"),
     Rule("dit.levers", any_of(op("!=", Field("profile"), "fasth3"),
                               all_of(unset("dit.levers.residentBlocks"), op("!", Field("dit.levers.fp8")),
-                                     op("!", Field("dit.levers.fp8Attention")))),
+                                     op("!", Field("dit.levers.fp8Attention")),
+                                     unset("encoder.levers.residentLayers"), op("!", Field("vae.levers.staged")))),
          LEVERS_MESSAGE, dict(SPEC_NAMES)),
+    Rule("vae.levers.staged", any_of(op("!", Field("vae.levers.staged")), op("==", Field("vae.patchParallel"), 1)),
+         STAGED_VAE_MESSAGE, dict(SPEC_NAMES, pp=Field("vae.patchParallel"))),
     Rule("placement", any_of(DISAGGREGATED, all_of(*(unset(f"{s}.replicas") for s in (*PIPELINE_STAGES, "gateway")))),
          "per-stage replicas only apply to disaggregated placement: with placement colocated set spec.replicas and "
          "remove encoder/dit/vae/muxer/gateway.replicas (each colocated replica runs its own gateway)"),

@@ -26,6 +26,7 @@ from typing import Any, Optional
 from h3serve.config.rules import RULES
 from h3serve.config.vocab import (
     DIT_LAYERS,
+    ENCODER_LAYERS,
     MIN_RESIDENT_BLOCKS,
     OFFLOAD_MODES,
     DIST_PORT,
@@ -143,6 +144,20 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
+class EncoderLeversSpec:
+    resident_layers: Optional[int] = f("residentLayers", "Layerwise offload of the text decoder: layers kept on each "
+                                       "GPU (the rest stream from pinned host memory one layer ahead); unset: all "
+                                       f"{ENCODER_LAYERS} resident.", None, minimum=MIN_RESIDENT_BLOCKS,
+                                       maximum=ENCODER_LAYERS)
+
+
+@dataclass(frozen=True)
+class VaeLeversSpec:
+    staged: bool = f("staged", "Keep both VAEs in pinned host memory and copy them to the GPU for each request's "
+                     "decode (one copy per request); needs patchParallel 1.", False)
+
+
+@dataclass(frozen=True)
 class EncoderSpec:
     tensor_parallel: int = f("tensorParallel", "Tensor-parallel degree of the Qwen3-VL encoder (GPUs per encoder "
                              f"replica); must divide the {ENCODER_HEADS} query heads, and divide the "
@@ -155,6 +170,8 @@ class EncoderSpec:
                                   "count is set from tensorParallel.", None, **RESOURCES_SCHEMA)
     node_selector: Optional[dict] = f("nodeSelector", "Replaces spec.nodeSelector for this stage.", None)
     tolerations: Optional[list] = f("tolerations", "Replaces spec.tolerations for this stage.", None)
+    levers: EncoderLeversSpec = f("levers", "Capacity levers of the text encoder, off by default; profile base only "
+                                  "(FP8 of its decoder is dit.levers.fp8).", factory=EncoderLeversSpec)
 
     @property
     def gpus(self) -> int:
@@ -227,6 +244,8 @@ class VaeSpec:
                                   "set from patchParallel.", None, **RESOURCES_SCHEMA)
     node_selector: Optional[dict] = f("nodeSelector", "Replaces spec.nodeSelector for this stage.", None)
     tolerations: Optional[list] = f("tolerations", "Replaces spec.tolerations for this stage.", None)
+    levers: VaeLeversSpec = f("levers", "Capacity levers of the VAEs, off by default; profile base only.",
+                              factory=VaeLeversSpec)
 
     @property
     def gpus(self) -> int:

@@ -94,6 +94,8 @@ class StageConfig:
     dit_offload_mode: str = "local"
     fp8: bool = False
     fp8_attention: bool = False
+    encoder_resident_layers: int | None = None  # encoder: text decoder layers on the device (None: all)
+    vae_staged: bool = False                    # vae: both VAEs in pinned host memory between requests
     # vae
     frame_format: str = "yuv420p"    # what the VAE sends the muxer: yuv420p planes (1.5 B/px) or rgb24 (3 B/px)
     # muxer
@@ -122,7 +124,8 @@ class StageConfig:
 
     @property
     def levers(self) -> Levers:
-        return Levers(self.dit_resident_blocks, self.dit_offload_mode, bool(self.fp8), bool(self.fp8_attention))
+        return Levers(self.dit_resident_blocks, self.dit_offload_mode, bool(self.fp8), bool(self.fp8_attention),
+                      self.encoder_resident_layers, bool(self.vae_staged))
 
     @property
     def address(self) -> str:
@@ -179,6 +182,10 @@ def service_config_values(service_config: dict, stage: str) -> dict[str, Any]:
                    fp8_attention=lv.fp8_attention)
     elif stage == "encoder":
         out.update(fp8=lv.fp8)  # FP8 covers the text decoder's projections too
+    if colocated or stage == "encoder":
+        out["encoder_resident_layers"] = spec.encoder.levers.resident_layers
+    if colocated or stage == "vae":
+        out["vae_staged"] = spec.vae.levers.staged
     if (colocated or stage == "dit") and spec.model.adapter is not None:
         out.update(adapter=spec.model.adapter.path, adapter_sha256=spec.model.adapter.sha256)
     if stage != "encoder":  # every end of a tensor edge (dit -> vae, vae -> muxer) and the gateway's plan

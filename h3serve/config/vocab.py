@@ -48,3 +48,4 @@ DEFAULT_QUALITY = "lossless"
 OFFLOAD_MODES = ("local", "allgather")  # DiT layerwise offload over several ranks: each rank's own host copy / shards
 DIT_LAYERS = 50        # H3 DiT blocks: the bound of the resident-block window
 MIN_RESIDENT_BLOCKS = 2  # a copy one block ahead needs a second slot
+ENCODER_LAYERS = 50    # Qwen3-VL decoder layers H3 reads (hidden_states[50]): the bound of the encoder's window

@@ -134,7 +134,7 @@ def _build_args(stage: str, c, degrees: ParallelDegrees) -> tuple:
     """(build, build args) of the stage's world, from its StageConfig."""
     dtype = DTYPES[c.dtype]
     if stage == "encoder":
-        args = (c.checkpoint, dtype, degrees.encoder_tp, c.fp8)
+        args = (c.checkpoint, dtype, degrees.encoder_tp, c.fp8, c.encoder_resident_layers)
     elif stage == "dit":
         args = (c.checkpoint, dtype, ("transformer",), c.profile, c.adapter, c.adapter_sha256, degrees.ulysses,
                 degrees.ring, c.levers)

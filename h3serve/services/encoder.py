@@ -62,6 +62,8 @@ class EncoderServicer(StageBase):
                                                 device=device)
                 if self.config.fp8:  # the text decoder's projections in FP8 (lever --fp8)
                     quantize_text_decoder(self.encoder.model)
+                if self.config.encoder_resident_layers is not None:  # lever --encoder-resident-layers
+                    self.encoder.offload(self.config.encoder_resident_layers)
             if self.config.warmup:
                 self.check_finite(text_states=self.encoder.encode("warm-up", task="t2va").states)
             if device.type == "cuda":

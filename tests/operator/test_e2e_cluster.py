@@ -235,6 +235,9 @@ BAD_SPECS = {
     "encoder-gang": {"placement": "disaggregated", "gpusPerNode": 3, "encoder": {"tensorParallel": 4}},
     "fasth3-levers": {"profile": "fasth3", "model": {"adapter": {"path": "/models/a.safetensors", "sha256": SHA}},
                       "dit": {"levers": {"residentBlocks": 2, "fp8": True}}},
+    "fasth3-staging": {"profile": "fasth3", "model": {"adapter": {"path": "/models/a.safetensors", "sha256": SHA}},
+                       "encoder": {"levers": {"residentLayers": 2}}},
+    "vae-staged-pp": {"dit": {"ulysses": 2}, "vae": {"patchParallel": 2, "levers": {"staged": True}}},
     "path-dotdot": {"model": {"path": "/models/../etc/ssl"}},
     "mount-not-normal": {"model": {"path": "/models/./x/H3", "mountPath": "/models/./x"}},
     "autoscaling-bounds": {"placement": "disaggregated", **{

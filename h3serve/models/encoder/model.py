@@ -22,8 +22,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from h3serve.config.vocab import TASKS
+from h3serve.config.vocab import ENCODER_LAYERS, TASKS
 from h3serve.errors import CheckpointError
+from h3serve.models.offload import offload_layers
 from h3serve.weights.folder import CheckpointFolder
 from h3serve.weights.load import iter_tensors
 
@@ -34,7 +35,7 @@ __all__ = ["TextEncoder", "EncodedText", "DEFAULT_LAYER"]
 
 log = logging.getLogger("h3serve.encoder")
 
-DEFAULT_LAYER = 50  # hidden_states[50]: output of decoder layer index 49
+DEFAULT_LAYER = ENCODER_LAYERS  # hidden_states[50]: output of decoder layer index 49
 ATTENTION = "sdpa"  # transformers' attention implementation, fixed (the encoder stage reports it)
 
 
@@ -153,6 +154,11 @@ class TextEncoder:
     @property
     def device(self) -> torch.device:
         return self.model.language_model.embed_tokens.weight.device
+
+    def offload(self, resident_layers: int):
+        """Layerwise offload of the text decoder (lever --encoder-resident-layers): `resident_layers` slots on the
+        device, the other layers streamed from pinned host memory one ahead; embeddings and vision tower stay."""
+        return offload_layers(self.model.language_model.layers, resident_layers, self.device)
 
     @property
     def num_layers(self) -> int:

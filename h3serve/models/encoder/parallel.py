@@ -116,7 +116,7 @@ def parallelize_encoder(encoder, group, rank: int, tp: int):
 
 
 def build_encoder_rank(runtime: Runtime, checkpoint: str, dtype: torch.dtype, tp: int,
-                       fp8: bool = False) -> Callable[[], dict]:
+                       fp8: bool = False, resident_layers: int | None = None) -> Callable[[], dict]:
     """Create the TP group over ranks [0, tp) now (every rank of the world calls this, in the same order) and return
     the load: the sharded encoder on the group's members, then the ops for `EncoderProxy`: ENCODE (prompt, images,
     task, references) -> the encoding (None outside the group), PART -> this rank's encoder.
@@ -131,6 +131,8 @@ def build_encoder_rank(runtime: Runtime, checkpoint: str, dtype: torch.dtype, tp
                                           runtime.rank, tp)
             if fp8:  # after the sharding: each rank quantizes its own shards
                 quantize_text_decoder(encoder.model, row_parallel=(RowParallelLinear,))
+            if resident_layers is not None:  # each rank streams its own shards of the streamed layers
+                encoder.offload(resident_layers)
 
         def encode(payload, local):
             if encoder is None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from h3serve.models.offload import StagedModule, on_device
 from h3serve.weights.folder import CheckpointFolder
 from h3serve.weights.load import load_module_weights
 
@@ -31,6 +32,7 @@ class AudioVAE:
         self.hop_length = int(model.hop_length)
         self.latent_channels = int(cfg.latent_channels)
         self.sampling_rate = int(cfg.sampling_rate)
+        self.staged: StagedModule | None = None  # `stage()`: weights in pinned host memory between requests
         dev = self.device
         self.latents_mean = torch.tensor(cfg.latents_mean, device=dev).view(1, -1, 1)
         self.latents_std = torch.tensor(cfg.latents_std, device=dev).view(1, -1, 1)
@@ -54,10 +56,16 @@ class AudioVAE:
         log.info("audio VAE: %s (float32 on %s; requested dtype %s ignored)", report.summary(), device, dtype)
         return cls(model)
 
+    def stage(self) -> StagedModule:
+        """Weights in pinned host memory, on the device for each decode / encode (lever --vae-staged)."""
+        self.staged = StagedModule(self.model, self.device)
+        return self.staged
+
     @property
     def device(self) -> torch.device:
-        return self.model.dec_in_proj.weight.device
+        return self.staged.device if self.staged is not None else self.model.dec_in_proj.weight.device
 
+    @on_device
     @torch.no_grad()
     def decode(self, audio_latents: torch.Tensor) -> torch.Tensor:
         """Normalized latents (2, C, A) (stereo channels as batch) → PCM float32 (2, A·hop), clamped to [−1, 1]."""
@@ -68,6 +76,7 @@ class AudioVAE:
         pcm = self.model.decoder(self.model.dec_in_proj(z.to(dec_dtype)))  # (2, 1, A·hop), clamped by the decoder
         return pcm.float()[:, 0]
 
+    @on_device
     @torch.no_grad()
     def encode_reference(self, pcm: torch.Tensor) -> torch.Tensor:
         """A reference soundtrack, PCM (2, N) at the VAE's rate (32 kHz) → normalized rows (2·A_ref, C), channel-major.

@@ -107,7 +107,8 @@ class PatchParallelVAE:
 # What every rank of a world with a VAE stage runs
 
 
-def build_vae_rank(runtime: Runtime, checkpoint: str, dtype: torch.dtype, pp: int) -> Callable[[], dict]:
+def build_vae_rank(runtime: Runtime, checkpoint: str, dtype: torch.dtype, pp: int,
+                   staged: bool = False) -> Callable[[], dict]:
     """Create the patch-parallel group over ranks [0, pp) now (every rank of the world calls this, in the same
     order) and return the load: the video VAE on the group's members (tile-parallel when pp > 1), then the ops for
     `VideoVAEProxy`: DECODE / DECODE_FLOAT latents -> on rank 0 the clips (uint8 / float), on the group's other
@@ -120,6 +121,8 @@ def build_vae_rank(runtime: Runtime, checkpoint: str, dtype: torch.dtype, pp: in
         vae = decoder = None
         if runtime.rank < pp:
             vae = VideoVAE.load(checkpoint, dtype=dtype, device=runtime.device)
+            if staged:  # pp == 1 (config/levers.py: staging_conflict): one whole decode per stage-in
+                vae.stage()
             decoder = PatchParallelVAE(vae, group, runtime.rank, pp) if pp > 1 else vae
 
         def decode(latents, local):

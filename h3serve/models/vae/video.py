@@ -29,6 +29,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from h3serve.models.offload import StagedModule, on_device
 from h3serve.weights.folder import CheckpointFolder
 from h3serve.weights.load import KEEP_FP32, load_module_weights
 
@@ -130,6 +131,7 @@ class VideoVAE:
         # Tiles of one window decoded per decoder call (same-shape tiles are stacked on the batch axis; the ViT
         # decoder treats batch items independently). None: all of them on CUDA, one at a time elsewhere.
         self.tile_batch = tile_batch
+        self.staged: StagedModule | None = None  # `stage()`: weights in pinned host memory between requests
         cfg = model.config
         self.config = cfg
         self.spatial_ratio = int(math.prod(cfg.spatial_downsample_factors))
@@ -164,9 +166,15 @@ class VideoVAE:
         log.info("video VAE: %s (%s on %s)", report.summary(), dtype, device)
         return cls(model)
 
+    def stage(self) -> StagedModule:
+        """Keep the weights in pinned host memory and copy them to the device for each decode / encode (lever
+        --vae-staged): the device holds them only while a request uses them."""
+        self.staged = StagedModule(self.model, self.device)
+        return self.staged
+
     @property
     def device(self) -> torch.device:
-        return self.model.post_quant_conv.weight.device
+        return self.staged.device if self.staged is not None else self.model.post_quant_conv.weight.device
 
     # ------------------------------------------------------------------ geometry
     def plan_windows(self, num_latents: int) -> WindowPlan:
@@ -226,6 +234,7 @@ class VideoVAE:
         x = (clip.float() * self.pixel_std + self.pixel_mean).clamp(0, 1)
         return x[0].permute(1, 2, 3, 0)
 
+    @on_device
     @torch.no_grad()
     def iter_decode_float(self, latents: torch.Tensor) -> Iterator[torch.Tensor]:
         """Stream (F_clip, H, W, 3) float32 frames in [0, 1]: one 17-frame clip per window, then the final overlap."""
@@ -296,6 +305,7 @@ class VideoVAE:
                              for s in range(0, pixels.shape[2], clip_length)], dim=2)
         return moments[:, :, :-drop] if drop > 0 else moments
 
+    @on_device
     @torch.no_grad()
     def encode_condition(self, frames_u8: torch.Tensor, *, seed: int = KEYFRAME_ENCODE_SEED) -> torch.Tensor:
         """The conditioning recipe for uint8 frames (F, H, W, 3): ImageNet-normalize, tiled encode, posterior

@@ -208,6 +208,7 @@ def test_every_rule_fires():
         base(vae={"patchParallel": 2}, dit={"ulysses": 4}),
         base(profile="fasth3"),
         base(profile="fasth3", dit={"levers": {"fp8": True}}),
+        base(dit={"ulysses": 2}, vae={"patchParallel": 2, "levers": {"staged": True}}),
         base(placement="disaggregated", replicas=1),
         base(vae={"replicas": 1}),
         base(encoder={"tensorParallel": 2}),

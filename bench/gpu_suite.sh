@@ -4,7 +4,7 @@
 # installed into /tmp/site; h3serve is imported from the repository root (PYTHONPATH). Every
 # bench prints one JSON line; all output goes to $OUT (default ./out).
 # Steps: env | layer | attention | vae | full50 | tail | parallel | parallel6 | pipeline | gputest | fullckpt |
-# e2e_ours | e2e_variants | e2e_diffusers | levers (default: env,layer,vae,full50). `pipeline` runs `h3serve generate` on a
+# e2e_ours | e2e_variants | e2e_diffusers | levers | staged (default: env,layer,vae,full50). `pipeline` runs `h3serve generate` on a
 # tiny checkpoint under each parallel layout; `gputest` runs the NCCL tests (tests/parallel/test_gpu.py; pytest
 # carried in .whl/ when missing).
 #
@@ -61,6 +61,9 @@ fi
 if has vae; then
   run vae 300 python3 bench/vae.py --preset full --device cuda --dtype bf16 --latents 72x48x84 --iters 1 \
       --warmup 1 --ref-warmup 0 --compile --tail --x264-threads 8
+fi
+if has staged; then  # the whole base pipeline resident vs staged under a device-memory cap (bench/staged_pipeline.py)
+  run staged 580 python3 bench/staged_pipeline.py --device cuda ${STAGED_ARGS:-}
 fi
 if has levers; then  # offload Pareto, FP8 linears / attention, step reuse (bench/levers.py)
   run levers 560 python3 bench/levers.py --parts ${LEVER_PARTS:-dlo,fp8model,layer,quality} ${LEVER_ARGS:-}

@@ -241,7 +241,8 @@ class Pipeline:
                     raise H3Error(f"references: kind={spec.kind!r} is not supported here (image or audio); video "
                                   "references need Qwen3-VL's video processor")
                 kinds.append(spec.kind)
-        resized = cond.resize(kinds, visual, req.height, req.width, self.reference_short_edge)
+        short_edge = self.reference_short_edge if "image" in kinds else cond.DEFAULT_REFERENCE_SHORT_EDGE  # read once needed
+        resized = cond.resize(kinds, visual, req.height, req.width, short_edge)
         images, refs = cond.encoder_inputs(kinds, resized, req.task)
         it = iter(resized)
         encoded = [self.audio_vae.encode_reference(pcms[i].to(self.device)) if kind == "audio"

@@ -33,6 +33,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
+import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -43,6 +45,7 @@ import torch.nn as nn
 from h3serve.config.vocab import MIN_RESIDENT_BLOCKS as MIN_STREAMING_SLOTS  # one computes, the next lands
 from h3serve.config.vocab import OFFLOAD_MODES
 
+log = logging.getLogger("h3serve.offload")
 _ALIGN = 256  # byte offset of every tensor in a packed block: any dtype's view is aligned
 
 
@@ -57,6 +60,23 @@ class _Entry:
     nbytes: int
     dtype: torch.dtype
     shape: tuple[int, ...]
+
+
+def host_buffer(nbytes: int, *, pin: bool) -> torch.Tensor:
+    """A flat uint8 host buffer of exactly `nbytes`, page-locked when `pin`. Not `pin_memory=True`: torch's caching
+    host allocator rounds every block up to a power of two (a 1.29 GB DiT block takes 2 GiB), which for a whole
+    model's host copies costs tens of GiB of host memory. Plain memory registered with the driver is as fast for
+    asynchronous copies and takes what it holds; it is unregistered when the buffer is freed."""
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    if not pin or nbytes == 0:
+        return buf
+    rt = torch.cuda.cudart()
+    ptr = buf.data_ptr()
+    if int(rt.cudaHostRegister(ptr, nbytes, 0)) != 0:  # 0 = cudaSuccess
+        log.warning("cudaHostRegister of %d bytes failed; using the caching pinned allocator", nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    weakref.finalize(buf, rt.cudaHostUnregister, ptr)
+    return buf
 
 
 def _entries(block: nn.Module) -> tuple[list[_Entry], int]:
@@ -159,14 +179,14 @@ class LayerwiseOffload:
             entries, nbytes = _entries(blocks[j])
             self.block_bytes = nbytes
             local = plan.mode == "local" or plan.world == 1
-            full = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin and local)  # device -> pinned: one fast copy
+            full = host_buffer(nbytes, pin=pin and local)  # device -> pinned: one fast copy
             for e, v in zip(entries, _views(full, entries)):
                 t = e.owner._parameters[e.name] if e.is_param else e.owner._buffers[e.name]
                 v.copy_(t.detach())
             shard = plan.shard_bytes(nbytes)
             if plan.mode == "allgather" and plan.world > 1:
                 a = self.rank * shard
-                mine = torch.zeros(shard, dtype=torch.uint8, pin_memory=pin)
+                mine = host_buffer(shard, pin=pin).zero_()
                 n = max(0, min(nbytes, a + shard) - a)
                 mine[:n].copy_(full[a : a + n])
                 self.host[j] = mine
@@ -338,7 +358,7 @@ class StagedModule:
         self.module, self.device = module, torch.device(device)
         self.entries, self.nbytes = _entries(module)
         cuda = self.device.type == "cuda"
-        self.host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=cuda)
+        self.host = host_buffer(self.nbytes, pin=cuda)
         self.host_views = _views(self.host, self.entries)
         for e, v in zip(self.entries, self.host_views):
             v.copy_((e.owner._parameters[e.name] if e.is_param else e.owner._buffers[e.name]).detach())

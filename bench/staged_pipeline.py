@@ -185,7 +185,8 @@ def main() -> None:
         total = torch.cuda.get_device_properties(device).total_memory
         cap = {"cap_gib": a.cap_gib, "fraction": a.cap_gib * GIB / total,
                "allocated_after_staging_gib": torch.cuda.memory_allocated(device) / GIB}
-        torch.cuda.set_per_process_memory_fraction(cap["fraction"], device)
+        torch.cuda.set_per_process_memory_fraction(cap["fraction"], device.index or torch.cuda.current_device())
+        log("staged in", staging_s, "s;", cap)
     pipe.generate(small, out / "warmup-staged.mp4")  # the staged paths' first call
     staged = run(pipe, req, out / "staged.mp4", device, "staged")
     summary = {**meta, "request": {"seconds": a.seconds, "size": a.size, "steps": a.steps,

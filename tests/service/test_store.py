@@ -101,6 +101,26 @@ def test_s3_server_restart_gives_503_naming_the_store_then_recovers(tiny_checkpo
     try:
         first = httpx.post(f"{stack.http}/v1/videos", json=REQUEST, timeout=30).json()
         wait_status(stack.http, first["id"], {"completed"})
+
+        # the server paused while a POST writes its record: that call waits, the gateway's event loop does not
+        # (liveness and store-free calls answer), and the POST goes through once the server resumes
+        posted: dict = {}
+        os.kill(s3.proc.pid, signal.SIGSTOP)
+        try:
+            poster = threading.Thread(daemon=True, target=lambda: posted.update(
+                r=httpx.post(f"{stack.http}/v1/videos", json=REQUEST, timeout=60)))
+            poster.start()
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            for path in ("/health", "/v1/models"):
+                assert httpx.get(f"{stack.http}{path}", timeout=5).status_code == 200
+            loop_s = time.monotonic() - t0
+            assert loop_s < 1.0 and poster.is_alive(), (loop_s, posted)
+        finally:
+            os.kill(s3.proc.pid, signal.SIGCONT)
+        poster.join(60)
+        assert posted["r"].status_code == 200, posted["r"].text
+        wait_status(stack.http, posted["r"].json()["id"], {"completed"})
         s3.stop()
         for call in (lambda: httpx.get(f"{stack.http}/v1/videos/{first['id']}", timeout=30),
                      lambda: httpx.get(f"{stack.http}/v1/videos", timeout=30),

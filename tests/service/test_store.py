@@ -290,81 +290,85 @@ def test_a_hung_gateway_is_restarted_and_its_jobs_end_failed_not_lost(tiny_check
     print("FIGURES", json.dumps({"gateway_sigstop_restarted_after_s": round(restarted, 2)}))
 
 
-def test_a_hung_store_holds_up_only_the_admission_writing_to_it(s3, tmp_path, monkeypatch):
-    """The S3 server paused (SIGSTOP) while an HTTP job's admission writes its record: that admission alone
-    waits. Meanwhile a gRPC job is admitted and taken by the worker, the slot the stuck one reserved still counts
-    (the next is refused at once), a running job is cancelled and read — each at once, where a lock held across
-    the write made them wait the whole bound. The stuck one ends with a 503 naming the job store within the
-    client's bound (read timeout 1 s, two retries); its slot is free again, and the record the server took late
-    (once resumed) reads failed with the reason, never queued."""
+def test_a_hung_store_holds_up_only_the_admissions_writing_to_it(s3, tmp_path, monkeypatch):
+    """The S3 server paused (SIGSTOP) while two HTTP jobs' admissions write their records: those alone wait.
+    Meanwhile a gRPC job is admitted and taken by the worker, the slots the stuck ones reserved still count (the
+    next is refused at once), a running job is cancelled and read — each at once, where a lock held across the
+    write made them wait the whole bound. The stuck ones end with a 503 naming the job store within the client's
+    bound (read timeout 1 s, two retries) and their slots are free again. A record the server took late (once
+    resumed) is written failed with the reason by the next sweep, never left queued; a caller retrying its
+    request_id is admitted."""
     config = StageConfig(job_store="s3://h3serve-jobs/hung", jobs_dir=str(tmp_path / "spool"), max_inflight=1,
-                         queue_size=2)
+                         queue_size=3)
     config = dataclasses.replace(config, port=1005)
     store = S3Store(config.job_store, config.jobs_dir, env=s3.env, timeout_s=(1.0, 1.0))
     table = JobTable(config, GatewayMetrics(), store=store)
     table.store.beat(table.instance, table.boot)
     running = table.admit(table.new(_validated(), kind="http"), {})
     assert table.take() is running
-    stuck = table.new(_validated(), kind="http")
-    real_get = store.get_record   # the id check reads nothing for this one: the pause lands on its write
-    monkeypatch.setattr(store, "get_record", lambda jid: None if jid == stuck.id else real_get(jid))
+    stuck = [table.new(_validated(), kind="http"), table.new(_validated(), kind="http", request_id="retried-1")]
+    ids = {j.id for j in stuck}
+    real_get = store.get_record   # the id check reads nothing for these: the pause lands on their writes
+    monkeypatch.setattr(store, "get_record", lambda jid: None if jid in ids else real_get(jid))
     outcome: dict = {}
 
-    def admit():
+    def admit(job):
         t0 = time.monotonic()
         try:
-            table.admit(stuck, {})
+            table.admit(job, {})
         except StoreError as exc:
-            outcome["exc"] = exc
-        outcome["s"] = time.monotonic() - t0
+            outcome[job.id] = (exc, time.monotonic() - t0)
 
     pid = s3.proc.pid
     os.kill(pid, signal.SIGSTOP)
     try:
-        writer = threading.Thread(target=admit, daemon=True)
-        writer.start()
-        time.sleep(0.3)                                   # inside its put now
-        assert writer.is_alive(), outcome
+        writers = [threading.Thread(target=admit, args=(j,), daemon=True) for j in stuck]
+        for w in writers:
+            w.start()
+        time.sleep(0.3)                                   # inside their puts now
+        assert all(w.is_alive() for w in writers), outcome
         t0 = time.monotonic()
         grpc_job = table.admit(table.new(_validated(), kind="stream"), {})
         admitted_s = time.monotonic() - t0
-        assert admitted_s < 0.5 and writer.is_alive(), f"a store-free admission waited {admitted_s:.2f}s"
-        with pytest.raises(QueueFull):                    # 1 running + 1 reserved + 1 queued = capacity 3
+        assert admitted_s < 0.5, f"a store-free admission waited {admitted_s:.2f}s"
+        with pytest.raises(QueueFull):                    # 1 running + 2 reserved + 1 queued = capacity 4
             table.admit(table.new(_validated(), kind="stream"), {})
         assert table.take() is grpc_job                   # the worker takes the next job
         assert table.cancel(running.id) is True and running.cancel_requested.is_set()
         assert table.get(running.id) is running and [j.id for j in table.queue] == []
         others_s = time.monotonic() - t0
-        still_stuck = writer.is_alive()
-        writer.join(15)                                   # the store stays paused for the whole bound
+        still_stuck = all(w.is_alive() for w in writers)
+        for w in writers:
+            w.join(15)                                    # the store stays paused for the whole bound
     finally:
         os.kill(pid, signal.SIGCONT)
     assert others_s < 0.5 and still_stuck, (others_s, outcome)
-    exc = outcome["exc"]
-    assert exc.stage == "job-store" and "could not write a job record" in str(exc), exc
-    assert 1.0 < outcome["s"] < 10.0, outcome
-    assert stuck.id not in table.admitting and stuck.id not in table.jobs and stuck.id in table.refused
+    for job in stuck:
+        exc, took = outcome[job.id]
+        assert exc.stage == "job-store" and "could not write a job record" in str(exc), exc
+        assert 1.0 < took < 10.0, outcome
+        assert job.id not in table.admitting and job.id not in table.jobs and job.id in table.refused
 
-    # the server, resumed, may still apply the PUTs it had buffered: such a record reads failed, with the reason
+    # the server, resumed, may still apply the PUTs it had buffered
     monkeypatch.undo()
     end = time.monotonic() + 5
-    while (late := real_get(stuck.id)) is None and time.monotonic() < end:
+    while not all(late := [real_get(j.id) for j in stuck]) and time.monotonic() < end:
         time.sleep(0.1)
+    retry = table.admit(table.new(_validated(), kind="http", request_id="retried-1"), {})
     table.sweep_once()
-    rec = real_get(stuck.id)
-    assert stuck.id not in table.refused
-    if late is not None:
-        assert rec["status"] == "failed" and rec["error"]["stage"] == "job-store", rec
-        assert "refused (503) and never ran" in rec["error"]["message"]
+    assert table.refused == set()
+    rec = real_get(stuck[0].id)
+    if late[0] is not None:
+        assert late[0]["status"] == "queued" and rec["status"] == "failed", rec
+        assert rec["error"]["stage"] == "job-store" and "refused (503) and never ran" in rec["error"]["message"]
     else:
         assert rec is None
+    assert real_get("retried-1")["status"] == "queued" and table.get("retried-1") is retry
     print("FIGURES", json.dumps({"hung_store_other_ops_s": round(others_s, 3),
-                                 "hung_store_admission_503_after_s": round(outcome["s"], 2),
-                                 "late_record_landed": late is not None}))
+                                 "hung_store_admission_503_after_s": [round(outcome[j.id][1], 2) for j in stuck],
+                                 "late_records_landed": [r is not None for r in late]}))
 
-    # nothing lost: the slot is free, the running job ends cancelled, the gRPC one completed
-    again = table.admit(table.new(_validated(), kind="http"), {})
-    assert real_get(again.id)["status"] == "queued"
+    # nothing lost: the running job ends cancelled, the gRPC one completed
     table.finish(running, running.cancelled())
     table.finish(grpc_job, None)
     assert table.get(running.id).status == "failed" and table.get(running.id).error.kind.code == "cancelled"

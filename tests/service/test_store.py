@@ -374,3 +374,17 @@ def test_a_hung_store_holds_up_only_the_admissions_writing_to_it(s3, tmp_path, m
     assert table.get(running.id).status == "failed" and table.get(running.id).error.kind.code == "cancelled"
     assert grpc_job.status == "completed"
     table.close()
+
+
+def test_a_drain_during_an_admissions_write_fails_the_job_with_its_record(tmp_path, monkeypatch):
+    """SIGTERM's drain lands while an admission writes its record (no lock held then): the job is not queued; it
+    ends failed (draining) as a queued one does, and its record says so."""
+    table = _table(StageConfig(jobs_dir=str(tmp_path / "jobs")), None, 1006)
+    real_put = table.store.put_record
+    monkeypatch.setattr(table.store, "put_record", lambda rec: (table.drain(), real_put(rec)))
+    job = table.admit(table.new(_validated(), kind="http"), {})
+    assert job.finished and job.status == "failed" and job.error.kind.code == "draining", job.error
+    assert list(table.queue) == [] and table.admitting == {}
+    rec = table.store.get_record(job.id)
+    assert rec["status"] == "failed" and rec["error"]["code"] == "draining"
+    table.close()

@@ -291,13 +291,13 @@ def test_a_hung_gateway_is_restarted_and_its_jobs_end_failed_not_lost(tiny_check
 
 
 def test_a_hung_store_holds_up_only_the_admissions_writing_to_it(s3, tmp_path, monkeypatch):
-    """The S3 server paused (SIGSTOP) while two HTTP jobs' admissions write their records: those alone wait.
-    Meanwhile a gRPC job is admitted and taken by the worker, the slots the stuck ones reserved still count (the
+    """The S3 server paused (SIGSTOP) while two HTTP jobs' admissions write their records and a queued HTTP job's
+    cancel writes its record: those alone wait. Meanwhile a gRPC job is admitted and taken by the worker, the slots the stuck ones reserved still count (the
     next is refused at once), a running job is cancelled and read — each at once, where a lock held across the
     write made them wait the whole bound. The stuck ones end with a 503 naming the job store within the client's
     bound (read timeout 1 s, two retries) and their slots are free again. A record the server took late (once
     resumed) is written failed with the reason by the next sweep, never left queued; a caller retrying its
-    request_id is admitted."""
+    request_id is admitted; the cancelled job's record is written by the sweep."""
     config = StageConfig(job_store="s3://h3serve-jobs/hung", jobs_dir=str(tmp_path / "spool"), max_inflight=1,
                          queue_size=3)
     config = dataclasses.replace(config, port=1005)
@@ -306,6 +306,7 @@ def test_a_hung_store_holds_up_only_the_admissions_writing_to_it(s3, tmp_path, m
     table.store.beat(table.instance, table.boot)
     running = table.admit(table.new(_validated(), kind="http"), {})
     assert table.take() is running
+    queued = table.admit(table.new(_validated(), kind="http"), {})
     stuck = [table.new(_validated(), kind="http"), table.new(_validated(), kind="http", request_id="retried-1")]
     ids = {j.id for j in stuck}
     real_get = store.get_record   # the id check reads nothing for these: the pause lands on their writes
@@ -323,6 +324,7 @@ def test_a_hung_store_holds_up_only_the_admissions_writing_to_it(s3, tmp_path, m
     os.kill(pid, signal.SIGSTOP)
     try:
         writers = [threading.Thread(target=admit, args=(j,), daemon=True) for j in stuck]
+        writers.append(threading.Thread(target=table.cancel, args=(queued.id,), daemon=True))
         for w in writers:
             w.start()
         time.sleep(0.3)                                   # inside their puts now
@@ -331,6 +333,7 @@ def test_a_hung_store_holds_up_only_the_admissions_writing_to_it(s3, tmp_path, m
         grpc_job = table.admit(table.new(_validated(), kind="stream"), {})
         admitted_s = time.monotonic() - t0
         assert admitted_s < 0.5, f"a store-free admission waited {admitted_s:.2f}s"
+        assert queued not in table.queue and not queued.finished, "the cancel of a queued job did not take it out"
         with pytest.raises(QueueFull):                    # 1 running + 2 reserved + 1 queued = capacity 4
             table.admit(table.new(_validated(), kind="stream"), {})
         assert table.take() is grpc_job                   # the worker takes the next job
@@ -354,9 +357,15 @@ def test_a_hung_store_holds_up_only_the_admissions_writing_to_it(s3, tmp_path, m
     end = time.monotonic() + 5
     while not all(late := [real_get(j.id) for j in stuck]) and time.monotonic() < end:
         time.sleep(0.1)
+    time.sleep(0.3)                                       # its retries' PUTs too
     retry = table.admit(table.new(_validated(), kind="http", request_id="retried-1"), {})
+    assert queued.finished and not queued.persisted      # its cancel's write failed: the sweep writes it
     table.sweep_once()
-    assert table.refused == set()
+    assert real_get(queued.id)["status"] == "failed" and real_get(queued.id)["error"]["code"] == "cancelled"
+    assert list(table.refused) == [stuck[0].id]           # watched until two sweeps find it settled
+    table.sweep_once()
+    table.sweep_once()
+    assert table.refused == {}
     rec = real_get(stuck[0].id)
     if late[0] is not None:
         assert late[0]["status"] == "queued" and rec["status"] == "failed", rec

@@ -213,7 +213,7 @@ class JobTable:
         self.running: dict[str, Job] = {}
         self.jobs: dict[str, Job] = {}
         self.admitting: dict[str, Job] = {}   # slots reserved while their records are written (no lock held)
-        self.refused: set[str] = set()        # ids whose first record failed: read back, failed if it landed
+        self.refused: dict[str, int] = {}     # ids whose first record failed -> sweeps that found it settled
         # a private temp dir only when nothing durable is configured (then jobs live as long as the process)
         self._own_dir = config.jobs_dir is None and config.job_store is None
         self.dir = config.jobs_dir or tempfile.mkdtemp(prefix="h3serve-jobs-")   # MP4s (spooled, or kept)
@@ -312,9 +312,9 @@ class JobTable:
         try:
             self.store.put_record(job.record())
         except StoreError:
-            self.refused.add(job.id)
+            self.refused[job.id] = 0
             raise
-        self.refused.discard(job.id)
+        self.refused.pop(job.id, None)
 
     def take(self) -> Job | None:
         """The next queued job, now running (blocks); None once the table is closed."""
@@ -565,8 +565,13 @@ class JobTable:
                     self.cancel(job.id)
         for job_id in list(self.refused):   # a refused admission's record that landed late: failed, with why
             rec = self.store.get_record(job_id)
-            if rec is None or self._load(rec).persisted:
-                self.refused.discard(job_id)
+            settled = rec is None or rec.get("status") in FINISHED
+            if not settled:
+                self._load(rec)              # ours and not live: written failed, with the reason
+            # watched for two settled sweeps in a row: a put the store still held may land after the first
+            self.refused[job_id] = self.refused[job_id] + 1 if settled else 0
+            if self.refused[job_id] >= 2:
+                self.refused.pop(job_id, None)
         now = time.time()
         finished = sorted((r for r in self.store.records() if r.get("status") in FINISHED),
                           key=lambda r: r.get("completed_at") or 0)

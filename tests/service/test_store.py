@@ -5,16 +5,19 @@ never 500, and they work again once it is back; retention deletes expired jobs f
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import signal
+import threading
 import time
 
 import httpx
 import pytest
 
 from h3serve.config.stage import StageConfig
+from h3serve.errortable import QueueFull
 from h3serve.services.gateway.jobs import JobTable
 from h3serve.services.gateway.metrics import GatewayMetrics
 from h3serve.services.gateway.store import S3Store, StoreError
@@ -98,6 +101,26 @@ def test_s3_server_restart_gives_503_naming_the_store_then_recovers(tiny_checkpo
     try:
         first = httpx.post(f"{stack.http}/v1/videos", json=REQUEST, timeout=30).json()
         wait_status(stack.http, first["id"], {"completed"})
+
+        # the server paused while a POST writes its record: that call waits, the gateway's event loop does not
+        # (liveness and store-free calls answer), and the POST goes through once the server resumes
+        posted: dict = {}
+        os.kill(s3.proc.pid, signal.SIGSTOP)
+        try:
+            poster = threading.Thread(daemon=True, target=lambda: posted.update(
+                r=httpx.post(f"{stack.http}/v1/videos", json=REQUEST, timeout=60)))
+            poster.start()
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            for path in ("/health", "/v1/models"):
+                assert httpx.get(f"{stack.http}{path}", timeout=5).status_code == 200
+            loop_s = time.monotonic() - t0
+            assert loop_s < 1.0 and poster.is_alive(), (loop_s, posted)
+        finally:
+            os.kill(s3.proc.pid, signal.SIGCONT)
+        poster.join(60)
+        assert posted["r"].status_code == 200, posted["r"].text
+        wait_status(stack.http, posted["r"].json()["id"], {"completed"})
         s3.stop()
         for call in (lambda: httpx.get(f"{stack.http}/v1/videos/{first['id']}", timeout=30),
                      lambda: httpx.get(f"{stack.http}/v1/videos", timeout=30),
@@ -265,3 +288,112 @@ def test_a_hung_gateway_is_restarted_and_its_jobs_end_failed_not_lost(tiny_check
     finally:
         assert stack.stop() == 0
     print("FIGURES", json.dumps({"gateway_sigstop_restarted_after_s": round(restarted, 2)}))
+
+
+def test_a_hung_store_holds_up_only_the_admissions_writing_to_it(s3, tmp_path, monkeypatch):
+    """The S3 server paused (SIGSTOP) while two HTTP jobs' admissions write their records and a queued HTTP job's
+    cancel writes its record: those alone wait. Meanwhile a gRPC job is admitted and taken by the worker, the slots the stuck ones reserved still count (the
+    next is refused at once), a running job is cancelled and read — each at once, where a lock held across the
+    write made them wait the whole bound. The stuck ones end with a 503 naming the job store within the client's
+    bound (read timeout 1 s, two retries) and their slots are free again. A record the server took late (once
+    resumed) is written failed with the reason by the next sweep, never left queued; a caller retrying its
+    request_id is admitted; the cancelled job's record is written by the sweep."""
+    config = StageConfig(job_store="s3://h3serve-jobs/hung", jobs_dir=str(tmp_path / "spool"), max_inflight=1,
+                         queue_size=3)
+    config = dataclasses.replace(config, port=1005)
+    store = S3Store(config.job_store, config.jobs_dir, env=s3.env, timeout_s=(1.0, 1.0))
+    table = JobTable(config, GatewayMetrics(), store=store)
+    table.store.beat(table.instance, table.boot)
+    running = table.admit(table.new(_validated(), kind="http"), {})
+    assert table.take() is running
+    queued = table.admit(table.new(_validated(), kind="http"), {})
+    stuck = [table.new(_validated(), kind="http"), table.new(_validated(), kind="http", request_id="retried-1")]
+    ids = {j.id for j in stuck}
+    real_get = store.get_record   # the id check reads nothing for these: the pause lands on their writes
+    monkeypatch.setattr(store, "get_record", lambda jid: None if jid in ids else real_get(jid))
+    outcome: dict = {}
+
+    def admit(job):
+        t0 = time.monotonic()
+        try:
+            table.admit(job, {})
+        except StoreError as exc:
+            outcome[job.id] = (exc, time.monotonic() - t0)
+
+    pid = s3.proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        writers = [threading.Thread(target=admit, args=(j,), daemon=True) for j in stuck]
+        writers.append(threading.Thread(target=table.cancel, args=(queued.id,), daemon=True))
+        for w in writers:
+            w.start()
+        time.sleep(0.3)                                   # inside their puts now
+        assert all(w.is_alive() for w in writers), outcome
+        t0 = time.monotonic()
+        grpc_job = table.admit(table.new(_validated(), kind="stream"), {})
+        admitted_s = time.monotonic() - t0
+        assert admitted_s < 0.5, f"a store-free admission waited {admitted_s:.2f}s"
+        assert queued not in table.queue and not queued.finished, "the cancel of a queued job did not take it out"
+        with pytest.raises(QueueFull):                    # 1 running + 2 reserved + 1 queued = capacity 4
+            table.admit(table.new(_validated(), kind="stream"), {})
+        assert table.take() is grpc_job                   # the worker takes the next job
+        assert table.cancel(running.id) is True and running.cancel_requested.is_set()
+        assert table.get(running.id) is running and [j.id for j in table.queue] == []
+        others_s = time.monotonic() - t0
+        still_stuck = all(w.is_alive() for w in writers)
+        for w in writers:
+            w.join(15)                                    # the store stays paused for the whole bound
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert others_s < 0.5 and still_stuck, (others_s, outcome)
+    for job in stuck:
+        exc, took = outcome[job.id]
+        assert exc.stage == "job-store" and "could not write a job record" in str(exc), exc
+        assert 1.0 < took < 10.0, outcome
+        assert job.id not in table.admitting and job.id not in table.jobs and job.id in table.refused
+
+    # the server, resumed, may still apply the PUTs it had buffered
+    monkeypatch.undo()
+    end = time.monotonic() + 5
+    while not all(late := [real_get(j.id) for j in stuck]) and time.monotonic() < end:
+        time.sleep(0.1)
+    time.sleep(0.3)                                       # its retries' PUTs too
+    retry = table.admit(table.new(_validated(), kind="http", request_id="retried-1"), {})
+    assert queued.finished and not queued.persisted      # its cancel's write failed: the sweep writes it
+    table.sweep_once()
+    assert real_get(queued.id)["status"] == "failed" and real_get(queued.id)["error"]["code"] == "cancelled"
+    assert list(table.refused) == [stuck[0].id]           # watched until two sweeps find it settled
+    table.sweep_once()
+    table.sweep_once()
+    assert table.refused == {}
+    rec = real_get(stuck[0].id)
+    if late[0] is not None:
+        assert late[0]["status"] == "queued" and rec["status"] == "failed", rec
+        assert rec["error"]["stage"] == "job-store" and "refused (503) and never ran" in rec["error"]["message"]
+    else:
+        assert rec is None
+    assert real_get("retried-1")["status"] == "queued" and table.get("retried-1") is retry
+    print("FIGURES", json.dumps({"hung_store_other_ops_s": round(others_s, 3),
+                                 "hung_store_admission_503_after_s": [round(outcome[j.id][1], 2) for j in stuck],
+                                 "late_records_landed": [r is not None for r in late]}))
+
+    # nothing lost: the running job ends cancelled, the gRPC one completed
+    table.finish(running, running.cancelled())
+    table.finish(grpc_job, None)
+    assert table.get(running.id).status == "failed" and table.get(running.id).error.kind.code == "cancelled"
+    assert grpc_job.status == "completed"
+    table.close()
+
+
+def test_a_drain_during_an_admissions_write_fails_the_job_with_its_record(tmp_path, monkeypatch):
+    """SIGTERM's drain lands while an admission writes its record (no lock held then): the job is not queued; it
+    ends failed (draining) as a queued one does, and its record says so."""
+    table = _table(StageConfig(jobs_dir=str(tmp_path / "jobs")), None, 1006)
+    real_put = table.store.put_record
+    monkeypatch.setattr(table.store, "put_record", lambda rec: (table.drain(), real_put(rec)))
+    job = table.admit(table.new(_validated(), kind="http"), {})
+    assert job.finished and job.status == "failed" and job.error.kind.code == "draining", job.error
+    assert list(table.queue) == [] and table.admitting == {}
+    rec = table.store.get_record(job.id)
+    assert rec["status"] == "failed" and rec["error"]["code"] == "draining"
+    table.close()

@@ -343,14 +343,15 @@ def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
             obj = job_object(job, gateway)
             obj["status"], obj["object"] = "validated", "video.validation"
             return obj
-        gateway.submit(job)
+        await asyncio.to_thread(gateway.submit, job)   # its record written off the loop
         return job_object(job, gateway)
 
     @app.post("/v1/videos/sync", openapi_extra=REQUEST_BODY, summary="Create a video and wait for the MP4",
               responses={200: {"content": {"video/mp4": {}}}})
     async def create_video_sync(request: Request):
         fields, names = fields_from_http(await read_body(request))
-        job = gateway.submit(await asyncio.to_thread(new_job, fields, names, request, "http"))
+        job = await asyncio.to_thread(new_job, fields, names, request, "http")
+        await asyncio.to_thread(gateway.submit, job)
         while not job.done.is_set():
             if await request.is_disconnected():   # nobody to answer: cancel quietly, no error logged
                 job.cancel("the HTTP client disconnected")

@@ -212,6 +212,8 @@ class JobTable:
         self.queue: collections.deque[Job] = collections.deque()
         self.running: dict[str, Job] = {}
         self.jobs: dict[str, Job] = {}
+        self.admitting: dict[str, Job] = {}   # slots reserved while their records are written (no lock held)
+        self.refused: dict[str, int] = {}     # ids whose first record failed -> sweeps that found it settled
         # a private temp dir only when nothing durable is configured (then jobs live as long as the process)
         self._own_dir = config.jobs_dir is None and config.job_store is None
         self.dir = config.jobs_dir or tempfile.mkdtemp(prefix="h3serve-jobs-")   # MP4s (spooled, or kept)
@@ -249,35 +251,70 @@ class JobTable:
 
     def admit(self, job: Job, down: dict[str, str]) -> Job:
         """Queue a job or refuse it at once: Draining, StageUnavailable (`down`: stage -> health of the stages
-        not SERVING; or the job store unreachable), RequestError (id in use), QueueFull."""
+        not SERVING; or the job store could not take the record), RequestError (id in use), QueueFull.
+
+        In three steps, so that a slow or hung store holds up only this admission, never the lock every queue
+        operation takes: (1) under the lock the checks and a reserved slot (capacity counts it, the id is taken);
+        (2) outside it an HTTP job's record written; (3) under the lock again the job queued. If the write fails
+        the slot is given back and the caller gets the StoreError; a record the store took after all reads failed
+        with that reason (_orphan). A drain during the write fails the job as it fails a queued one."""
+        try:
+            with self.cond:
+                self._check_admit(job, down)
+                self.admitting[job.id] = job
+            if job.kind == "http":
+                try:
+                    self._write_admitted(job)
+                except BaseException:
+                    with self.cond:
+                        self.admitting.pop(job.id, None)
+                    raise
+        except H3Error as exc:
+            if not isinstance(exc, RequestError):   # request errors are counted by the API layer
+                self.metrics.requests.labels(outcome=classify(exc).kind.code).inc()
+            raise
         with self.cond:
-            try:
-                if self.draining:
-                    raise Draining("the server is shutting down and admits no new requests; retry elsewhere")
-                if down:
-                    stage, health = next(iter(down.items()))
-                    raise StageUnavailable(stage, f"not ready (health: {health})")
-                if job.id in self.jobs or (job.kind == "http" and self.store.get_record(job.id) is not None):
-                    raise RequestError("request_id", job.id, "an id not already in use")
-                busy = len(self.running) + len(self.queue)
-                capacity = self.config.max_inflight + self.config.queue_size
-                if busy >= capacity:
-                    raise QueueFull(f"queue full: {len(self.running)} running and {len(self.queue)} waiting "
-                                    f"(queue size {self.config.queue_size}); retry later")
-                job.queue_position = max(0, busy - self.config.max_inflight + 1) \
-                    if busy >= self.config.max_inflight else 0
-                if job.kind == "http":
-                    self.store.put_record(job.record())   # refused (StoreError) if the store cannot take it
-            except H3Error as exc:
-                if not isinstance(exc, RequestError):   # request errors are counted by the API layer
-                    self.metrics.requests.labels(outcome=classify(exc).kind.code).inc()
-                raise
-            job.t_admitted = time.monotonic()
+            self.admitting.pop(job.id, None)
             self.jobs[job.id] = job
-            self.queue.append(job)
-            self.metrics.queue_depth.set(len(self.queue))
-            self.cond.notify()
+            if not self.draining:
+                job.t_admitted = time.monotonic()
+                self.queue.append(job)
+                self.metrics.queue_depth.set(len(self.queue))
+                self.cond.notify()
+                return job
+        self.finish(job, Draining("the server shut down before the request started; retry elsewhere"))
         return job
+
+    def _check_admit(self, job: Job, down: dict[str, str]) -> None:
+        """The admission checks on the table (the caller holds the lock); sets the job's queue position."""
+        if self.draining:
+            raise Draining("the server is shutting down and admits no new requests; retry elsewhere")
+        if down:
+            stage, health = next(iter(down.items()))
+            raise StageUnavailable(stage, f"not ready (health: {health})")
+        if job.id in self.jobs or job.id in self.admitting:
+            raise RequestError("request_id", job.id, "an id not already in use")
+        busy = len(self.running) + len(self.queue) + len(self.admitting)
+        capacity = self.config.max_inflight + self.config.queue_size
+        if busy >= capacity:
+            raise QueueFull(f"queue full: {len(self.running)} running and {len(self.queue) + len(self.admitting)} "
+                            f"waiting (queue size {self.config.queue_size}); retry later")
+        job.queue_position = max(0, busy - self.config.max_inflight + 1) if busy >= self.config.max_inflight else 0
+
+    def _write_admitted(self, job: Job) -> None:
+        """An admitted HTTP job's first record (no lock held): refused if the id is stored already, StoreError if
+        the store cannot take it (a write that timed out may land later: the sweeper reads such ids back)."""
+        rec = self.store.get_record(job.id)
+        retried = rec is not None and job.id in self.refused and rec.get("status") not in FINISHED \
+            and (rec.get("gateway"), rec.get("boot")) == (self.instance, self.boot)   # its refused try's record
+        if rec is not None and not retried:
+            raise RequestError("request_id", job.id, "an id not already in use")
+        try:
+            self.store.put_record(job.record())
+        except StoreError:
+            self.refused[job.id] = 0
+            raise
+        self.refused.pop(job.id, None)
 
     def take(self) -> Job | None:
         """The next queued job, now running (blocks); None once the table is closed."""
@@ -363,26 +400,33 @@ class JobTable:
         job.done.set()
 
     # -- reading jobs back ---------------------------------------------------------------------------------
-    def _orphan_reason(self, rec: dict) -> str | None:
+    def _orphan(self, rec: dict) -> StageUnavailable | None:
         """Why a stored job still queued / in progress will never finish, or None while its gateway runs it."""
-        if rec.get("status") in FINISHED or (rec.get("gateway"), rec.get("boot")) == (self.instance, self.boot):
+        if rec.get("status") in FINISHED:
             return None
+        was = rec.get("status")
+        if (rec.get("gateway"), rec.get("boot")) == (self.instance, self.boot):
+            if rec["id"] in self.jobs or rec["id"] in self.admitting:
+                return None
+            return StoreError(f"the job store did not confirm this job's record when it was submitted, so it was "
+                              f"refused (503) and never ran; the record the store took late was {was}: submit "
+                              f"it again")
         beat = self.store.heartbeat(rec.get("gateway", ""))
         if beat is None or beat.get("boot") != rec.get("boot"):
-            return f"the gateway running it ({rec.get('gateway')}) restarted before it finished"
-        if time.time() - float(beat.get("at", 0)) > HEARTBEAT_STALE_S:
-            return (f"the gateway running it ({rec.get('gateway')}) stopped: no heartbeat for more than "
-                    f"{HEARTBEAT_STALE_S:g}s")
-        return None
+            reason = f"the gateway running it ({rec.get('gateway')}) restarted before it finished"
+        elif time.time() - float(beat.get("at", 0)) > HEARTBEAT_STALE_S:
+            reason = (f"the gateway running it ({rec.get('gateway')}) stopped: no heartbeat for more than "
+                      f"{HEARTBEAT_STALE_S:g}s")
+        else:
+            return None
+        return StageUnavailable("gateway", f"{reason}; the job was {was} and nothing of it was kept: submit it again")
 
     def _load(self, rec: dict) -> Job:
         job = Job.from_record(rec)
-        reason = self._orphan_reason(rec)
-        if reason is not None:   # fail it for good, once, with the reason
-            was = job.status
+        orphan = self._orphan(rec)
+        if orphan is not None:   # fail it for good, once, with the reason
             job.status, job.completed_at = "failed", time.time()
-            job.error = classify(StageUnavailable("gateway", f"{reason}; the job was {was} and nothing of it "
-                                                             "was kept: submit it again"))
+            job.error = classify(orphan)
             job.done.set()
             self._save(job)
         return job
@@ -425,13 +469,15 @@ class JobTable:
             self.store.put_record(job.record())
             return True
         self._check_owner(job, owner)
-        with self.cond:
-            if job in self.queue:
+        with self.cond:   # out of the queue under the lock (no worker takes it); its record written outside
+            queued = job in self.queue
+            if queued:
                 self.queue.remove(job)
                 self.metrics.queue_depth.set(len(self.queue))
                 job.cancel(reason)
-                self.finish(job, Cancelled(reason))
-                return True
+        if queued:
+            self.finish(job, Cancelled(reason))
+            return True
         return job.cancel(reason)
 
     def delete(self, job_id: str, owner: str | None = None) -> Job:
@@ -440,9 +486,14 @@ class JobTable:
         if not job.finished and job_id in self.jobs:
             self.cancel(job_id, "deleted by the caller")
             job.done.wait(30.0)
+        job.deleted = True          # a job still stopping writes no record again
+        try:
+            self.store.delete(job_id)   # first: until it is gone from memory a reader sees the live job
+        except StoreError:
+            job.deleted = False
+            raise
         with self.cond:
             self.jobs.pop(job_id, None)
-        self.store.delete(job_id)
         if job.output_path:
             unlink(job.output_path)
         return job
@@ -512,6 +563,15 @@ class JobTable:
                     job.cancel("deleted by the caller")
                 elif rec.get("cancel_requested"):
                     self.cancel(job.id)
+        for job_id in list(self.refused):   # a refused admission's record that landed late: failed, with why
+            rec = self.store.get_record(job_id)
+            settled = rec is None or rec.get("status") in FINISHED
+            if not settled:
+                self._load(rec)              # ours and not live: written failed, with the reason
+            # watched for two settled sweeps in a row: a put the store still held may land after the first
+            self.refused[job_id] = self.refused[job_id] + 1 if settled else 0
+            if self.refused[job_id] >= 2:
+                self.refused.pop(job_id, None)
         now = time.time()
         finished = sorted((r for r in self.store.records() if r.get("status") in FINISHED),
                           key=lambda r: r.get("completed_at") or 0)
@@ -532,5 +592,5 @@ class JobTable:
             if not name.endswith(".mp4.part") or path in live:
                 continue
             rec = self._record(name[: -len(".mp4.part")])
-            if rec is None or rec.get("status") in FINISHED or self._orphan_reason(rec):
+            if rec is None or rec.get("status") in FINISHED or self._orphan(rec):
                 unlink(path)

@@ -164,7 +164,8 @@ class S3Store:
 
     durable = True
 
-    def __init__(self, url: str, spool_dir: str, env: dict | None = None):
+    def __init__(self, url: str, spool_dir: str, env: dict | None = None, *,
+                 timeout_s: tuple[float, float] = (S3_CONNECT_S, S3_READ_S)):
         from minio import Minio   # lazy: only an S3-backed gateway needs the client
 
         env = os.environ if env is None else env
@@ -179,7 +180,8 @@ class S3Store:
             raise ValueError(f"AWS_ENDPOINT_URL {endpoint!r}: expected http(s)://HOST[:PORT]")
         self.endpoint = endpoint
         # bounded waits: an unreachable store fails a call in seconds (the client's default waits minutes)
-        http = urllib3.PoolManager(timeout=urllib3.Timeout(connect=S3_CONNECT_S, read=S3_READ_S), maxsize=16,
+        connect_s, read_s = timeout_s
+        http = urllib3.PoolManager(timeout=urllib3.Timeout(connect=connect_s, read=read_s), maxsize=16,
                                    retries=urllib3.Retry(total=2, backoff_factor=0.2,
                                                          status_forcelist=(500, 502, 503, 504)))
         self.client = Minio(ep.netloc, access_key=env.get("AWS_ACCESS_KEY_ID"),

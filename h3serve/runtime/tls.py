@@ -145,7 +145,7 @@ class Peers:
             if isinstance(p, PeerName):
                 if p.port != port_n:
                     continue
-                if p.host == host:
+                if p.host.lower() == host.lower():   # the declared name itself, as written
                     return
                 if ip is None:
                     continue
@@ -184,10 +184,10 @@ class Peers:
     def _run(self, host: str, future: Future) -> None:
         try:
             addresses = self._resolve(host)
-        except (OSError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure (gaierror, a label too long) refuses, never hangs
             with self._lock:
                 self._pending.pop(host, None)
-            future.set_exception(exc if isinstance(exc, OSError) else OSError(str(exc)))
+            future.set_exception(exc if isinstance(exc, OSError) else OSError(str(exc) or type(exc).__name__))
             return
         with self._lock:
             self._cache[host] = (time.monotonic(), addresses)

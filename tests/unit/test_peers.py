@@ -112,3 +112,14 @@ def test_literal_items_networks_and_a_failing_name_beside_them():
         with pytest.raises(RequestError) as info:
             parse_peers(text)
         assert info.value.field == "peers"
+
+
+def test_the_launcher_declares_the_stages_it_started_and_those_it_was_given():
+    from h3serve.config.stage import StageConfig
+    from h3serve.runtime.launcher import child_argv
+
+    addresses = {"dit": "127.0.0.1:50053", "vae": "127.0.0.1:50054", "muxer": "dns:///h3-muxer-headless.ns.svc:50051"}
+    argv = child_argv(StageConfig(stage="vae"), "vae", 50054, addresses, None, "info")
+    text = argv[argv.index("--peers") + 1]
+    assert text == "127.0.0.1:50053,127.0.0.1:50054,h3-muxer-headless.ns.svc:50051"
+    assert parse_peers(text).items[-1] == PeerName("h3-muxer-headless.ns.svc", 50051)

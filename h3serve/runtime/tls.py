@@ -24,9 +24,9 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, TimeoutError
 from dataclasses import dataclass
-from typing import Callable
 
 import grpc
 

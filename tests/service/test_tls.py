@@ -15,13 +15,12 @@ import pytest
 from h3serve._proto import common_pb2, dit_pb2, dit_pb2_grpc, gateway_pb2, gateway_pb2_grpc, vae_pb2, vae_pb2_grpc
 from h3serve.client import Client
 from h3serve.config.stage import StageConfig, tls_peer_name
+from h3serve.distributed.world import free_port
 from h3serve.errors import RequestError
 from h3serve.runtime.stage import StageBase
 from h3serve.runtime.tls import Tls, check_peer, parse_peers
 
 from .certs import make_ca, make_leaf
-from h3serve.distributed.world import free_port
-
 from .conftest import REQUEST, LoneStage, Stack
 
 

@@ -242,8 +242,9 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-peer-name", default=None, metavar="NAME",
                    help="the name checked in a peer's certificate instead of the host dialled (pods dialled by IP)")
     p.add_argument("--peers", default=None, metavar="LIST",
-                   help="what a stage may dial when a request names an address: HOST:PORT or NET/LEN, comma "
-                        "separated (the launcher sets it; unset: any)")
+                   help="what a stage may dial when a request names an address: IP:PORT, NAME:PORT (an IP the name "
+                        "resolves to, that port) or NET/LEN, comma separated (the launcher and the operator set it; "
+                        "unset: any)")
     p.add_argument("--no-auth", action="store_true",
                    help="gateway: serve without API keys even on a non-loopback address (without keys the "
                         "gateway otherwise listens on loopback only)")

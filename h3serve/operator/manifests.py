@@ -20,8 +20,9 @@ What it renders for an H3Deployment `<name>`:
 Every container runs `h3serve serve --stages <its stages>`; everything else a process needs (degrees, profile,
 adapter, dtype, ports, peer addresses) it reads from the service config mounted at `$H3SERVE_CONFIG`
 (`h3serve.config.stage.StageConfig.from_service_config`). Only the pod's own address travels in argv
-(`--advertise $(POD_IP):port`, expanded by the kubelet). torch.distributed is wired by environment (MASTER_ADDR,
-MASTER_PORT, WORLD_SIZE, NNODES, NPROC_PER_NODE, NODE_RANK, RANK = the first global rank of the pod).
+(`--advertise $(POD_IP):port`, expanded by the kubelet) and, for the DiT pools and the VAE, the peers they may dial
+(`--peers` = the headless Service of the stage they stream to). torch.distributed is wired by environment
+(MASTER_ADDR, MASTER_PORT, WORLD_SIZE, NNODES, NPROC_PER_NODE, NODE_RANK, RANK = the first global rank of the pod).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from h3serve.config.vocab import (
     MODEL_STAGES,
     PIPELINE_STAGES,
     PORT_OFFSETS,
+    SINKS,
 )
 
 MANAGER = "h3serve-operator"
@@ -144,6 +146,12 @@ def headless_name(name: str, comp: str) -> str:
     return f"{name}-{comp}-headless"
 
 
+def headless_address(name: str, namespace: str, comp: str) -> str:
+    """host:port of a disaggregated stage's headless Service: the gateway's `dns:///` target, and the `--peers`
+    item of the pods that stream to the stage."""
+    return f"{headless_name(name, comp)}.{namespace}.svc:{GRPC_PORT}"
+
+
 def endpoints(spec: H3DeploymentSpec, name: str, namespace: str) -> dict[str, str]:
     """stage -> gRPC target. Disaggregated: `dns:///` of the stage's headless Service, so the dialer (the gateway)
     resolves every ready replica and balances per call (gRPC round_robin); rendered whatever the replica count, so
@@ -152,7 +160,7 @@ def endpoints(spec: H3DeploymentSpec, name: str, namespace: str) -> dict[str, st
     if spec.placement == "colocated":
         out = {st: f"127.0.0.1:{GRPC_PORT + PORT_OFFSETS[st]}" for st in PIPELINE_STAGES}
     else:
-        out = {st: f"dns:///{headless_name(name, st)}.{namespace}.svc:{GRPC_PORT}"
+        out = {st: f"dns:///{headless_address(name, namespace, st)}"
                for st in (*PIPELINE_STAGES, *([FASTH3_DIT] if spec.fasth3 is not None else []))}
     out[GATEWAY] = f"{name}-{GATEWAY}.{namespace}.svc:{GRPC_PORT}"
     return out
@@ -392,16 +400,21 @@ def _dist_env(world: int, per_pod: int, nnodes: int, master: str, gang: bool) ->
     return env
 
 
-def serve_args(comp: str) -> list[str]:
-    """The `h3serve serve` command line of a component: its stages; the rest is in the mounted service config."""
-    args = ["h3serve", "serve", "--stages", "all" if comp == ENGINE else ("dit" if comp == FASTH3_DIT else comp)]
+def serve_args(name: str, namespace: str, comp: str) -> list[str]:
+    """The `h3serve serve` command line of a component: its stages, the address its peers reach it at and the
+    peers it may dial; the rest is in the mounted service config."""
+    stage = "all" if comp == ENGINE else ("dit" if comp == FASTH3_DIT else comp)
+    args = ["h3serve", "serve", "--stages", stage]
     if comp in (*PIPELINE_STAGES, FASTH3_DIT):  # peers (the VAE streaming to a muxer) reach this very pod
         args += ["--advertise", f"$(POD_IP):{GRPC_PORT}"]
+    if stage in SINKS:  # a request names the sink's pod by IP: only an IP of the sink stage's headless Service
+        args += ["--peers", headless_address(name, namespace, SINKS[stage])]
+    # The engine's launcher gives each stage the loopback addresses of the stages it started.
     return args
 
 
-def _command(comp: str, gang: bool) -> tuple[list[str], list[str]]:
-    serve = serve_args(comp)
+def _command(name: str, namespace: str, comp: str, gang: bool) -> tuple[list[str], list[str]]:
+    serve = serve_args(name, namespace, comp)
     if not gang:
         return serve, []
     # RANK = the global rank of this pod's first process (its local ranks follow); the leader (ordinal 0) is rank 0.
@@ -434,7 +447,7 @@ def _pod_template(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, 
     secret_mounts, secret_volumes = _secret_volumes(spec, comp)
     mounts += secret_mounts
     volumes += secret_volumes
-    command, args = _command(comp, gang)
+    command, args = _command(name, namespace, comp, gang)
     container = {
         "name": comp,
         "image": spec.image,

@@ -69,7 +69,8 @@ def child_argv(config: StageConfig, stage: str, port: int, addresses: dict[str, 
         argv.append("--no-warmup")
     if config.no_auth:
         argv.append("--no-auth")
-    argv += ["--peers", ",".join(sorted(set(addresses.values())))]   # a stage dials only the stages started here
+    # a stage dials only the stages started here and those given (a `dns:///` target: its name, by its addresses)
+    argv += ["--peers", ",".join(sorted({a.removeprefix("dns:///") for a in addresses.values()}))]
     for name in _PASS:
         value = getattr(config, name)
         if value is not None and value != getattr(StageConfig, name, None):

@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2
 
 from h3serve._proto import common_pb2
 from h3serve.config.stage import StageConfig
+from h3serve.config.vocab import SINKS
 from h3serve.errors import Cancelled
 from h3serve.errortable import DeadlineExceeded, abort
 from h3serve.runtime.device import PeakMemory
@@ -167,7 +168,7 @@ class StageBase:
         self._channels_lock = threading.Lock()
         self.tls = Tls.of(config)
         self.peers = parse_peers(config.peers)
-        if self.peers is None and self.stage in ("dit", "vae"):
+        if self.peers is None and self.stage in SINKS:
             log.warning("%s: --peers not set: this stage dials any address a request names as its sink",
                         self.stage)
 
@@ -248,11 +249,13 @@ class StageBase:
         for channel in self._channels.values():
             channel.close()
 
-    def channel(self, address: str) -> grpc.Channel:
+    def channel(self, address: str, field: str = "sink.address") -> grpc.Channel:
         """The channel to another stage at `address` (one per address, for the life of this stage). The address
-        comes in a request (a sink): refused unless the deployment declares it (--peers), and with --tls-ca the
-        peer must prove a certificate of the deployment's CA."""
-        check_peer(self.peers, address, "sink.address")
+        comes in a request (a sink, its `field`): refused unless the deployment declares it (--peers), and with
+        --tls-ca the peer must prove a certificate of the deployment's CA. Taken when the request arrives (before
+        any work, and while the peer is still among the names' addresses: a draining one leaves them); a channel
+        connects at its first call."""
+        check_peer(self.peers, address, field)
         with self._channels_lock:
             channel = self._channels.get(address)
             if channel is None:

@@ -8,8 +8,10 @@
     --tls-peer-name NAME             the name checked in a peer's certificate instead of the host dialled (the
                                      operator sets it: disaggregated stages dial each other by pod IP)
     --peers LIST                     comma list of what a stage may dial when a request names an address (a sink):
-                                     HOST:PORT, or NET/LEN (any port in that network, e.g. a pod CIDR). The
-                                     launcher sets it to the stages it started. Unset: any address (with a warning).
+                                     IP:PORT; NAME:PORT (an IP the name resolves to now, that very port: the
+                                     operator names the headless Services of the stages a pod streams to); or
+                                     NET/LEN (any port in that network, e.g. a pod CIDR). The launcher sets it to the
+                                     stages it started. Unset: any address (with a warning).
 
 With a certificate configured a server listens for TLS only, so a plaintext client is refused at the handshake.
 Files are read when the server or channel is made (a restart picks up a renewed certificate).
@@ -19,6 +21,11 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, TimeoutError
 from dataclasses import dataclass
 
 import grpc
@@ -28,6 +35,10 @@ from h3serve.errors import H3Error, RequestError
 from h3serve.transport.grpc import channel_options, MESSAGE_LIMIT
 
 log = logging.getLogger("h3serve.runtime.tls")
+
+NAME_TTL_S = 5.0          # a --peers name's addresses are resolved again after this long (scale-ups are seen)
+NAME_RETRY_S = 1.0        # ... and at once when an address is not among them and they are older than this
+RESOLVE_TIMEOUT_S = 2.0   # a name that does not resolve in this long refuses the address
 
 
 def _read(path: str, what: str) -> bytes:
@@ -87,8 +98,109 @@ class Tls:
         return server.add_secure_port(address, self.server_credentials(require_client=require_client))
 
 
-def parse_peers(text: str | None) -> tuple | None:
-    """`--peers` as (host, port) pairs and networks; None when unset."""
+@dataclass(frozen=True)
+class PeerName:
+    """A `--peers` item naming a host (e.g. a stage's headless Service): an address is this peer when its IP is
+    among the name's current addresses and its port is exactly this one."""
+
+    host: str
+    port: int
+
+
+def _resolve(host: str) -> frozenset:
+    """The IP addresses `host` resolves to now (socket.getaddrinfo: /etc/hosts, then DNS)."""
+    infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    return frozenset(ipaddress.ip_address(str(sa[0]).split("%")[0]) for *_, sa in infos)
+
+
+class Peers:
+    """What a stage may dial when a request names an address (`--peers`): IP:PORT and HOST:PORT items, networks.
+
+    A name's addresses are resolved when an address is checked against it, cached NAME_TTL_S (so a scale-up is seen
+    within seconds) and resolved again at once when an address is not among them and they are older than
+    NAME_RETRY_S (a replica that just became ready). A resolution takes at most RESOLVE_TIMEOUT_S; one that fails or
+    takes longer refuses the address (a RequestError naming the field and the name), and one in flight is shared by
+    every check that needs it."""
+
+    def __init__(self, items: tuple, resolve: Callable[[str], frozenset] = _resolve):
+        self.items = items
+        self._resolve = resolve
+        self._lock = threading.Lock()
+        self._cache: dict[str, tuple[float, frozenset]] = {}      # host -> (resolved at, its addresses)
+        self._pending: dict[str, Future] = {}                     # host -> the resolution in flight
+
+    def check(self, address: str, field: str) -> None:
+        """Refuse `address` unless the deployment declares it (RequestError naming `field`)."""
+        host, sep, port = address.rpartition(":")
+        allowed = "an address of this deployment's peers (--peers)"
+        if not sep or not port.isdigit() or not host or "/" in host:
+            raise RequestError(field, address, allowed)
+        host, port_n = host.strip("[]"), int(port)
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            ip = None   # a name: only a declared one, as written (it is dialled by that name)
+        failures = []
+        for p in self.items:
+            if isinstance(p, PeerName):
+                if p.port != port_n:
+                    continue
+                if p.host.lower() == host.lower():   # the declared name itself, as written
+                    return
+                if ip is None:
+                    continue
+                try:
+                    if ip in self._addresses(p.host, NAME_TTL_S) or ip in self._addresses(p.host, NAME_RETRY_S):
+                        return
+                except _Unresolved as exc:
+                    failures.append(str(exc))
+            elif isinstance(p, tuple):
+                if ip is not None and p == (ip, port_n):
+                    return
+            elif ip is not None and ip.version == p.version and ip in p:
+                return
+        if failures:
+            allowed += ": " + "; ".join(failures)
+        raise RequestError(field, address, allowed)
+
+    def _addresses(self, host: str, max_age: float) -> frozenset:
+        """`host`'s addresses, resolved at most `max_age` seconds ago."""
+        with self._lock:
+            cached = self._cache.get(host)
+            if cached is not None and time.monotonic() - cached[0] < max_age:
+                return cached[1]
+            future = self._pending.get(host)
+            if future is None:
+                future = self._pending[host] = Future()
+                # a daemon thread: a resolver that never answers holds up neither a request nor the exit
+                threading.Thread(target=self._run, args=(host, future), name="h3serve-peers", daemon=True).start()
+        try:
+            return future.result(timeout=RESOLVE_TIMEOUT_S)
+        except TimeoutError:
+            raise _Unresolved(f"{host} did not resolve within {RESOLVE_TIMEOUT_S:g} s") from None
+        except OSError as exc:
+            raise _Unresolved(f"{host} did not resolve ({exc.strerror or exc})") from None
+
+    def _run(self, host: str, future: Future) -> None:
+        try:
+            addresses = self._resolve(host)
+        except Exception as exc:  # noqa: BLE001 - any failure (gaierror, a label too long) refuses, never hangs
+            with self._lock:
+                self._pending.pop(host, None)
+            future.set_exception(exc if isinstance(exc, OSError) else OSError(str(exc) or type(exc).__name__))
+            return
+        with self._lock:
+            self._cache[host] = (time.monotonic(), addresses)
+            self._pending.pop(host, None)
+        future.set_result(addresses)
+
+
+class _Unresolved(Exception):
+    """A name of --peers did not resolve (in time)."""
+
+
+def parse_peers(text: str | None) -> Peers | None:
+    """`--peers` as Peers (IP:PORT pairs, HOST:PORT names and networks); None when unset."""
     if text is None:
         return None
     out: list = []
@@ -104,27 +216,15 @@ def parse_peers(text: str | None) -> tuple | None:
         host, sep, port = item.rpartition(":")
         if not sep or not port.isdigit() or not host:
             raise RequestError("peers", item, "HOST:PORT or NET/LEN")
-        out.append((host.strip("[]"), int(port)))
-    return tuple(out)
+        host = host.strip("[]")
+        try:
+            out.append((ipaddress.ip_address(host), int(port)))
+        except ValueError:
+            out.append(PeerName(host, int(port)))
+    return Peers(tuple(out))
 
 
-def check_peer(peers: tuple | None, address: str, field: str) -> None:
+def check_peer(peers: Peers | None, address: str, field: str) -> None:
     """Refuse an address a request names unless the deployment declares it (RequestError naming `field`)."""
-    if peers is None:
-        return
-    host, sep, port = address.rpartition(":")
-    allowed = "an address of this deployment's peers (--peers)"
-    if not sep or not port.isdigit() or not host or "/" in host:
-        raise RequestError(field, address, allowed)
-    host = host.strip("[]")
-    for p in peers:
-        if isinstance(p, tuple):
-            if p == (host, int(port)):
-                return
-        else:
-            try:
-                if ipaddress.ip_address(host) in p:
-                    return
-            except ValueError:
-                pass
-    raise RequestError(field, address, allowed)
+    if peers is not None:
+        peers.check(address, field)

@@ -155,6 +155,8 @@ class DiTServicer(StageBase):
         except ValueError as exc:
             raise RequestError("condition_kinds", kinds, str(exc)) from None
         check_geometry(p)
+        sink = p.latents_sink   # checked (--peers) before any work; dialled when the latents are ready
+        vae = self.channel(sink.address, "latents_sink.address") if sink.address and sink.session_id else None
         scope = self.scope(context, p.request_id)
         try:
             tensors = {}
@@ -190,13 +192,12 @@ class DiTServicer(StageBase):
 
                 return self.engine.generate(req, on_step=on_step, should_stop=scope.should_stop)
 
-            sink = p.latents_sink
             result = yield from self.engine_events(scope, work, lambda p: dit_pb2.DiTEvent(progress=p))
             done = dit_pb2.DiTDone(steps=result.steps, seconds=result.seconds, step_seconds=result.step_seconds,
                                    peak_memory_mb=scope.peak_memory_mb, forwards_computed=result.forwards_computed,
                                    block_evaluations=result.block_evaluations)
-            if sink.address and sink.session_id:   # the latents go straight to the VAE (dit->vae over Control)
-                info = self._send_latents(scope, sink, result)
+            if vae is not None:   # the latents go straight to the VAE (dit->vae over Control)
+                info = self._send_latents(scope, vae, sink, result)
                 done.transport.CopyFrom(common_pb2.TransportInfo(**info))
             else:
                 for chunk in iter_tensor_chunks("video_latents", result.video):
@@ -209,10 +210,10 @@ class DiTServicer(StageBase):
             raise
         self.finish(scope)
 
-    def _send_latents(self, scope, sink, result) -> dict:
+    def _send_latents(self, scope, vae, sink, result) -> dict:
         """Send the latents to the VAE's latents session over `VAE.Control` (the bytes by NIXL WRITE, or inline on
         the call when NIXL cannot be used); returns the edge's transport info."""
-        with ControlSender(LATENTS_EDGE, vae_pb2_grpc.VAEStub(self.channel(sink.address)).Control,
+        with ControlSender(LATENTS_EDGE, vae_pb2_grpc.VAEStub(vae).Control,
                            vae_pb2.LatentsControl(session_id=sink.session_id, transport="nixl"),
                            lambda data: vae_pb2.LatentsControl(data=data), scope,
                            transport=self.transport.chosen, local_reason=f"dit: {self.transport.reason}") as tx:

@@ -166,6 +166,8 @@ class VAEServicer(StageBase):
         if first is None or first.WhichOneof("input") != "params":
             raise RequestError("params", None, "the first message of a Decode stream carries the parameters")
         p = first.params
+        # the muxer sink is checked (--peers) before any work (the latents may take the DiT minutes)
+        muxer = muxer_pb2_grpc.MuxerStub(self.channel(p.sink.address)) if p.sink.address else None
         scope = self.scope(context, p.request_id)
         latents_info = None
         try:
@@ -187,8 +189,9 @@ class VAEServicer(StageBase):
                 raise RequestError("audio_latents", tuple(audio.shape), f"(2, {ca}, A) float")
             if not p.sink.address or not p.sink.session_id:
                 raise RequestError("sink", p.sink.address, "a muxer address and session id")
-            done = yield from self.engine_events(scope, lambda emit: self._decode(scope, p, video, audio, emit),
-                                                 lambda clip: vae_pb2.DecodeEvent(clip=clip))
+            done = yield from self.engine_events(
+                scope, lambda emit: self._decode(scope, p, muxer, video, audio, emit),
+                lambda clip: vae_pb2.DecodeEvent(clip=clip))
             if latents_info is not None:
                 done.latents_transport.CopyFrom(common_pb2.TransportInfo(**latents_info))
             done.peak_memory_mb = scope.peak_memory_mb   # known once the engine work has returned
@@ -245,9 +248,9 @@ class VAEServicer(StageBase):
 
         yield from stream.serve(receive, lambda data: vae_pb2.LatentsControl(data=data))
 
-    def _decode(self, scope, p, video, audio, emit):
+    def _decode(self, scope, p, muxer, video, audio, emit):
         """On the engine thread: decode clip by clip into the muxer session; returns DecodeDone."""
-        out = open_sink(muxer_pb2_grpc.MuxerStub(self.channel(p.sink.address)), p.sink, scope,
+        out = open_sink(muxer, p.sink, scope,
                         transport=self.transport.chosen, reason=self.transport.reason, warned=self._warned)
         ok = False
         try:

@@ -833,3 +833,50 @@ def test_a_name_too_long_for_the_fasth3_pools_gangs_is_refused_naming_the_limit(
                                         r"at most 39 characters"):
         parse_and_validate(d, "a" * 40)
     parse_and_validate({**d, "gpusPerNode": 8}, "a" * 40)  # one-node replicas: a Deployment, no such label
+
+
+@pytest.mark.parametrize("example,gpus_per_node", [("base-disaggregated", 8), ("base-with-fasth3-disaggregated", 8),
+                                                   ("base-disaggregated", 4), ("base-colocated", 8)],
+                         ids=["base", "fasth3-pool", "gangs", "colocated"])
+def test_pods_that_dial_a_request_named_sink_declare_exactly_its_headless_service(example, gpus_per_node):
+    """A DiT (either pool) streams latents to a VAE pod and the VAE frames to a muxer pod, at the pod IP a request
+    names: their pods get `--peers` = the headless Service of that stage (the name the gateway dials, whose
+    addresses are its ready leader pods) and nothing else; no other pod gets any. The colocated engine's launcher
+    gives its stages the loopback addresses of the stages it started."""
+    from h3serve.cli import build_parser
+    from h3serve.config.stage import StageConfig
+    from h3serve.runtime.launcher import child_argv
+    from h3serve.runtime.tls import PeerName, parse_peers
+
+    doc = yaml.safe_load((ROOT / "examples" / f"{example}.yaml").read_text())
+    doc["spec"]["gpusPerNode"] = gpus_per_node
+    objs = M.render(parse_and_validate(doc["spec"], "h3"), "h3", "apps")
+    svcs = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Service"}
+    cfg = yaml.safe_load(next(o for o in objs if o["kind"] == "ConfigMap")["data"]["h3serve.yaml"])
+    sink_of = {"dit": "vae", "dit-fasth3": "vae", "vae": "muxer"}
+    seen = set()
+    for w, pod in pods(objs):
+        comp = w["metadata"]["labels"][M.LABEL_COMPONENT]
+        c = pod["containers"][0]
+        argv = c.get("args") or c["command"]
+        assert argv.count("--peers") == (1 if comp in sink_of else 0), (comp, argv)
+        if comp not in sink_of:
+            continue
+        seen.add(comp)
+        peers = build_parser().parse_args(argv[1:]).peers
+        sink = sink_of[comp]
+        assert peers == f"h3-{sink}-headless.apps.svc:50051"
+        assert cfg["endpoints"][sink] == f"dns:///{peers}"   # the very name the gateway balances over
+        assert parse_peers(peers).items == (PeerName(f"h3-{sink}-headless.apps.svc", 50051),)
+        svc = svcs[f"h3-{sink}-headless"]
+        assert svc["spec"]["clusterIP"] == "None" and "publishNotReadyAddresses" not in svc["spec"]  # ready pods
+        assert svc["spec"]["selector"] == svcs[f"h3-{sink}"]["spec"]["selector"]   # leaders: the IPs advertised
+        assert [p["port"] for p in svc["spec"]["ports"]] == [50051]
+    if example == "base-colocated":
+        assert seen == set()
+        engine = StageConfig.from_service_config(cfg, "vae")
+        addresses = {st: f"127.0.0.1:{50051 + M.PORT_OFFSETS[st]}" for st in ("gateway", *M.PIPELINE_STAGES)}
+        argv = child_argv(engine, "vae", engine.port, addresses, None, "info")
+        assert argv[argv.index("--peers") + 1] == ",".join(sorted(addresses.values()))
+    else:
+        assert seen == {"dit", "vae"} | ({"dit-fasth3"} if "fasth3" in example else set())

@@ -1,24 +1,27 @@
 """TLS on the front door (gRPC and HTTPS) and mTLS between the stages: a real stack whose every process has a
 certificate of one test CA (made here with `cryptography`). A real handshake works end to end; plaintext clients,
-clients without a certificate and clients of another CA are refused; a stage dials only its declared peers."""
+clients without a certificate and clients of another CA are refused; a stage dials only its declared peers (literal
+addresses, and names by their resolved addresses in a stage process of its own), checked before any work."""
 
 from __future__ import annotations
 
 import ssl
+import time
 
 import grpc
 import httpx
 import pytest
 
-from h3serve._proto import common_pb2, dit_pb2_grpc, gateway_pb2, gateway_pb2_grpc
+from h3serve._proto import common_pb2, dit_pb2, dit_pb2_grpc, gateway_pb2, gateway_pb2_grpc, vae_pb2, vae_pb2_grpc
 from h3serve.client import Client
 from h3serve.config.stage import StageConfig, tls_peer_name
+from h3serve.distributed.world import free_port
 from h3serve.errors import RequestError
 from h3serve.runtime.stage import StageBase
 from h3serve.runtime.tls import Tls, check_peer, parse_peers
 
 from .certs import make_ca, make_leaf
-from .conftest import REQUEST, Stack
+from .conftest import REQUEST, LoneStage, Stack
 
 
 @pytest.fixture(scope="module")
@@ -132,3 +135,50 @@ def test_peers_dialled_by_ip_are_checked_for_the_deployments_peer_name(tmp_path)
         assert not check(Tls(str(crt), str(key), str(ca), peer_name="other.ns.h3serve-peer"))
     finally:
         server.stop(0)
+
+
+def decode_refusal(address: str, sink: str, credentials=None) -> tuple[str, str]:
+    """(field, message) of a VAE Decode into `sink` that sends no latents: `video_latents` means the sink passed."""
+    params = vae_pb2.DecodeParams(request_id="peers", sink=common_pb2.Sink(address=sink, session_id="s"),
+                                  num_frames=22, width=320, height=256)
+    inputs = [vae_pb2.DecodeInput(params=params), vae_pb2.DecodeInput(end=common_pb2.StreamEnd(tensors=0))]
+    ch = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+    with ch, pytest.raises(grpc.RpcError) as err:
+        list(vae_pb2_grpc.VAEStub(ch).Decode(iter(inputs), timeout=20))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    return dict(err.value.trailing_metadata())["h3serve-field"], err.value.details()
+
+
+def test_undeclared_sinks_are_refused_before_any_work(tls_stack, pki):
+    """The DiT checks its latents sink when the request arrives (not after minutes of denoising), the VAE its
+    muxer sink before it waits for any latents."""
+    mtls = creds(pki, cert="crt", key="key")
+    assert decode_refusal(tls_stack.addresses["vae"], "169.254.169.254:80", mtls)[0] == "sink.address"
+    assert decode_refusal(tls_stack.addresses["vae"], tls_stack.addresses["muxer"], mtls)[0] == "video_latents"
+    params = dit_pb2.DiTParams(request_id="peers", latent_frames=37, latent_height=16, latent_width=20,
+                               audio_latents=207, seed=0, task="t2va", profile="base", steps=2,
+                               latents_sink=common_pb2.Sink(address="10.0.0.1:50051", session_id="s"))
+    t0 = time.monotonic()
+    with grpc.secure_channel(tls_stack.addresses["dit"], mtls) as ch, pytest.raises(grpc.RpcError) as err:
+        list(dit_pb2_grpc.DiTStub(ch).Generate(iter([dit_pb2.DiTInput(params=params)]), timeout=20))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert dict(err.value.trailing_metadata())["h3serve-field"] == "latents_sink.address"
+    assert time.monotonic() - t0 < 5
+
+
+def test_a_stage_process_accepts_a_named_peer_at_its_resolved_addresses_only(tiny_checkpoint):
+    """`--peers NAME:PORT` as the operator renders it (the sink stage's headless Service): a VAE process accepts
+    the IP the name resolves to on that port, and refuses another port, another IP and a name that does not
+    resolve, each as INVALID_ARGUMENT naming `sink.address`."""
+    port = free_port()
+    vae = LoneStage("vae", "--checkpoint", str(tiny_checkpoint), "--no-warmup",
+                    "--peers", f"localhost:{port},muxer-headless.nowhere.invalid:{port + 1}", env={})
+    try:
+        assert decode_refusal(vae.address, f"127.0.0.1:{port}")[0] == "video_latents"   # the sink passed
+        for bad in (f"127.0.0.1:{port + 2}", f"10.1.2.3:{port}"):
+            field, message = decode_refusal(vae.address, bad)
+            assert field == "sink.address" and "--peers" in message, message
+        field, message = decode_refusal(vae.address, f"10.1.2.3:{port + 1}")
+        assert field == "sink.address" and "muxer-headless.nowhere.invalid did not resolve" in message, message
+    finally:
+        vae.stop()

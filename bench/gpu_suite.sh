@@ -4,7 +4,7 @@
 # installed into /tmp/site; h3serve is imported from the repository root (PYTHONPATH). Every
 # bench prints one JSON line; all output goes to $OUT (default ./out).
 # Steps: env | layer | attention | vae | full50 | tail | parallel | parallel6 | pipeline | gputest | fullckpt |
-# e2e_ours | e2e_variants | e2e_diffusers | levers | staged (default: env,layer,vae,full50). `pipeline` runs `h3serve generate` on a
+# e2e_ours | e2e_variants | e2e_diffusers | levers | staged | fp8test (default: env,layer,vae,full50). `pipeline` runs `h3serve generate` on a
 # tiny checkpoint under each parallel layout; `gputest` runs the NCCL tests (tests/parallel/test_gpu.py; pytest
 # carried in .whl/ when missing).
 #
@@ -123,6 +123,10 @@ if has e2e_variants; then
 fi
 if has e2e_diffusers; then
   run e2e_diffusers 590 python3 bench/e2e_parallel.py $E2E_ARGS --skip-ours
+fi
+if has fp8test; then  # the FP8 kernels only a Hopper GPU runs, against the unfused path (bytes equal)
+  (cd /tmp && run fp8test 300 env H3SERVE_TEST_CACHE=/tmp/h3-test-cache python3 -m pytest -p no:cacheprovider -q \
+      "$REPO/tests/unit/test_fp8_cuda.py")
 fi
 if has gputest; then
   (cd /tmp && run gputest 600 env H3SERVE_TEST_CACHE=/tmp/h3-test-cache python3 -m pytest -p no:cacheprovider -q -x \

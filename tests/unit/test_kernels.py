@@ -137,6 +137,28 @@ def test_swiglu_matches_plain(interpret, dtype):
 
 
 @needs_interpreter
+def test_swiglu_fp8_matches_the_quantized_plain_swiglu(interpret):
+    """SwiGLU straight to e4m3 rows + scales (the FP8 down projection's input) against quantize_rows of the plain
+    SwiGLU. Here the scales (the amax pass), zero rows and signs are compared, not the e4m3 codes: the
+    interpreter's truncating bf16 rounding moves a row's amax by an ulp, and its emulated fp32 -> e4m3 cast sends
+    values just under 2^k to 2^(k-1) (7.92 -> 4); tests/unit/test_fp8_cuda.py checks the bytes equal on a GPU."""
+    from h3serve.models.dit.quant import EPS, quantize_rows
+
+    g = torch.Generator().manual_seed(4)
+    p = (torch.randn(3, 7, 2 * 1500, generator=g) * 2).to(torch.bfloat16)
+    p[0, 0] = 0  # an all-zero row: the eps scale, zeros out
+    value, gate = p.chunk(2, dim=-1)
+    h = F.silu(gate).mul_(value).reshape(21, 1500)
+    rq, rs = quantize_rows(h)
+    q, s = kernels.swiglu_fp8(p, EPS)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (21, 1500) and s.shape == (21, 1)
+    assert torch.allclose(s, rs, rtol=2 ** -6, atol=0) and s[0].item() == rs[0].item()  # eps / 448, in fp32
+    assert not q[0].float().any()
+    signs = (q.float().sign() == rq.float().sign()) | (rq.float() == 0) | (q.float() == 0)  # signs survive rounding
+    assert signs.all()
+
+
+@needs_interpreter
 def test_block_fused_matches_plain(interpret, monkeypatch):
     """A whole H3Block (tiny width, head_dim 128, rope on 96 channels), fused vs plain, bf16."""
     c = H3DiTConfig(num_attention_heads=2, attention_head_dim=128, hidden_size=192, ffn_dim=320, time_embed_dim=16,

@@ -29,6 +29,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import kernels
+from .quant import EPS as FP8_EPS
+from .quant import FP8Linear
 from .layout import AUDIO_KINDS, NUM_TAGS, VIDEO_KINDS, PackedLayout, RowShard
 
 # Top-level modules that stay float32 in the mixed-precision checkpoint (the rope buffer is fp32 too, but recomputed).
@@ -291,10 +293,19 @@ class H3FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         proj = self.net[0].proj(x)  # (B, N, 2F): [value | gate]
+        down = self.net[2]
         if kernels.use_fused(proj):
-            return self.net[2](kernels.swiglu(proj))
-        value, gate = proj.chunk(2, dim=-1)  # (B, N, F) each
-        return self.net[2](F.silu(gate).mul_(value))
+            if isinstance(down, FP8Linear) and down.takes_rows(proj):  # SwiGLU straight to the FP8 GEMM's input
+                rows = kernels.swiglu_fp8(proj, FP8_EPS)
+                del proj
+                return down.forward_rows(*rows, lead=x.shape[:-1])
+            h = kernels.swiglu(proj)
+        else:
+            value, gate = proj.chunk(2, dim=-1)  # (B, N, F) each
+            h = F.silu(gate).mul_(value)
+            del value, gate
+        del proj  # (B, N, 2F) freed before the down projection: the block's activation peak
+        return down(h)
 
 
 class H3RefinerBlock(nn.Module):

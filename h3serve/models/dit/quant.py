@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import weakref
 
 import torch
 import torch.nn as nn
@@ -27,7 +28,7 @@ log = logging.getLogger("h3serve.dit.quant")
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn
-_EPS = 1e-12  # an all-zero row gets scale eps / 448, not 0
+EPS = 1e-12  # an all-zero row gets scale eps / 448, not 0
 
 # Module names (relative to the DiT / the encoder model) whose nn.Linear becomes FP8Linear.
 DIT_FP8_LINEARS = re.compile(r"^transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0)|ff\.net\.(0\.proj|2))$")
@@ -41,7 +42,7 @@ def fp8_gemm_available(device: torch.device | str) -> bool:
 
 def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(..., K) -> e4m3 (..., K) and fp32 scales (..., 1), one per row."""
-    amax = t.abs().amax(dim=-1, keepdim=True).float().clamp_min(_EPS)
+    amax = t.abs().amax(dim=-1, keepdim=True).float().clamp_min(EPS)
     scale = amax / FP8_MAX
     return (t.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
@@ -71,6 +72,25 @@ def quantize_rows_fused(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return quantize_rows(t)
 
 
+_LAST: list = [None]  # (weakref to an activation, its version, its rows): to_q / to_k / to_v share one input
+
+
+def _shared_rows(x: torch.Tensor, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows_fused(x2)`, computed once for consecutive calls on the same, unmodified activation `x` (the
+    attention's three projections read one normalized input): the same bytes, a third of the passes."""
+    try:
+        version = x._version
+    except RuntimeError:  # an inference-mode tensor keeps no version: no sharing
+        return quantize_rows_fused(x2)
+    last = _LAST[0]
+    if last is not None and last[0]() is x and last[1] == version:
+        return last[2]
+    _LAST[0] = None  # the previous activation's rows are not kept past their use
+    rows = quantize_rows_fused(x2)
+    _LAST[0] = (weakref.ref(x, lambda _: _LAST.__setitem__(0, None)), version, rows)
+    return rows
+
+
 class FP8Linear(nn.Module):
     """A drop-in for nn.Linear (same call, out dtype = the original weight's); weight (N, K) e4m3 + scale (N, 1)."""
 
@@ -85,20 +105,26 @@ class FP8Linear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(self.out_dtype),
                                                                   requires_grad=False)
 
+    def takes_rows(self, x: torch.Tensor) -> bool:
+        """Whether `forward_rows` runs for an activation like `x` (the GEMM path: Hopper or newer)."""
+        return x.is_cuda and fp8_gemm_available(x.device)
+
+    def forward_rows(self, x8: torch.Tensor, sx: torch.Tensor, lead: tuple) -> torch.Tensor:
+        """The product of an input already quantized per row (e4m3 (M, K), fp32 scales (M, 1)) -> (*lead, N)."""
+        y = torch._scaled_mm(x8, self.weight.t(), scale_a=sx, scale_b=self.weight_scale.t(), bias=self.bias,
+                             out_dtype=self.out_dtype)  # (M, N)
+        return y.view(*lead, self.out_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape  # (..., K)
         x2 = x.reshape(-1, shape[-1])  # (M, K)
-        if x.is_cuda and fp8_gemm_available(x.device):
-            x8, sx = quantize_rows_fused(x2)
-            y = torch._scaled_mm(x8, self.weight.t(), scale_a=sx, scale_b=self.weight_scale.t(),
-                                 bias=self.bias, out_dtype=self.out_dtype)  # (M, N)
-        else:
-            x8, sx = quantize_rows(x2)
-            y = F.linear(x8.float() * sx, self.weight.float() * self.weight_scale)
-            if self.bias is not None:
-                y = y + self.bias.float()
-            y = y.to(self.out_dtype)
-        return y.view(*shape[:-1], self.out_features)
+        if self.takes_rows(x):
+            return self.forward_rows(*_shared_rows(x, x2), lead=shape[:-1])
+        x8, sx = quantize_rows(x2)
+        y = F.linear(x8.float() * sx, self.weight.float() * self.weight_scale)
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(self.out_dtype).view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, e4m3 row-wise, out={self.out_dtype}"

@@ -383,7 +383,7 @@ def _swiglu_kernel(p_ptr, o_ptr, F_DIM, BLOCK: tl.constexpr, DT: tl.constexpr):
     tl.store(o_ptr + row * F_DIM + cols, (act * v).to(DT), mask=cm)
 
 
-def _swiglu_fp8_kernel(p_ptr, q_ptr, s_ptr, F_DIM, EPS, BLOCK: tl.constexpr, DT: tl.constexpr):
+def _swiglu_fp8_kernel(p_ptr, q_ptr, s_ptr, F_DIM, EPS, INV_MAX, BLOCK: tl.constexpr, DT: tl.constexpr):
     # One row per program: SwiGLU rounded as `_swiglu_kernel` rounds it, the row's amax, then the e4m3 row (the
     # down projection's FP8 input) and its scale; the bf16 SwiGLU output is never written.
     row = tl.program_id(0).to(tl.int64)
@@ -396,7 +396,7 @@ def _swiglu_fp8_kernel(p_ptr, q_ptr, s_ptr, F_DIM, EPS, BLOCK: tl.constexpr, DT:
         g = tl.load(p_ptr + base + F_DIM + cols, mask=cm, other=0.0).to(tl.float32)
         h = ((g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32) * v).to(DT).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(h))
-    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), EPS), 448.0)
+    scale = tl.maximum(tl.max(amax, axis=0), EPS) * INV_MAX
     tl.store(s_ptr + row, scale)
     for start in range(0, F_DIM, BLOCK):
         cols = start + tl.arange(0, BLOCK)
@@ -500,7 +500,7 @@ def swiglu(proj: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def swiglu_fp8(proj: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_fp8(proj: torch.Tensor, eps: float, inv_max: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(…, 2F) [value | gate] -> the SwiGLU output quantized per row as `quant.quantize_rows` quantizes it:
     e4m3 (M, F) and fp32 scales (M, 1), M = the leading dims flattened; one pass, no bf16 (M, F) intermediate."""
     p = proj.contiguous()
@@ -508,7 +508,8 @@ def swiglu_fp8(proj: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tens
     m = p.numel() // (2 * f)
     q = torch.empty(m, f, dtype=torch.float8_e4m3fn, device=p.device)
     scale = torch.empty(m, 1, dtype=torch.float32, device=p.device)
-    _kernels()["_swiglu_fp8_kernel"][(m,)](p, q, scale, f, eps, BLOCK=1024, DT=_tl_dtype(p.dtype), num_warps=4)
+    _kernels()["_swiglu_fp8_kernel"][(m,)](p, q, scale, f, eps, inv_max, BLOCK=1024, DT=_tl_dtype(p.dtype),
+                                           num_warps=4)
     return q, scale
 
 

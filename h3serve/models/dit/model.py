@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from . import kernels
 from .quant import EPS as FP8_EPS
-from .quant import FP8Linear
+from .quant import INV_FP8_MAX, FP8Linear, forget_shared
 from .layout import AUDIO_KINDS, NUM_TAGS, VIDEO_KINDS, PackedLayout, RowShard
 
 # Top-level modules that stay float32 in the mixed-precision checkpoint (the rope buffer is fp32 too, but recomputed).
@@ -296,7 +296,8 @@ class H3FeedForward(nn.Module):
         down = self.net[2]
         if kernels.use_fused(proj):
             if isinstance(down, FP8Linear) and down.takes_rows(proj):  # SwiGLU straight to the FP8 GEMM's input
-                rows = kernels.swiglu_fp8(proj, FP8_EPS)
+                forget_shared()  # x's rows: net.0 was their last reader
+                rows = kernels.swiglu_fp8(proj, FP8_EPS, INV_FP8_MAX)
                 del proj
                 return down.forward_rows(*rows, lead=x.shape[:-1])
             h = kernels.swiglu(proj)

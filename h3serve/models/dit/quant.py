@@ -28,6 +28,7 @@ log = logging.getLogger("h3serve.dit.quant")
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn
+INV_FP8_MAX = 1.0 / FP8_MAX  # scales are amax x this (fp32), in torch and in the fused kernels alike
 EPS = 1e-12  # an all-zero row gets scale eps / 448, not 0
 
 # Module names (relative to the DiT / the encoder model) whose nn.Linear becomes FP8Linear.
@@ -43,7 +44,7 @@ def fp8_gemm_available(device: torch.device | str) -> bool:
 def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(..., K) -> e4m3 (..., K) and fp32 scales (..., 1), one per row."""
     amax = t.abs().amax(dim=-1, keepdim=True).float().clamp_min(EPS)
-    scale = amax / FP8_MAX
+    scale = amax * INV_FP8_MAX  # a product, not a division: what torch's CUDA division by a scalar computes anyway
     return (t.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
@@ -73,6 +74,11 @@ def quantize_rows_fused(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 _LAST: list = [None]  # (weakref to an activation, its version, its rows): to_q / to_k / to_v share one input
+
+
+def forget_shared() -> None:
+    """Drop the shared rows once their activation has no further FP8 reader (the FFN's input after net.0)."""
+    _LAST[0] = None
 
 
 def _shared_rows(x: torch.Tensor, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, Iterator
 import grpc
 import torch
 
-from h3serve.errors import TransportError
+from h3serve.errors import MalformedStream, RequestError, TransportError
 from h3serve.errortable import StageUnavailable, from_grpc
 from h3serve.transport.base import Message
 from h3serve.transport.nixl.receiver import NixlReceiver
@@ -186,10 +186,15 @@ class ControlReceiver:
         try:
             with NixlReceiver(self.edge, self.pipe, transport=self.transport, timeout=self._wait(),
                               **self._pool) as rx:
-                self.pipe.send(rx.handshake(), timeout=self._wait())
+                try:
+                    self.pipe.send(rx.handshake(), timeout=self._wait())
+                except (EOFError, TimeoutError) as exc:
+                    raise TransportError(f"the stream ended before the handshake ({exc})", edge=self.edge) from None
                 while (msg := rx.recv(timeout=self._wait())) is not None:
                     yield msg
                 self.info = {"edge": self.edge, **rx.transport_info, "requested": "nixl"}
+        except MalformedStream as exc:   # the producer's message broke the protocol: its bad input
+            raise RequestError(exc.field, exc.value, str(exc)) from None
         except TransportError as exc:   # the producer died, gave up, or stalled past the timeout
             raise StageUnavailable(self.producer, f"the {self.edge} stream (nixl) broke: {exc}") from None
 

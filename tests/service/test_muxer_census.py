@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 
 from h3serve._proto import common_pb2, muxer_pb2, muxer_pb2_grpc
+from h3serve.errortable import StageFailed
+from h3serve.transport.control import peer_error
 
 from .conftest import LoneStage
 
@@ -273,6 +275,9 @@ def test_every_bad_direct_muxer_call_names_its_field(muxer):
         with pytest.raises(grpc.RpcError) as fetched:
             list(stub.Fetch(muxer_pb2.FetchRequest(session_id=sid), timeout=10))
         assert refused.value.code() == INVALID
+        # and the VAE that sent it reports a stage failure naming the muxer, not the end caller's bad input (422)
+        err = peer_error(refused.value, "muxer")
+        assert isinstance(err, StageFailed) and err.stage == "muxer" and "frames" in str(err)
         assert dict(fetched.value.trailing_metadata())["h3serve-stage"] == "vae", fetched.value.details()
     print("FIGURES", json.dumps({"muxer_census_calls": len(census), "wrong_answers": len(wrong),
                                  "answers": dict(sorted(answers.items()))}))

@@ -18,7 +18,9 @@ from .conftest import REQUEST, LoneStage
 FIELDS = {k: v for k, v in REQUEST.items() if k != "prompt"}
 
 
-HUGE_PROMPT = "a kite over the sea " * 1000   # 20,000 characters: the tiny encoder's forward takes ~15 s
+# 20,000 characters (the tiny encoder's forward takes ~15 s), a prompt of its own: never encoded whole, so
+# never a cache hit
+HUGE_PROMPT = "a kite over the hung sea " * 800
 
 
 def wait_event(stack, pred, timeout, since: int = 0):

@@ -106,7 +106,9 @@ def test_overload_refuses_the_k_plus_2th_at_once_and_the_admitted_complete(stack
     assert len({r.sha256 for r in results}) == k + 1   # different seeds, different videos
 
 
-HUGE_PROMPT = "a kite over the sea " * 1000   # 20,000 characters: the tiny encoder's forward takes ~15 s
+# 20,000 characters (the tiny encoder's forward takes ~15 s), a prompt of its own: never encoded whole, so
+# never a cache hit
+HUGE_PROMPT = "a kite over the dead sea " * 800
 KILLED_MID_JOB = {"encoder": dict(REQUEST, prompt=HUGE_PROMPT),   # killed inside its one long forward
                   "dit": LONG,                                    # killed while it denoises
                   "vae": dict(REQUEST, seconds=15)}               # 362 frames: 22 clips, killed between two

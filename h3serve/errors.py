@@ -43,6 +43,20 @@ class TransportError(H3Error):
         super().__init__(f"{edge}: {message}" if edge else message)
 
 
+class MalformedStream(TransportError):
+    """A tensor stream that breaks its own protocol (a chunk's dtype, shape, offset, size or meta; the end marker's
+    count; a message out of place): the sender's mistake, not a broken link. `field` names the part, as
+    RequestError does; a servicer receiving such a stream refuses it as the caller's bad input."""
+
+    def __init__(self, field: str, value: object, message: str, *, edge: str = ""):
+        self.field, self.value = field, value
+        super().__init__(message, edge=edge)
+
+
+class SenderStopped(TransportError):
+    """The sender ended its stream without the end marker: it gave up (its abort) or died mid-stream."""
+
+
 class RankFailed(H3Error):
     """A rank of a parallel stage died or stopped answering; the stage is unhealthy until restarted (a stage server
     reports it as `StageUnavailable`)."""

@@ -239,6 +239,61 @@ def grpc_method(stage: str | None):
     return deco
 
 
+class _Unparsed:
+    """A request message whose bytes did not parse (kept to be refused inside the call)."""
+
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+class RefuseUnparsable(grpc.ServerInterceptor):
+    """A request whose bytes do not parse as its message is the caller's bad input: INVALID_ARGUMENT naming
+    `request`, through the table (grpc itself answers INTERNAL "Exception deserializing request!"). In a request
+    stream the unparsable message raises RequestError where the servicer reads it."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        parse, method = handler.request_deserializer, handler_call_details.method
+
+        def safe(data):
+            try:
+                return parse(data)
+            except Exception as exc:  # noqa: BLE001 - refused in the call, below
+                return _Unparsed(exc)
+
+        def refused(exc: BaseException) -> RequestError:
+            return RequestError("request", None, f"a message of {method} in the protobuf wire format "
+                                                 f"({type(exc).__name__}: {exc})")
+
+        if handler.request_streaming:
+            inner = handler.stream_unary or handler.stream_stream
+
+            def checked(requests):
+                for msg in requests:
+                    if isinstance(msg, _Unparsed):
+                        raise refused(msg.exc)
+                    yield msg
+
+            def behavior(requests, context):
+                return inner(checked(requests), context)
+        else:
+            inner = handler.unary_unary or handler.unary_stream
+
+            def behavior(request, context):
+                if isinstance(request, _Unparsed):
+                    abort(context, refused(request.exc))
+                return inner(request, context)
+
+        make = {(False, False): grpc.unary_unary_rpc_method_handler,
+                (False, True): grpc.unary_stream_rpc_method_handler,
+                (True, False): grpc.stream_unary_rpc_method_handler,
+                (True, True): grpc.stream_stream_rpc_method_handler}[(handler.request_streaming,
+                                                                      handler.response_streaming)]
+        return make(behavior, request_deserializer=safe, response_serializer=handler.response_serializer)
+
+
 def _is_abort(exc: BaseException) -> bool:
     # grpc's context.abort() raises a bare `Exception()` after recording the status: let it through untouched
     return type(exc) is Exception and not exc.args

@@ -288,6 +288,16 @@ class Mp4Writer:
                 ai += 1
         del v[:vi], a[:ai]
 
+    @property
+    def frames(self) -> int:
+        """Video frames added so far."""
+        return self._frames
+
+    @property
+    def audio_samples(self) -> int:
+        """Audio samples (per channel) added so far, encoded or pending."""
+        return self._samples + self._pcm_pending.shape[1]
+
     # -- finish ---------------------------------------------------------------------------------------------
     def close(self) -> MuxStats:
         """Flush both encoders, write the trailer and move the file into place. Returns what was written."""

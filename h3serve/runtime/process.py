@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from h3serve.config.stage import StageConfig
 from h3serve.config.vocab import SERVICE_NAMES
 from h3serve.errors import H3Error
+from h3serve.errortable import RefuseUnparsable
 from h3serve.runtime.metrics import serve_metrics
 from h3serve.runtime.stage import HealthHandle
 from h3serve.runtime.tls import Tls
@@ -49,7 +50,7 @@ class StageProcess:
         self.server = grpc.server(ThreadPoolExecutor(max_workers=config.rpc_workers,
                                                      thread_name_prefix=f"grpc-{config.stage}"),
                                   options=server_options(max_message),
-                                  interceptors=getattr(self.servicer, "interceptors", ()))
+                                  interceptors=(RefuseUnparsable(), *getattr(self.servicer, "interceptors", ())))
         self.servicer.register(self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health_servicer, self.server)
         reflection.enable_server_reflection(

@@ -32,10 +32,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from h3serve._proto import common_pb2, muxer_pb2, muxer_pb2_grpc
-from h3serve.config.request import FRAMES_PER_CLIP
+from h3serve.config.request import FRAMES_PER_CLIP, MAX_SECONDS
+from h3serve.config.spec import TRANSPORTS
 from h3serve.config.stage import StageConfig
-from h3serve.errors import MediaError, RequestError, TransportError
-from h3serve.errortable import NotFound, QueueFull, StageUnavailable, grpc_method
+from h3serve.errors import Cancelled, RequestError, SenderStopped, TransportError
+from h3serve.errortable import NotFound, QueueFull, StageFailed, StageUnavailable, grpc_method
 from h3serve.media.mux import Mp4Writer
 from h3serve.models.vae.yuv import rgb_to_yuv420p
 from h3serve.runtime.stage import StageBase
@@ -149,7 +150,9 @@ class MuxerServicer(StageBase):
         return Mp4Writer(session.path, session.width, session.height, fps=session.fps,
                          sample_rate=session.sample_rate, channels=session.channels, **self.writer_options)
 
-    def _get(self, session_id: str) -> Session:
+    def _get(self, session_id: str, field: str = "session_id") -> Session:
+        if not session_id:
+            raise RequestError(field, session_id, "the session id OpenSession returned")
         with self.sessions_lock:
             session = self.sessions.get(session_id)
         if session is None:
@@ -168,6 +171,11 @@ class MuxerServicer(StageBase):
         if r.width % 2 or r.height % 2:
             raise RequestError("width" if r.width % 2 else "height", r.width if r.width % 2 else r.height,
                                "even (yuv420p)")
+        most = math.ceil(MAX_SECONDS * r.fps) + FRAMES_PER_CLIP
+        if not 0 <= r.expected_frames <= most:
+            raise RequestError("expected_frames", r.expected_frames, f"frames in [0, {most}] (0: not checked; "
+                                                                     f"{MAX_SECONDS:g} s at {r.fps} fps at most)")
+        _transport("transport", r.transport)
         limit = self.config.max_session_ttl_s
         if not (r.ttl_s == 0 or (math.isfinite(r.ttl_s) and 0 < r.ttl_s <= limit)):
             raise RequestError("ttl_s", r.ttl_s, f"seconds in (0, {limit:g}] (0: the default, "
@@ -192,6 +200,7 @@ class MuxerServicer(StageBase):
     def Handshake(self, request, context):
         """Nothing to exchange ahead of a stream: grpc needs none, and nixl's handshake travels on Control."""
         self._get(request.session_id)
+        _transport("transport", request.transport)
         return common_pb2.TransportHandshake(transport=request.transport, session_id=request.session_id)
 
     @grpc_method("muxer")
@@ -199,7 +208,8 @@ class MuxerServicer(StageBase):
         first = next(request_iterator, None)
         if first is None or first.WhichOneof("item") != "open":
             raise RequestError("open", None, "the first message of a Push stream names the session")
-        session = self._get(first.open.session_id)
+        session = self._get(first.open.session_id, "open.session_id")
+        _transport("open.transport", first.open.transport)
         with self.sessions_lock:
             if session.state != "open":
                 raise RequestError("session_id", session.id, f"a session that is open, not {session.state}")
@@ -238,11 +248,10 @@ class MuxerServicer(StageBase):
         except BaseException as exc:
             if writer is not None:
                 writer.abort()
-            if isinstance(exc, TransportError):   # the producer's stream broke: the VAE died or gave up
-                exc = StageUnavailable("vae", f"the frame stream broke ({exc})")
-            session.fail(exc if isinstance(exc, Exception) else StageUnavailable("muxer", "push interrupted"))
-            self.finish(scope, exc)
-            raise exc from None
+            answer, reported = _outcome(exc)
+            session.fail(reported)
+            self.finish(scope, answer)
+            raise answer from None
         self.finish(scope)
         return result
 
@@ -274,6 +283,8 @@ class MuxerServicer(StageBase):
 
     @grpc_method("muxer")
     def Abort(self, request, context):
+        if not request.session_id:
+            raise RequestError("session_id", "", "the session id OpenSession returned")
         with self.sessions_lock:
             session = self.sessions.pop(request.session_id, None)
         if session is None:
@@ -323,17 +334,43 @@ class MuxerServicer(StageBase):
         except BaseException as exc:  # noqa: BLE001 - reported on the response stream and to Fetch
             if writer is not None:
                 writer.abort()
-            session.fail(exc if isinstance(exc, Exception) else StageUnavailable("muxer", "push interrupted"))
-            self.finish(scope, exc)
-            raise
+            answer, reported = _outcome(exc)
+            session.fail(reported)
+            self.finish(scope, answer)
+            raise answer from None
+
+
+def _transport(field: str, value: str) -> None:
+    if value and value not in TRANSPORTS:
+        raise RequestError(field, value, " | ".join(TRANSPORTS) + " (empty: grpc)")
+
+
+def _outcome(exc: BaseException) -> tuple[BaseException, BaseException]:
+    """(what the producer's Push / Control call answers, what the session's Fetch reports) for a failed stream."""
+    if isinstance(exc, SenderStopped):   # the producer's abort ends its stream without `end`: it gave up
+        return (Cancelled(f"muxer: {exc}; the session is aborted"),
+                StageUnavailable("vae", f"the frame stream stopped before its end ({exc})"))
+    if isinstance(exc, TransportError):   # the producer died or its call broke
+        exc = StageUnavailable("vae", f"the frame stream broke ({exc})")
+        return exc, exc
+    if isinstance(exc, RequestError):     # the producer sent what the session cannot take: the producer's fault
+        return exc, StageFailed("vae", f"the muxer refused its frame stream: {exc}")
+    if not isinstance(exc, Exception):
+        exc = StageUnavailable("muxer", "push interrupted")
+    return exc, exc
 
 
 def _close(writer: Mp4Writer, session: Session) -> muxer_pb2.PushResult:
     """Close the MP4 (the frame count checked against the session's) and mark the session done."""
     t_end = time.perf_counter()
+    if not writer.frames:
+        raise RequestError("frames", 0, "at least one frame before the end of the stream")
+    if not writer.audio_samples:
+        raise RequestError("pcm", 0, "the soundtrack (H3 output always has one) before the end of the stream")
+    if session.expected_frames and writer.frames != session.expected_frames:
+        raise RequestError("frames", writer.frames, f"the {session.expected_frames} frames the session expects "
+                                                     "(expected_frames)")
     stats = writer.close()
-    if session.expected_frames and stats.frames != session.expected_frames:
-        raise MediaError(f"muxer: received {stats.frames} frames, the session expects {session.expected_frames}")
     session.result = muxer_pb2.PushResult(frames=stats.frames, audio_samples=stats.audio_samples,
                                           mp4_bytes=stats.bytes, encode_seconds=stats.encode_seconds,
                                           tail_seconds=time.perf_counter() - t_end)
@@ -342,36 +379,55 @@ def _close(writer: Mp4Writer, session: Session) -> muxer_pb2.PushResult:
     return session.result
 
 
+def _tensor(item, name: str, dtype: str, shape: tuple) -> np.ndarray:
+    """`item`'s tensor as numpy, refused naming `name` unless it is `dtype` with `shape` (None: any size >= 1)."""
+    want = "(" + ", ".join("n" if d is None else str(d) for d in shape) + f") {dtype}"
+    if item.tensor is None:
+        raise RequestError(name, None, f"a tensor {want}")
+    got = tuple(item.tensor.shape)
+    if (item.header.dtype != dtype or len(got) != len(shape)
+            or any(g < 1 if d is None else g != d for g, d in zip(got, shape))):
+        raise RequestError(name, f"{got} {item.header.dtype}", want)
+    return item.tensor.numpy()
+
+
 def _add(writer, planes: dict, session: Session, item, scope, copy: bool = False) -> None:
     """Hand one received message to the writer. Names: "frames" (n, H, W, 3) uint8; "yuv" (one clip of yuv420p
     planes packed y|u|v, meta {"n": frames}); "y", "u", "v" planes in that order; "pcm" (C, N) float32.
     `copy`: the tensors are views of a transport buffer valid until the next receive (planes kept across
-    messages are copied)."""
-    name = item.header.name if item.header else ""
+    messages are copied). Each is checked against the session's geometry first (the caller's bad input)."""
+    if item.header is None:
+        raise RequestError("chunk.dtype", "", "a tensor (frames, yuv, y/u/v or pcm); a control item carries none")
+    name, h, w = item.header.name, session.height, session.width
     if name == "frames":
-        writer.add_frames(rgb_to_yuv420p(item.tensor.numpy()))
+        writer.add_frames(rgb_to_yuv420p(_tensor(item, name, "uint8", (None, h, w, 3))))
         scope.unit_done()
     elif name == "yuv":
-        n = int((item.meta or {}).get("n", 0))
-        h, w = session.height, session.width
-        flat = item.tensor.numpy().reshape(-1)
+        n = (item.meta or {}).get("n")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise RequestError("yuv", n, 'meta {"n": frames}, an integer >= 1')
         ys, cs = n * h * w, n * (h // 2) * (w // 2)
-        if n < 1 or flat.size != ys + 2 * cs:
-            raise RequestError("yuv", tuple(item.tensor.shape), f"{n} frames of packed yuv420p planes at {w}x{h}")
+        flat = _tensor(item, name, "uint8", (ys + 2 * cs,))
         writer.add_yuv(flat[:ys].reshape(n, h, w), flat[ys:ys + cs].reshape(n, h // 2, w // 2),
                        flat[ys + cs:].reshape(n, h // 2, w // 2))
         scope.unit_done()
     elif name in ("y", "u", "v"):
-        planes[name] = item.tensor.numpy().copy() if copy and name != "v" else item.tensor.numpy()
+        n = None if name == "y" or "y" not in planes else planes["y"].shape[0]
+        plane = _tensor(item, name, "uint8", (n, h, w) if name == "y" else (n, h // 2, w // 2))
+        planes[name] = plane.copy() if copy and name != "v" else plane
         if name == "v":
             if set(planes) != {"y", "u", "v"}:
-                raise RequestError("chunk", name, "planes in the order y, u, v")
+                raise RequestError("chunk.name", name, "planes in the order y, u, v")
             writer.add_yuv(planes.pop("y"), planes.pop("u"), planes.pop("v"))
             scope.unit_done()
     elif name == "pcm":
-        writer.add_audio(item.tensor.numpy())
+        pcm = _tensor(item, name, "float32", (session.channels, None))
+        if not np.isfinite(pcm).all():
+            raise RequestError("pcm", "NaN or Inf", "finite samples in [-1, 1]")
+        writer.add_audio(pcm)
     else:
-        raise RequestError("chunk", name, "frames (n, H, W, 3) uint8, yuv / y/u/v planes, or pcm (C, N) float32")
+        raise RequestError("chunk.name", name, "frames (n, H, W, 3) uint8, yuv / y/u/v planes, or pcm (C, N) "
+                                               "float32")
 
 
 def _read_into(receiver, inbox: queue.Queue, scope) -> None:

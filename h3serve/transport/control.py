@@ -25,8 +25,8 @@ from typing import Any, Callable, Iterable, Iterator
 import grpc
 import torch
 
-from h3serve.errors import TransportError
-from h3serve.errortable import StageUnavailable, from_grpc
+from h3serve.errors import MalformedStream, RequestError, TransportError
+from h3serve.errortable import StageFailed, StageUnavailable, from_grpc
 from h3serve.transport.base import Message
 from h3serve.transport.nixl.receiver import NixlReceiver
 from h3serve.transport.nixl.sender import NixlSender
@@ -45,6 +45,15 @@ def wait_s(left: float | None, cap: float = WAIT_S) -> float:
     return cap if left is None else max(0.1, min(cap, left))
 
 
+def peer_error(exc: BaseException, stage: str) -> BaseException:
+    """The domain error for a stream call `stage` failed. Its INVALID_ARGUMENT refuses what this process sent (the
+    tensors it produced), not the end caller's request: a stage failure naming `stage`, never a 422."""
+    err = from_grpc(exc, stage=stage)
+    if isinstance(err, RequestError):
+        return StageFailed(stage, f"refused the stream it was sent: {err}")
+    return err
+
+
 def call_error(call, stage: str, wait: float = 2.0) -> BaseException | None:
     """What `stage` said when it ended `call` with an error (waits up to `wait` s for the call to end)."""
     end = time.monotonic() + wait
@@ -53,7 +62,7 @@ def call_error(call, stage: str, wait: float = 2.0) -> BaseException | None:
     if call.done() and not call.cancelled():
         exc = call.exception()
         if exc is not None:
-            return from_grpc(exc, stage=stage)
+            return peer_error(exc, stage)
     return None
 
 
@@ -186,10 +195,15 @@ class ControlReceiver:
         try:
             with NixlReceiver(self.edge, self.pipe, transport=self.transport, timeout=self._wait(),
                               **self._pool) as rx:
-                self.pipe.send(rx.handshake(), timeout=self._wait())
+                try:
+                    self.pipe.send(rx.handshake(), timeout=self._wait())
+                except (EOFError, TimeoutError) as exc:
+                    raise TransportError(f"the stream ended before the handshake ({exc})", edge=self.edge) from None
                 while (msg := rx.recv(timeout=self._wait())) is not None:
                     yield msg
                 self.info = {"edge": self.edge, **rx.transport_info, "requested": "nixl"}
+        except MalformedStream as exc:   # the producer's message broke the protocol: its bad input
+            raise RequestError(exc.field, exc.value, str(exc)) from None
         except TransportError as exc:   # the producer died, gave up, or stalled past the timeout
             raise StageUnavailable(self.producer, f"the {self.edge} stream (nixl) broke: {exc}") from None
 

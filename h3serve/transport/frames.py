@@ -24,8 +24,8 @@ import torch
 
 from h3serve._proto import muxer_pb2
 from h3serve.errors import TransportError
-from h3serve.errortable import StageUnavailable, from_grpc
-from h3serve.transport.control import FRAMES_EDGE, ControlSender, ControlUnavailable, call_error
+from h3serve.errortable import StageUnavailable
+from h3serve.transport.control import FRAMES_EDGE, ControlSender, ControlUnavailable, call_error, peer_error
 from h3serve.transport.grpc import CHUNK_BYTES, GrpcStreamSender
 from h3serve.transport.nixl.probe import count
 
@@ -79,7 +79,7 @@ class PushSink:
         try:
             self.push.result()
         except Exception as exc:  # noqa: BLE001 - grpc.RpcError
-            raise from_grpc(exc, stage="muxer") from None
+            raise peer_error(exc, "muxer") from None
         return time.perf_counter() - t
 
     def abort(self) -> None:

@@ -29,7 +29,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from h3serve._proto import common_pb2
-from h3serve.errors import TransportError
+from h3serve.errors import MalformedStream, RequestError, SenderStopped, TransportError
 from h3serve.transport.base import (
     DTYPES,
     Message,
@@ -132,30 +132,42 @@ class TensorAssembler:
     def add(self, chunk: Any) -> Message | None:
         """Feed one chunk; returns the completed `Message` when this chunk completes a tensor."""
         if chunk.transport_metadata and not chunk.data and chunk.total_bytes:
-            raise TransportError(f"tensor {chunk.name!r} arrived out of band; this receiver speaks 'grpc' only",
-                                 edge=self.edge)
+            raise MalformedStream("chunk.transport_metadata", chunk.transport_metadata[:64],
+                                  f"tensor {chunk.name!r} arrived out of band; this receiver speaks 'grpc' only",
+                                  edge=self.edge)
         if self._header is None:
             if chunk.offset != 0:
-                raise TransportError(f"tensor {chunk.name!r} starts at offset {chunk.offset}", edge=self.edge)
-            meta = json.loads(chunk.meta_json) if chunk.meta_json else {}
+                raise MalformedStream("chunk.offset", chunk.offset, f"tensor {chunk.name!r} starts at offset "
+                                      f"{chunk.offset}, not 0", edge=self.edge)
+            try:
+                meta = json.loads(chunk.meta_json) if chunk.meta_json else {}
+            except ValueError:
+                meta = None
             if not isinstance(meta, dict):
-                raise TransportError(f"tensor {chunk.name!r}: meta is not a JSON object", edge=self.edge)
+                raise MalformedStream("chunk.meta_json", chunk.meta_json[:200],
+                                      f"tensor {chunk.name!r}: meta is not a JSON object", edge=self.edge)
             if not chunk.dtype:  # control-only item
                 if not chunk.last:
-                    raise TransportError(f"control item {chunk.name!r} must be one chunk", edge=self.edge)
+                    raise MalformedStream("chunk.last", chunk.last, f"control item {chunk.name!r} must be one "
+                                          "chunk", edge=self.edge)
                 self.tensors += 1
                 return Message(None, None, meta)
             try:
                 header = TensorHeader(chunk.name, chunk.dtype, tuple(int(s) for s in chunk.shape))
                 nbytes = header.nbytes
             except KeyError:
-                raise TransportError(f"tensor {chunk.name!r}: unknown dtype {chunk.dtype!r}", edge=self.edge) from None
-            if any(s < 0 for s in header.shape) or nbytes != chunk.total_bytes:
-                raise TransportError(f"tensor {chunk.name!r}: shape {header.shape} x {header.dtype} is {nbytes} "
-                                     f"bytes, the chunk says {chunk.total_bytes}", edge=self.edge)
+                raise MalformedStream("chunk.dtype", chunk.dtype, f"tensor {chunk.name!r}: unknown dtype "
+                                      f"{chunk.dtype!r} (one of {', '.join(DTYPES)})", edge=self.edge) from None
+            if any(s < 0 for s in header.shape):
+                raise MalformedStream("chunk.shape", header.shape, f"tensor {chunk.name!r}: a negative "
+                                      f"dimension in shape {header.shape}", edge=self.edge)
+            if nbytes != chunk.total_bytes:
+                raise MalformedStream("chunk.total_bytes", chunk.total_bytes, f"tensor {chunk.name!r}: shape "
+                                      f"{header.shape} x {header.dtype} is {nbytes} bytes, the chunk says "
+                                      f"{chunk.total_bytes}", edge=self.edge)
             if nbytes > self.max_tensor_bytes:
-                raise TransportError(f"tensor {chunk.name!r}: {nbytes} bytes exceeds the limit "
-                                     f"{self.max_tensor_bytes}", edge=self.edge)
+                raise MalformedStream("chunk.total_bytes", nbytes, f"tensor {chunk.name!r}: {nbytes} bytes "
+                                      f"exceeds the limit {self.max_tensor_bytes}", edge=self.edge)
             self._header, self._meta, self._filled = header, meta, 0
             if nbytes == 0 and chunk.last:
                 self._header = None
@@ -169,21 +181,22 @@ class TensorAssembler:
             self._buf = bytearray(nbytes)
         header = self._header
         if chunk.name != header.name:
-            raise TransportError(f"chunk of {chunk.name!r} inside tensor {header.name!r}", edge=self.edge)
+            raise MalformedStream("chunk.name", chunk.name, f"chunk of {chunk.name!r} inside tensor "
+                                  f"{header.name!r}", edge=self.edge)
         if chunk.offset != self._filled:
-            raise TransportError(f"tensor {header.name!r}: chunk at offset {chunk.offset}, expected {self._filled}",
-                                 edge=self.edge)
+            raise MalformedStream("chunk.offset", chunk.offset, f"tensor {header.name!r}: chunk at offset "
+                                  f"{chunk.offset}, expected {self._filled}", edge=self.edge)
         end = self._filled + len(chunk.data)
         if end > len(self._buf):
-            raise TransportError(f"tensor {header.name!r}: {end} bytes exceed the announced {len(self._buf)}",
-                                 edge=self.edge)
+            raise MalformedStream("chunk.data", len(chunk.data), f"tensor {header.name!r}: {end} bytes exceed the "
+                                  f"announced {len(self._buf)}", edge=self.edge)
         self._buf[self._filled:end] = chunk.data
         self._filled = end
         if not chunk.last:
             return None
         if self._filled != len(self._buf):
-            raise TransportError(f"tensor {header.name!r} ended at {self._filled} of {len(self._buf)} bytes",
-                                 edge=self.edge)
+            raise MalformedStream("chunk.data", self._filled, f"tensor {header.name!r} ended at {self._filled} of "
+                                  f"{len(self._buf)} bytes", edge=self.edge)
         buf, meta = self._buf, self._meta
         self._header, self._buf, self._meta = None, None, {}
         self.tensors += 1
@@ -310,9 +323,11 @@ class GrpcStreamSender(TensorSender):
 
 
 class GrpcStreamReceiver(TensorReceiver):
-    """The receiving side of a stream: a (server-side) request iterator or a response iterator.
+    """The receiving side of a stream: a servicer's request iterator.
 
     unwrap(msg) -> ("chunk", TensorChunk) | ("end", StreamEnd) | ("other", msg); "other" messages are refused.
+    A stream that breaks its protocol is the caller's bad input (RequestError naming the part); one that stops
+    without its end marker raises SenderStopped; one whose caller is gone, TransportError.
     """
 
     def __init__(self, messages: Iterable[Any], unwrap: Callable[[Any], tuple[str, Any]], *, edge: str = "grpc",
@@ -331,32 +346,38 @@ class GrpcStreamReceiver(TensorReceiver):
             return None
         t0 = time.perf_counter()
         try:
-            while True:
-                try:
-                    msg = next(self._it)
-                except StopIteration:
-                    raise TransportError("the sender stopped before the end of the stream", edge=self.edge) from None
-                except TransportError:
-                    raise
-                except Exception as exc:  # noqa: BLE001 - grpc.RpcError and friends: the peer is gone
-                    detail = exc.details() if hasattr(exc, "details") else str(exc)
-                    raise TransportError(f"stream broken: {detail or type(exc).__name__}", edge=self.edge) from None
-                kind, item = self.unwrap(msg)
-                if kind == "end":
-                    if self.assembler.pending:
-                        raise TransportError("stream ended inside a tensor", edge=self.edge)
-                    if item.tensors and item.tensors != self.assembler.tensors:
-                        raise TransportError(f"the sender sent {item.tensors} tensors, {self.assembler.tensors} "
-                                             "arrived", edge=self.edge)
-                    self.ended, self.end_tensors = True, int(item.tensors)
-                    return None
-                if kind != "chunk":
-                    raise TransportError(f"unexpected {kind} message inside a tensor stream", edge=self.edge)
-                out = self.assembler.add(item)
-                if out is not None:
-                    return out
+            return self._recv()
+        except MalformedStream as exc:
+            raise RequestError(exc.field, exc.value, str(exc)) from None
         finally:
             self.recv_seconds += time.perf_counter() - t0
+
+    def _recv(self) -> Message | None:
+        while True:
+            try:
+                msg = next(self._it)
+            except StopIteration:
+                raise SenderStopped("the sender stopped before the end of the stream", edge=self.edge) from None
+            except (TransportError, RequestError):   # RequestError: a message that did not parse
+                raise
+            except Exception as exc:  # noqa: BLE001 - grpc.RpcError and friends: the peer is gone
+                detail = exc.details() if hasattr(exc, "details") else str(exc)
+                raise TransportError(f"stream broken: {detail or type(exc).__name__}", edge=self.edge) from None
+            kind, item = self.unwrap(msg)
+            if kind == "end":
+                if self.assembler.pending:
+                    raise MalformedStream("end", None, "the stream ended inside a tensor", edge=self.edge)
+                if item.tensors and item.tensors != self.assembler.tensors:
+                    raise MalformedStream("end.tensors", item.tensors, f"the sender sent {item.tensors} tensors, "
+                                          f"{self.assembler.tensors} arrived", edge=self.edge)
+                self.ended, self.end_tensors = True, int(item.tensors)
+                return None
+            if kind != "chunk":
+                raise MalformedStream(kind, None, f"unexpected {kind} message inside a tensor stream",
+                                      edge=self.edge)
+            out = self.assembler.add(item)
+            if out is not None:
+                return out
 
 
 def wait_serving(address: str, timeout: float, *, service: str = "", alive: Callable[[], bool] = lambda: True,

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from h3serve.errors import TransportError
+from h3serve.errors import MalformedStream, TransportError
 from h3serve.transport.nixl.probe import count, import_nixl
 from h3serve.transport.nixl.wire import pack_message, unpack_message
 from h3serve.transport.pipes import ControlPipe
@@ -173,8 +173,11 @@ class Endpoint:
         """{requested, chosen, reason}: for the logs, the health details and the metrics."""
         return {"requested": self.requested, "chosen": self.transport, "reason": self.reason}
 
-    def _error(self, message: str, cause: BaseException | None = None) -> TransportError:
-        err = TransportError(message, edge=self.edge)
+    def _error(self, message: str, cause: BaseException | None = None, *,
+               field: str | None = None) -> TransportError:
+        # field: the peer's message broke the control protocol (its mistake, not a broken link)
+        err = MalformedStream(field, None, message, edge=self.edge) if field else \
+            TransportError(message, edge=self.edge)
         if self.failed is None:
             self.failed = message
             count("streams_failed_total")
@@ -208,7 +211,7 @@ class Endpoint:
         try:
             obj, payload = unpack_message(data)
         except ValueError as e:
-            raise self._error(str(e)) from None
+            raise self._error(str(e), field="data") from None
         if obj["t"] == "err":
             raise self._error(f"peer aborted: {obj.get('reason', '?')}")
         self._backlog.append((obj, payload))

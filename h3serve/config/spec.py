@@ -25,8 +25,12 @@ from typing import Any, Optional
 
 from h3serve.config.rules import RULES
 from h3serve.config.vocab import (
+    DEFAULT_TASKS,
     DIT_LAYERS,
+    ENCODER_CACHE_BYTES,
     ENCODER_LAYERS,
+    MAX_ENCODER_CACHE_BYTES,
+    TASKS_PATTERN,
     MIN_RESIDENT_BLOCKS,
     OFFLOAD_MODES,
     DIST_PORT,
@@ -170,6 +174,9 @@ class EncoderSpec:
                                   "count is set from tensorParallel.", None, **RESOURCES_SCHEMA)
     node_selector: Optional[dict] = f("nodeSelector", "Replaces spec.nodeSelector for this stage.", None)
     tolerations: Optional[list] = f("tolerations", "Replaces spec.tolerations for this stage.", None)
+    cache_bytes: int = f("cacheBytes", "Bytes of encodings each encoder keeps in host memory for repeated prompts "
+                         "and references (least recently used first out; 0: no cache).", ENCODER_CACHE_BYTES,
+                         minimum=0, maximum=MAX_ENCODER_CACHE_BYTES)
     levers: EncoderLeversSpec = f("levers", "Capacity levers of the text encoder, off by default; profile base only "
                                   "(FP8 of its decoder is dit.levers.fp8).", factory=EncoderLeversSpec)
 
@@ -380,6 +387,9 @@ class H3DeploymentSpec:
     image: str = f("image", "The h3serve image every pod runs.", minLength=1, maxLength=1024)
     profile: str = f("profile", "base: H3, 49 steps, every workflow; fasth3: the 4-step student (T2VA only, needs "
                      "model.adapter).", "base", enum=list(PROFILES))
+    tasks: str = f("tasks", "The tasks served, a comma list of t2va, fl2va, ref2va (ref2va loads the DiT's second "
+                   "partition, transformer_ref/, as large as the first; profile fasth3 serves t2va only).",
+                   DEFAULT_TASKS, pattern=TASKS_PATTERN, maxLength=64)
     placement: str = f("placement", "colocated: every stage of a replica in one pod on the same GPUs; "
                        "disaggregated: one workload per stage.", "colocated", enum=list(PLACEMENTS))
     transport: str = f("transport", "How tensors move between stages: grpc (always works) or nixl (UCX: RDMA, "

@@ -14,6 +14,7 @@ from h3serve.config.spec import ServiceConfig
 from h3serve.config.vocab import (
     DEFAULT_DTYPE,
     DEFAULT_TASKS,
+    ENCODER_CACHE_BYTES,
     FASTH3_DIT,
     MODEL_STAGES,
     PIPELINE_STAGES,
@@ -88,7 +89,7 @@ class StageConfig:
     vae_pp: int = 1
     tasks: str = DEFAULT_TASKS       # comma list the DiT loads partitions for and the gateway admits
     # encoder: bytes of encodings kept for repeated prompts / references (0: no cache)
-    encoder_cache_bytes: int = 512 << 20
+    encoder_cache_bytes: int = ENCODER_CACHE_BYTES
     # DiT capacity / speed levers (config/levers.py), all off by default
     dit_resident_blocks: int | None = None
     dit_offload_mode: str = "local"
@@ -182,8 +183,11 @@ def service_config_values(service_config: dict, stage: str) -> dict[str, Any]:
                    fp8_attention=lv.fp8_attention)
     elif stage == "encoder":
         out.update(fp8=lv.fp8)  # FP8 covers the text decoder's projections too
+    if colocated or stage in ("dit", "gateway"):  # the DiT loads the tasks' partitions, the gateway admits them
+        out["tasks"] = spec.tasks
     if colocated or stage == "encoder":
-        out["encoder_resident_layers"] = spec.encoder.levers.resident_layers
+        out.update(encoder_resident_layers=spec.encoder.levers.resident_layers,
+                   encoder_cache_bytes=spec.encoder.cache_bytes)
     if colocated or stage == "vae":
         out["vae_staged"] = spec.vae.levers.staged
     if (colocated or stage == "dit") and spec.model.adapter is not None:

@@ -24,6 +24,9 @@ PROFILE_TASKS = {"base": TASKS, "fasth3": ("t2va",)}   # FastH3 is distilled for
 # What a deployment serves unless told (--tasks): ref2va needs the DiT's second partition (transformer_ref/, as
 # large as the first), so it is loaded only where asked for.
 DEFAULT_TASKS = "t2va,fl2va"
+TASKS_PATTERN = f"^({'|'.join(TASKS)})(,({'|'.join(TASKS)}))*$"  # a comma list of tasks, as --tasks takes it
+ENCODER_CACHE_BYTES = 512 << 20  # encodings kept for repeated prompts / references (0: no cache)
+MAX_ENCODER_CACHE_BYTES = 1 << 40
 DTYPES = ("fp32", "bf16")
 # The engines' dtype when nobody names one (the embedded pipeline, `h3serve serve`, `h3serve generate`, a request
 # without dtype): fp32, what the pipeline and the services have always run in; the operator's GPU pods set bf16.

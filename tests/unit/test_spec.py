@@ -247,3 +247,25 @@ def test_spec_module_imports_no_serving_stack():
             "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
+def test_tasks_and_the_encoder_cache_reach_the_stages_that_read_them(placement):
+    from h3serve.config.stage import StageConfig
+    from h3serve.config.vocab import DEFAULT_TASKS, ENCODER_CACHE_BYTES
+
+    spec = H3DeploymentSpec.from_dict(base(placement=placement, tasks="t2va,ref2va", encoder={"cacheBytes": 0}))
+    sc = ServiceConfig("h3", "ns", spec, {s: f"{s}:1" for s in ("encoder", "dit", "vae", "muxer")}, "bf16",
+                       "cuda").to_dict()
+    dit, gateway, encoder = (StageConfig.from_service_config(sc, s) for s in ("dit", "gateway", "encoder"))
+    assert dit.tasks == gateway.tasks == "t2va,ref2va"
+    assert dit.tasks_for() == ("t2va", "ref2va") and encoder.encoder_cache_bytes == 0
+    if placement == "disaggregated":  # a stage reads only its own knobs
+        assert encoder.tasks == DEFAULT_TASKS and dit.encoder_cache_bytes == ENCODER_CACHE_BYTES
+    assert H3DeploymentSpec.from_dict(base()).tasks == DEFAULT_TASKS
+
+
+@pytest.mark.parametrize("tasks", ["t2va,foo", "", "t2va,,fl2va", "T2VA"])
+def test_bad_tasks_are_refused_naming_the_field(tasks):
+    with pytest.raises(SpecError, match=r"spec\.tasks="):
+        H3DeploymentSpec.from_dict(base(tasks=tasks))

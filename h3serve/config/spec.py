@@ -176,7 +176,7 @@ class EncoderSpec:
     tolerations: Optional[list] = f("tolerations", "Replaces spec.tolerations for this stage.", None)
     cache_bytes: int = f("cacheBytes", "Bytes of encodings each encoder keeps in host memory for repeated prompts "
                          "and references (least recently used first out; 0: no cache).", ENCODER_CACHE_BYTES,
-                         minimum=0, maximum=MAX_ENCODER_CACHE_BYTES)
+                         minimum=0, maximum=MAX_ENCODER_CACHE_BYTES, format="int64")
     levers: EncoderLeversSpec = f("levers", "Capacity levers of the text encoder, off by default; profile base only "
                                   "(FP8 of its decoder is dit.levers.fp8).", factory=EncoderLeversSpec)
 

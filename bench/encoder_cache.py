@@ -17,16 +17,14 @@ import argparse
 import io
 import json
 import os
-import signal
 import statistics
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
+
+from h3serve.testing.serve import ServeProcess
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,36 +36,20 @@ def _png(width: int, height: int, seed: int) -> bytes:
     return buf.getvalue()
 
 
-class Stack:
+class Stack(ServeProcess):
     """`h3serve serve --stages all` on free loopback ports; the endpoints it prints."""
 
     def __init__(self, checkpoint: str, threads: int):
-        argv = [sys.executable, "-m", "h3serve.cli", "--log-level", "WARNING", "serve", "--checkpoint", checkpoint,
-                "--port", "0", "--http-port", "0", "--threads", str(threads), "--json"]
-        env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
-        self.serving: dict | None = None
-        ready = threading.Event()
-
-        def read():
-            for line in self.proc.stdout:
-                try:
-                    event = json.loads(line)
-                except ValueError:
-                    continue
-                if event.get("event") == "serving":
-                    self.serving = event
-                    ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(600):
+        super().__init__("--checkpoint", checkpoint, "--port", "0", "--http-port", "0", "--json", threads=threads,
+                         cwd=REPO)
+        try:
+            self.serving = self.wait("serving", 600)
+        except RuntimeError:
             self.stop()
-            raise RuntimeError("the stack did not come up")
+            raise
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(120)
+    def stop(self) -> int:
+        return super().stop(120)
 
 
 def main() -> None:

@@ -39,6 +39,7 @@ from h3serve._proto import common_pb2, muxer_pb2, muxer_pb2_grpc, vae_pb2, vae_p
 from h3serve.config.request import validate_request
 from h3serve.models.vae.yuv import rgb_to_yuv420p
 from h3serve.pipeline import Pipeline
+from h3serve.testing.serve import ServeProcess
 from h3serve.testing.tiny import init_tiny_checkpoint
 from h3serve.transport.grpc import (
     CHUNK_BYTES,
@@ -132,17 +133,11 @@ def throughput(width: int, height: int, clips: int, repeats: int) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 # tail: last latent in -> MP4 ready
 
-def start_stages(checkpoint: str, threads: int, dtype: str, frame_format: str) -> tuple[subprocess.Popen, dict]:
-    argv = [sys.executable, "-m", "h3serve.cli", "--log-level", "WARNING", "serve", "--checkpoint", checkpoint,
-            "--stages", "vae,muxer", "--port", "0", "--threads", str(threads), "--dtype", dtype,
-            "--frame-format", frame_format, "--json", "--no-restart"]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=REPO,
-                            env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(threads)))
-    for line in proc.stdout:
-        event = json.loads(line)
-        if event.get("event") == "serving":
-            return proc, {s: e["address"] for s, e in event["stages"].items()}
-    raise RuntimeError(f"stages exited with {proc.wait()}")
+def start_stages(checkpoint: str, threads: int, dtype: str, frame_format: str) -> tuple[ServeProcess, dict]:
+    stages = ServeProcess("--checkpoint", checkpoint, "--stages", "vae,muxer", "--port", "0", "--dtype", dtype,
+                          "--frame-format", frame_format, "--json", "--no-restart", threads=threads, cwd=REPO)
+    event = stages.wait("serving", 600)
+    return stages, {s: e["address"] for s, e in event["stages"].items()}
 
 
 def services_tail(addresses: dict, req, latents) -> tuple[float, bytes, dict]:
@@ -187,13 +182,12 @@ def tail(checkpoint: str, size: str, seconds: str, threads: int, repeats: int, f
         embedded.append(time.perf_counter() - t0)
     embedded_bytes = out.read_bytes()
 
-    proc, addresses = start_stages(checkpoint, threads, "fp32", frame_format)
+    stages, addresses = start_stages(checkpoint, threads, "fp32", frame_format)
     try:
         services_tail(addresses, req, latents)   # warm-up
         runs = [services_tail(addresses, req, latents) for _ in range(repeats)]
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+        stages.stop(60)
     services = [r[0] for r in runs]
     return {
         "size": size, "frames": req.num_frames, "threads": threads, "frame_format": frame_format,

@@ -33,10 +33,7 @@ import multiprocessing as mp
 import os
 import platform
 import resource
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -48,6 +45,7 @@ import torch
 
 from h3serve._proto import common_pb2
 from h3serve.client import Client
+from h3serve.testing.serve import ServeProcess
 from h3serve.testing.tiny import init_tiny_checkpoint
 from h3serve.transport.nixl.probe import nixl_version
 from h3serve.transport.nixl.receiver import NixlReceiver
@@ -190,27 +188,14 @@ def sender_main(port: int, result_q, opts: dict) -> None:
 # The tail through the services: one stack per transport, same requests
 
 
-class _Stack:
+class _Stack(ServeProcess):
     def __init__(self, checkpoint: str, transport: str, threads: int):
-        argv = [sys.executable, "-m", "h3serve.cli", "--log-level", "WARNING", "serve", "--checkpoint", checkpoint,
-                "--port", "0", "--http-port", "0", "--threads", str(threads), "--json", "--transport", transport]
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
-        for line in self.proc.stdout:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            if event.get("event") == "serving":
-                self.grpc = event["gateway"]["grpc"]
-                break
-        else:
-            raise RuntimeError(f"the {transport} stack did not start")
-        threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
+        super().__init__("--checkpoint", checkpoint, "--port", "0", "--http-port", "0", "--json", "--transport",
+                         transport, threads=threads)
+        self.grpc = self.wait("serving", 600)["gateway"]["grpc"]
 
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(60)
+    def stop(self) -> int:
+        return super().stop(60)
 
 
 def services_tail(args) -> dict:

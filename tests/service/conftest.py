@@ -8,15 +8,12 @@ round differently with another thread count, and the tests compare MP4 bytes.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
+
+from h3serve.testing.serve import ServeProcess
 
 REPO = Path(__file__).resolve().parents[2]
 THREADS = 1
@@ -32,36 +29,21 @@ def embedded_request(**fields):
     return dict(raw, dtype="fp32")
 
 
-class Stack:
+class Stack(ServeProcess):
     """A launcher process (`h3serve serve --stages all`) and the endpoints it printed."""
 
     def __init__(self, checkpoint: Path, *extra: str, start_timeout: float = 240.0):
-        argv = [sys.executable, "-m", "h3serve.cli", "--log-level", "WARNING", "serve", "--checkpoint",
-                str(checkpoint), "--port", "0", "--http-port", "0", "--threads", str(THREADS), "--json", *extra]
-        env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(THREADS), PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
-        self.events: list[dict] = []
-        self._serving = threading.Event()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        if not self._serving.wait(start_timeout):
+        super().__init__("--checkpoint", str(checkpoint), "--port", "0", "--http-port", "0", "--json", *extra,
+                         threads=THREADS, cwd=REPO)
+        self._channels = {}
+        try:
+            serving = self.wait("serving", start_timeout)
+        except RuntimeError:
             self.stop()
-            raise RuntimeError(f"the stack did not come up within {start_timeout}s: {self.events}")
-        serving = next(e for e in self.events if e["event"] == "serving")
+            raise
         self.grpc = serving["gateway"]["grpc"]
         self.http = serving["gateway"]["http"]
         self.addresses = {s: serving["stages"][s]["address"] for s in STAGES if s in serving["stages"]}
-        self._channels = {}
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            self.events.append(event)
-            if event.get("event") == "serving":
-                self._serving.set()
 
     def status(self, stage: str):
         """The stage's StageStatus (its own counters: requests, cancelled, steps / clips, last request)."""
@@ -98,16 +80,9 @@ class Stack:
         raise TimeoutError(f"{stage} still busy after {timeout}s")
 
     def stop(self, timeout: float = 90.0) -> int:
-        for c in getattr(self, "_channels", {}).values():   # none yet if the stack never came up
+        for c in self._channels.values():
             c.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise
+        return super().stop(timeout)
 
 
 @pytest.fixture(scope="session")
@@ -152,37 +127,16 @@ def embedded(tiny_checkpoint, tmp_path_factory):
     return embedded_maker(pipe, tmp_path_factory.mktemp("embedded"))
 
 
-class LoneStage:
+class LoneStage(ServeProcess):
     """One stage in its own process (`h3serve serve --stages <stage> --port 0`) with extra environment."""
 
     def __init__(self, stage: str, *argv: str, env: dict, timeout: float = 120.0):
-        cmd = [sys.executable, "-m", "h3serve.cli", "--log-level", "WARNING", "serve", "--stages", stage,
-               "--port", "0", "--threads", str(THREADS), *argv]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=REPO,
-                                     env=dict(os.environ, OMP_NUM_THREADS=str(THREADS), PYTHONUNBUFFERED="1", **env))
-        self.address = None
-        ready = threading.Event()
-
-        def read():
-            for line in self.proc.stdout:
-                try:
-                    event = json.loads(line)
-                except ValueError:
-                    continue
-                if event.get("event") == "ready":
-                    self.address = event["address"]
-                    ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(timeout):
-            self.stop()
-            raise RuntimeError(f"{stage} did not become ready within {timeout}s")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+        super().__init__("--stages", stage, "--port", "0", *argv, threads=THREADS, env=env, cwd=REPO)
         try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            self.address = self.wait("ready", timeout)["address"]
+        except RuntimeError:
+            self.stop()
+            raise
+
+    def stop(self) -> int:
+        return super().stop(30, strict=False)

@@ -8,11 +8,8 @@ import hashlib
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import threading
-import time
 
 import grpc
 import pytest
@@ -20,6 +17,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from h3serve._proto import common_pb2, dit_pb2_grpc
+from h3serve.testing.serve import ServeProcess
 from h3serve.weights.manifest import MANIFEST_FILE, IntegrityError, verify_manifest
 
 from .conftest import REPO
@@ -64,36 +62,16 @@ def test_manifest_lists_every_file_and_pins(copy_checkpoint):
         verify_manifest(ckpt, pin, stage="vae")
 
 
-class LoneDiT:
+class LoneDiT(ServeProcess):
     def __init__(self, ckpt, *argv):
-        cmd = [sys.executable, "-m", "h3serve.cli", "--log-level", "WARNING", "serve", "--stages", "dit",
-               "--checkpoint", str(ckpt), "--port", "0", "--threads", "1", *argv]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                                     env=ENV)
-        self.events: list[dict] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            try:
-                self.events.append(json.loads(line))
-            except ValueError:
-                pass
+        super().__init__("--stages", "dit", "--checkpoint", str(ckpt), "--port", "0", *argv, cwd=REPO,
+                         stderr=subprocess.PIPE)
 
     def wait(self, name, timeout=120):
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            hit = next((e for e in self.events if e.get("event") == name), None)
-            if hit:
-                return hit
-            assert self.proc.poll() is None, self.proc.stderr.read()
-            time.sleep(0.05)
-        raise TimeoutError(name)
+        return super().wait(name, timeout)
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(30)
+        return super().stop(30, strict=False)
 
 
 def _assert_not_serving_with(dit: LoneDiT, pattern: str) -> None:

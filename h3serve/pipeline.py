@@ -241,7 +241,8 @@ class Pipeline:
                     raise H3Error(f"references: kind={spec.kind!r} is not supported here (image or audio); video "
                                   "references need Qwen3-VL's video processor")
                 kinds.append(spec.kind)
-        short_edge = self.reference_short_edge if "image" in kinds else cond.DEFAULT_REFERENCE_SHORT_EDGE  # read once needed
+        # the checkpoint's short edge is read only when an image reference is resized to it
+        short_edge = self.reference_short_edge if "image" in kinds else cond.DEFAULT_REFERENCE_SHORT_EDGE
         resized = cond.resize(kinds, visual, req.height, req.width, short_edge)
         images, refs = cond.encoder_inputs(kinds, resized, req.task)
         it = iter(resized)

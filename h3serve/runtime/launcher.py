@@ -58,7 +58,8 @@ _PASS = ("checkpoint", "checkpoint_manifest_sha256", "profile", "adapter", "adap
          "transport",
          "model_name", "frame_format", "mux_threads", "crf", "preset", "session_ttl_s", "max_session_ttl_s",
          "max_sessions", "tmp_dir", "http_host", "encoder_tp", "ulysses", "ring", "vae_pp", "dit_resident_blocks",
-         "dit_offload_mode", "fp8", "fp8_attention", "encoder_resident_layers", "vae_staged", "encoder_cache_bytes", "fasth3_dit", "tasks")
+         "dit_offload_mode", "fp8", "fp8_attention", "encoder_resident_layers", "vae_staged", "encoder_cache_bytes",
+         "fasth3_dit", "tasks")
 
 
 def child_argv(config: StageConfig, stage: str, port: int, addresses: dict[str, str], http_port: int | None,

@@ -26,6 +26,7 @@ from typing import Any, Optional
 from h3serve.config.rules import RULES
 from h3serve.config.vocab import (
     DEFAULT_TASKS,
+    DEVICES,
     DIT_LAYERS,
     ENCODER_CACHE_BYTES,
     ENCODER_LAYERS,
@@ -402,6 +403,9 @@ class H3DeploymentSpec:
                            "gang of pods, one per node.", 8, minimum=1, maximum=64)
     gpu_resource_name: str = f("gpuResourceName", "Extended resource that counts GPUs.", "nvidia.com/gpu",
                                minLength=1, maxLength=253)
+    device: str = f("device", "cuda: the model stages run in bf16 on GPUs, each pod requesting its GPUs as "
+                    "gpuResourceName; cpu: fp32 on the CPU and no GPU resources (a laptop or CI cluster with a "
+                    "tiny checkpoint: examples/cpu-tiny.yaml).", "cuda", enum=list(DEVICES))
     encoder: EncoderSpec = f("encoder", "The text/image encoder stage.", factory=EncoderSpec)
     dit: DitSpec = f("dit", "The diffusion transformer stage.", factory=DitSpec)
     vae: VaeSpec = f("vae", "The video + audio decoder stage.", factory=VaeSpec)

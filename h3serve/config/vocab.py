@@ -31,6 +31,9 @@ DTYPES = ("fp32", "bf16")
 # The engines' dtype when nobody names one (the embedded pipeline, `h3serve serve`, `h3serve generate`, a request
 # without dtype): fp32, what the pipeline and the services have always run in; the operator's GPU pods set bf16.
 DEFAULT_DTYPE = "fp32"
+# A deployment's device (spec.device) and the dtype its model stages run in there.
+DEVICE_DTYPES = {"cuda": "bf16", "cpu": "fp32"}
+DEVICES = tuple(DEVICE_DTYPES)
 
 # ---- ports ----------------------------------------------------------------------------------------------------
 GRPC_PORT = 50051

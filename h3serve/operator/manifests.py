@@ -37,6 +37,7 @@ from h3serve.config.metrics import METRICS_PORT, SIGNALS
 from h3serve.config.spec import API_VERSION, KIND, H3DeploymentSpec, ServiceConfig
 from h3serve.config.stage import API_KEYS_DIR, API_KEYS_KEY, COMPONENT_ENV, CONFIG_ENV, TLS_DIR, TLS_FILES, service_config_values, tls_peer_name
 from h3serve.config.vocab import (
+    DEVICE_DTYPES,
     DIST_PORT,
     FASTH3_DIT,
     GRPC_PORT,
@@ -59,7 +60,6 @@ LABEL_POD_INDEX = "apps.kubernetes.io/pod-index"  # set by the StatefulSet contr
 ANN_CONFIG_HASH = "h3serve.io/config-hash"
 ANN_GANG = "h3serve.io/gang-size"
 CONFIG_PATH = "/etc/h3serve/h3serve.yaml"
-SERVE_DTYPE, SERVE_DEVICE = "bf16", "cuda"  # how the model stages of every pod run
 RUN_AS = 65532
 GATEWAY = "gateway"
 ENGINE = "engine"
@@ -174,7 +174,7 @@ def public_endpoints(name: str, namespace: str, tls: bool = False) -> dict[str, 
 
 def service_config(spec: H3DeploymentSpec, name: str, namespace: str) -> ServiceConfig:
     return ServiceConfig(name=name, namespace=namespace, spec=spec, endpoints=endpoints(spec, name, namespace),
-                         dtype=SERVE_DTYPE, device=SERVE_DEVICE)
+                         dtype=DEVICE_DTYPES[spec.device], device=spec.device)
 
 
 def component_stages(component: str) -> tuple[str, ...]:
@@ -455,7 +455,7 @@ def _pod_template(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, 
         "command": command,
         "ports": ports,
         "env": _env(spec, comp) + dist_env + _job_store_env(spec, comp),
-        "resources": _resources(spec, base_res, gpus_per_pod),
+        "resources": _resources(spec, base_res, gpus_per_pod if spec.device == "cuda" else 0),
         "securityContext": _security_context(),
         "volumeMounts": mounts,
         **_probes(spec, name, namespace, comp),

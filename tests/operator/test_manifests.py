@@ -95,6 +95,7 @@ def test_owner_references_labels_and_namespace_on_every_object(path):
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
 def test_pods_meet_restricted_pod_security(path):
+    spec = H3DeploymentSpec.from_dict(yaml.safe_load(path.read_text())["spec"])
     for w, pod in pods(render_example(path)):
         psc = pod["securityContext"]
         assert psc["runAsNonRoot"] is True and psc["seccompProfile"] == {"type": "RuntimeDefault"}
@@ -117,7 +118,7 @@ def test_pods_meet_restricted_pod_security(path):
         for v in pod["volumes"]:  # restricted: only these volume types
             assert set(v) - {"name"} <= {"configMap", "emptyDir", "persistentVolumeClaim", "secret", "projected",
                                          "csi", "downwardAPI", "ephemeral"}
-        assert pod["terminationGracePeriodSeconds"] >= 900  # a long request drains
+        assert pod["terminationGracePeriodSeconds"] == spec.drain_seconds + 30  # a long request drains
 
 
 def test_colocated_one_pod_per_replica_with_every_stage():
@@ -238,7 +239,8 @@ def test_pods_read_their_stage_config_from_the_mounted_service_config(path, tmp_
                 assert (sc.adapter, sc.adapter_sha256) == (pool.adapter.path, pool.adapter.sha256)
                 assert (sc.fp8, sc.dit_resident_blocks) == (False, None)
             elif colocated or stage in ("encoder", "dit", "vae"):
-                assert (sc.checkpoint, sc.dtype, sc.device) == (spec.model.path, "bf16", "cuda")
+                assert (sc.checkpoint, sc.dtype, sc.device) == (spec.model.path, M.DEVICE_DTYPES[spec.device],
+                                                                 spec.device)
                 assert (sc.encoder_tp, sc.ulysses, sc.ring, sc.vae_pp) == (
                     spec.encoder.tensor_parallel, spec.dit.ulysses, spec.dit.ring, spec.vae.patch_parallel)
             if (colocated or stage == "dit") and spec.profile == "fasth3" and pool is None:
@@ -880,3 +882,21 @@ def test_pods_that_dial_a_request_named_sink_declare_exactly_its_headless_servic
         assert argv[argv.index("--peers") + 1] == ",".join(sorted(addresses.values()))
     else:
         assert seen == {"dit", "vae"} | ({"dit-fasth3"} if "fasth3" in example else set())
+
+
+def test_device_cpu_requests_no_gpus_and_runs_fp32_on_the_cpu():
+    for ex in ("cpu-tiny", "base-disaggregated"):
+        d = yaml.safe_load((ROOT / "examples" / f"{ex}.yaml").read_text())
+        d["spec"]["device"] = "cpu"
+        objs = M.render(H3DeploymentSpec.from_dict(d["spec"]), "t", "apps")
+        assert pods(objs)
+        for w, pod in pods(objs):
+            for c in pod["containers"]:
+                for kind in ("requests", "limits"):
+                    assert "nvidia.com/gpu" not in c.get("resources", {}).get(kind, {}), (ex, w["metadata"]["name"])
+        cfg = next(o for o in objs if o["kind"] == "ConfigMap")
+        engine = yaml.safe_load(next(iter(cfg["data"].values())))["engine"]
+        assert engine == {"device": "cpu", "dtype": "fp32"}
+        d["spec"]["device"] = "cuda"  # the default: GPUs requested, bf16
+        objs = M.render(H3DeploymentSpec.from_dict(d["spec"]), "t", "apps")
+        assert any("nvidia.com/gpu" in c["resources"].get("limits", {}) for _, p in pods(objs) for c in p["containers"])

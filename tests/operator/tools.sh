@@ -2,13 +2,16 @@
 # Build, once, the real Kubernetes components the operator tests run against:
 #   etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok, helm, and the custom metrics API server
 #   (sigs.k8s.io/custom-metrics-apiserver's test adapter: a real custom.metrics.k8s.io aggregated API server whose
-#   values the tests write, standing in for Prometheus scraping pods that kwok does not run).
+#   values the tests write, standing in for Prometheus scraping pods that kwok does not run);
+#   and for the real single-node cluster (tests/realcluster/): kubelet and kube-proxy (the same Kubernetes
+#   version), containerd with its runc shim and ctr, and CoreDNS with only the plugins a cluster zone needs
+#   (tests/realcluster/coredns/main.go).
 # Everything lands in $H3SERVE_TOOLS_CACHE (default $HOME/.cache/h3serve-k8s), outside the repo,
 # and is reused on later runs: a tool is rebuilt only if its binary or its version stamp is missing.
 #
 #   tests/operator/tools.sh [TOOL...]          build what is missing, print the bin directory
 #   tests/operator/tools.sh --check [TOOL...]  exit 1 if anything is missing (builds nothing)
-# TOOL is helm, etcd, kwok, kubernetes or metrics-adapter (default: all).
+# TOOL is helm, etcd, kwok, kubernetes, metrics-adapter, node, containerd or coredns (default: all).
 #
 # Versions are pinned below; override with the environment variables of the same name.
 set -euo pipefail
@@ -19,9 +22,13 @@ ETCD_VERSION=${ETCD_VERSION:-v3.6.16}
 KWOK_VERSION=${KWOK_VERSION:-v0.8.0}
 HELM_VERSION=${HELM_VERSION:-v3.22.0}
 METRICS_ADAPTER_VERSION=${METRICS_ADAPTER_VERSION:-v1.37.0}
+CONTAINERD_VERSION=${CONTAINERD_VERSION:-v2.4.2}
+COREDNS_VERSION=${COREDNS_VERSION:-v1.14.7}
 HERE=$(cd "$(dirname "$0")" && pwd)
 ADAPTER_MAIN=$HERE/metrics_adapter/main.go
 ADAPTER_STAMP="$METRICS_ADAPTER_VERSION+$(sha256sum "$ADAPTER_MAIN" | cut -c1-12)"
+COREDNS_MAIN=$HERE/../realcluster/coredns/main.go
+COREDNS_STAMP="$COREDNS_VERSION+$(sha256sum "$COREDNS_MAIN" | cut -c1-12)"
 NICE=${H3SERVE_TOOLS_NICE:-15}
 
 BIN=$CACHE/bin
@@ -77,9 +84,9 @@ build_etcd() {
   nice -n "$NICE" go build -trimpath -ldflags "-s -w" -o "$BIN/etcd" go.etcd.io/etcd/server/v3
 }
 
-build_k8s() {
-  local stg=v0.${K8S_VERSION#v1.} maj=1 min; min=$(echo "$K8S_VERSION" | cut -d. -f2)
-  local w=$CACHE/src/k8s; rm -rf "$w"; mkdir -p "$w"; cd "$w"
+k8s_module() { # k8s_module DIR: a throw-away module that can build k8s.io/kubernetes/cmd/* at $K8S_VERSION
+  local stg=v0.${K8S_VERSION#v1.}
+  rm -rf "$1"; mkdir -p "$1"; cd "$1"
   printf 'module local/k8sbuild\n\ngo 1.26.0\n\ngodebug default=go1.26\n' > go.mod
   # k8s.io/kubernetes requires its staging modules as v0.0.0 and replaces them by relative path;
   # mirror that list from its real go.mod, pinning each to the matching published tag.
@@ -89,17 +96,41 @@ build_k8s() {
   for m in $(sed -n 's#^[[:space:]]*\(k8s\.io/[a-z0-9-]*\) => \./staging/src/k8s\.io/.*#\1#p' "$kgomod"); do
     go mod edit -replace="$m=$m@$stg"
   done
-  nice -n "$NICE" go get "k8s.io/kubernetes/cmd/kube-apiserver@$K8S_VERSION" \
-    "k8s.io/kubernetes/cmd/kube-controller-manager@$K8S_VERSION" \
-    "k8s.io/kubernetes/cmd/kube-scheduler@$K8S_VERSION"
-  local ldf="-s -w" p
+}
+
+k8s_build() { # k8s_build CMD...: build k8s.io/kubernetes/cmd/CMD... into $BIN, version-stamped
+  local maj=1 min ldf="-s -w" p c pkgs=(); min=$(echo "$K8S_VERSION" | cut -d. -f2)
+  for c in "$@"; do pkgs+=("k8s.io/kubernetes/cmd/$c"); done
+  nice -n "$NICE" go get "${pkgs[@]/%/@$K8S_VERSION}"
   for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
     ldf="$ldf -X $p.gitVersion=$K8S_VERSION -X $p.gitMajor=$maj -X $p.gitMinor=$min -X $p.gitTreeState=clean -X $p.buildDate=2000-01-01T00:00:00Z"
   done
-  nice -n "$NICE" go build -p 2 -trimpath -ldflags "$ldf" -o "$BIN/" \
-    k8s.io/kubernetes/cmd/kube-apiserver \
-    k8s.io/kubernetes/cmd/kube-controller-manager \
-    k8s.io/kubernetes/cmd/kube-scheduler
+  nice -n "$NICE" go build -p 2 -trimpath -ldflags "$ldf" -o "$BIN/" "${pkgs[@]}"
+}
+
+build_k8s() {
+  k8s_module "$CACHE/src/k8s"
+  k8s_build kube-apiserver kube-controller-manager kube-scheduler
+}
+
+build_node() { # the node agents, from the same module set (the Go build cache shares the common packages)
+  k8s_module "$CACHE/src/k8s-node"
+  k8s_build kubelet kube-proxy
+}
+
+build_containerd() { # containerd (with its CRI plugin), the runc v2 shim and ctr; no cgo: btrfs/devmapper left out
+  local c; for c in containerd containerd-shim-runc-v2 ctr; do
+    GOBIN=$BIN nice -n "$NICE" go install -trimpath -ldflags "-s -w" \
+      "github.com/containerd/containerd/v2/cmd/$c@$CONTAINERD_VERSION"
+  done
+}
+
+build_coredns() { # CoreDNS with the cluster-zone plugins only (no forward: nothing resolves outside the cluster)
+  local w=$CACHE/src/coredns; rm -rf "$w"; mkdir -p "$w"; cp "$COREDNS_MAIN" "$w/"
+  cd "$w"
+  printf 'module local/corednsbuild\n\ngo 1.26.0\n' > go.mod
+  nice -n "$NICE" go get "github.com/coredns/coredns@$COREDNS_VERSION"
+  nice -n "$NICE" go build -trimpath -ldflags "-s -w" -o "$BIN/coredns" .
 }
 
 build_metrics_adapter() {
@@ -115,7 +146,7 @@ build_metrics_adapter() {
 HELM_STAMP="$HELM_VERSION+k8s${K8S_VERSION%.*}"
 check=0
 if [[ ${1:-} == --check ]]; then check=1; shift; fi
-want=("$@"); [[ ${#want[@]} -gt 0 ]] || want=(helm etcd kwok kubernetes metrics-adapter)
+want=("$@"); [[ ${#want[@]} -gt 0 ]] || want=(helm etcd kwok kubernetes metrics-adapter node containerd coredns)
 
 ok() { # ok TOOL: is it built at the pinned version?
   case $1 in
@@ -124,7 +155,10 @@ ok() { # ok TOOL: is it built at the pinned version?
     kwok) have kwok "$KWOK_VERSION" kwok && [[ -s $SHARE/kwok-stages.yaml ]] ;;
     kubernetes) have k8s "$K8S_VERSION" kube-apiserver kube-controller-manager kube-scheduler ;;
     metrics-adapter) have metrics-adapter "$ADAPTER_STAMP" custom-metrics-adapter ;;
-    *) echo "unknown tool $1 (helm, etcd, kwok, kubernetes, metrics-adapter)" >&2; exit 2 ;;
+    node) have node "$K8S_VERSION" kubelet kube-proxy ;;
+    containerd) have containerd "$CONTAINERD_VERSION" containerd containerd-shim-runc-v2 ctr ;;
+    coredns) have coredns "$COREDNS_STAMP" coredns ;;
+    *) echo "unknown tool $1 (helm, etcd, kwok, kubernetes, metrics-adapter, node, containerd, coredns)" >&2; exit 2 ;;
   esac
 }
 
@@ -146,6 +180,9 @@ for t in "${want[@]}"; do
     kubernetes) timed "kubernetes@$K8S_VERSION" build_k8s && mark k8s "$K8S_VERSION" ;;
     metrics-adapter) timed "custom-metrics-adapter@$METRICS_ADAPTER_VERSION" build_metrics_adapter &&
       mark metrics-adapter "$ADAPTER_STAMP" ;;
+    node) timed "kubelet+kube-proxy@$K8S_VERSION" build_node && mark node "$K8S_VERSION" ;;
+    containerd) timed "containerd@$CONTAINERD_VERSION" build_containerd && mark containerd "$CONTAINERD_VERSION" ;;
+    coredns) timed "coredns@$COREDNS_VERSION" build_coredns && mark coredns "$COREDNS_STAMP" ;;
   esac
 done
 rm -rf "$CACHE/src"

@@ -2,14 +2,18 @@
 # The h3serve image: every serving pod (gateway, encoder, dit, vae, muxer, colocated engine) and the operator.
 #   docker build -t registry.example/h3serve:0.1.0 .
 # The operator chart and the H3Deployment `image` field both point at it.
+# BASE: any Debian-like image with CPython 3.11 at `python`/`pip` on PATH, e.g. a mirror of python:3.11-slim:
+#   docker build --build-arg BASE=mirror.example/python:3.11-slim -t registry.example/h3serve:0.1.0 .
+# (The test cluster's image is built without a registry or a container engine: scripts/image.sh.)
+ARG BASE=python:3.11-slim
 
-FROM python:3.11-slim AS build
+FROM ${BASE} AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY h3serve ./h3serve
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
-FROM python:3.11-slim
+FROM ${BASE}
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \

@@ -1,7 +1,8 @@
 """The image the chart deploys: it declares what the GPU stages use, at the versions the project pins and measured.
 
-No container runtime here, so this reads the Dockerfile: each package the stages import at full speed is installed,
-pinned where the project pins it, and the ports the renderer uses are exposed.
+This reads the Dockerfile (the users' image; tests/realcluster/test_image.py runs the test cluster's, built by
+scripts/image.sh): each package the stages import at full speed is installed, pinned where the project pins it, and
+the ports the renderer uses are exposed.
 """
 
 from __future__ import annotations
@@ -53,3 +54,10 @@ def test_ports_and_user():
     want = {GRPC_PORT, HTTP_PORT, *(METRICS_PORT + PORT_OFFSETS[s] for s in PIPELINE_STAGES)}
     assert want <= expose, want - expose
     assert re.search(r"^USER 65532:65532$", DOCKERFILE, re.M)
+
+
+def test_base_is_a_build_argument_defaulting_to_upstream():
+    assert re.search(r"^ARG BASE=python:3\.11-slim$", DOCKERFILE, re.M)
+    assert DOCKERFILE.index("ARG BASE=") < DOCKERFILE.index("\nFROM ")  # global: visible to every FROM
+    froms = re.findall(r"^FROM (\S+)", DOCKERFILE, re.M)
+    assert froms == ["${BASE}", "${BASE}"], froms

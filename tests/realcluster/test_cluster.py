@@ -1,0 +1,463 @@
+"""The user's path on a real single-node cluster (cluster.py): `helm install` the operator, `kubectl apply` the CPU
+example, every stage Ready in real containers of the project's image, then a video through the gateway Service with
+the SDK, curl and the OpenAI SDK, byte-identical to the embedded `h3serve generate` of the same request; day 2 on
+real pods; and at the end nothing left behind."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+import pytest
+import yaml
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import cluster as C  # noqa: E402
+
+pytestmark = pytest.mark.realcluster
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "h3serve-operator"
+SYSTEM_NS, APPS_NS, RELEASE = "h3-system", "apps", "h3op"
+KEY_A = "h3k-realcluster-caller-a"
+REQUEST = {"prompt": "a kite over the sea", "seconds": 4, "size": "256x256", "seed": 0, "num_inference_steps": 3}
+FIGURES: dict = {}
+
+
+def log_figure(key: str, value) -> None:
+    FIGURES[key] = value
+    print(f"FIGURE {key} = {value}")
+
+
+# ---- fixtures -------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cluster(image):
+    run = pathlib.Path(tempfile.mkdtemp(prefix="h3serve-cluster-", dir="/tmp"))
+    images = [{"image": image["image"], "archive": image["archive"]},
+              {"image": image["pause"], "archive": image["pause_archive"]}]
+    c = C.Cluster.up(run, images)
+    log_figure("cluster_up_s", c.state["timings"])
+    try:
+        yield c
+    finally:
+        if os.environ.get("H3SERVE_DUMP_CLUSTER_LOGS"):
+            c.dump_logs()
+        escapes = c.escapes()
+        c.down()
+        log_figure("figures", json.dumps(FIGURES))
+        assert escapes == 0, f"{escapes} packets tried to leave the test's networks"
+        assert C.leftovers() == []
+
+
+@pytest.fixture(scope="module")
+def weights(cluster, operator):
+    """The tiny checkpoint on a local PersistentVolume (the volume kind the operator's policy allows)."""
+    models = cluster.run / "models"
+    subprocess.run([sys.executable, "-m", "h3serve.cli", "checkpoint", "init", "--preset", "tiny",
+                    str(models / "tiny")], check=True, capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    for p in [models, *models.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    os.chmod(cluster.run, 0o755)  # the pods (uid 65532) read the volume through it
+    apply(cluster, weights_objects(str(models), APPS_NS))
+    return models / "tiny"
+
+
+def weights_objects(path: str, ns: str) -> list[dict]:
+    return [
+        {"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": {"name": "local-weights"},
+         "provisioner": "kubernetes.io/no-provisioner", "volumeBindingMode": "Immediate"},
+        {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": "h3-tiny-weights"},
+         "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"],
+                  "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "local-weights",
+                  "local": {"path": path},
+                  "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
+                      {"key": "kubernetes.io/hostname", "operator": "In", "values": [C.NODE]}]}]}}}},
+        {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "h3-tiny-weights", "namespace": ns},
+         "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "local-weights",
+                  "volumeName": "h3-tiny-weights", "resources": {"requests": {"storage": "1Gi"}}}},
+    ]
+
+
+def apply(cluster, objs: list[dict]) -> None:
+    cluster.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": objs}))
+
+
+@pytest.fixture(scope="module")
+def operator(cluster, image):
+    """helm install: the operator runs as a pod of the image, with the chart's RBAC."""
+    repo, tag = image["image"].rsplit(":", 1)
+    t0 = time.monotonic()
+    cluster.kubectl("create", "namespace", APPS_NS)  # the chart's Role for the namespace it watches goes there
+    cluster.helm("install", RELEASE, str(CHART), "--namespace", SYSTEM_NS, "--create-namespace",
+                 "--set", f"image.repository={repo}", "--set", f"image.tag={tag}", "--set", "image.pullPolicy=Never",
+                 "--set", f"watchNamespaces={{{APPS_NS}}}", "--set", "operator.resyncSeconds=15")
+    wait_pods_ready(cluster, SYSTEM_NS, "app.kubernetes.io/name=h3serve-operator", 1, timeout=300)
+    log_figure("operator_ready_s", round(time.monotonic() - t0, 1))
+    return {"repo": repo, "tag": tag}
+
+
+@pytest.fixture(scope="module")
+def api_keys(cluster, weights):
+    keys = f"caller-a sha256:{hashlib.sha256(KEY_A.encode()).hexdigest()}\n"
+    apply(cluster, [{"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "h3-api-keys", "namespace": APPS_NS},
+                     "stringData": {"keys": keys}}])
+    return KEY_A
+
+
+@pytest.fixture(scope="module")
+def embedded(weights):
+    """`h3serve generate` of REQUEST in this process's venv, on the same checkpoint: the bytes to match."""
+    out = weights.parent.parent / "embedded.mp4"
+    r = subprocess.run([sys.executable, "-m", "h3serve.cli", "generate", "--checkpoint", str(weights),
+                        "--prompt", REQUEST["prompt"], "--seconds", str(REQUEST["seconds"]), "--size", REQUEST["size"],
+                        "--seed", str(REQUEST["seed"]), "--steps", str(REQUEST["num_inference_steps"]),
+                        "--no-progress", "-o", str(out)], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out.read_bytes()
+
+
+# ---- helpers --------------------------------------------------------------------------------------------------
+
+def pods(cluster, ns: str, selector: str) -> list[dict]:
+    r = cluster.kubectl("get", "pods", "-n", ns, "-l", selector, "-o", "json")
+    return json.loads(r.stdout)["items"]
+
+
+def is_ready(pod: dict) -> bool:
+    return pod["metadata"].get("deletionTimestamp") is None and any(
+        c["type"] == "Ready" and c["status"] == "True" for c in pod.get("status", {}).get("conditions", []))
+
+
+def wait_pods_ready(cluster, ns: str, selector: str, count: int, timeout: float) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    last = []
+    while time.monotonic() < deadline:
+        last = pods(cluster, ns, selector)
+        ready = [p for p in last if is_ready(p)]
+        if len(ready) == count and len(last) == count:
+            return ready
+        time.sleep(1)
+    cluster.dump_logs()
+    desc = cluster.kubectl("describe", "pods", "-n", ns, "-l", selector, check=False).stdout
+    logs = cluster.kubectl("logs", "-n", ns, "-l", selector, "--tail=40", "--all-containers", check=False)
+    raise AssertionError(f"{count} ready pods {selector} in {ns} not reached in {timeout}s:\n{desc[-6000:]}\n"
+                         f"{logs.stdout[-4000:]}{logs.stderr[-1000:]}")
+
+
+def cr_ready(cluster, name: str) -> bool:
+    r = cluster.kubectl("get", "h3d", name, "-n", APPS_NS, "-o", "json", check=False)
+    if r.returncode:
+        return False
+    conds = json.loads(r.stdout).get("status", {}).get("conditions", [])
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
+
+
+def deploy(cluster, operator, name: str, patch: dict | None = None, timeout: float = 600) -> dict:
+    doc = yaml.safe_load((ROOT / "examples" / "cpu-tiny.yaml").read_text())
+    doc["metadata"] = {"name": name, "namespace": APPS_NS}
+    doc["spec"]["image"] = f"{operator['repo']}:{operator['tag']}"
+    merge(doc["spec"], patch or {})
+    t0 = time.monotonic()
+    apply(cluster, [doc])
+    deadline = time.monotonic() + timeout
+    while not cr_ready(cluster, name):
+        if time.monotonic() > deadline:
+            wait_pods_ready(cluster, APPS_NS, f"app.kubernetes.io/instance={name}", 99, 1)  # raises with details
+        time.sleep(2)
+    started = pods(cluster, APPS_NS, f"app.kubernetes.io/instance={name}")
+    return {"ready_s": round(time.monotonic() - t0, 1), "pods": len(started), "doc": doc}
+
+
+def merge(into: dict, patch: dict) -> None:
+    for k, v in patch.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            merge(into[k], v)
+        else:
+            into[k] = v
+
+
+def in_node(cluster, argv: list[str], timeout: float = 600, input: str | None = None) -> subprocess.CompletedProcess:
+    """A client process inside the node's network namespace: it reaches Services by their cluster DNS names."""
+    return subprocess.run(cluster.in_node(*argv), capture_output=True, text=True, timeout=timeout, input=input,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "NO_PROXY": "*", "no_proxy": "*"})
+
+
+def svc(name: str) -> str:
+    return f"{name}-gateway.{APPS_NS}.svc.cluster.local"
+
+
+def sdk_generate(cluster, name: str, out: pathlib.Path, key: str = KEY_A, extra: tuple = ()) -> subprocess.CompletedProcess:
+    return in_node(cluster, [sys.executable, "-m", "h3serve.cli", "generate", "--server", f"{svc(name)}:50051",
+                             "--api-key", key, "--prompt", REQUEST["prompt"], "--seconds", str(REQUEST["seconds"]),
+                             "--size", REQUEST["size"], "--seed", str(REQUEST["seed"]),
+                             "--steps", str(REQUEST["num_inference_steps"]), "--no-progress", "--json", *extra,
+                             "-o", str(out)])
+
+
+def curl_job(cluster, name: str, out: pathlib.Path, key: str = KEY_A) -> dict:
+    """POST /v1/videos, poll the job, GET its content: curl, as a user would type it."""
+    base = f"http://{svc(name)}:8000/v1/videos"
+    auth = ["-H", f"authorization: Bearer {key}"]
+    body = json.dumps({"prompt": REQUEST["prompt"], "seconds": str(REQUEST["seconds"]), "size": REQUEST["size"],
+                       "seed": REQUEST["seed"], "num_inference_steps": REQUEST["num_inference_steps"]})
+    r = in_node(cluster, ["curl", "-sS", "--fail-with-body", *auth, "-H", "content-type: application/json",
+                          "-d", body, base])
+    assert r.returncode == 0, r.stdout + r.stderr
+    job = json.loads(r.stdout)
+    deadline = time.monotonic() + 600
+    while job["status"] not in ("completed", "failed") and time.monotonic() < deadline:
+        time.sleep(1)
+        job = json.loads(in_node(cluster, ["curl", "-sS", *auth, f"{base}/{job['id']}"]).stdout)
+    assert job["status"] == "completed", job
+    r = in_node(cluster, ["curl", "-sS", "--fail-with-body", *auth, "-o", str(out), f"{base}/{job['id']}/content"])
+    assert r.returncode == 0, r.stderr
+    return job
+
+
+OPENAI_CLIENT = textwrap.dedent("""
+    import json, sys, warnings
+    warnings.simplefilter("ignore")
+    import openai
+    base, key, req, out = sys.argv[1:5]
+    req = json.loads(req)
+    sdk = openai.OpenAI(base_url=base, api_key=key, max_retries=0, timeout=600)
+    v = sdk.videos.create_and_poll(prompt=req["prompt"], size=req["size"], seconds=str(req["seconds"]),
+                                   extra_body={"seed": req["seed"], "num_inference_steps": req["num_inference_steps"]},
+                                   poll_interval_ms=500)
+    assert v.status == "completed", v
+    open(out, "wb").write(sdk.videos.download_content(v.id).read())
+    print(json.dumps({"id": v.id, "status": v.status}))
+""")
+
+
+def ffprobe_ok(path: pathlib.Path) -> dict:
+    r = subprocess.run(["ffprobe", "-v", "error", "-show_streams", "-of", "json", str(path)], capture_output=True,
+                       text=True, check=True)
+    streams = {s["codec_type"]: s for s in json.loads(r.stdout)["streams"]}
+    assert streams["video"]["codec_name"] == "h264" and streams["audio"]["codec_name"] == "aac"
+    assert streams["audio"]["sample_rate"] == "32000" and streams["audio"]["channels"] == 2
+    return streams
+
+
+def sha(b: bytes) -> str:
+    return hashlib.sha256(b).hexdigest()
+
+
+# ---- the tests ------------------------------------------------------------------------------------------------
+
+def test_operator_runs_as_a_pod_of_the_image_with_the_charts_rbac(cluster, operator):
+    [pod] = pods(cluster, SYSTEM_NS, "app.kubernetes.io/name=h3serve-operator")
+    c = pod["spec"]["containers"][0]
+    assert c["image"] == f"{operator['repo']}:{operator['tag']}" and c["imagePullPolicy"] == "Never"
+    st = pod["status"]["containerStatuses"][0]
+    assert st["ready"] and st["restartCount"] == 0, st
+    # it reached the API server through the kubernetes Service with its own ServiceAccount: the CRD it applies
+    crd = cluster.kubectl("get", "crd", "h3deployments.h3serve.io", "-o", "json")
+    assert json.loads(crd.stdout)["metadata"]["name"] == "h3deployments.h3serve.io"
+
+
+def test_cpu_tiny_colocated_serves_the_embedded_bytes_through_the_gateway_service(
+        cluster, operator, api_keys, embedded, tmp_path):
+    d = deploy(cluster, operator, "h3-tiny")
+    log_figure("colocated_pods", d["pods"])
+    log_figure("colocated_ready_s", d["ready_s"])
+    [pod] = pods(cluster, APPS_NS, "app.kubernetes.io/instance=h3-tiny")
+    assert pod["spec"]["securityContext"]["runAsUser"] == 65532
+    assert pod["spec"]["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
+    want = sha(embedded)
+
+    out = cluster.run / "sdk.mp4"
+    r = sdk_generate(cluster, "h3-tiny", out)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sha(out.read_bytes()) == want
+    ffprobe_ok(out)
+
+    out = cluster.run / "curl.mp4"
+    curl_job(cluster, "h3-tiny", out)
+    assert sha(out.read_bytes()) == want
+
+    out = cluster.run / "openai.mp4"
+    r = in_node(cluster, [sys.executable, "-c", OPENAI_CLIENT, f"http://{svc('h3-tiny')}:8000/v1", KEY_A,
+                          json.dumps(REQUEST), str(out)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sha(out.read_bytes()) == want
+
+    # the keys come from the Secret: no key, or a wrong one, is refused
+    r = in_node(cluster, ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", f"http://{svc('h3-tiny')}:8000/v1/videos"])
+    assert r.stdout == "401", r.stdout
+    r = sdk_generate(cluster, "h3-tiny", cluster.run / "x.mp4", key="wrong")
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+
+
+def test_dit_scaled_to_two_serves_and_restarts_no_other_pod(cluster, operator, api_keys, embedded):
+    before = {p["metadata"]["uid"]: p for p in pods(cluster, APPS_NS, "app.kubernetes.io/instance=h3-tiny")}
+    assert len(before) == 1
+    t0 = time.monotonic()
+    cluster.kubectl("scale", "h3d", "h3-tiny", "-n", APPS_NS, "--replicas=2")
+    ready = wait_pods_ready(cluster, APPS_NS, "app.kubernetes.io/instance=h3-tiny", 2, timeout=600)
+    log_figure("scale_1_to_2_ready_s", round(time.monotonic() - t0, 1))
+    assert set(before) <= {p["metadata"]["uid"] for p in ready}  # the first pod is still the same pod
+    old = next(p for p in ready if p["metadata"]["uid"] in before)
+    assert old["status"]["containerStatuses"][0]["restartCount"] == 0
+    # the new pod serves: a call straight to it (the Service may pick either)
+    new = next(p for p in ready if p["metadata"]["uid"] not in before)
+    out = cluster.run / "scaled.mp4"
+    r = in_node(cluster, [sys.executable, "-m", "h3serve.cli", "generate", "--server",
+                          f"{new['status']['podIP']}:50051", "--api-key", KEY_A, "--prompt", REQUEST["prompt"],
+                          "--seconds", str(REQUEST["seconds"]), "--size", REQUEST["size"], "--seed",
+                          str(REQUEST["seed"]), "--steps", str(REQUEST["num_inference_steps"]), "--no-progress",
+                          "-o", str(out)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sha(out.read_bytes()) == sha(embedded)
+    cluster.kubectl("scale", "h3d", "h3-tiny", "-n", APPS_NS, "--replicas=1")
+    wait_pods_ready(cluster, APPS_NS, "app.kubernetes.io/instance=h3-tiny", 1, timeout=300)
+
+
+def test_nothing_dialled_outside_the_tests_networks(cluster):
+    assert cluster.escapes() == 0
+
+
+# ---- disaggregated, TLS on, day 2 -----------------------------------------------------------------------------
+
+LONG = {**REQUEST, "seconds": 15, "size": "512x512", "num_inference_steps": 40}  # long enough to act mid-job
+
+
+@pytest.fixture(scope="module")
+def disaggregated(cluster, operator, api_keys):
+    """cpu-tiny, one workload per stage, TLS at the front door and mTLS between the stages, from a Secret whose
+    certificate names what the renderer's own cert-manager Certificate would name."""
+    from h3serve.config.spec import H3DeploymentSpec
+    from h3serve.operator import manifests as M
+
+    name = "h3-tiny-d"
+    patch = {"placement": "disaggregated", "tls": {"secretName": f"{name}-tls"}}
+    doc = yaml.safe_load((ROOT / "examples" / "cpu-tiny.yaml").read_text())
+    merge(doc["spec"], {**patch, "tls": {"secretName": f"{name}-tls", "certManager": {"issuerRef": {"name": "x"}}}})
+    [cert] = [o for o in M.render(H3DeploymentSpec.from_dict(doc["spec"]), name, APPS_NS) if o["kind"] == "Certificate"]
+    pki = cluster.run / "deployment-pki"
+    pki.mkdir()
+    o = lambda *a: subprocess.run(["openssl", *a], cwd=pki, check=True, capture_output=True)  # noqa: E731
+    o("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "30", "-subj",
+      "/CN=h3-tiny-d-ca", "-keyout", "ca.key", "-out", "ca.crt")
+    sans = [*(f"DNS:{d}" for d in cert["spec"]["dnsNames"]), *(f"IP:{i}" for i in cert["spec"]["ipAddresses"])]
+    (pki / "ext").write_text(f"subjectAltName={','.join(sans)}\nextendedKeyUsage=serverAuth,clientAuth\n"
+                             "keyUsage=critical,digitalSignature\n")
+    o("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-subj", f"/CN={name}",
+      "-keyout", "tls.key", "-out", "tls.csr")
+    o("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-days", "30",
+      "-extfile", "ext", "-out", "tls.crt")
+    cluster.kubectl("create", "secret", "generic", f"{name}-tls", "-n", APPS_NS, "--type=kubernetes.io/tls",
+                    f"--from-file=tls.crt={pki / 'tls.crt'}", f"--from-file=tls.key={pki / 'tls.key'}",
+                    f"--from-file=ca.crt={pki / 'ca.crt'}")
+    d = deploy(cluster, operator, name, patch)
+    log_figure("disaggregated_pods", d["pods"])
+    log_figure("disaggregated_ready_s", d["ready_s"])
+    return {"name": name, "ca": pki / "ca.crt"}
+
+
+def tls_generate(cluster, dep, out: pathlib.Path, req: dict = REQUEST) -> subprocess.Popen:
+    argv = cluster.in_node(sys.executable, "-m", "h3serve.cli", "generate", "--server", f"{svc(dep['name'])}:50051",
+                           "--tls-ca", str(dep["ca"]), "--api-key", KEY_A, "--prompt", req["prompt"],
+                           "--seconds", str(req["seconds"]), "--size", req["size"], "--seed", str(req["seed"]),
+                           "--steps", str(req["num_inference_steps"]), "--no-progress", "--json", "-o", str(out))
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1", "NO_PROXY": "*", "no_proxy": "*"})
+
+
+def finish(p: subprocess.Popen, timeout: float = 600) -> tuple[int, str, str]:
+    out, err = p.communicate(timeout=timeout)
+    return p.returncode, out, err
+
+
+def stage_pod(cluster, dep, stage: str) -> dict:
+    [pod] = [p for p in pods(cluster, APPS_NS, f"app.kubernetes.io/instance={dep['name']},"
+                                              f"app.kubernetes.io/component={stage}") if is_ready(p)]
+    return pod
+
+
+def wait_all_ready(cluster, dep, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ps = pods(cluster, APPS_NS, f"app.kubernetes.io/instance={dep['name']}")
+        if ps and all(is_ready(p) for p in ps) and cr_ready(cluster, dep["name"]):
+            return
+        time.sleep(1)
+    raise AssertionError(f"{dep['name']} not Ready again after {timeout}s")
+
+
+def wait_dit_busy(cluster, dep, timeout: float = 120) -> None:
+    """Until the DiT reports a job in flight (its /metrics, scraped inside the node as Prometheus would)."""
+    ip = stage_pod(cluster, dep, "dit")["status"]["podIP"]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r = in_node(cluster, ["curl", "-s", "--max-time", "2", f"http://{ip}:9402/metrics"], timeout=10)
+        busy = [ln for ln in r.stdout.splitlines() if ln.startswith('h3serve_stage_active_requests{stage="dit"}')]
+        if busy and float(busy[0].split()[1]) > 0:
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"the DiT never reported an active request: {r.stdout[-800:]}")
+
+
+def test_disaggregated_with_tls_serves_the_embedded_bytes(cluster, disaggregated, embedded):
+    out = cluster.run / "tls.mp4"
+    code, so, se = finish(tls_generate(cluster, disaggregated, out))
+    assert code == 0, se[-3000:]
+    assert sha(out.read_bytes()) == sha(embedded)
+    # the front door is TLS only: plaintext HTTP is refused
+    r = in_node(cluster, ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "--max-time", "10",
+                          f"http://{svc(disaggregated['name'])}:8000/v1/models"])
+    assert r.stdout != "200"
+    r = in_node(cluster, ["curl", "-sS", "--cacert", str(disaggregated["ca"]), "-H", f"authorization: Bearer {KEY_A}",
+                          f"https://{svc(disaggregated['name'])}:8000/v1/models"])
+    assert r.returncode == 0 and "data" in json.loads(r.stdout), r.stdout + r.stderr
+
+
+def test_a_deleted_dit_pod_drains_its_job_and_loses_none(cluster, disaggregated, embedded):
+    """`kubectl delete pod` (a rolling update or a drain does the same): the job it holds completes."""
+    out = cluster.run / "drain.mp4"
+    job = tls_generate(cluster, disaggregated, out, LONG)
+    wait_dit_busy(cluster, disaggregated)
+    old = stage_pod(cluster, disaggregated, "dit")
+    t0 = time.monotonic()
+    cluster.kubectl("delete", "pod", "-n", APPS_NS, old["metadata"]["name"], "--wait=false")
+    code, so, se = finish(job)
+    assert code == 0, se[-3000:]  # finished on the pod being deleted
+    log_figure("drained_job_done_after_delete_s", round(time.monotonic() - t0, 1))
+    ffprobe_ok(out)
+    wait_all_ready(cluster, disaggregated)
+    log_figure("dit_replaced_ready_s", round(time.monotonic() - t0, 1))
+    out = cluster.run / "after-drain.mp4"
+    code, so, se = finish(tls_generate(cluster, disaggregated, out))
+    assert code == 0 and sha(out.read_bytes()) == sha(embedded), se[-3000:]
+
+
+@pytest.mark.parametrize("stage", ["encoder", "dit", "vae", "muxer"])
+def test_a_stage_pod_killed_mid_job_fails_it_naming_the_stage_then_recovers(cluster, disaggregated, embedded, stage):
+    out = cluster.run / f"killed-{stage}.mp4"
+    job = tls_generate(cluster, disaggregated, out, LONG)
+    wait_dit_busy(cluster, disaggregated)
+    victim = stage_pod(cluster, disaggregated, stage)
+    t0 = time.monotonic()
+    cluster.kubectl("delete", "pod", "-n", APPS_NS, victim["metadata"]["name"], "--grace-period=0", "--force",
+                    "--wait=false")
+    code, so, se = finish(job)
+    FIGURES.setdefault("killed_to_client_error_s", {})[stage] = round(time.monotonic() - t0, 1)
+    if stage == "encoder":  # the encoder's part was done before the DiT started: the job is not its to lose
+        assert code == 0, se[-3000:]
+    else:
+        assert code != 0 and stage in se.lower() and "Traceback" not in se, se[-3000:]
+        assert not out.exists() or out.stat().st_size == 0 or code == 0  # nothing half-written presented as done
+    wait_all_ready(cluster, disaggregated)
+    FIGURES.setdefault("killed_to_recovered_s", {})[stage] = round(time.monotonic() - t0, 1)
+    out = cluster.run / f"after-{stage}.mp4"
+    code, so, se = finish(tls_generate(cluster, disaggregated, out))
+    assert code == 0 and sha(out.read_bytes()) == sha(embedded), se[-3000:]

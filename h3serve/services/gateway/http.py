@@ -331,9 +331,8 @@ def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
         def sink(job: Job):
             return FileSink(gateway.jobs.mp4_path(job))
 
-        job = gateway.new_job(fields, kind=kind, sink_factory=sink, timeout=_timeout(request), names=names)
-        job.owner = request.state.owner
-        return job
+        return gateway.new_job(fields, kind=kind, sink_factory=sink, timeout=_timeout(request), names=names,
+                               owner=request.state.owner)
 
     @app.post("/v1/videos", openapi_extra=REQUEST_BODY, summary="Create a video job")
     async def create_video(request: Request, validate_only: bool = False):

@@ -395,11 +395,12 @@ class Gateway:
 
     def new_job(self, fields: dict[str, Any], *, kind: str, sink_factory: Callable[[Job], Sink] | None = None,
                 timeout: float | None = None, request_id: str | None = None,
-                names: dict[str, str] | None = None) -> Job:
-        """Validate; raise RequestError naming the caller's field. The job is not admitted yet."""
+                names: dict[str, str] | None = None, owner: str | None = None) -> Job:
+        """Validate; raise RequestError naming the caller's field. The job (of `owner`) is not admitted yet."""
         validated = validate_fields(fields, config=self.config, names=names, http=kind == "http")
         check_request_id(request_id)
-        return self.jobs.new(validated, kind=kind, sink_factory=sink_factory, timeout=timeout, request_id=request_id)
+        return self.jobs.new(validated, kind=kind, sink_factory=sink_factory, timeout=timeout, request_id=request_id,
+                             owner=owner)
 
     def submit(self, job: Job) -> Job:
         """Admit a job or refuse it at once: Draining, StageUnavailable (a stage not ready), QueueFull."""

@@ -15,6 +15,10 @@
 
 With a certificate configured a server listens for TLS only, so a plaintext client is refused at the handshake.
 Files are read when the server or channel is made (a restart picks up a renewed certificate).
+
+A stage (encoder, DiT, VAE, muxer) takes calls without API keys: its callers are its deployment's peers. So beyond
+loopback it listens only with mTLS (--tls-cert, --tls-key, --tls-ca), or where the operator says a network fences
+its port (--no-peer-auth); otherwise it refuses to start (`check_stage_exposure`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import logging
 import socket
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from concurrent.futures import Future, TimeoutError
 from dataclasses import dataclass
@@ -47,6 +52,61 @@ def _read(path: str, what: str) -> bytes:
             return f.read()
     except OSError as exc:
         raise H3Error(f"--{what} {path}: {exc.strerror}") from None
+
+
+def is_loopback(host: str) -> bool:
+    """A bind address only this host can reach (127.0.0.0/8, ::1, localhost)."""
+    if host in ("localhost",):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def peer_host(peer: str) -> str:
+    """The host of a gRPC `context.peer()` ('ipv4:10.0.0.5:41234', 'ipv6:[::1]:41234' (maybe %-encoded),
+    'unix:...' as 'localhost')."""
+    scheme, _, rest = urllib.parse.unquote(peer or "").partition(":")
+    if scheme in ("unix", "unix-abstract"):
+        return "localhost"
+    host = rest.rpartition(":")[0] if scheme in ("ipv4", "ipv6") else rest
+    return host.strip("[]")
+
+
+def authenticated_peer(context) -> bool:
+    """A caller that proved a certificate of the deployment's CA (mTLS), or one on this host."""
+    if context is None:
+        return True
+    try:
+        if context.peer_identities():
+            return True
+        return is_loopback(peer_host(context.peer()))
+    except Exception:  # noqa: BLE001 - no peer known: not authenticated
+        return False
+
+
+def peer_identity(context) -> str:
+    """Whom a stage call comes from, for per-peer limits: the caller's address (each pod its own IP; a shared
+    deployment certificate names every peer alike, so it is not the identity)."""
+    try:
+        return peer_host(context.peer()) or "unknown"
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def check_stage_exposure(config: StageConfig) -> None:
+    """A stage other than the gateway listens beyond loopback only with mTLS, or with --no-peer-auth (its port
+    fenced by a network policy): otherwise one line saying how to fix it."""
+    if config.stage == "gateway" or is_loopback(config.host) or config.no_peer_auth:
+        return
+    tls = Tls.of(config)
+    if tls.enabled and tls.ca is not None:
+        return
+    raise H3Error(f"the {config.stage} would listen on {config.host} without mTLS, open to anyone who reaches it: "
+                  "give --tls-cert FILE --tls-key FILE --tls-ca FILE (peers then need a certificate of that CA), "
+                  "listen on loopback (--host 127.0.0.1), or give --no-peer-auth where a network policy fences "
+                  "the port")
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
 import logging
 import os
 import re
@@ -32,6 +31,7 @@ import grpc
 from h3serve.config.stage import API_KEYS_ENV
 from h3serve.errors import H3Error
 from h3serve.errortable import MD_CODE, Unauthenticated, classify
+from h3serve.runtime.tls import is_loopback
 
 log = logging.getLogger("h3serve.gateway")
 
@@ -168,15 +168,6 @@ def _refuse(exc: Unauthenticated, handler):
     if handler.response_streaming:
         return grpc.unary_stream_rpc_method_handler(abort)
     return grpc.unary_unary_rpc_method_handler(abort)
-
-
-def is_loopback(host: str) -> bool:
-    if host in ("localhost",):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def check_exposure(keys_file: str | None, no_auth: bool, hosts: tuple[str, ...]) -> None:

@@ -57,9 +57,9 @@ _PASS = ("checkpoint", "checkpoint_manifest_sha256", "profile", "adapter", "adap
          "job_ttl_s", "max_jobs", "max_sync_bytes", "api_keys_file", "tls_cert", "tls_key", "tls_ca", "tls_peer_name",
          "transport",
          "model_name", "frame_format", "mux_threads", "crf", "preset", "session_ttl_s", "max_session_ttl_s",
-         "max_sessions", "max_sessions_per_peer", "tmp_dir", "http_host", "encoder_tp", "ulysses", "ring", "vae_pp", "dit_resident_blocks",
-         "dit_offload_mode", "fp8", "fp8_attention", "encoder_resident_layers", "vae_staged", "encoder_cache_bytes",
-         "fasth3_dit", "tasks")
+         "max_sessions", "max_sessions_per_peer", "tmp_dir", "http_host", "encoder_tp", "ulysses", "ring", "vae_pp",
+         "dit_resident_blocks", "dit_offload_mode", "fp8", "fp8_attention", "encoder_resident_layers", "vae_staged",
+         "encoder_cache_bytes", "fasth3_dit", "tasks")
 
 
 def child_argv(config: StageConfig, stage: str, port: int, addresses: dict[str, str], http_port: int | None,

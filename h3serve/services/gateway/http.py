@@ -437,13 +437,15 @@ def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
     async def health():
         return {"status": "ok"}
 
-    @app.get("/ready", summary="Readiness: every stage SERVING and not draining",
+    @app.get("/ready", summary="Readiness: every stage SERVING, the job store writable, and not draining",
              responses={503: {"description": "Not ready: the same object, status not_ready"}})
     async def ready():
-        body = {"status": "ready" if gateway.ready() else "not_ready", "stages": dict(gateway.stages.status),
+        ok = gateway.ready() and gateway.store_ready()
+        body = {"status": "ready" if ok else "not_ready", "stages": dict(gateway.stages.status),
+                "job_store": gateway.jobs.store_error or "ok",
                 "draining": gateway.draining, "queue_depth": len(gateway.jobs.queue),
                 "inflight": len(gateway.jobs.running), "transport": gateway.transports.details()}
-        return JSONResponse(body, status_code=200 if gateway.ready() else 503)
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)   # declared text/plain
     async def metrics():

@@ -95,6 +95,9 @@ class Job:
     gateway: str = ""              # the instance running it (host:port) and its boot id, as stored
     boot: str = ""
     cancel_stored: bool = False    # a cancel asked through another replica's record
+    upload_pending: bool = False   # finished, its MP4 kept on local disk until the store takes it
+    upload_since: float = 0.0      # time.monotonic() of the first failed upload
+    upload_error: BaseException | None = None
     persisted: bool = True         # the store holds the job's latest state
     deleted: bool = False          # deleted through another replica: never written again
     aborted: H3Error | None = None # why the gateway gave up on it (a hung stage): its error, not "cancelled"
@@ -230,6 +233,7 @@ class JobTable:
         self.jobs: dict[str, Job] = {}
         self.admitting: dict[str, Job] = {}   # slots reserved while their records are written (no lock held)
         self.refused: dict[str, int] = {}     # ids whose first record failed -> sweeps that found it settled
+        self.store_error: str | None = None   # the last store write's error; None once one succeeds (/ready)
         # a private temp dir only when nothing durable is configured (then jobs live as long as the process)
         self._own_dir = config.jobs_dir is None and config.job_store is None
         self.dir = config.jobs_dir or tempfile.mkdtemp(prefix="h3serve-jobs-")   # MP4s (spooled, or kept)
@@ -330,9 +334,11 @@ class JobTable:
             raise AlreadyExists("request_id", job.id)
         try:
             self.store.put_record(job.record())
-        except StoreError:
+        except StoreError as exc:
             self.refused[job.id] = 0
+            self._store_failed(exc)
             raise
+        self._store_ok()
         self.refused.pop(job.id, None)
 
     def take(self) -> Job | None:
@@ -358,9 +364,21 @@ class JobTable:
         try:
             self.store.put_record(job.record())
             job.persisted = True
+            self._store_ok()
         except StoreError as exc:
             job.persisted = False
+            self._store_failed(exc)
             log.warning("request %s: %s (retried)", job.id, exc)
+
+    def _store_failed(self, exc: StoreError) -> None:
+        if self.store_error is None:
+            log.warning("job store failing: %s", exc)
+        self.store_error = str(exc)
+
+    def _store_ok(self) -> None:
+        if self.store_error is not None:
+            log.info("job store writable again")
+        self.store_error = None
 
     def finish(self, job: Job, exc: BaseException | None) -> None:
         """The job's outcome: completed (the sink commits, an HTTP job's MP4 is published to the store) or failed
@@ -374,10 +392,44 @@ class JobTable:
         if exc is None and job.sink is not None:
             try:
                 job.sink.commit()
-                if job.kind == "http" and job.output_path:
-                    self.store.publish(job.id, job.output_path)
             except BaseException as e:  # noqa: BLE001 - the MP4 could not be kept: the job failed
                 exc = e
+            else:
+                if job.kind == "http" and job.output_path and not self._publish(job):
+                    return   # the MP4 kept here; the sweeper retries its upload, then concludes the job
+        self._conclude(job, exc)
+
+    def _publish(self, job: Job) -> bool:
+        """Publish an HTTP job's finished MP4 to the store. A store that cannot take it now (StoreError) keeps the
+        job in progress (stage `upload`) with its MP4 on local disk: the sweeper tries again every sweep."""
+        try:
+            self.store.publish(job.id, job.output_path)
+        except StoreError as exc:
+            self._store_failed(exc)
+            if not job.upload_pending:
+                job.upload_pending, job.upload_since, job.stage = True, time.monotonic(), "upload"
+                log.warning("request %s: its MP4 is kept on local disk and its upload retried: %s", job.id, exc)
+                self._save(job)
+            job.upload_error = exc
+            return False
+        job.upload_pending = False
+        return True
+
+    def _retry_upload(self, job: Job) -> None:
+        """A finished MP4 whose upload failed: uploaded now (the job completes), or the job fails once cancelled or
+        after job_ttl_s of trying (the last StoreError: retryable, naming job-store)."""
+        if job.cancel_requested.is_set() or job.deleted:
+            job.upload_pending = False
+            self._conclude(job, job.cancelled())
+        elif time.monotonic() - job.upload_since > self.config.job_ttl_s:
+            job.upload_pending = False
+            self._conclude(job, StoreError(f"the MP4 could not be uploaded for {self.config.job_ttl_s:g}s "
+                                           f"({job.upload_error}); submit the job again"))
+        elif self._publish(job):
+            self._conclude(job, None)
+
+    def _conclude(self, job: Job, exc: BaseException | None) -> None:
+        """The rest of `finish`: the outcome classified, the record written, waiters woken."""
         if exc is None:
             job.status, job.progress = "completed", 100.0
             outcome = "completed"
@@ -573,14 +625,23 @@ class JobTable:
 
     # -- the sweeper: heartbeat, stored cancels, unsaved records, retention -------------------------------------
     def _sweep(self) -> None:
+        """Every SWEEP_INTERVAL_S until closed; nothing a sweep meets stops the sweeper."""
         while not self._stop.wait(SWEEP_INTERVAL_S):
             try:
                 self.sweep_once()
             except StoreError as exc:
+                self._store_failed(exc)
                 log.warning("job sweep: %s (retried)", exc)
+            except Exception:  # noqa: BLE001 - logged; the next sweep tries again
+                log.exception("job sweep failed (retried)")
+
+    @property
+    def store_healthy(self) -> bool:
+        return self.store_error is None
 
     def sweep_once(self) -> None:
         self.store.beat(self.instance, self.boot)
+        self._store_ok()
         with self.cond:
             mine = [j for j in self.jobs.values() if j.kind == "http"]
         for job in mine:
@@ -596,6 +657,9 @@ class JobTable:
                     job.cancel("deleted by the caller")
                 elif rec.get("cancel_requested"):
                     self.cancel(job.id)
+        for job in mine:
+            if job.upload_pending:
+                self._retry_upload(job)
         for job_id in list(self.refused):   # a refused admission's record that landed late: failed, with why
             rec = self.store.get_record(job_id)
             settled = rec is None or rec.get("status") in FINISHED

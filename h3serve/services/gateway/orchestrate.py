@@ -388,6 +388,10 @@ class Gateway:
     def ready(self) -> bool:
         return self.stages.ready() and not self.draining
 
+    def store_ready(self) -> bool:
+        """The job store took the last write (HTTP jobs need it; gRPC requests do not)."""
+        return self.jobs.store_healthy
+
     def _health_changed(self) -> None:
         for s, v in self.stages.status.items():
             self.metrics.stage_up.labels(stage=s).set(1 if v == "SERVING" else 0)
@@ -426,7 +430,11 @@ class Gateway:
             except BaseException as e:  # noqa: BLE001 - every failure is reported through the table
                 exc = e
             job.validated = without_media(job.validated)   # a finished job keeps no uploads for its TTL
-            self.jobs.finish(job, exc)
+            try:
+                self.jobs.finish(job, exc)
+            except BaseException:  # noqa: BLE001 - one job's ending never stops the worker
+                log.exception("request %s: could not be finished cleanly; the worker goes on", job.id)
+                job.done.set()
 
     def _run(self, job: Job) -> None:
         plan = choose_plan(self.config.transport)

@@ -193,7 +193,7 @@ class Peers:
         """Refuse `address` unless the deployment declares it (RequestError naming `field`)."""
         host, sep, port = address.rpartition(":")
         allowed = "an address of this deployment's peers (--peers)"
-        if not sep or not port.isdigit() or not host or "/" in host:
+        if not sep or not _ascii_port(port) or not host or "/" in host:
             raise RequestError(field, address, allowed)
         host, port_n = host.strip("[]"), int(port)
         try:
@@ -274,7 +274,7 @@ def parse_peers(text: str | None) -> Peers | None:
             except ValueError:
                 raise RequestError("peers", item, "HOST:PORT or NET/LEN") from None
         host, sep, port = item.rpartition(":")
-        if not sep or not port.isdigit() or not host:
+        if not sep or not _ascii_port(port) or not host:
             raise RequestError("peers", item, "HOST:PORT or NET/LEN")
         host = host.strip("[]")
         try:
@@ -285,6 +285,15 @@ def parse_peers(text: str | None) -> Peers | None:
 
 
 def check_peer(peers: Peers | None, address: str, field: str) -> None:
-    """Refuse an address a request names unless the deployment declares it (RequestError naming `field`)."""
+    """Refuse an address a request names unless the deployment declares it (RequestError naming `field`). Without
+    --peers any address passes, but a port must be one: ASCII digits in 1..65535 (not '５' or '²')."""
     if peers is not None:
         peers.check(address, field)
+        return
+    port = address.rpartition(":")[2]
+    if port and any(c.isdigit() for c in port) and not (_ascii_port(port) and 0 < int(port) < 65536):
+        raise RequestError(field, address, "HOST:PORT with a port of ASCII digits in 1..65535")
+
+
+def _ascii_port(text: str) -> bool:
+    return text.isascii() and text.isdigit()

@@ -248,6 +248,9 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-auth", action="store_true",
                    help="gateway: serve without API keys even on a non-loopback address (without keys the "
                         "gateway otherwise listens on loopback only)")
+    p.add_argument("--no-peer-auth", action="store_true",
+                   help="encoder, dit, vae, muxer: listen on a non-loopback address without mTLS (only where a "
+                        "network policy fences the port; otherwise give --tls-cert, --tls-key and --tls-ca)")
     p.add_argument("--max-sync-bytes", type=int, default=d.max_sync_bytes,
                    help="gateway: largest MP4 GenerateSync returns in one message")
     p.add_argument("--transport", default=d.transport, choices=("grpc", "nixl"),
@@ -275,6 +278,8 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="muxer: the largest TTL a session may ask for")
     p.add_argument("--max-sessions", type=int, default=d.max_sessions,
                    help="muxer: sessions held at once (more are refused as RESOURCE_EXHAUSTED)")
+    p.add_argument("--max-sessions-per-peer", type=int, default=d.max_sessions_per_peer,
+                   help="muxer: sessions one caller (by its address: a gateway replica) holds at once")
     p.add_argument("--tmp-dir", default=None, help="muxer: where MP4s are assembled")
     p.add_argument("--start-timeout", type=float, default=600.0, help="launcher: seconds to wait for health")
     p.add_argument("--no-restart", action="store_true", help="launcher: stop everything when a stage dies")

@@ -25,8 +25,9 @@ first_image / last_image and ref2va references (a list, in model order) as bytes
     client.generate("she sings", references=["subject.png", "audio:voice.wav"])
  `timeout` is the call's deadline in seconds; the gateway passes
 what remains of it to every stage. Failures raise typed errors (all `H3Error`): `RequestError` (its `.field`
-names the field), `QueueFull`, `Draining`, `StageUnavailable` (`.stage`), `DeadlineExceeded`, `Cancelled`,
-`NotFound`, `TooLarge`, `StageFailed`, `Unauthenticated`, `PermissionDenied`.
+names the field; `AlreadyExists`, a RequestError, for a `request_id` a job already has), `QueueFull`,
+`Draining`, `StageUnavailable` (`.stage`), `DeadlineExceeded`, `Cancelled`, `NotFound`, `TooLarge`,
+`StageFailed`, `Unauthenticated`, `PermissionDenied`.
 
 `api_key` (default: $H3SERVE_API_KEY) is sent as `authorization: Bearer KEY` on every call of a gateway that
 checks keys.
@@ -50,6 +51,7 @@ from h3serve._proto import gateway_pb2, gateway_pb2_grpc
 from h3serve.config.stage import API_KEY_ENV
 from h3serve.errors import Cancelled, H3Error, RequestError
 from h3serve.errortable import (
+    AlreadyExists,
     DeadlineExceeded,
     Draining,
     NotFound,
@@ -64,8 +66,8 @@ from h3serve.errortable import (
 from h3serve.transport.grpc import channel_options, wait_serving
 
 __all__ = ["Client", "AsyncClient", "Generation", "AsyncGeneration", "GenerationResult", "Accepted", "Progress",
-           "H3Error", "RequestError", "QueueFull", "Draining", "StageUnavailable", "DeadlineExceeded", "Cancelled",
-           "NotFound", "TooLarge", "StageFailed", "Unauthenticated", "PermissionDenied"]
+           "H3Error", "RequestError", "AlreadyExists", "QueueFull", "Draining", "StageUnavailable", "DeadlineExceeded",
+           "Cancelled", "NotFound", "TooLarge", "StageFailed", "Unauthenticated", "PermissionDenied"]
 
 MAX_RECEIVE = 256 << 20   # the largest GenerateSync response this client accepts
 MEDIA = ("first_image", "last_image", "references")

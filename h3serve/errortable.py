@@ -4,6 +4,7 @@ Every servicer (stage or gateway), the HTTP API and the SDK go through this modu
 name everywhere:
 
     domain error                code (stable)       gRPC status           HTTP   retry
+    AlreadyExists               already_exists      ALREADY_EXISTS        409    no    (names the id's field)
     RequestError                invalid_request     INVALID_ARGUMENT      422    no    (names the field)
     ProfileError                invalid_request     FAILED_PRECONDITION   422    no
     QueueFull                   queue_full          RESOURCE_EXHAUSTED    429    yes   (refused at once)
@@ -100,6 +101,18 @@ class NotReady(ServiceError):
     """The resource exists but is not ready yet (e.g. a job's content before it completed)."""
 
 
+class AlreadyExists(RequestError):
+    """An id the caller chose that a job already has (a gRPC `request_id`); names the field, never whose job it is.
+    `message` rebuilds it from the wire."""
+
+    def __init__(self, field: str, value: object,
+                 allowed: str = "an id no job has: choose another, or leave it out and the gateway mints one", *,
+                 message: str | None = None):
+        super().__init__(field, value, allowed)
+        if message is not None:
+            self.args = (message,)
+
+
 class InvalidRequest(RequestError):
     """A RequestError rebuilt from the wire (field and message known, value and allowed not separately)."""
 
@@ -120,6 +133,7 @@ class ErrorKind:
 
 
 _KINDS = {
+    "already_exists": ErrorKind("already_exists", grpc.StatusCode.ALREADY_EXISTS, 409, False),
     "invalid_request": ErrorKind("invalid_request", grpc.StatusCode.INVALID_ARGUMENT, 422, False),
     "profile": ErrorKind("invalid_request", grpc.StatusCode.FAILED_PRECONDITION, 422, False),
     "queue_full": ErrorKind("queue_full", grpc.StatusCode.RESOURCE_EXHAUSTED, 429, True),
@@ -139,6 +153,7 @@ _KINDS = {
 
 # (exception class, kind); the first match wins, so subclasses come before their bases.
 TABLE: list[tuple[type, ErrorKind]] = [
+    (AlreadyExists, _KINDS["already_exists"]),
     (RequestError, _KINDS["invalid_request"]),
     (ProfileError, _KINDS["profile"]),
     (QueueFull, _KINDS["queue_full"]),
@@ -322,6 +337,8 @@ def from_grpc(err: grpc.RpcError, *, stage: str | None = None, cancelled: bool =
         return Cancelled(details or "cancelled by the caller")
     if named == "cancelled":   # the callee says the request was cancelled (e.g. by id, by another caller)
         return Cancelled(details or "cancelled")
+    if named == "already_exists" or code == grpc.StatusCode.ALREADY_EXISTS:
+        return AlreadyExists(field or "request_id", None, message=details)
     if named == "invalid_request" and code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidRequest(field or "request", details)
     if named == "invalid_request":

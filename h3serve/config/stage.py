@@ -77,6 +77,7 @@ class StageConfig:
     max_sync_bytes: int = 64 << 20
     api_keys_file: str | None = None  # callers' hashed bearer keys (services/gateway/auth.py); None: no auth
     no_auth: bool = False             # allow a gateway without keys on a non-loopback address
+    no_peer_auth: bool = False        # allow a stage without mTLS on a non-loopback address (a network fences it)
     transport: str = "grpc"
     model_name: str | None = None
     fasth3_dit: str | None = None    # gateway of a base deployment: a FastH3 DiT pool, routed to by `model`
@@ -106,6 +107,7 @@ class StageConfig:
     session_ttl_s: float = 600.0     # the TTL of a session that asks for none
     max_session_ttl_s: float = 7200.0   # the largest it may ask for (the gateway asks its deadline + a margin)
     max_sessions: int = 64           # sessions a muxer holds at once (open, pushing or unfetched)
+    max_sessions_per_peer: int = 16  # ... of which one caller (by its address) may hold at most this many
     tmp_dir: str | None = None
     extra: dict = field(default_factory=dict)
 
@@ -177,6 +179,8 @@ def service_config_values(service_config: dict, stage: str) -> dict[str, Any]:
         out.update({k: f"{TLS_DIR}/{v}" for k, v in TLS_FILES.items()})
         if not colocated:
             out["tls_peer_name"] = tls_peer_name(service_config["name"], service_config["namespace"])
+    elif stage != "gateway":  # no mTLS: the stages' ports are fenced by the instance's NetworkPolicies instead
+        out["no_peer_auth"] = True
     lv = spec.dit.levers
     if colocated or stage == "dit":
         out.update(dit_resident_blocks=lv.resident_blocks, dit_offload_mode=lv.offload_mode, fp8=lv.fp8,

@@ -34,7 +34,7 @@ from h3serve.distributed.world import free_port
 from h3serve.errors import H3Error, RequestError
 from h3serve.runtime import ranks
 from h3serve.runtime.process import EXIT_LOAD_FAILED, ServicerFactory, announce, run_stage
-from h3serve.runtime.tls import Tls
+from h3serve.runtime.tls import Tls, check_stage_exposure
 from h3serve.transport.grpc import wait_serving
 
 # the launcher's liveness probe: a child SERVING once and then silent (health deadline exceeded) this long is hung
@@ -57,9 +57,9 @@ _PASS = ("checkpoint", "checkpoint_manifest_sha256", "profile", "adapter", "adap
          "job_ttl_s", "max_jobs", "max_sync_bytes", "api_keys_file", "tls_cert", "tls_key", "tls_ca", "tls_peer_name",
          "transport",
          "model_name", "frame_format", "mux_threads", "crf", "preset", "session_ttl_s", "max_session_ttl_s",
-         "max_sessions", "tmp_dir", "http_host", "encoder_tp", "ulysses", "ring", "vae_pp", "dit_resident_blocks",
-         "dit_offload_mode", "fp8", "fp8_attention", "encoder_resident_layers", "vae_staged", "encoder_cache_bytes",
-         "fasth3_dit", "tasks")
+         "max_sessions", "max_sessions_per_peer", "tmp_dir", "http_host", "encoder_tp", "ulysses", "ring", "vae_pp",
+         "dit_resident_blocks", "dit_offload_mode", "fp8", "fp8_attention", "encoder_resident_layers", "vae_staged",
+         "encoder_cache_bytes", "fasth3_dit", "tasks")
 
 
 def child_argv(config: StageConfig, stage: str, port: int, addresses: dict[str, str], http_port: int | None,
@@ -70,6 +70,8 @@ def child_argv(config: StageConfig, stage: str, port: int, addresses: dict[str, 
         argv.append("--no-warmup")
     if config.no_auth:
         argv.append("--no-auth")
+    if config.no_peer_auth:
+        argv.append("--no-peer-auth")
     # a stage dials only the stages started here and those given (a `dns:///` target: its name, by its addresses)
     argv += ["--peers", ",".join(sorted({a.removeprefix("dns:///") for a in addresses.values()}))]
     for name in _PASS:
@@ -313,6 +315,8 @@ def serve_main(args: argparse.Namespace, servicers: dict[str, ServicerFactory]) 
     """`h3serve serve`: one stage in this process, or the launcher for several (see the module docstring)."""
     stages = parse_stages(args.stages)
     config = config_from_args(args, stages[0] if len(stages) == 1 else "gateway")
+    for s in stages:   # before any process starts: a stage beyond loopback needs mTLS (or --no-peer-auth)
+        check_stage_exposure(config if s == config.stage else config_from_args(args, s))
     if config.http_port is None and "gateway" in stages:
         config = replace(config, http_port=HTTP_PORT)
     if any(s in MODEL_STAGES for s in stages) and not config.checkpoint:

@@ -23,7 +23,7 @@ from h3serve.errors import H3Error
 from h3serve.errortable import RefuseUnparsable
 from h3serve.runtime.metrics import serve_metrics
 from h3serve.runtime.stage import HealthHandle
-from h3serve.runtime.tls import Tls
+from h3serve.runtime.tls import Tls, check_stage_exposure
 from h3serve.weights.manifest import STAGE_FOLDERS, IntegrityError, verify_manifest
 from h3serve.transport.grpc import MESSAGE_LIMIT, server_options
 
@@ -40,6 +40,7 @@ class StageProcess:
     """A stage's gRPC server: bind, health, reflection, load, drain. `run_stage` adds signals around it."""
 
     def __init__(self, config: StageConfig, servicer_factory: ServicerFactory):
+        check_stage_exposure(config)   # before anything binds: beyond loopback a stage needs mTLS
         self.config = config
         self.health_servicer = health.HealthServicer(experimental_non_blocking=True)
         service = SERVICE_NAMES.get(config.stage, config.stage)

@@ -29,7 +29,7 @@ from h3serve.errors import Cancelled
 from h3serve.errortable import DeadlineExceeded, abort
 from h3serve.runtime.device import PeakMemory
 from h3serve.runtime.ranks import ParallelStage, degrees_of, stage_degree
-from h3serve.runtime.tls import Tls, check_peer, parse_peers
+from h3serve.runtime.tls import Tls, authenticated_peer, check_peer, parse_peers
 from h3serve.weights.manifest import IntegrityError
 from h3serve.transport.nixl.probe import select_transport, validate_transport
 
@@ -37,6 +37,7 @@ log = logging.getLogger("h3serve.runtime.stage")
 MODULE_CHECK_S = 0.05   # how often a checked forward looks at cancel and deadline
 DEADLINE_SKEW_S = 0.5   # a call ended this close to its deadline ended by it, not by a cancel
 
+HIDDEN = "hidden"   # a request id in the Status answered to a caller that is not an authenticated peer
 NO_DEADLINE = 1e8   # grpc reports "no deadline" as a time_remaining of years
 
 
@@ -360,22 +361,24 @@ class StageBase:
             raise
 
     def Status(self, request, context):
-        """The Status RPC of every stage."""
+        """The Status RPC of every stage. Request ids (the gateway's job ids) only to an authenticated peer
+        (mTLS) or a caller on this host: with --no-peer-auth anyone else the network lets through reads HIDDEN."""
         try:
-            return self.status()
+            return self.status(ids=authenticated_peer(context))
         except Exception as exc:  # noqa: BLE001 - the table decides
             abort(context, exc, stage=self.stage)
 
-    def status(self):
+    def status(self, ids: bool = True):
         current = next(iter(self.active.values()), None) or self.engine_scope
         last = self.last
         msg = common_pb2.StageStatus(
             stage=self.stage, ready=self.ready, pid=os.getpid(), requests_total=self.requests_total,
             cancelled_total=self.cancelled_total, work_units_total=self.work_units_total,
-            current_request_id=current.request_id if current else "", info_json=json.dumps(self.info()))
+            current_request_id=(current.request_id if ids else HIDDEN) if current else "",
+            info_json=json.dumps(self.info()))
         if last is not None:
             msg.last.CopyFrom(common_pb2.LastRequest(
-                request_id=last.request_id, outcome=last.outcome, units_done=last.units,
+                request_id=last.request_id if ids else HIDDEN, outcome=last.outcome, units_done=last.units,
                 units_at_signal=last.units_at_signal, deadline_remaining_s=last.deadline_remaining_s,
                 seconds=self.last_seconds))
         return msg

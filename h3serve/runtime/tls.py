@@ -15,6 +15,10 @@
 
 With a certificate configured a server listens for TLS only, so a plaintext client is refused at the handshake.
 Files are read when the server or channel is made (a restart picks up a renewed certificate).
+
+A stage (encoder, DiT, VAE, muxer) takes calls without API keys: its callers are its deployment's peers. So beyond
+loopback it listens only with mTLS (--tls-cert, --tls-key, --tls-ca), or where the operator says a network fences
+its port (--no-peer-auth); otherwise it refuses to start (`check_stage_exposure`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import logging
 import socket
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from concurrent.futures import Future, TimeoutError
 from dataclasses import dataclass
@@ -47,6 +52,61 @@ def _read(path: str, what: str) -> bytes:
             return f.read()
     except OSError as exc:
         raise H3Error(f"--{what} {path}: {exc.strerror}") from None
+
+
+def is_loopback(host: str) -> bool:
+    """A bind address only this host can reach (127.0.0.0/8, ::1, localhost)."""
+    if host in ("localhost",):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def peer_host(peer: str) -> str:
+    """The host of a gRPC `context.peer()` ('ipv4:10.0.0.5:41234', 'ipv6:[::1]:41234' (maybe %-encoded),
+    'unix:...' as 'localhost')."""
+    scheme, _, rest = urllib.parse.unquote(peer or "").partition(":")
+    if scheme in ("unix", "unix-abstract"):
+        return "localhost"
+    host = rest.rpartition(":")[0] if scheme in ("ipv4", "ipv6") else rest
+    return host.strip("[]")
+
+
+def authenticated_peer(context) -> bool:
+    """A caller that proved a certificate of the deployment's CA (mTLS), or one on this host."""
+    if context is None:
+        return True
+    try:
+        if context.peer_identities():
+            return True
+        return is_loopback(peer_host(context.peer()))
+    except Exception:  # noqa: BLE001 - no peer known: not authenticated
+        return False
+
+
+def peer_identity(context) -> str:
+    """Whom a stage call comes from, for per-peer limits: the caller's address (each pod its own IP; a shared
+    deployment certificate names every peer alike, so it is not the identity)."""
+    try:
+        return peer_host(context.peer()) or "unknown"
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def check_stage_exposure(config: StageConfig) -> None:
+    """A stage other than the gateway listens beyond loopback only with mTLS, or with --no-peer-auth (its port
+    fenced by a network policy): otherwise one line saying how to fix it."""
+    if config.stage == "gateway" or is_loopback(config.host) or config.no_peer_auth:
+        return
+    tls = Tls.of(config)
+    if tls.enabled and tls.ca is not None:
+        return
+    raise H3Error(f"the {config.stage} would listen on {config.host} without mTLS, open to anyone who reaches it: "
+                  "give --tls-cert FILE --tls-key FILE --tls-ca FILE (peers then need a certificate of that CA), "
+                  "listen on loopback (--host 127.0.0.1), or give --no-peer-auth where a network policy fences "
+                  "the port")
 
 
 @dataclass(frozen=True)
@@ -133,7 +193,7 @@ class Peers:
         """Refuse `address` unless the deployment declares it (RequestError naming `field`)."""
         host, sep, port = address.rpartition(":")
         allowed = "an address of this deployment's peers (--peers)"
-        if not sep or not port.isdigit() or not host or "/" in host:
+        if not sep or not _ascii_port(port) or not host or "/" in host:
             raise RequestError(field, address, allowed)
         host, port_n = host.strip("[]"), int(port)
         try:
@@ -214,7 +274,7 @@ def parse_peers(text: str | None) -> Peers | None:
             except ValueError:
                 raise RequestError("peers", item, "HOST:PORT or NET/LEN") from None
         host, sep, port = item.rpartition(":")
-        if not sep or not port.isdigit() or not host:
+        if not sep or not _ascii_port(port) or not host:
             raise RequestError("peers", item, "HOST:PORT or NET/LEN")
         host = host.strip("[]")
         try:
@@ -225,6 +285,15 @@ def parse_peers(text: str | None) -> Peers | None:
 
 
 def check_peer(peers: Peers | None, address: str, field: str) -> None:
-    """Refuse an address a request names unless the deployment declares it (RequestError naming `field`)."""
+    """Refuse an address a request names unless the deployment declares it (RequestError naming `field`). Without
+    --peers any address passes, but a port must be one: ASCII digits in 1..65535 (not '５' or '²')."""
     if peers is not None:
         peers.check(address, field)
+        return
+    port = address.rpartition(":")[2]
+    if port and any(c.isdigit() for c in port) and not (_ascii_port(port) and 0 < int(port) < 65536):
+        raise RequestError(field, address, "HOST:PORT with a port of ASCII digits in 1..65535")
+
+
+def _ascii_port(text: str) -> bool:
+    return text.isascii() and text.isdigit()

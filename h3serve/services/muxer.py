@@ -10,7 +10,9 @@ A reader thread drains the network stream into a short queue while the handler t
 next clip overlaps encoding this one. A Push stream that ends without its end marker (the VAE died or was
 cancelled) fails the session; Fetch then reports the VAE as unavailable. Unfetched sessions expire after their TTL.
 
-Bounds: at most --max-sessions sessions at once (then RESOURCE_EXHAUSTED), a TTL of at most --max-session-ttl-s. On
+Bounds: at most --max-sessions sessions at once, and at most --max-sessions-per-peer of them opened by one caller (by
+its address: one gateway replica, or whoever else reaches the port, cannot take them all); then RESOURCE_EXHAUSTED.
+A TTL of at most --max-session-ttl-s. On
 SIGTERM only a Push in progress, or an MP4 finished less than FETCH_GRACE_S ago, holds the drain: a session opened
 and never pushed does not.
 """
@@ -40,6 +42,7 @@ from h3serve.errortable import NotFound, QueueFull, StageFailed, StageUnavailabl
 from h3serve.media.mux import Mp4Writer
 from h3serve.models.vae.yuv import rgb_to_yuv420p
 from h3serve.runtime.stage import StageBase
+from h3serve.runtime.tls import peer_identity
 from h3serve.transport.control import FRAMES_EDGE, ControlReceiver
 from h3serve.transport.frames import session_offer
 from h3serve.transport.grpc import CHUNK_BYTES, GrpcStreamReceiver
@@ -71,6 +74,7 @@ class Session:
     transport: str
     ttl_s: float
     path: str
+    peer: str = ""           # who opened it (runtime.tls.peer_identity)
     created: float = field(default_factory=time.monotonic)
     finished: float | None = None   # time.monotonic() when the MP4 was closed
     state: str = "open"      # open | pushing | done | failed | aborted
@@ -187,11 +191,16 @@ class MuxerServicer(StageBase):
         session = Session(id=sid, request_id=r.request_id, width=r.width, height=r.height, fps=r.fps,
                           sample_rate=r.sample_rate, channels=r.channels, expected_frames=r.expected_frames,
                           transport=transport, ttl_s=r.ttl_s if r.ttl_s > 0 else self.config.session_ttl_s,
-                          path=os.path.join(self.tmp_dir, f"{sid}.mp4"))
+                          path=os.path.join(self.tmp_dir, f"{sid}.mp4"), peer=peer_identity(context))
         with self.sessions_lock:
             if len(self.sessions) >= self.config.max_sessions:
                 raise QueueFull(f"muxer: {len(self.sessions)} sessions open, the most this replica holds "
                                 f"(--max-sessions {self.config.max_sessions}); retry later", stage="muxer")
+            held = sum(1 for s in self.sessions.values() if s.peer == session.peer)
+            if held >= self.config.max_sessions_per_peer:
+                raise QueueFull(f"muxer: this caller holds {held} sessions, the most one caller may "
+                                f"(--max-sessions-per-peer {self.config.max_sessions_per_peer}); fetch or abort "
+                                "them, or retry later", stage="muxer")
             self.sessions[sid] = session
         return muxer_pb2.OpenSessionResponse(session_id=sid, address=self.config.address,
                                              transport_metadata=metadata, max_chunk_bytes=CHUNK_BYTES)

@@ -267,14 +267,15 @@ def test_stage_config_is_a_slice_of_the_rendered_service_config():
     spec = parse_and_validate(doc["spec"], "f")
     d = M.service_config(spec, "f", "ns").to_dict()
     common = dict(host="0.0.0.0", port=50051, profile="fasth3", grace_s=900.0)
+    fenced = dict(common, no_peer_auth=True)   # no spec.tls: the NetworkPolicies fence the stages' ports
     model = dict(checkpoint="/models/MiniMax-H3", dtype="bf16", device="cuda", encoder_tp=4, ulysses=4, ring=2,
                  vae_pp=1)
-    assert StageConfig.from_service_config(d, "encoder") == StageConfig(stage="encoder", **common, **model)
+    assert StageConfig.from_service_config(d, "encoder") == StageConfig(stage="encoder", **fenced, **model)
     assert StageConfig.from_service_config(d, "dit") == StageConfig(
-        stage="dit", **common, **model, adapter=spec.model.adapter.path, adapter_sha256=spec.model.adapter.sha256,
+        stage="dit", **fenced, **model, adapter=spec.model.adapter.path, adapter_sha256=spec.model.adapter.sha256,
         transport="nixl")
-    assert StageConfig.from_service_config(d, "vae") == StageConfig(stage="vae", **common, **model, transport="nixl")
-    assert StageConfig.from_service_config(d, "muxer") == StageConfig(stage="muxer", **common, mux_threads=8,
+    assert StageConfig.from_service_config(d, "vae") == StageConfig(stage="vae", **fenced, **model, transport="nixl")
+    assert StageConfig.from_service_config(d, "muxer") == StageConfig(stage="muxer", **fenced, mux_threads=8,
                                                                        transport="nixl")
     assert StageConfig.from_service_config(d, "gateway") == StageConfig(
         stage="gateway", **common, transport="nixl", http_host="0.0.0.0", http_port=8000, queue_size=16,
@@ -670,6 +671,30 @@ def test_the_job_store_is_the_gateways_config_and_its_credentials_come_from_the_
     del d["gateway"]["replicas"]
     spec = parse_and_validate(d, "h3")
     assert spec.stage_replicas("gateway") == 1 and _gateway_config(spec).job_store is None
+
+
+@pytest.mark.parametrize("example", ["base-colocated", "base-disaggregated"])
+@pytest.mark.parametrize("tls", [True, False], ids=["tls", "no-tls"])
+def test_every_stage_process_may_start_on_its_pod_address(example, tls):
+    """Stages listen on 0.0.0.0 in a pod: with spec.tls they require mTLS; without it their ports are fenced by
+    the instance's NetworkPolicies and the config says so (--no-peer-auth), so no stage refuses to start."""
+    from h3serve.config.stage import StageConfig
+    from h3serve.config.vocab import PIPELINE_STAGES
+    from h3serve.runtime.tls import check_stage_exposure
+
+    d = _spec_doc(example)
+    if not tls:
+        d.pop("tls", None)
+    elif "tls" not in d:
+        d["tls"] = _spec_doc("base-disaggregated")["tls"]
+    spec = parse_and_validate(d, "h3")
+    cfg = M.service_config(spec, "h3", "ns").to_dict()
+    for stage in (*PIPELINE_STAGES, "gateway"):
+        sc = StageConfig.from_service_config(cfg, stage)
+        assert sc.host == "0.0.0.0"
+        assert sc.no_peer_auth is (not tls and stage != "gateway"), stage
+        check_stage_exposure(sc)
+    assert any(o["kind"] == "NetworkPolicy" for o in M.render(spec, "h3", "ns"))
 
 
 def test_tls_secret_is_mounted_into_every_pod_and_every_process_reads_it():

@@ -14,7 +14,7 @@ import grpc
 import httpx
 import pytest
 
-from h3serve.client import Client, PermissionDenied, Unauthenticated
+from h3serve.client import AlreadyExists, Client, PermissionDenied, Unauthenticated
 from h3serve.errors import H3Error
 from h3serve.services.gateway.auth import Authenticator, KeysFileError, check_exposure
 
@@ -41,7 +41,8 @@ def bearer(key: str | None) -> dict:
 def keyed(tiny_checkpoint, tmp_path_factory):
     keys = tmp_path_factory.mktemp("auth") / "keys"
     write_keys(keys, ("alice", ALICE), ("bob", BOB))
-    s = Stack(tiny_checkpoint, "--queue-size", "2", "--grace-s", "10", "--api-keys-file", str(keys))
+    s = Stack(tiny_checkpoint, "--queue-size", "2", "--grace-s", "10", "--api-keys-file", str(keys),
+              "--jobs-dir", str(keys.parent / "jobs"))   # durable: a finished job is read back from the store
     s.keys = keys
     yield s
     assert s.stop() == 0
@@ -120,6 +121,32 @@ def test_grpc_matrix(keyed):
         assert alice.cancel(accepted.request_id) is True
         with pytest.raises(H3Error):
             gen.result()
+
+
+def test_another_callers_job_id_cannot_be_taken_to_delete_it(keyed):
+    """Bob sends a gRPC request with the id of Alice's finished HTTP job (held only in the store): refused,
+    ALREADY_EXISTS naming request_id; his DELETE and cancel of it are 403; her job and MP4 stay hers."""
+    write_keys(keyed.keys, ("alice", ALICE2), ("bob", BOB))
+    time.sleep(1.1)
+    http = keyed.http
+    vid = httpx.post(f"{http}/v1/videos", headers=bearer(ALICE2), json=REQUEST, timeout=30).json()["id"]
+    end = time.monotonic() + 120
+    while httpx.get(f"{http}/v1/videos/{vid}", headers=bearer(ALICE2), timeout=10).json()["status"] != "completed":
+        assert time.monotonic() < end
+        time.sleep(0.2)
+    mp4 = httpx.get(f"{http}/v1/videos/{vid}/content", headers=bearer(ALICE2), timeout=30).content
+    fields = {k: v for k, v in REQUEST.items() if k != "prompt"}
+    with Client(keyed.grpc, api_key=BOB) as bob:
+        with pytest.raises(AlreadyExists) as info:
+            bob.generate_sync("a kite", request_id=vid, **fields)
+        assert info.value.field == "request_id" and vid in str(info.value) and "alice" not in str(info.value)
+        with pytest.raises(PermissionDenied):
+            bob.cancel(vid)
+    for method, path in (("DELETE", ""), ("POST", "/cancel")):
+        r = httpx.request(method, f"{http}/v1/videos/{vid}{path}", headers=bearer(BOB), timeout=10)
+        assert r.status_code == 403, r.text
+    assert httpx.get(f"{http}/v1/videos/{vid}/content", headers=bearer(ALICE2), timeout=30).content == mp4
+    assert httpx.delete(f"{http}/v1/videos/{vid}", headers=bearer(ALICE2), timeout=30).json()["deleted"] is True
 
 
 def test_key_from_the_environment(keyed, monkeypatch):

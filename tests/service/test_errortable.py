@@ -11,6 +11,7 @@ import pytest
 from h3serve._proto import gateway_pb2, gateway_pb2_grpc
 from h3serve.errors import Cancelled, MediaError, RequestError, TransportError
 from h3serve.errortable import (
+    AlreadyExists,
     DeadlineExceeded,
     Draining,
     NotFound,
@@ -24,6 +25,7 @@ from h3serve.errortable import (
 )
 
 CASES = [
+    (AlreadyExists("request_id", "job-1"), grpc.StatusCode.ALREADY_EXISTS, 409, AlreadyExists, "request_id", None),
     (RequestError("seconds", 3, "4..15"), grpc.StatusCode.INVALID_ARGUMENT, 422, RequestError, "seconds", None),
     (QueueFull("full"), grpc.StatusCode.RESOURCE_EXHAUSTED, 429, QueueFull, None, None),
     (TooLarge("big"), grpc.StatusCode.RESOURCE_EXHAUSTED, 413, TooLarge, None, None),

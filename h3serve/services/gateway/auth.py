@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
 import logging
 import os
 import re
@@ -32,6 +31,7 @@ import grpc
 from h3serve.config.stage import API_KEYS_ENV
 from h3serve.errors import H3Error
 from h3serve.errortable import MD_CODE, Unauthenticated, classify
+from h3serve.runtime.tls import is_loopback
 
 log = logging.getLogger("h3serve.gateway")
 
@@ -130,8 +130,11 @@ class Authenticator:
         raise Unauthenticated("unknown API key (revoked, mistyped, or of another deployment)")
 
     def caller_of(self, metadata) -> str | None:
-        """The caller of a gRPC call from its invocation metadata."""
-        value = next((v for k, v in (metadata or ()) if k == "authorization"), None)
+        """The caller of a gRPC call from its invocation metadata (one `authorization` entry, no more)."""
+        values = [v for k, v in (metadata or ()) if k == "authorization"]
+        if len(values) > 1 and self.enabled:
+            raise Unauthenticated(f"{len(values)} 'authorization' metadata entries: send exactly one")
+        value = values[0] if values else None
         return self.caller(value if isinstance(value, str) else (value.decode() if value else None))
 
 
@@ -170,20 +173,15 @@ def _refuse(exc: Unauthenticated, handler):
     return grpc.unary_unary_rpc_method_handler(abort)
 
 
-def is_loopback(host: str) -> bool:
-    if host in ("localhost",):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 def check_exposure(keys_file: str | None, no_auth: bool, hosts: tuple[str, ...]) -> None:
     """A gateway without keys listens only on loopback unless --no-auth says it may listen wider."""
     if keys_file is not None and no_auth:
         raise H3Error("--api-keys-file and --no-auth contradict each other: give one")
-    if keys_file is not None or no_auth:
+    if no_auth:
+        log.warning("--no-auth: the gateway serves every caller who can reach %s without an API key, and every "
+                    "job is everyone's", ", ".join(sorted(set(hosts))))
+        return
+    if keys_file is not None:
         return
     wide = [h for h in hosts if not is_loopback(h)]
     if wide:

@@ -36,6 +36,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from h3serve.config.request import Upload
 from h3serve.config.vocab import QUALITIES
@@ -137,6 +138,15 @@ def _error_response(exc: BaseException) -> JSONResponse:
     body["error"]["type"] = error_type(status)
     retry = RETRY_AFTER_S.get(status) if body["error"].get("retryable") else None
     return JSONResponse(body, status_code=status, headers={"Retry-After": str(retry)} if retry else None)
+
+
+def _allowed(request: Request) -> str:
+    """The methods the app serves at the request's path (a 405's Allow)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        if getattr(route, "methods", None) and route.matches(request.scope)[0] is not Match.NONE:
+            methods |= route.methods
+    return ", ".join(sorted(methods))
 
 
 def _refusal(status: int, code: str, param: str | None, message: str) -> JSONResponse:
@@ -308,7 +318,11 @@ def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return _refusal(exc.status_code, code, None, str(exc.detail))
+        response = _refusal(exc.status_code, code, None, str(exc.detail))
+        response.headers.update(exc.headers or {})
+        if exc.status_code == 405:   # every method of the path (Starlette names only its first route's)
+            response.headers["Allow"] = _allowed(request)
+        return response
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
@@ -320,7 +334,10 @@ def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
     async def _authenticate(request: Request, call_next):
         if request.url.path.startswith("/v1/"):
             try:
-                request.state.owner = keys.caller(request.headers.get("authorization"))
+                given = request.headers.getlist("authorization")
+                if len(given) > 1:   # which one counts would depend on the proxy in front: none does
+                    raise Unauthenticated(f"{len(given)} Authorization headers: send exactly one")
+                request.state.owner = keys.caller(given[0] if given else None)
             except Unauthenticated as exc:
                 response = _error_response(exc)
                 response.headers["WWW-Authenticate"] = 'Bearer realm="h3serve"'
@@ -331,9 +348,8 @@ def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
         def sink(job: Job):
             return FileSink(gateway.jobs.mp4_path(job))
 
-        job = gateway.new_job(fields, kind=kind, sink_factory=sink, timeout=_timeout(request), names=names)
-        job.owner = request.state.owner
-        return job
+        return gateway.new_job(fields, kind=kind, sink_factory=sink, timeout=_timeout(request), names=names,
+                               owner=request.state.owner)
 
     @app.post("/v1/videos", openapi_extra=REQUEST_BODY, summary="Create a video job")
     async def create_video(request: Request, validate_only: bool = False):
@@ -438,13 +454,15 @@ def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
     async def health():
         return {"status": "ok"}
 
-    @app.get("/ready", summary="Readiness: every stage SERVING and not draining",
+    @app.get("/ready", summary="Readiness: every stage SERVING, the job store writable, and not draining",
              responses={503: {"description": "Not ready: the same object, status not_ready"}})
     async def ready():
-        body = {"status": "ready" if gateway.ready() else "not_ready", "stages": dict(gateway.stages.status),
+        ok = gateway.ready() and gateway.store_ready()
+        body = {"status": "ready" if ok else "not_ready", "stages": dict(gateway.stages.status),
+                "job_store": gateway.jobs.store_error or "ok",
                 "draining": gateway.draining, "queue_depth": len(gateway.jobs.queue),
                 "inflight": len(gateway.jobs.running), "transport": gateway.transports.details()}
-        return JSONResponse(body, status_code=200 if gateway.ready() else 503)
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)   # declared text/plain
     async def metrics():

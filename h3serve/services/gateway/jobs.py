@@ -8,7 +8,15 @@ A job's state: queued -> in_progress -> completed | failed. Live jobs are in the
 in the job store (store.py: a directory or an S3 bucket every gateway replica shares), written when admitted,
 started and finished; a finished HTTP job is read back from the store, where it stays until it expires (job_ttl_s,
 or the oldest past max_jobs) with its MP4. A job in flight on a gateway that restarted or stopped ends `failed`.
-Each HTTP job belongs to its caller (`owner`, the API key's id): another caller gets PermissionDenied.
+Each job belongs to its caller (`owner`, the API key's name): another caller gets PermissionDenied.
+
+Ids. An HTTP job's id is the gateway's to mint (`video_` + 128 random bits); HTTP ids and the store's records are
+one namespace. A gRPC caller may choose its request's id (`request_id`): it names the job within that caller's
+own namespace (the table's key `OWNER/ID`, `Job.key`), so another caller choosing the same id, on this replica or
+another, neither blocks nor meets it; and it is refused (AlreadyExists, naming `request_id`) when the job store
+holds a job (an HTTP job) of that id, whoever's it is. The HTTP verbs (get, content, cancel, delete, list) act on
+HTTP jobs only — this process's live ones and the store's records — and delete checks the owner against the stored
+record too.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from h3serve.config.request import GenerationRequest, ReferenceSpec
 from h3serve.config.stage import StageConfig
 from h3serve.errors import Cancelled, H3Error, RequestError
 from h3serve.errortable import (
+    AlreadyExists,
     Classified,
     DeadlineExceeded,
     Draining,
@@ -81,10 +90,14 @@ class Job:
     mp4_bytes: int = 0
     sha256: str = ""
     output_path: str | None = None
-    owner: str | None = None       # the caller's key id (None: auth off)
+    owner: str | None = None       # the caller's key name (None: auth off)
+    chosen_id: bool = False        # the caller chose the id (gRPC request_id): checked against the store
     gateway: str = ""              # the instance running it (host:port) and its boot id, as stored
     boot: str = ""
     cancel_stored: bool = False    # a cancel asked through another replica's record
+    upload_pending: bool = False   # finished, its MP4 kept on local disk until the store takes it
+    upload_since: float = 0.0      # time.monotonic() of the first failed upload
+    upload_error: BaseException | None = None
     persisted: bool = True         # the store holds the job's latest state
     deleted: bool = False          # deleted through another replica: never written again
     aborted: H3Error | None = None # why the gateway gave up on it (a hung stage): its error, not "cancelled"
@@ -94,6 +107,12 @@ class Job:
     cancel_reason: str = ""
     _call: grpc.Call | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def key(self) -> str:
+        """The job's key in the table: an HTTP job's id (the store's namespace); a gRPC job's id in its caller's
+        namespace ('/' is in neither an id nor a caller's name)."""
+        return self.id if self.kind == "http" else f"{self.owner or ''}/{self.id}"
 
     @property
     def request(self) -> GenerationRequest:
@@ -214,6 +233,7 @@ class JobTable:
         self.jobs: dict[str, Job] = {}
         self.admitting: dict[str, Job] = {}   # slots reserved while their records are written (no lock held)
         self.refused: dict[str, int] = {}     # ids whose first record failed -> sweeps that found it settled
+        self.store_error: str | None = None   # the last store write's error; None once one succeeds (/ready)
         # a private temp dir only when nothing durable is configured (then jobs live as long as the process)
         self._own_dir = config.jobs_dir is None and config.job_store is None
         self.dir = config.jobs_dir or tempfile.mkdtemp(prefix="h3serve-jobs-")   # MP4s (spooled, or kept)
@@ -232,13 +252,14 @@ class JobTable:
         self._sweeper.start()
 
     def new(self, validated: Validated, *, kind: str, sink_factory: Callable[[Job], Sink] | None = None,
-            timeout: float | None = None, request_id: str | None = None) -> Job:
-        """A job for a validated request, its deadline `timeout` from now (at most the server's request
-        timeout). Not admitted yet."""
+            timeout: float | None = None, request_id: str | None = None, owner: str | None = None) -> Job:
+        """A job of `owner` for a validated request, its deadline `timeout` from now (at most the server's
+        request timeout). Not admitted yet."""
         limit = self.config.request_timeout_s
         timeout = limit if timeout is None or timeout <= 0 else min(timeout, limit)
         job = Job(id=request_id or f"video_{uuid.uuid4().hex}", kind=kind, validated=validated,
-                  deadline=time.monotonic() + timeout, gateway=self.instance, boot=self.boot)
+                  deadline=time.monotonic() + timeout, gateway=self.instance, boot=self.boot, owner=owner,
+                  chosen_id=request_id is not None)
         if kind == "stream":
             job.events = queue.Queue(maxsize=EVENTS_BEHIND)
         job.sink = sink_factory(job) if sink_factory else None
@@ -251,7 +272,7 @@ class JobTable:
 
     def admit(self, job: Job, down: dict[str, str]) -> Job:
         """Queue a job or refuse it at once: Draining, StageUnavailable (`down`: stage -> health of the stages
-        not SERVING; or the job store could not take the record), RequestError (id in use), QueueFull.
+        not SERVING; or the job store could not take the record), AlreadyExists (id in use), QueueFull.
 
         In three steps, so that a slow or hung store holds up only this admission, never the lock every queue
         operation takes: (1) under the lock the checks and a reserved slot (capacity counts it, the id is taken);
@@ -261,21 +282,23 @@ class JobTable:
         try:
             with self.cond:
                 self._check_admit(job, down)
-                self.admitting[job.id] = job
-            if job.kind == "http":
-                try:
+                self.admitting[job.key] = job
+            try:
+                if job.kind == "http":
                     self._write_admitted(job)
-                except BaseException:
-                    with self.cond:
-                        self.admitting.pop(job.id, None)
-                    raise
+                elif job.chosen_id and self._record(job.id) is not None:
+                    raise AlreadyExists("request_id", job.id)
+            except BaseException:
+                with self.cond:
+                    self.admitting.pop(job.key, None)
+                raise
         except H3Error as exc:
             if not isinstance(exc, RequestError):   # request errors are counted by the API layer
                 self.metrics.requests.labels(outcome=classify(exc).kind.code).inc()
             raise
         with self.cond:
-            self.admitting.pop(job.id, None)
-            self.jobs[job.id] = job
+            self.admitting.pop(job.key, None)
+            self.jobs[job.key] = job
             if not self.draining:
                 job.t_admitted = time.monotonic()
                 self.queue.append(job)
@@ -292,8 +315,8 @@ class JobTable:
         if down:
             stage, health = next(iter(down.items()))
             raise StageUnavailable(stage, f"not ready (health: {health})")
-        if job.id in self.jobs or job.id in self.admitting:
-            raise RequestError("request_id", job.id, "an id not already in use")
+        if job.key in self.jobs or job.key in self.admitting:
+            raise AlreadyExists("request_id", job.id)
         busy = len(self.running) + len(self.queue) + len(self.admitting)
         capacity = self.config.max_inflight + self.config.queue_size
         if busy >= capacity:
@@ -308,12 +331,14 @@ class JobTable:
         retried = rec is not None and job.id in self.refused and rec.get("status") not in FINISHED \
             and (rec.get("gateway"), rec.get("boot")) == (self.instance, self.boot)   # its refused try's record
         if rec is not None and not retried:
-            raise RequestError("request_id", job.id, "an id not already in use")
+            raise AlreadyExists("request_id", job.id)
         try:
             self.store.put_record(job.record())
-        except StoreError:
+        except StoreError as exc:
             self.refused[job.id] = 0
+            self._store_failed(exc)
             raise
+        self._store_ok()
         self.refused.pop(job.id, None)
 
     def take(self) -> Job | None:
@@ -324,7 +349,7 @@ class JobTable:
             if self._stop.is_set():
                 return None
             job = self.queue.popleft()
-            self.running[job.id] = job
+            self.running[job.key] = job
             self.metrics.queue_depth.set(len(self.queue))
             self.metrics.inflight.set(len(self.running))
         if job.kind == "http":
@@ -339,26 +364,72 @@ class JobTable:
         try:
             self.store.put_record(job.record())
             job.persisted = True
+            self._store_ok()
         except StoreError as exc:
             job.persisted = False
+            self._store_failed(exc)
             log.warning("request %s: %s (retried)", job.id, exc)
+
+    def _store_failed(self, exc: StoreError) -> None:
+        if self.store_error is None:
+            log.warning("job store failing: %s", exc)
+        self.store_error = str(exc)
+
+    def _store_ok(self) -> None:
+        if self.store_error is not None:
+            log.info("job store writable again")
+        self.store_error = None
 
     def finish(self, job: Job, exc: BaseException | None) -> None:
         """The job's outcome: completed (the sink commits, an HTTP job's MP4 is published to the store) or failed
         with `exc` classified (the sink aborts)."""
         with self.cond:
-            self.running.pop(job.id, None)
+            self.running.pop(job.key, None)
             self.metrics.inflight.set(len(self.running))
             if job.kind != "http":
-                self.jobs.pop(job.id, None)
+                self.jobs.pop(job.key, None)
         job.completed_at = time.time()
         if exc is None and job.sink is not None:
             try:
                 job.sink.commit()
-                if job.kind == "http" and job.output_path:
-                    self.store.publish(job.id, job.output_path)
             except BaseException as e:  # noqa: BLE001 - the MP4 could not be kept: the job failed
                 exc = e
+            else:
+                if job.kind == "http" and job.output_path and not self._publish(job):
+                    return   # the MP4 kept here; the sweeper retries its upload, then concludes the job
+        self._conclude(job, exc)
+
+    def _publish(self, job: Job) -> bool:
+        """Publish an HTTP job's finished MP4 to the store. A store that cannot take it now (StoreError) keeps the
+        job in progress (stage `upload`) with its MP4 on local disk: the sweeper tries again every sweep."""
+        try:
+            self.store.publish(job.id, job.output_path)
+        except StoreError as exc:
+            self._store_failed(exc)
+            if not job.upload_pending:
+                job.upload_pending, job.upload_since, job.stage = True, time.monotonic(), "upload"
+                log.warning("request %s: its MP4 is kept on local disk and its upload retried: %s", job.id, exc)
+                self._save(job)
+            job.upload_error = exc
+            return False
+        job.upload_pending = False
+        return True
+
+    def _retry_upload(self, job: Job) -> None:
+        """A finished MP4 whose upload failed: uploaded now (the job completes), or the job fails once cancelled or
+        after job_ttl_s of trying (the last StoreError: retryable, naming job-store)."""
+        if job.cancel_requested.is_set() or job.deleted:
+            job.upload_pending = False
+            self._conclude(job, job.cancelled())
+        elif time.monotonic() - job.upload_since > self.config.job_ttl_s:
+            job.upload_pending = False
+            self._conclude(job, StoreError(f"the MP4 could not be uploaded for {self.config.job_ttl_s:g}s "
+                                           f"({job.upload_error}); submit the job again"))
+        elif self._publish(job):
+            self._conclude(job, None)
+
+    def _conclude(self, job: Job, exc: BaseException | None) -> None:
+        """The rest of `finish`: the outcome classified, the record written, waiters woken."""
         if exc is None:
             job.status, job.progress = "completed", 100.0
             outcome = "completed"
@@ -440,10 +511,15 @@ class JobTable:
         """The stored record of an id (an id no job can have is not looked up: the store sees only valid names)."""
         return self.store.get_record(job_id) if REQUEST_ID.match(job_id) else None
 
+    def _live_http(self, job_id: str) -> Job | None:
+        """This process's live HTTP job of that id (a gRPC job's key has a '/', which no valid id has)."""
+        job = self.jobs.get(job_id) if REQUEST_ID.match(job_id) else None
+        return job if job is not None and job.kind == "http" else None
+
     def get(self, job_id: str, owner: str | None = None) -> Job:
-        """A job by id: a live one of this process, else the store's record. `owner`: the caller's key id (None:
-        auth off) — another caller's job raises PermissionDenied."""
-        job = self.jobs.get(job_id)
+        """An HTTP job by id: a live one of this process, else the store's record. `owner`: the caller's key name
+        (None: auth off) — another caller's job raises PermissionDenied."""
+        job = self._live_http(job_id)
         if job is None:
             rec = self._record(job_id)
             if rec is None:
@@ -455,12 +531,17 @@ class JobTable:
         """The stored MP4 of a completed job (None if the store has none)."""
         return self.store.open_mp4(job.id)
 
-    def cancel(self, job_id: str, reason: str = "cancelled by the caller", owner: str | None = None) -> bool:
+    def cancel(self, job_id: str, reason: str = "cancelled by the caller", owner: str | None = None,
+               grpc_jobs: bool = False) -> bool:
         """Cancel a job: a queued one fails at once, a running one stops within one step or one clip. A job
-        another replica runs is asked through its record (that replica reads it within a sweep)."""
-        job = self.jobs.get(job_id)
+        another replica runs is asked through its record (that replica reads it within a sweep). `grpc_jobs`
+        (the gRPC Cancel): the caller's own live gRPC job of that id first, then its HTTP job."""
+        job = self.jobs.get(f"{owner or ''}/{job_id}") if grpc_jobs and REQUEST_ID.match(job_id) else None
+        if job is None and grpc_jobs and any(j.id == job_id and j.kind != "http" for j in list(self.jobs.values())):
+            raise PermissionDenied(f"request {job_id!r} belongs to another caller")
+        job = job or self._live_http(job_id)
         if job is None:
-            if self._record(job_id) is None and job_id not in self.jobs:
+            if self._record(job_id) is None:
                 raise NotFound(f"no request {job_id!r}")
             job = self.get(job_id, owner)
             if job.finished:
@@ -481,9 +562,13 @@ class JobTable:
         return job.cancel(reason)
 
     def delete(self, job_id: str, owner: str | None = None) -> Job:
-        """Cancel a job if unfinished, then forget it and its MP4 (here and in the store)."""
+        """Cancel a job if unfinished, then forget it and its MP4 (here and in the store). The owner is checked
+        against the stored record too, before anything is cancelled or deleted."""
         job = self.get(job_id, owner)
-        if not job.finished and job_id in self.jobs:
+        rec = self._record(job_id)
+        if rec is not None and owner is not None and rec.get("owner") != owner:
+            raise PermissionDenied(f"video {job_id!r} belongs to another caller")
+        if not job.finished and self._live_http(job_id) is job:
             self.cancel(job_id, "deleted by the caller")
             job.done.wait(30.0)
         job.deleted = True          # a job still stopping writes no record again
@@ -540,14 +625,23 @@ class JobTable:
 
     # -- the sweeper: heartbeat, stored cancels, unsaved records, retention -------------------------------------
     def _sweep(self) -> None:
+        """Every SWEEP_INTERVAL_S until closed; nothing a sweep meets stops the sweeper."""
         while not self._stop.wait(SWEEP_INTERVAL_S):
             try:
                 self.sweep_once()
             except StoreError as exc:
+                self._store_failed(exc)
                 log.warning("job sweep: %s (retried)", exc)
+            except Exception:  # noqa: BLE001 - logged; the next sweep tries again
+                log.exception("job sweep failed (retried)")
+
+    @property
+    def store_healthy(self) -> bool:
+        return self.store_error is None
 
     def sweep_once(self) -> None:
         self.store.beat(self.instance, self.boot)
+        self._store_ok()
         with self.cond:
             mine = [j for j in self.jobs.values() if j.kind == "http"]
         for job in mine:
@@ -563,6 +657,9 @@ class JobTable:
                     job.cancel("deleted by the caller")
                 elif rec.get("cancel_requested"):
                     self.cancel(job.id)
+        for job in mine:
+            if job.upload_pending:
+                self._retry_upload(job)
         for job_id in list(self.refused):   # a refused admission's record that landed late: failed, with why
             rec = self.store.get_record(job_id)
             settled = rec is None or rec.get("status") in FINISHED

@@ -388,6 +388,10 @@ class Gateway:
     def ready(self) -> bool:
         return self.stages.ready() and not self.draining
 
+    def store_ready(self) -> bool:
+        """The job store took the last write (HTTP jobs need it; gRPC requests do not)."""
+        return self.jobs.store_healthy
+
     def _health_changed(self) -> None:
         for s, v in self.stages.status.items():
             self.metrics.stage_up.labels(stage=s).set(1 if v == "SERVING" else 0)
@@ -395,11 +399,12 @@ class Gateway:
 
     def new_job(self, fields: dict[str, Any], *, kind: str, sink_factory: Callable[[Job], Sink] | None = None,
                 timeout: float | None = None, request_id: str | None = None,
-                names: dict[str, str] | None = None) -> Job:
-        """Validate; raise RequestError naming the caller's field. The job is not admitted yet."""
+                names: dict[str, str] | None = None, owner: str | None = None) -> Job:
+        """Validate; raise RequestError naming the caller's field. The job (of `owner`) is not admitted yet."""
         validated = validate_fields(fields, config=self.config, names=names, http=kind == "http")
         check_request_id(request_id)
-        return self.jobs.new(validated, kind=kind, sink_factory=sink_factory, timeout=timeout, request_id=request_id)
+        return self.jobs.new(validated, kind=kind, sink_factory=sink_factory, timeout=timeout, request_id=request_id,
+                             owner=owner)
 
     def submit(self, job: Job) -> Job:
         """Admit a job or refuse it at once: Draining, StageUnavailable (a stage not ready), QueueFull."""
@@ -425,7 +430,11 @@ class Gateway:
             except BaseException as e:  # noqa: BLE001 - every failure is reported through the table
                 exc = e
             job.validated = without_media(job.validated)   # a finished job keeps no uploads for its TTL
-            self.jobs.finish(job, exc)
+            try:
+                self.jobs.finish(job, exc)
+            except BaseException:  # noqa: BLE001 - one job's ending never stops the worker
+                log.exception("request %s: could not be finished cleanly; the worker goes on", job.id)
+                job.done.set()
 
     def _run(self, job: Job) -> None:
         plan = choose_plan(self.config.transport)

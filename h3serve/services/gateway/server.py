@@ -130,10 +130,8 @@ class GatewayServicer(StageBase):
         rid = request.request_id if request.HasField("request_id") else None
         owner = self.auth.caller_of(context.invocation_metadata())
         try:
-            job = self.gateway.new_job(fields_from_proto(request), kind=kind, sink_factory=sink_factory,
-                                       timeout=self._timeout(context), request_id=rid)
-            job.owner = owner
-            return job
+            return self.gateway.new_job(fields_from_proto(request), kind=kind, sink_factory=sink_factory,
+                                        timeout=self._timeout(context), request_id=rid, owner=owner)
         except RequestError:
             self.gateway.metrics.requests.labels(outcome="invalid_request").inc()
             raise
@@ -141,7 +139,7 @@ class GatewayServicer(StageBase):
     def _submit(self, job: Job) -> None:
         try:
             self.gateway.submit(job)
-        except RequestError:   # e.g. a request id already in use
+        except RequestError:   # e.g. a request id already in use (AlreadyExists)
             self.gateway.metrics.requests.labels(outcome="invalid_request").inc()
             raise
 
@@ -191,7 +189,8 @@ class GatewayServicer(StageBase):
     @grpc_method("gateway")
     def Cancel(self, request, context):
         owner = self.auth.caller_of(context.invocation_metadata())
-        return gateway_pb2.CancelResponse(cancelled=self.gateway.jobs.cancel(request.request_id, owner=owner))
+        return gateway_pb2.CancelResponse(cancelled=self.gateway.jobs.cancel(request.request_id, owner=owner,
+                                                                              grpc_jobs=True))
 
     @grpc_method("gateway")
     def Info(self, request, context):

@@ -10,6 +10,8 @@ from typing import Callable, Protocol
 from h3serve._proto import gateway_pb2
 from h3serve.errortable import TooLarge
 
+from .store import disk_error
+
 # The last item of a job's event queue: the job finished (its outcome is on the job).
 END = object()
 
@@ -74,18 +76,33 @@ class FileSink:
         self.f = None
 
     def begin(self, total: int) -> None:
-        self.f = open(self.part, "wb")
+        try:
+            self.f = open(self.part, "wb")
+        except OSError as exc:
+            raise disk_error("write the MP4", os.path.dirname(self.path), exc) from None
 
     def write(self, offset: int, data: bytes) -> None:
-        self.f.write(data)
+        try:
+            self.f.write(data)
+        except OSError as exc:   # a full disk: the job fails retryable, naming the job store
+            raise disk_error("write the MP4", os.path.dirname(self.path), exc) from None
 
     def commit(self) -> None:
-        self.f.close()
-        os.replace(self.part, self.path)
+        """Flushed and fsynced before the rename: a record that says completed never names a torn MP4."""
+        try:
+            self.f.flush()
+            os.fsync(self.f.fileno())
+            self.f.close()
+            os.replace(self.part, self.path)
+        except OSError as exc:
+            raise disk_error("write the MP4", os.path.dirname(self.path), exc) from None
 
     def abort(self) -> None:
         if self.f is not None:
-            self.f.close()
+            try:
+                self.f.close()
+            except OSError:   # the buffered rest could not be written either: the file goes anyway
+                pass
         for p in (self.part, self.path):
             unlink(p)
 

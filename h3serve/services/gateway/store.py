@@ -6,7 +6,9 @@
                reads them: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION)
 
 A record is written when the job is admitted, when it starts, and when it ends; the MP4 is published before the
-record says `completed`, so a completed record always has its MP4. Each gateway writes a heartbeat
+record says `completed`, so a completed record always has its MP4. Every failure of either store (a full or
+read-only disk, an unreachable server) is a StoreError: 503, retryable, naming `job-store`; a publish that fails
+keeps the local MP4 for the next try. Each gateway writes a heartbeat
 (`gateways/<host:port>.json`: its boot id and time); a record still queued or in progress whose gateway restarted
 (another boot id) or stopped beating is an orphan, and whoever reads it first marks it failed with the reason.
 """
@@ -83,6 +85,12 @@ def _safe(name: str) -> str:
     return urllib.parse.quote(name, safe="-_.:")
 
 
+def disk_error(what: str, where: str, exc: OSError) -> StoreError:
+    """An OSError of the local store (ENOSPC, EROFS, EIO, ...) as the store's retryable error."""
+    why = exc.strerror or type(exc).__name__
+    return StoreError(f"could not {what} in {where}: {why}" + (f" (errno {exc.errno})" if exc.errno else ""))
+
+
 class DiskStore:
     """Records and MP4s under one directory; every write is a temp file renamed into place."""
 
@@ -95,13 +103,20 @@ class DiskStore:
     def _path(self, sub: str, name: str, ext: str) -> str:
         return os.path.join(self.root, sub, _safe(name) + ext)
 
-    def _write(self, path: str, data: bytes) -> None:
+    def _write(self, path: str, data: bytes, what: str = "write a job record") -> None:
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as exc:
+            try:
+                os.unlink(tmp)   # a half-written temp file would hold the space it could not get
+            except OSError:
+                pass
+            raise disk_error(what, self.root, exc) from None
 
     def _read(self, path: str) -> dict | None:
         try:
@@ -112,6 +127,8 @@ class DiskStore:
         except ValueError:
             log.warning("job store: unreadable record %s ignored", path)
             return None
+        except OSError as exc:
+            raise disk_error("read a job record", self.root, exc) from None
 
     def put_record(self, record: dict) -> None:
         self._write(self._path("jobs", record["id"], ".json"), _dumps(record))
@@ -121,7 +138,11 @@ class DiskStore:
 
     def records(self) -> list[dict]:
         out = []
-        for name in os.listdir(os.path.join(self.root, "jobs")):
+        try:
+            names = os.listdir(os.path.join(self.root, "jobs"))
+        except OSError as exc:
+            raise disk_error("list the jobs", self.root, exc) from None
+        for name in names:
             if name.endswith(".json"):
                 rec = self._read(os.path.join(self.root, "jobs", name))
                 if rec is not None:
@@ -134,6 +155,8 @@ class DiskStore:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+            except OSError as exc:
+                raise disk_error("delete a job", self.root, exc) from None
 
     def spool_path(self, job_id: str) -> str:
         return self._path("videos", job_id, ".mp4")
@@ -147,9 +170,12 @@ class DiskStore:
             return Mp4(size=os.path.getsize(path), path=path)
         except FileNotFoundError:
             return None
+        except OSError as exc:
+            raise disk_error("find the MP4", self.root, exc) from None
 
     def beat(self, instance: str, boot: str) -> None:
-        self._write(self._path("gateways", instance, ".json"), _dumps({"boot": boot, "at": time.time()}))
+        self._write(self._path("gateways", instance, ".json"), _dumps({"boot": boot, "at": time.time()}),
+                    "write the gateway's heartbeat")
 
     def heartbeat(self, instance: str) -> dict | None:
         return self._read(self._path("gateways", instance, ".json"))
@@ -269,14 +295,13 @@ class S3Store:
         return os.path.join(self.spool, _safe(job_id) + ".mp4")
 
     def publish(self, job_id: str, path: str) -> None:
+        """Upload the spooled MP4, then remove it; a failed upload keeps it for the next try."""
+        self._call("upload the MP4", self.client.fput_object, self.bucket, self._key("videos", job_id, ".mp4"),
+                   path, content_type="video/mp4")
         try:
-            self._call("upload the MP4", self.client.fput_object, self.bucket, self._key("videos", job_id, ".mp4"),
-                       path, content_type="video/mp4")
-        finally:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
     def open_mp4(self, job_id: str) -> Mp4 | None:
         key = self._key("videos", job_id, ".mp4")

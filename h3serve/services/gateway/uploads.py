@@ -104,13 +104,17 @@ def _audio(source: Any, field: str, max_samples: int) -> torch.Tensor:
         seconds = audio_seconds(media_source(source))
         if seconds > MAX_AUDIO_SECONDS:
             raise RequestError(field, f"{seconds:.1f} s", f"audio of at most {MAX_AUDIO_SECONDS:g} seconds")
-        return read_audio_reference(media_source(source), max_samples, SAMPLE_RATE)
+        pcm = read_audio_reference(media_source(source), max_samples, SAMPLE_RATE)
     except RequestError:
         raise
-    except H3Error as exc:
-        reason = str(exc).removeprefix("references: ")
+    except Exception as exc:  # noqa: BLE001 - a malformed file fails anywhere in the demuxer or decoder
+        reason = str(exc).removeprefix("references: ") if isinstance(exc, H3Error) else \
+            f"the decoder failed: {type(exc).__name__}"
         raise RequestError(field, shown, f"a readable audio file at {SAMPLE_RATE} Hz, mono or stereo ({reason})") \
             from None
+    if not bool(torch.isfinite(pcm).all()):   # float WAVs can carry NaN / Inf
+        raise RequestError(field, shown, "audio with finite samples (this one has NaN or Inf)")
+    return pcm
 
 
 def decode_conditions(req: GenerationRequest) -> Conditions | None:

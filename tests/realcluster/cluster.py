@@ -45,7 +45,9 @@ NODE = "h3node"
 HOST_IP, NODE_IP, NET = "10.250.0.1", "10.250.0.2", "10.250.0.0/24"
 POD_NET, POD_CIDR, SVC_CIDR = "10.244.0.0/16", "10.244.0.0/24", "10.96.0.0/16"
 API_SVC_IP, DNS_IP = "10.96.0.1", "10.96.0.10"
-ALLOWED = ("127.0.0.0/8", NET, POD_NET, SVC_CIDR)
+# where the node may send: itself, the host's end of the veth, pods, Services, and link-local multicast (the kernel's
+# own IGMP reports for the node's interfaces: a router never forwards them off the link)
+ALLOWED = ("127.0.0.0/8", NET, POD_NET, SVC_CIDR, "224.0.0.0/24")
 PREFIX = "h3s-"  # network namespace, host veth and cgroup root of every cluster of this harness
 CGROUPS = pathlib.Path("/sys/fs/cgroup")
 DEBIAN = {"runc": "/usr/sbin/runc", "containernetworking-plugins": "/usr/lib/cni/bridge",
@@ -431,6 +433,8 @@ class Cluster:
         x("iptables", "-N", "H3S-NO-ESCAPE")
         for cidr in ALLOWED:
             x("iptables", "-A", "H3S-NO-ESCAPE", "-d", cidr, "-j", "RETURN")
+        # each destination it refused is remembered (xt_recent, this namespace's /proc/net/xt_recent/escapes)
+        x("iptables", "-A", "H3S-NO-ESCAPE", "-m", "recent", "--name", "escapes", "--set", "--rdest")
         x("iptables", "-A", "H3S-NO-ESCAPE", "-j", "REJECT")
         for chain in ("OUTPUT", "FORWARD"):
             x("iptables", "-I", chain, "1", "-j", "H3S-NO-ESCAPE")
@@ -525,6 +529,10 @@ class Cluster:
         r = sh("ip", "netns", "exec", self.netns, "iptables", "-L", "H3S-NO-ESCAPE", "-v", "-x", "-n")
         rows = [ln.split() for ln in r.stdout.splitlines() if "REJECT" in ln]
         return sum(int(row[0]) for row in rows)
+
+    def escaped_to(self) -> str:
+        """The destinations `escapes()` counted (xt_recent's table of them)."""
+        return sh("ip", "netns", "exec", self.netns, "cat", "/proc/net/xt_recent/escapes", check=False).stdout
 
     def dump_logs(self, lines: int = 30) -> str:
         out = []

@@ -50,10 +50,10 @@ def cluster(image):
     finally:
         if os.environ.get("H3SERVE_DUMP_CLUSTER_LOGS"):
             c.dump_logs()
-        escapes = c.escapes()
+        escapes, where = c.escapes(), c.escaped_to()
         c.down()
         log_figure("figures", json.dumps(FIGURES))
-        assert escapes == 0, f"{escapes} packets tried to leave the test's networks"
+        assert escapes == 0, f"{escapes} packets tried to leave the test's networks, to:\n{where}"
         assert C.leftovers() == []
 
 
@@ -323,7 +323,7 @@ def test_dit_scaled_to_two_serves_and_restarts_no_other_pod(cluster, operator, a
 
 
 def test_nothing_dialled_outside_the_tests_networks(cluster):
-    assert cluster.escapes() == 0
+    assert cluster.escapes() == 0, cluster.escaped_to()
 
 
 # ---- disaggregated, TLS on, day 2 -----------------------------------------------------------------------------
@@ -461,3 +461,85 @@ def test_a_stage_pod_killed_mid_job_fails_it_naming_the_stage_then_recovers(clus
     out = cluster.run / f"after-{stage}.mp4"
     code, so, se = finish(tls_generate(cluster, disaggregated, out))
     assert code == 0 and sha(out.read_bytes()) == sha(embedded), se[-3000:]
+
+
+def container_main_pid(pod: dict) -> int:
+    """The host PID of a pod's first container's main process (the one its cgroup names the pod by)."""
+    uid = pod["metadata"]["uid"].replace("-", "_")
+    want = (pod["metadata"]["uid"], uid)
+    cid = pod["status"]["containerStatuses"][0]["containerID"].split("//")[-1]
+    for p in pathlib.Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            cg = (p / "cgroup").read_text()
+            status = (p / "status").read_text()
+        except OSError:
+            continue
+        if cid in cg and any(w in cg for w in want):
+            ppid = int(status.split("PPid:")[1].split()[0])
+            try:
+                parent_cg = pathlib.Path(f"/proc/{ppid}/cgroup").read_text()
+            except OSError:
+                parent_cg = ""
+            if cid not in parent_cg:  # the container's first process: its parent is the shim
+                return int(p.name)
+    raise AssertionError(f"no process of container {cid}")
+
+
+def test_a_stopped_stage_container_is_restarted_by_its_liveness_probe(cluster, disaggregated, embedded):
+    """SIGSTOP: the process keeps its port open and answers nothing; the exec liveness probe finds it."""
+    pod = stage_pod(cluster, disaggregated, "vae")
+    before = pod["status"]["containerStatuses"][0]["restartCount"]
+    os.kill(container_main_pid(pod), 19)  # SIGSTOP
+    t0 = time.monotonic()
+    deadline = t0 + 420
+    while time.monotonic() < deadline:
+        r = cluster.kubectl("get", "pod", "-n", APPS_NS, pod["metadata"]["name"], "-o", "json")
+        st = json.loads(r.stdout)["status"]["containerStatuses"][0]
+        if st["restartCount"] > before and st.get("ready"):
+            break
+        time.sleep(2)
+    else:
+        raise AssertionError(f"the stopped VAE container was not restarted: {st}")
+    log_figure("sigstop_to_restarted_ready_s", round(time.monotonic() - t0, 1))
+    events = cluster.kubectl("get", "events", "-n", APPS_NS, "--field-selector",
+                             f"involvedObject.name={pod['metadata']['name']}", "-o", "json")
+    assert any("Liveness probe failed" in (e.get("message") or "") for e in json.loads(events.stdout)["items"])
+    wait_all_ready(cluster, disaggregated)
+    out = cluster.run / "after-sigstop.mp4"
+    code, so, se = finish(tls_generate(cluster, disaggregated, out))
+    assert code == 0 and sha(out.read_bytes()) == sha(embedded), se[-3000:]
+
+
+def test_helm_upgrade_rolls_only_the_operator_and_uninstall_leaves_what_it_says(cluster, operator, disaggregated):
+    workload_pods = {p["metadata"]["uid"] for p in pods(cluster, APPS_NS, "app.kubernetes.io/part-of=h3serve")}
+    [old_op] = pods(cluster, SYSTEM_NS, "app.kubernetes.io/name=h3serve-operator")
+    cluster.helm("upgrade", RELEASE, str(CHART), "--namespace", SYSTEM_NS, "--reuse-values",
+                 "--set", "operator.resyncSeconds=20")
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        ops = pods(cluster, SYSTEM_NS, "app.kubernetes.io/name=h3serve-operator")
+        if len(ops) == 1 and ops[0]["metadata"]["uid"] != old_op["metadata"]["uid"] and is_ready(ops[0]):
+            break
+        time.sleep(1)
+    else:
+        raise AssertionError("the upgraded operator pod did not take over")
+    assert cr_ready(cluster, disaggregated["name"])
+    after = {p["metadata"]["uid"] for p in pods(cluster, APPS_NS, "app.kubernetes.io/part-of=h3serve")}
+    assert after == workload_pods  # an operator upgrade restarts no serving pod
+    # the CRD the new operator applied is the one it was built with
+    from h3serve.operator import crd as crd_module
+    stored = json.loads(cluster.kubectl("get", "crd", "h3deployments.h3serve.io", "-o", "json").stdout)
+    assert stored["spec"]["versions"][0]["schema"] == crd_module.crd()["spec"]["versions"][0]["schema"]
+
+    cluster.helm("uninstall", RELEASE, "--namespace", SYSTEM_NS, "--wait")
+    left = cluster.kubectl("get", "all,sa,role,rolebinding,lease", "-n", SYSTEM_NS, "-o", "name").stdout.split()
+    left = [x for x in left if not x.endswith("/default") and "kube-root-ca" not in x]
+    # Helm removes everything of the release; the operator's leader Lease (it wrote it, not Helm) is the one thing left
+    assert all(x.startswith("lease.coordination.k8s.io/") for x in left), left
+    # by Helm's rule for crds/ the CRD stays, and with it the users' H3Deployments and what serves them
+    assert cluster.kubectl("get", "crd", "h3deployments.h3serve.io", check=False).returncode == 0
+    assert cr_ready(cluster, disaggregated["name"]) or cluster.kubectl(
+        "get", "h3d", disaggregated["name"], "-n", APPS_NS, check=False).returncode == 0
+    log_figure("left_after_uninstall", left + ["crd/h3deployments.h3serve.io", "the H3Deployments and their children"])

@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -39,7 +40,7 @@ def log_figure(key: str, value) -> None:
 # ---- fixtures -------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def cluster(image):
+def cluster(image, request):
     run = pathlib.Path(tempfile.mkdtemp(prefix="h3serve-cluster-", dir="/tmp"))
     images = [{"image": image["image"], "archive": image["archive"]},
               {"image": image["pause"], "archive": image["pause_archive"]}]
@@ -51,6 +52,11 @@ def cluster(image):
         if os.environ.get("H3SERVE_DUMP_CLUSTER_LOGS"):
             c.dump_logs()
         escapes, where = c.escapes(), c.escaped_to()
+        if request.session.testsfailed:  # keep the logs (components' and pods') of a failed run
+            keep = pathlib.Path(tempfile.mkdtemp(prefix="h3serve-cluster-logs-"))
+            for d in ("logs", "pod-logs"):
+                shutil.copytree(c.run / d, keep / d, dirs_exist_ok=True, ignore_dangling_symlinks=True)
+            print(f"cluster logs kept in {keep}")
         c.down()
         log_figure("figures", json.dumps(FIGURES))
         assert escapes == 0, f"{escapes} packets tried to leave the test's networks, to:\n{where}"
@@ -296,34 +302,9 @@ def test_cpu_tiny_colocated_serves_the_embedded_bytes_through_the_gateway_servic
     assert r.stdout == "401", r.stdout
     r = sdk_generate(cluster, "h3-tiny", cluster.run / "x.mp4", key="wrong")
     assert r.returncode != 0 and "Traceback" not in r.stderr
+    cluster.kubectl("delete", "h3d", "h3-tiny", "-n", APPS_NS, "--wait=false")  # its CPU is the next tests'
 
 
-def test_dit_scaled_to_two_serves_and_restarts_no_other_pod(cluster, operator, api_keys, embedded):
-    before = {p["metadata"]["uid"]: p for p in pods(cluster, APPS_NS, "app.kubernetes.io/instance=h3-tiny")}
-    assert len(before) == 1
-    t0 = time.monotonic()
-    cluster.kubectl("scale", "h3d", "h3-tiny", "-n", APPS_NS, "--replicas=2")
-    ready = wait_pods_ready(cluster, APPS_NS, "app.kubernetes.io/instance=h3-tiny", 2, timeout=600)
-    log_figure("scale_1_to_2_ready_s", round(time.monotonic() - t0, 1))
-    assert set(before) <= {p["metadata"]["uid"] for p in ready}  # the first pod is still the same pod
-    old = next(p for p in ready if p["metadata"]["uid"] in before)
-    assert old["status"]["containerStatuses"][0]["restartCount"] == 0
-    # the new pod serves: a call straight to it (the Service may pick either)
-    new = next(p for p in ready if p["metadata"]["uid"] not in before)
-    out = cluster.run / "scaled.mp4"
-    r = in_node(cluster, [sys.executable, "-m", "h3serve.cli", "generate", "--server",
-                          f"{new['status']['podIP']}:50051", "--api-key", KEY_A, "--prompt", REQUEST["prompt"],
-                          "--seconds", str(REQUEST["seconds"]), "--size", REQUEST["size"], "--seed",
-                          str(REQUEST["seed"]), "--steps", str(REQUEST["num_inference_steps"]), "--no-progress",
-                          "-o", str(out)])
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert sha(out.read_bytes()) == sha(embedded)
-    cluster.kubectl("scale", "h3d", "h3-tiny", "-n", APPS_NS, "--replicas=1")
-    wait_pods_ready(cluster, APPS_NS, "app.kubernetes.io/instance=h3-tiny", 1, timeout=300)
-
-
-def test_nothing_dialled_outside_the_tests_networks(cluster):
-    assert cluster.escapes() == 0, cluster.escaped_to()
 
 
 # ---- disaggregated, TLS on, day 2 -----------------------------------------------------------------------------
@@ -419,6 +400,36 @@ def test_disaggregated_with_tls_serves_the_embedded_bytes(cluster, disaggregated
     r = in_node(cluster, ["curl", "-sS", "--cacert", str(disaggregated["ca"]), "-H", f"authorization: Bearer {KEY_A}",
                           f"https://{svc(disaggregated['name'])}:8000/v1/models"])
     assert r.returncode == 0 and "data" in json.loads(r.stdout), r.stdout + r.stderr
+
+
+def metric(cluster, pod: dict, port: int, name: str) -> float:
+    r = in_node(cluster, ["curl", "-s", "--max-time", "5", f"http://{pod['status']['podIP']}:{port}/metrics"], timeout=15)
+    rows = [ln for ln in r.stdout.splitlines() if ln.startswith(name)]
+    return float(rows[0].split()[-1]) if rows else 0.0
+
+
+def test_dit_scaled_to_two_serves_and_restarts_no_other_pod(cluster, disaggregated, embedded):
+    sel = f"app.kubernetes.io/instance={disaggregated['name']}"
+    before = {p["metadata"]["uid"]: p["status"]["containerStatuses"][0]["restartCount"] for p in pods(cluster, APPS_NS, sel)}
+    t0 = time.monotonic()
+    cluster.kubectl("scale", "h3d", disaggregated["name"], "-n", APPS_NS, "--replicas=2")
+    ready = wait_pods_ready(cluster, APPS_NS, f"{sel},app.kubernetes.io/component=dit", 2, timeout=600)
+    log_figure("dit_scale_1_to_2_ready_s", round(time.monotonic() - t0, 1))
+    now = {p["metadata"]["uid"]: p["status"]["containerStatuses"][0]["restartCount"] for p in pods(cluster, APPS_NS, sel)}
+    assert set(before) <= set(now) and all(now[u] == before[u] for u in before)  # no other pod replaced or restarted
+    [new] = [p for p in ready if p["metadata"]["uid"] not in before]
+    # the gateway balances per call over the headless Service: the new DiT gets calls
+    served = 0.0
+    for i in range(4):
+        out = cluster.run / f"scaled-{i}.mp4"
+        code, so, se = finish(tls_generate(cluster, disaggregated, out))
+        assert code == 0 and sha(out.read_bytes()) == sha(embedded), se[-3000:]
+        served = metric(cluster, new, 9402, 'h3serve_stage_requests_total{stage="dit"}')
+        if served:
+            break
+    assert served >= 1, "the new DiT pod got no call"
+    cluster.kubectl("scale", "h3d", disaggregated["name"], "-n", APPS_NS, "--replicas=1")
+    wait_pods_ready(cluster, APPS_NS, f"{sel},app.kubernetes.io/component=dit", 1, timeout=300)
 
 
 def test_a_deleted_dit_pod_drains_its_job_and_loses_none(cluster, disaggregated, embedded):
@@ -543,3 +554,7 @@ def test_helm_upgrade_rolls_only_the_operator_and_uninstall_leaves_what_it_says(
     assert cr_ready(cluster, disaggregated["name"]) or cluster.kubectl(
         "get", "h3d", disaggregated["name"], "-n", APPS_NS, check=False).returncode == 0
     log_figure("left_after_uninstall", left + ["crd/h3deployments.h3serve.io", "the H3Deployments and their children"])
+
+
+def test_nothing_dialled_outside_the_tests_networks(cluster):
+    assert cluster.escapes() == 0, cluster.escaped_to()

@@ -28,6 +28,9 @@ log = logging.getLogger("h3serve.gateway")
 
 HEALTH_INTERVAL_S = 0.5
 HEALTH_NAMES = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
+# A stage whose health check got no answer within its deadline. One that answers NOT_SERVING is alive (loading, or
+# draining the requests it holds); one that does not answer is hung or gone.
+UNREACHABLE = "UNREACHABLE"
 UNBOUND_HOSTS = ("", "0.0.0.0", "[::]")
 # Edges whose transport the stages choose per request (grpc, or nixl when both ends can); `edge` of a
 # TransportInfo that names none is the frame edge.
@@ -107,8 +110,8 @@ class StageClients:
                 try:
                     r = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
                     value = HEALTH_NAMES.get(r.status, "UNKNOWN")
-                except grpc.RpcError:
-                    value = "NOT_SERVING"
+                except grpc.RpcError:  # no answer (hung, gone, unreachable): not the same as NOT_SERVING
+                    value = UNREACHABLE
                 if self.status[stage] != value:
                     log.info("stage %s: %s -> %s", stage, self.status[stage], value)
                     self.status[stage] = value

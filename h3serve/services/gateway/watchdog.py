@@ -1,7 +1,8 @@
 """The gateway's watchdog: a stage that stops answering its gRPC health checks (each with a deadline, stages.py) for
 HUNG_AFTER_S is hung (a stopped or wedged process keeps its TCP port open, so its calls would wait out their whole
 deadline). The jobs that still need it fail at once with StageUnavailable naming it (UNAVAILABLE / 503,
-retryable); new requests are already refused while it is not SERVING."""
+retryable); new requests are already refused while it is not SERVING. A stage that answers NOT_SERVING is alive:
+it drains (a pod being deleted, a rolling update) or loads, and the jobs it holds finish there."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import time
 from h3serve.errortable import StageUnavailable
 
 from .jobs import JobTable
-from .stages import StageClients
+from .stages import UNREACHABLE, StageClients
 
 log = logging.getLogger("h3serve.gateway")
 
@@ -42,7 +43,7 @@ class Watchdog:
 
     def check(self, now: float) -> None:
         for stage, health in list(self.stages.status.items()):
-            if health == "SERVING":
+            if health != UNREACHABLE:
                 self.down_since.pop(stage, None)
                 continue
             since = self.down_since.setdefault(stage, now)

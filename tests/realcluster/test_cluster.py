@@ -309,7 +309,7 @@ def test_cpu_tiny_colocated_serves_the_embedded_bytes_through_the_gateway_servic
 
 # ---- disaggregated, TLS on, day 2 -----------------------------------------------------------------------------
 
-LONG = {**REQUEST, "seconds": 15, "size": "512x512", "num_inference_steps": 40}  # long enough to act mid-job
+LONG = {**REQUEST, "seconds": 8, "size": "256x256", "num_inference_steps": 40}  # long enough to act mid-job
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,11 @@
-"""The gateway's watchdog fails the jobs of a stage that stops answering its health checks, and only those: a stage
-that answers NOT_SERVING drains (a pod being deleted in a rolling update) and finishes the jobs it holds."""
+"""The gateway's watchdog fails the jobs of a stage that stops answering its health checks (hung), and only those: a
+stage that answers NOT_SERVING drains (a pod being deleted in a rolling update) and finishes the jobs it holds."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from h3serve.services.gateway.stages import UNREACHABLE
+from h3serve.services.gateway.stages import UNAVAILABLE, UNREACHABLE
 from h3serve.services.gateway.watchdog import HUNG_AFTER_S, Watchdog
 
 
@@ -28,6 +28,8 @@ def watch(health: str) -> RunningJob:
 
 def test_a_draining_stage_keeps_its_jobs():
     assert watch("NOT_SERVING").aborted is None
+    # its Service lists no ready replica while its replacement starts: the job's own call goes on (or breaks)
+    assert watch(UNAVAILABLE).aborted is None
 
 
 def test_a_stage_that_does_not_answer_fails_its_jobs_naming_it():

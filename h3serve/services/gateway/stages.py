@@ -28,9 +28,11 @@ log = logging.getLogger("h3serve.gateway")
 
 HEALTH_INTERVAL_S = 0.5
 HEALTH_NAMES = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
-# A stage whose health check got no answer within its deadline. One that answers NOT_SERVING is alive (loading, or
-# draining the requests it holds); one that does not answer is hung or gone.
-UNREACHABLE = "UNREACHABLE"
+# A stage whose health check got no answer within its deadline: hung (a stopped or wedged process keeps its port
+# open), or its host is unreachable. Not the same as one that answers NOT_SERVING (alive: loading, or draining the
+# requests it holds), nor as UNAVAILABLE: no replica to ask (refused, or none resolved: a pod being replaced),
+# where a call in flight on a replica that died breaks by itself (its socket closes).
+UNREACHABLE, UNAVAILABLE = "UNREACHABLE", "UNAVAILABLE"
 UNBOUND_HOSTS = ("", "0.0.0.0", "[::]")
 # Edges whose transport the stages choose per request (grpc, or nixl when both ends can); `edge` of a
 # TransportInfo that names none is the frame edge.
@@ -110,8 +112,8 @@ class StageClients:
                 try:
                     r = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
                     value = HEALTH_NAMES.get(r.status, "UNKNOWN")
-                except grpc.RpcError:  # no answer (hung, gone, unreachable): not the same as NOT_SERVING
-                    value = UNREACHABLE
+                except grpc.RpcError as e:
+                    value = UNREACHABLE if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else UNAVAILABLE
                 if self.status[stage] != value:
                     log.info("stage %s: %s -> %s", stage, self.status[stage], value)
                     self.status[stage] = value

@@ -40,11 +40,15 @@ EDGES = {"vae->muxer": "the VAE and the muxer", "dit->vae": "the DiT and the VAE
 FRAME_EDGE = "vae->muxer"
 # per-call round robin over the resolved replicas, each health-checked (service "" = the server's overall status)
 BALANCED = json.dumps({"loadBalancingConfig": [{"round_robin": {}}], "healthCheckConfig": {"serviceName": ""}})
+# How soon a channel may ask DNS again after a replica went away (gRPC's default is 30 s): a pod replaced by its
+# Deployment has a new IP, and until the channel resolves again every call fails (found on the real cluster).
+RERESOLVE_MS = 1_000
 
 
 def balanced_channel(target: str, tls: Tls) -> grpc.Channel:
     """A channel to every replica `target` resolves to, balanced per call over the SERVING ones."""
-    return tls.channel(target, extra=(("grpc.service_config", BALANCED),))
+    return tls.channel(target, extra=(("grpc.service_config", BALANCED),
+                                      ("grpc.dns_min_time_between_resolutions_ms", RERESOLVE_MS)))
 
 
 def unbound(address: str) -> bool:

@@ -36,20 +36,21 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.routing import Match
 
-from h3serve.config.request import Upload
+from h3serve.config.request import MAX_MEDIA_BYTES, MAX_REFERENCES, Upload
 from h3serve.config.vocab import QUALITIES
 from h3serve.errors import H3Error, RequestError
 from h3serve.errortable import NotFound, NotReady, TooLarge, Unauthenticated, error_object, http_error
 from h3serve.media.thumbnail import first_frame_jpeg
 
 from .auth import Authenticator
-from .fields import MEDIA_FIELDS, REPEATABLE, fields_from_http, served_pools, short
+from .fields import MEDIA_FIELDS, REFERENCE_KIND, REPEATABLE, fields_from_http, served_pools, short
 from .jobs import Job
 from .orchestrate import Gateway
 from .sinks import FileSink
-from .uploads import LARGEST as LARGEST_UPLOAD
+from .uploads import VIDEO_REFUSED, decode_caller
 
 JSON_BODY = {
     "type": "object",
@@ -159,18 +160,92 @@ NO_EDITS = ("H3 generates from a prompt and keyframes / references; it has no vi
 VARIANTS = ("video", "thumbnail")
 
 
-# A multipart body's bound: every reference at its largest (12 files of 20 MiB) and the form fields
-MAX_BODY_BYTES = 12 * LARGEST_UPLOAD + (1 << 20)
+# A multipart body's bound: every reference at its largest (12 files of 20 MiB: video references are refused at
+# their part header, before their bytes are read) and 1 MiB of form fields. Counted on the bytes received, chunked
+# or not (a Content-Length is only a claim: with Transfer-Encoding: chunked the server ignores it).
+MAX_FORM_FILES = MAX_REFERENCES
+MAX_FIELDS_BYTES = 1 << 20
+MAX_BODY_BYTES = MAX_FORM_FILES * MAX_MEDIA_BYTES["image"] + MAX_FIELDS_BYTES
+MAX_FORM_VALUE_BYTES = 1 << 20
+
+
+async def _counted(request: Request, limit: int, what: str):
+    """The body as it arrives, refused with 413 as soon as more than `limit` bytes were received."""
+    received = 0
+    async for chunk in request.stream():
+        received += len(chunk)
+        if received > limit:
+            raise TooLarge(f"body: more than {limit:,} bytes received; {what} is at most {limit:,} bytes")
+        yield chunk
+
+
+class CappedMultiPartParser(MultiPartParser):
+    """Starlette's streaming multipart parser, with each part held to its own bound as its bytes arrive: a file
+    to its kind's limit (MAX_MEDIA_BYTES), a field that takes no file refused at its header, a video reference
+    refused at its header, a text value to MAX_FORM_VALUE_BYTES, at most MAX_FORM_FILES files. Each refusal is a
+    RequestError naming the part's field; nothing past the bound is read."""
+
+    def __init__(self, headers, stream):
+        super().__init__(headers, stream, max_files=MAX_FORM_FILES, max_fields=1000,
+                         max_part_size=MAX_FORM_VALUE_BYTES)
+        self._received = 0
+
+    def on_headers_finished(self) -> None:
+        try:
+            super().on_headers_finished()
+        except MultiPartException:
+            if self._current_files > self.max_files:
+                raise RequestError(self._current_part.field_name, f"file {self._current_files}",
+                                   f"at most {MAX_FORM_FILES} files in one request") from None
+            raise
+        part, name = self._current_part, self._current_part.field_name
+        self._received = 0
+        if part.file is not None:
+            if name not in MEDIA_FIELDS:
+                raise RequestError(name, part.file.filename or "file",
+                                   "a form field; files go in " + ", ".join(MEDIA_FIELDS))
+            if name == "video_reference":
+                raise RequestError(name, part.file.filename or "file", VIDEO_REFUSED)
+
+    def on_part_data(self, data: bytes, start: int, end: int) -> None:
+        part, name = self._current_part, self._current_part.field_name
+        self._received += end - start
+        if part.file is None:
+            if self._received > MAX_FORM_VALUE_BYTES:
+                raise RequestError(name, f"more than {MAX_FORM_VALUE_BYTES:,} bytes",
+                                   f"a form value of at most {MAX_FORM_VALUE_BYTES:,} bytes")
+        else:
+            kind = REFERENCE_KIND.get(name, "image")
+            cap = MAX_MEDIA_BYTES[kind]
+            if self._received > cap:
+                raise RequestError(name, f"{part.file.filename or 'file'}: more than {cap:,} bytes",
+                                   f"a {kind} file of at most {cap:,} bytes")
+        super().on_part_data(data, start, end)
+
+
+async def _form(request: Request, ctype: str):
+    """The form's items, multipart parsed as it streams under its bounds; urlencoded from the capped body."""
+    if ctype == "multipart/form-data":
+        if "boundary=" not in request.headers.get("content-type", ""):
+            raise RequestError("content-type", request.headers.get("content-type"),
+                               "multipart/form-data with its boundary parameter")
+        parser = CappedMultiPartParser(request.headers,
+                                       _counted(request, MAX_BODY_BYTES, "a multipart body"))
+        try:
+            form = await parser.parse()
+        except MultiPartException as exc:
+            raise RequestError("body", exc.message, "a well-formed multipart form") from None
+        request._form = form   # its spooled files closed with the request
+        return form
+    return await request.form()
 
 
 async def read_body(request: Request) -> Any:
     length = request.headers.get("content-length")
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype == "multipart/form-data":
-        # parsed as it streams (files spooled), so bounded by the length it announces, which the server enforces
-        if length is None or not length.isdigit():
-            raise RequestError("content-length", length, "a multipart upload announces its Content-Length")
-        if int(length) > MAX_BODY_BYTES:
+        # parsed as it streams (files spooled), bounded by the bytes received; an announced excess is refused first
+        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
             raise TooLarge(f"body: {int(length):,} bytes; a multipart body is at most {MAX_BODY_BYTES:,} bytes")
     else:
         await _capped_body(request)
@@ -180,7 +255,9 @@ async def read_body(request: Request) -> Any:
             ctype = "application/json"
     if ctype in ("multipart/form-data", "application/x-www-form-urlencoded"):
         try:
-            form = await request.form()
+            form = await _form(request, ctype)
+        except H3Error:
+            raise
         except Exception as exc:  # noqa: BLE001 - malformed multipart
             raise RequestError("body", type(exc).__name__, "a well-formed form") from None
         if ctype == "application/x-www-form-urlencoded":
@@ -200,14 +277,12 @@ async def read_body(request: Request) -> Any:
                     raise RequestError(key, short(value), "given once")
                 nested[inner[:-1]] = value
                 continue
-            if not isinstance(value, str):   # an uploaded file
+            if not isinstance(value, str):   # an uploaded file, within its kind's bound (the parser held it there)
                 if key not in MEDIA_FIELDS:
                     raise RequestError(key, getattr(value, "filename", "file"),
                                        "a form field; files go in " + ", ".join(MEDIA_FIELDS))
-                data = await value.read(LARGEST_UPLOAD + 1)
-                value = Upload(data, key, value.filename or "")
-                if len(data) > LARGEST_UPLOAD:
-                    raise RequestError(key, repr(value), f"a file of at most {LARGEST_UPLOAD:,} bytes")
+                file, value = value, Upload(await value.read(), key, value.filename or "")
+                await file.close()
             if key in REPEATABLE:
                 body.setdefault(key, []).append(value)
                 continue
@@ -344,17 +419,28 @@ def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
                 return response
         return await call_next(request)
 
-    def new_job(fields, names, request: Request, kind: str) -> Job:
+    async def new_job(request: Request, kind: str) -> Job:
+        """The request's body read (bounded), its fields validated and its uploads decoded: on the decode pool,
+        within the caller's share, when it carries media (else on a thread: validation alone is quick)."""
+        body = await read_body(request)
+        timeout = _timeout(request)
+        owner = request.state.owner
+
         def sink(job: Job):
             return FileSink(gateway.jobs.mp4_path(job))
 
-        return gateway.new_job(fields, kind=kind, sink_factory=sink, timeout=_timeout(request), names=names,
-                               owner=request.state.owner)
+        def make() -> Job:
+            fields, names = fields_from_http(body)
+            return gateway.new_job(fields, kind=kind, sink_factory=sink, timeout=timeout, names=names, owner=owner)
+
+        if isinstance(body, dict) and any(k in body for k in MEDIA_FIELDS):
+            caller = decode_caller(owner, request.client.host if request.client else None)
+            return await gateway.decoder.arun(caller, make)
+        return await asyncio.to_thread(make)
 
     @app.post("/v1/videos", openapi_extra=REQUEST_BODY, summary="Create a video job")
     async def create_video(request: Request, validate_only: bool = False):
-        fields, names = fields_from_http(await read_body(request))
-        job = await asyncio.to_thread(new_job, fields, names, request, "http")   # decodes uploads off the loop
+        job = await new_job(request, "http")
         if validate_only:
             obj = job_object(job, gateway)
             obj["status"], obj["object"] = "validated", "video.validation"
@@ -365,8 +451,7 @@ def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
     @app.post("/v1/videos/sync", openapi_extra=REQUEST_BODY, summary="Create a video and wait for the MP4",
               responses={200: {"content": {"video/mp4": {}}}})
     async def create_video_sync(request: Request):
-        fields, names = fields_from_http(await read_body(request))
-        job = await asyncio.to_thread(new_job, fields, names, request, "http")
+        job = await new_job(request, "http")
         await asyncio.to_thread(gateway.submit, job)
         while not job.done.is_set():
             if await request.is_disconnected():   # nobody to answer: cancel quietly, no error logged

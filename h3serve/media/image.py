@@ -2,9 +2,9 @@
 
 Pillow decodes what it can of a damaged file: a PNG chunk with a wrong CRC is read anyway, and a PNG whose
 compressed IDAT stream ends early, or holds fewer scanlines than the header says, is filled in silently. Callers'
-files are not trusted that far: `decode_rgb` verifies the file first (`Image.verify()`: every chunk's CRC), checks
-that a PNG's image data is exactly the scanlines its header announces, then decodes all of it (`load()`, truncated
-data refused).
+files are not trusted that far: `decode_rgb` verifies a PNG first (`Image.verify()`, then `check_png`: every
+chunk's CRC, and image data that is exactly the scanlines its header announces), then decodes all of any image
+(`load()`, truncated data refused).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _png_scanline_bytes(width: int, height: int, depth: int, colour: int, interl
 
 
 def check_png(data: bytes) -> None:
-    """A PNG's chunks are whole and its IDAT stream inflates to exactly the scanlines of its header (a stream
+    """A PNG's chunks are whole and pass their CRCs (IEND's too, which Pillow's verify() skips), and its IDAT stream inflates to exactly the scanlines of its header (a stream
     that ends early, holds fewer rows or more data is refused). Inflates at most one byte past that size."""
     pos, header, idat = len(PNG_SIGNATURE), None, []
     while True:
@@ -49,6 +49,8 @@ def check_png(data: bytes) -> None:
         if pos + 12 + length > len(data):
             raise CorruptImage(f"the PNG's {kind.decode('latin-1')!r} chunk is cut short")
         body = data[pos + 8:pos + 8 + length]
+        if zlib.crc32(kind + body) != struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])[0]:
+            raise CorruptImage(f"the PNG's {kind.decode('latin-1')!r} chunk fails its CRC")
         if kind == b"IHDR":
             if length != 13:
                 raise CorruptImage("the PNG's IHDR chunk is not 13 bytes")
@@ -99,10 +101,21 @@ def decode_rgb(source) -> np.ndarray:
     opened = (lambda: io.BytesIO(data)) if data is not None else (lambda: source)
     if ImageFile.LOAD_TRUNCATED_IMAGES:   # a library that turned it on for itself does not decide for callers
         raise CorruptImage("Pillow is set to load truncated images (ImageFile.LOAD_TRUNCATED_IMAGES)")
-    with Image.open(opened()) as image:
-        image.verify()   # PNG: every chunk's CRC; other formats: what their plugin checks
-    if data is not None and data.startswith(PNG_SIGNATURE):
-        check_png(data)
-    with Image.open(opened()) as image:
-        image.load()     # every pixel decoded: truncated data raises
+    image = Image.open(opened())
+    try:
+        if image.format == "PNG":
+            try:
+                image.verify()   # chunk CRCs (the only format whose verify() checks the data)
+            except Exception as exc:  # noqa: BLE001 - Pillow says what is broken: SyntaxError, OSError, ...
+                raise CorruptImage(f"{exc}") from None
+            image.close()    # verify() leaves the image unusable: opened again
+            if data is not None:
+                check_png(data)
+            image = Image.open(opened())
+        try:
+            image.load()     # every pixel decoded: truncated data raises
+        except (OSError, SyntaxError, ValueError) as exc:
+            raise CorruptImage(f"{exc}") from None
         return np.ascontiguousarray(np.asarray(image.convert("RGB"), dtype=np.uint8))
+    finally:
+        image.close()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import tempfile
 import time
 from typing import Any
@@ -36,7 +37,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.datastructures import Headers
 from starlette.formparsers import MultiPartException, MultiPartParser
+from starlette.requests import ClientDisconnect
+from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 from starlette.routing import Match
 
 from h3serve.config.request import MAX_MEDIA_BYTES, MAX_REFERENCES, Upload
@@ -114,6 +118,17 @@ def error_type(status: int) -> str:
 MAX_JSON_BODY_BYTES = 16 << 20
 
 
+async def _stream(request: Request):
+    """The body's chunks; a client gone before its end is the caller's incomplete body (a 4xx nobody reads), not a
+    traceback."""
+    try:
+        async for chunk in request.stream():
+            yield chunk
+    except ClientDisconnect:
+        raise RequestError("body", "incomplete", "the whole body (the client left, or sent nothing for "
+                                                 "--http-body-timeout-s)") from None
+
+
 async def _capped_body(request: Request) -> bytes:
     """The body, refused with 413 once it passes MAX_JSON_BODY_BYTES (announced or while it streams in)."""
     length = request.headers.get("content-length")
@@ -121,7 +136,7 @@ async def _capped_body(request: Request) -> bytes:
         raise TooLarge(f"body: {int(length):,} bytes; a JSON or form body is at most {MAX_JSON_BODY_BYTES:,} bytes "
                        "(send larger media as multipart uploads)")
     buf = bytearray()
-    async for chunk in request.stream():
+    async for chunk in _stream(request):
         buf += chunk
         if len(buf) > MAX_JSON_BODY_BYTES:
             raise TooLarge(f"body: more than {MAX_JSON_BODY_BYTES:,} bytes; a JSON or form body is at most "
@@ -172,7 +187,7 @@ MAX_FORM_VALUE_BYTES = 1 << 20
 async def _counted(request: Request, limit: int, what: str):
     """The body as it arrives, refused with 413 as soon as more than `limit` bytes were received."""
     received = 0
-    async for chunk in request.stream():
+    async for chunk in _stream(request):
         received += len(chunk)
         if received > limit:
             raise TooLarge(f"body: more than {limit:,} bytes received; {what} is at most {limit:,} bytes")
@@ -363,11 +378,65 @@ def mp4_response(gateway: Gateway, job: Job, headers: dict, filename: str | None
     if mp4 is None:
         raise NotFound(f"video {job.id} is completed but its MP4 is no longer in the job store (deleted or expired)")
     if mp4.path is not None:
-        return FileResponse(mp4.path, media_type="video/mp4", headers=headers, filename=filename)
+        return Mp4FileResponse(mp4.path, media_type="video/mp4", headers=headers, filename=filename,
+                               stat_result=os.stat(mp4.path))
     if filename:
         headers = {**headers, "Content-Disposition": f'attachment; filename="{filename}"'}
     return StreamingResponse(mp4.chunks, media_type="video/mp4",
                              headers={**headers, "Content-Length": str(mp4.size)})
+
+
+class Authenticate:
+    """Every /v1 call's `Authorization` checked before anything of it is read; the caller's key name in
+    `request.state.owner`. Passes receive and send through untouched (the client's disconnect stays visible)."""
+
+    def __init__(self, app, keys: Authenticator):
+        self.app = app
+        self.keys = keys
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = [v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"]
+            try:
+                if len(given) > 1:   # which one counts would depend on the proxy in front: none does
+                    raise Unauthenticated(f"{len(given)} Authorization headers: send exactly one")
+                owner = self.keys.caller(given[0] if given else None)
+            except Unauthenticated as exc:
+                response = _error_response(exc)
+                response.headers["WWW-Authenticate"] = 'Bearer realm="h3serve"'
+                await response(scope, receive, send)
+                return
+            scope.setdefault("state", {})["owner"] = owner
+        await self.app(scope, receive, send)
+
+
+class Mp4FileResponse(FileResponse):
+    """A FileResponse whose Range refusals are the error object (Starlette answers them as plain text): 416 with
+    `Content-Range: bytes */SIZE` for a range past the end, 400 naming `Range` for a malformed one."""
+
+    async def __call__(self, scope, receive, send):
+        http_range = Headers(scope=scope).get("range")
+        if_range = Headers(scope=scope).get("if-range")
+        if (http_range is not None and self.stat_result is not None and self.status_code == 200
+                and scope["method"].upper() in ("GET", "HEAD")
+                and (if_range is None or self._should_use_range(if_range))):
+            size = self.stat_result.st_size
+            try:
+                self._parse_range_header(http_range, size)
+            except MalformedRangeHeader as exc:
+                detail = exc.content if isinstance(exc.content, str) and exc.content else "malformed"
+                await _refusal(400, "invalid_request", "Range",
+                               f"Range={short(http_range)!r} is invalid: {detail}; give bytes=START-END within "
+                               f"the {size:,} bytes of the MP4")(scope, receive, send)
+                return
+            except RangeNotSatisfiable:
+                response = _refusal(416, "range_not_satisfiable", "Range",
+                                    f"Range={short(http_range)!r} is not satisfiable: the MP4 has {size:,} bytes "
+                                    f"(bytes 0-{size - 1})")
+                response.headers["Content-Range"] = f"bytes */{size}"
+                await response(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
 
 
 def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
@@ -403,21 +472,9 @@ def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
     async def _internal(request: Request, exc: Exception):
         return _error_response(exc)
 
-    keys = auth or Authenticator(None)
-
-    @app.middleware("http")
-    async def _authenticate(request: Request, call_next):
-        if request.url.path.startswith("/v1/"):
-            try:
-                given = request.headers.getlist("authorization")
-                if len(given) > 1:   # which one counts would depend on the proxy in front: none does
-                    raise Unauthenticated(f"{len(given)} Authorization headers: send exactly one")
-                request.state.owner = keys.caller(given[0] if given else None)
-            except Unauthenticated as exc:
-                response = _error_response(exc)
-                response.headers["WWW-Authenticate"] = 'Bearer realm="h3serve"'
-                return response
-        return await call_next(request)
+    # A plain ASGI middleware, not @app.middleware("http"): Starlette's BaseHTTPMiddleware hands the app a receive
+    # of its own that never reports the client gone, so `/v1/videos/sync` could not see its caller leave.
+    app.add_middleware(Authenticate, keys=auth or Authenticator(None))
 
     async def new_job(request: Request, kind: str) -> Job:
         """The request's body read (bounded), its fields validated and its uploads decoded: on the decode pool,
@@ -455,7 +512,7 @@ def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
         await asyncio.to_thread(gateway.submit, job)
         while not job.done.is_set():
             if await request.is_disconnected():   # nobody to answer: cancel quietly, no error logged
-                job.cancel("the HTTP client disconnected")
+                await asyncio.to_thread(gateway.jobs.cancel, job.id, "the HTTP client disconnected")
                 return Response(status_code=499)
             await asyncio.to_thread(job.done.wait, 0.25)
         if job.exc is not None:

@@ -33,7 +33,8 @@ def app(tmp_path):
     keys = tmp_path / "keys"
     keys.write_text("".join(f"{n} sha256:{hashlib.sha256(k.encode()).hexdigest()}\n"
                             for n, k in (("alice", "alice-key"), ("bob", "bob-key"))))
-    jobs = SimpleNamespace(queue=[], running={}, store_error=None, list=lambda owner: [])
+    jobs = SimpleNamespace(queue=[], running={}, store_error=None, list=lambda owner: [],
+                           page=lambda owner, limit, after, order: ([], False))
     gateway = SimpleNamespace(metrics=GatewayMetrics(), ready=lambda: True, store_ready=lambda: True,
                               stages=SimpleNamespace(status={}), draining=False, jobs=jobs,
                               transports=SimpleNamespace(details=lambda: {}), config=StageConfig())

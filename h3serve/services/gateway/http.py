@@ -528,18 +528,10 @@ def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
             raise RequestError("limit", limit, "an integer in [1, 100]")
         if order not in ("asc", "desc"):
             raise RequestError("order", order, "asc or desc")
-        jobs = await asyncio.to_thread(gateway.jobs.list, request.state.owner)
-        if order == "desc":
-            jobs.reverse()
-        if after is not None:
-            ids = [j.id for j in jobs]
-            if after not in ids:
-                raise RequestError("after", after, "the id of a listed video")
-            jobs = jobs[ids.index(after) + 1:]
-        page = jobs[:limit]
+        page, more = await asyncio.to_thread(gateway.jobs.page, request.state.owner, limit, after, order)
         return {"object": "list", "data": [job_object(j, gateway) for j in page],
                 "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None,
-                "has_more": len(jobs) > limit}
+                "has_more": more}
 
     @app.get("/v1/videos/{video_id}", summary="Get a video job")
     async def get_video(request: Request, video_id: str):

@@ -2,6 +2,10 @@
 here, at the front door, before the request is admitted, so that a file that cannot be decoded or is out of bounds
 is a 4xx / INVALID_ARGUMENT naming the caller's field, never a stage failure.
 
+Bounded by what is decoded, not by what a header claims: audio is decoded up to MAX_AUDIO_SECONDS and no further,
+images are decoded whole and verified (h3serve.media.image). The decoding runs on `DecodePool`, threads of its
+own with a per-caller share, never the event loop's default executor.
+
 What leaves here for the stages (`Conditions`): the kinds in the order the model reads them and one tensor per kind,
 an image as (H, W, 3) uint8 RGB (the decoded file; each stage applies the same resize, models/conditions.py), an
 audio reference as (2, N) float32 PCM at 32 kHz cut to the request's duration (as the embedded pipeline reads it).

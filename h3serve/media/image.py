@@ -39,8 +39,9 @@ def _png_scanline_bytes(width: int, height: int, depth: int, colour: int, interl
 
 
 def check_png(data: bytes) -> None:
-    """A PNG's chunks are whole and pass their CRCs (IEND's too, which Pillow's verify() skips), and its IDAT stream inflates to exactly the scanlines of its header (a stream
-    that ends early, holds fewer rows or more data is refused). Inflates at most one byte past that size."""
+    """A PNG's chunks are whole and pass their CRCs (IEND's too, which Pillow's verify() skips), and its IDAT stream
+    inflates to exactly the scanlines of its header (a stream that ends early, holds fewer rows or more data is
+    refused). Inflates at most one byte past that size."""
     pos, header, idat = len(PNG_SIGNATURE), None, []
     while True:
         if pos + 8 > len(data):

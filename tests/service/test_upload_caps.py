@@ -502,7 +502,8 @@ def test_one_callers_upload_flood_leaves_another_callers_listing_fast(front, tmp
     latencies.sort()
     p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]
     print("FIGURES", {"gets": len(latencies), "p50_s": round(latencies[len(latencies) // 2], 3),
-                      "p99_s": round(p99, 3), "max_s": round(latencies[-1], 3), "alice_upload_s": upload_s and round(upload_s, 3),
+                      "p99_s": round(p99, 3), "max_s": round(latencies[-1], 3),
+                      "alice_upload_s": upload_s and round(upload_s, 3),
                       "bob_answers": {s: answers.count(s) for s in sorted(set(answers))}})
     assert 200 in answers   # Bob's whole PNGs were decoded meanwhile
     assert p99 <= 1.0, latencies[-10:]

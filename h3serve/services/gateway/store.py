@@ -7,17 +7,17 @@
                reads them: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION)
 
 A record is written when the job is admitted, when it starts, and when it ends; the MP4 is published before the
-record says `completed`, so a completed record always has its MP4.
+record says `completed`, so a completed record always has its MP4. Every failure of either store (a full or
+read-only disk, an unreachable server) is a StoreError: 503, retryable, naming `job-store`; a publish that fails
+keeps the local MP4 for the next try. Each gateway writes a heartbeat
+(`gateways/<host:port>.json`: its boot id and time); a record still queued or in progress whose gateway restarted
+(another boot id) or stopped beating is an orphan, and whoever reads it first marks it failed with the reason.
 
 The index: one empty entry per job, under its owner (`_` for a job of no key), named so that name order is newest
 first (`index_entry`: the creation time counted down, then the id). It is written before a job's first record
 and removed with the job, so listing a caller's jobs reads entry names (a directory listing, or an S3 listing from
 a start key) and then only the records of the page asked for, never every record. A store written before the index
-existed is indexed once, from its records, on first use (marked by `index/.complete`). Every failure of either store (a full or
-read-only disk, an unreachable server) is a StoreError: 503, retryable, naming `job-store`; a publish that fails
-keeps the local MP4 for the next try. Each gateway writes a heartbeat
-(`gateways/<host:port>.json`: its boot id and time); a record still queued or in progress whose gateway restarted
-(another boot id) or stopped beating is an orphan, and whoever reads it first marks it failed with the reason.
+existed is indexed once, from its records, on first use (marked by `index/.complete`).
 """
 
 from __future__ import annotations

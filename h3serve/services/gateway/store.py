@@ -185,7 +185,7 @@ class DiskStore:
             with open(path, "ab"):
                 pass
         except OSError as exc:
-            raise disk_error("index a job", self.root, exc) from None
+            raise disk_error("write a job record", self.root, exc) from None
         self._indexed.add(record["id"])
 
     def index_entries(self, owner: str | None, after: str | None = None,
@@ -350,7 +350,7 @@ class S3Store:
 
     def _index(self, record: dict) -> None:
         if record["id"] not in self._indexed:
-            self._call("index a job", self.client.put_object, self.bucket, self._entry_key(record),
+            self._call("write a job record", self.client.put_object, self.bucket, self._entry_key(record),
                        io.BytesIO(b""), 0)
             self._indexed.add(record["id"])
 

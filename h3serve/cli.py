@@ -198,6 +198,16 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"HTTP API port of the gateway (0: a free port; default {HTTP_PORT} with the gateway, else none)")
     p.add_argument("--host", default=d.host, help="bind address (default loopback)")
     p.add_argument("--http-host", default=d.http_host)
+    p.add_argument("--http-max-connections", type=int, default=d.http_max_connections,
+                   help="gateway: HTTP connections held at once (more are answered 503 and closed)")
+    p.add_argument("--http-header-timeout-s", type=float, default=d.http_header_timeout_s,
+                   help="gateway: seconds a request's HTTP headers may take to arrive (then 408, closed)")
+    p.add_argument("--http-body-timeout-s", type=float, default=d.http_body_timeout_s,
+                   help="gateway: seconds a request body may go without a byte (then the connection is closed)")
+    p.add_argument("--decode-workers", type=int, default=d.decode_workers,
+                   help="gateway: threads that decode uploaded images and audio (a pool of their own)")
+    p.add_argument("--decode-per-caller", type=int, default=d.decode_per_caller,
+                   help="gateway: of those, how many one caller's uploads may use at once")
     p.add_argument("--advertise", default=None, help="address peers use to reach this stage (default host:port)")
     p.add_argument("--profile", default=d.profile, help="base | fasth3")
     p.add_argument("--adapter", default=None, help="FastH3 adapter (profile fasth3)")

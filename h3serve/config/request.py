@@ -70,6 +70,7 @@ MAX_MEDIA_BYTES = {"image": 20 << 20, "audio": 20 << 20, "video": 100 << 20}
 MAX_IMAGE_PIXELS = 4096 * 4096
 MIN_IMAGE_SIDE = 16
 MAX_AUDIO_SECONDS = 60.0
+MAX_JPEG_SEGMENTS = 1000   # marker segments before a JPEG's image data (jpeg_header_segments)
 
 RAW_FIELDS = ("prompt", "task", "profile", "seconds", "num_frames", "width", "height", "size", "aspect", "seed",
               "steps", "fps", "first_image", "last_image", "references", "dtype", "quality")
@@ -420,10 +421,36 @@ def _other_side(given: int, exact: float) -> int:
     return side
 
 
+def jpeg_header_segments(data: bytes, limit: int) -> int:
+    """The marker segments of a JPEG before its first scan (SOS), counted up to `limit` + 1 (a camera's file has a
+    few dozen: APPn metadata, quantisation and Huffman tables, the frame header)."""
+    i, n, end = 2, 0, len(data)
+    while i + 4 <= end and n <= limit:
+        if data[i] != 0xFF:
+            break                      # not a marker: Pillow says what is wrong
+        marker = data[i + 1]
+        if marker == 0xFF:             # fill byte
+            i += 1
+            continue
+        if marker in (0x01, 0xD8) or 0xD0 <= marker <= 0xD7:   # markers without a length
+            i += 2
+            continue
+        if marker in (0xDA, 0xD9):     # the first scan, or the end
+            break
+        n += 1
+        i += 2 + ((data[i + 2] << 8) | data[i + 3])
+    return n
+
+
 def _image_size(name: str, path: "str | Upload") -> tuple[int, int]:
     """The image's size from its header (the pixels are not decoded), within the pixel bounds."""
     name = path.field if isinstance(path, Upload) else name
     shown = repr(path) if isinstance(path, Upload) else _brief(path)
+    if isinstance(path, Upload) and path.data.startswith(b"\xff\xd8"):
+        segments = jpeg_header_segments(path.data, MAX_JPEG_SEGMENTS)
+        if segments > MAX_JPEG_SEGMENTS:   # Pillow parses each one in Python: hundreds of thousands take seconds
+            raise RequestError(name, f"{shown}: more than {MAX_JPEG_SEGMENTS:,} header segments",
+                               f"a JPEG with at most {MAX_JPEG_SEGMENTS:,} segments before its image data")
     try:
         with Image.open(media_source(path)) as image:  # header only: Image.open does not decode the pixels
             width, height = image.size

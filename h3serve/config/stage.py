@@ -67,6 +67,11 @@ class StageConfig:
     muxer: str | None = None
     http_host: str = "127.0.0.1"
     http_port: int | None = None     # None: no HTTP API
+    http_max_connections: int = 1024   # HTTP connections held at once (more: 503 and closed; frontdoor.py)
+    http_header_timeout_s: float = 10.0   # a request's head must arrive within this (408 and closed)
+    http_body_timeout_s: float = 30.0     # a request's body must send some bytes this often (else closed)
+    decode_workers: int = 2          # threads that decode uploads (their own pool, not the API's; uploads.py)
+    decode_per_caller: int = 1       # ... of which one caller may use at most this many at once
     queue_size: int = 8
     max_inflight: int = 1
     request_timeout_s: float = 3600.0

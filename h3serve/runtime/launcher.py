@@ -57,7 +57,9 @@ _PASS = ("checkpoint", "checkpoint_manifest_sha256", "profile", "adapter", "adap
          "job_ttl_s", "max_jobs", "max_sync_bytes", "api_keys_file", "tls_cert", "tls_key", "tls_ca", "tls_peer_name",
          "transport",
          "model_name", "frame_format", "mux_threads", "crf", "preset", "session_ttl_s", "max_session_ttl_s",
-         "max_sessions", "max_sessions_per_peer", "tmp_dir", "http_host", "encoder_tp", "ulysses", "ring", "vae_pp",
+         "max_sessions", "max_sessions_per_peer", "tmp_dir", "http_host", "http_max_connections",
+         "http_header_timeout_s", "http_body_timeout_s", "decode_workers", "decode_per_caller", "encoder_tp",
+         "ulysses", "ring", "vae_pp",
          "dit_resident_blocks", "dit_offload_mode", "fp8", "fp8_attention", "encoder_resident_layers", "vae_staged",
          "encoder_cache_bytes", "fasth3_dit", "tasks")
 

@@ -1,14 +1,19 @@
 """The smaller front-door holes of issue 21 (item 6): two Authorization headers, a 405 without Allow, `--no-auth`
-starting silently, malformed WAVs and a sink port of non-ASCII digits answering 500. Each is now a clear 4xx (or
-INVALID_ARGUMENT) naming what is wrong, and `--no-auth` says what it does."""
+starting silently, malformed WAVs and a sink port of non-ASCII digits answering 500, a client leaving
+`/v1/videos/sync` not cancelling its job, Range errors as text. Each is now a clear 4xx (or INVALID_ARGUMENT) naming
+what is wrong, `--no-auth` says what it does, and the sync job is cancelled."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import socket
 import struct
+import time
 from types import SimpleNamespace
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -28,7 +33,8 @@ def app(tmp_path):
     keys = tmp_path / "keys"
     keys.write_text("".join(f"{n} sha256:{hashlib.sha256(k.encode()).hexdigest()}\n"
                             for n, k in (("alice", "alice-key"), ("bob", "bob-key"))))
-    jobs = SimpleNamespace(queue=[], running={}, store_error=None, list=lambda owner: [])
+    jobs = SimpleNamespace(queue=[], running={}, store_error=None, list=lambda owner: [],
+                           page=lambda owner, limit, after, order: ([], False))
     gateway = SimpleNamespace(metrics=GatewayMetrics(), ready=lambda: True, store_ready=lambda: True,
                               stages=SimpleNamespace(status={}), draining=False, jobs=jobs,
                               transports=SimpleNamespace(details=lambda: {}), config=StageConfig())
@@ -98,3 +104,58 @@ def test_a_sink_port_of_other_digits_is_refused_naming_the_field(peers, port):
     if not port.isascii():   # nor is such a port a --peers item
         with pytest.raises(RequestError, match="peers"):
             parse_peers(f"127.0.0.1:{port}")
+
+
+# -- on a real front door (uvicorn, in this process) -------------------------------------------------------------
+
+def test_leaving_sync_cancels_the_job(tmp_path):
+    """A client that leaves POST /v1/videos/sync has its job cancelled (Starlette's BaseHTTPMiddleware kept
+    `is_disconnected()` from ever firing: the job ran on for nobody)."""
+    from .test_upload_caps import start_front
+
+    front = start_front(tmp_path)
+    try:
+        front.gateway.stages.not_ready = lambda profile=None: {}   # admitted; no worker takes it: it waits queued
+        body = json.dumps({"prompt": "a kite", "seconds": 5, "size": "320x256"}).encode()
+        with socket.create_connection(("127.0.0.1", front.port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/videos/sync HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer alice-key\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            end = time.monotonic() + 20
+            while not front.gateway.jobs.jobs and time.monotonic() < end:
+                time.sleep(0.05)
+            (job,) = front.gateway.jobs.jobs.values()
+            assert job.status == "queued"
+        t0 = time.monotonic()
+        while job.status != "failed" and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+        assert job.status == "failed" and job.error.kind.code == "cancelled", (job.status, job.error)
+        assert "the HTTP client disconnected" in job.error.message
+        assert front.gateway.jobs.store.get_record(job.id)["status"] == "failed"
+        print("FIGURES", {"cancelled_after_s": round(time.monotonic() - t0, 3)})
+    finally:
+        front.stop()
+
+
+def test_range_errors_are_the_error_object(tmp_path):
+    from .test_upload_caps import start_front
+
+    front = start_front(tmp_path)
+    try:
+        job = front.gateway.new_job({"prompt": "p", "seconds": 5, "size": "320x256"}, kind="http", owner="alice")
+        front.gateway.jobs.store.put_record({**job.record(), "status": "completed", "progress": 100.0,
+                                             "completed_at": time.time()})
+        with open(front.gateway.jobs.store.spool_path(job.id), "wb") as f:
+            f.write(bytes(range(256)) * 4)   # 1,024 bytes stand in for the MP4
+        url, auth = f"{front.url}/v1/videos/{job.id}/content", {"Authorization": "Bearer alice-key"}
+        r = httpx.get(url, headers={**auth, "Range": "bytes=10-19"}, timeout=10)
+        assert r.status_code == 206 and r.content == bytes(range(10, 20))
+        r = httpx.get(url, headers={**auth, "Range": "bytes=5000-"}, timeout=10)
+        assert r.status_code == 416 and r.headers["content-range"] == "bytes */1024", r.text
+        err = r.json()["error"]
+        assert err["param"] == "Range" and err["code"] == "range_not_satisfiable" and "1,024 bytes" in err["message"]
+        for bad in ("bytes=9-3", "pages=1-2", "bytes"):
+            r = httpx.get(url, headers={**auth, "Range": bad}, timeout=10)
+            assert r.status_code == 400 and r.headers["content-type"] == "application/json", (bad, r.text)
+            assert r.json()["error"]["param"] == "Range", bad
+    finally:
+        front.stop()

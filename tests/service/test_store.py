@@ -397,3 +397,39 @@ def test_a_drain_during_an_admissions_write_fails_the_job_with_its_record(tmp_pa
     rec = table.store.get_record(job.id)
     assert rec["status"] == "failed" and rec["error"]["code"] == "draining"
     table.close()
+
+
+@pytest.mark.parametrize("backend", ["s3", "disk"])
+def test_listing_pages_from_the_index_on_both_stores(s3, tmp_path, backend):
+    """Issue 21: listing read every record on every call. Now a page is read from the index (entry names, newest
+    first), and only its records are fetched; deleted and expired jobs leave it; records written before the index
+    existed are indexed once, on first use."""
+    config = StageConfig(job_ttl_s=100.0, max_jobs=1000,
+                         **({"job_store": "s3://h3serve-jobs/index", "jobs_dir": str(tmp_path / "spool")}
+                            if backend == "s3" else {"jobs_dir": str(tmp_path / "jobs")}))
+    store = S3Store(config.job_store, config.jobs_dir, env=s3.env) if backend == "s3" else None
+    table = JobTable(config, GatewayMetrics(), store=store)
+    now = time.time()
+    recs = [{**_finished_record(f"video_{i:03d}", now - (500 if i == 3 else 10)), "owner": "ab"[i % 2],
+             "created_at": now - 100 + i} for i in range(30)]
+    for rec in recs:
+        table.store.put_record(rec)
+    mine = [r["id"] for r in recs if r["owner"] == "a"]
+    read = []
+    real = table.store.get_record
+    table.store.get_record = lambda jid: (read.append(jid), real(jid))[1]
+    page, more = table.page("a", 4)
+    assert [j.id for j in page] == mine[::-1][:4] and more and len(read) <= 5, read
+    page, more = table.page("a", 100, after=mine[-5], order="desc")
+    assert [j.id for j in page] == mine[::-1][5:] and not more
+    page, _ = table.page("a", 3, after=mine[1], order="asc")
+    assert [j.id for j in page] == mine[2:5]
+    assert [j.id for j in table.page(None, 100, order="asc")[0]] == [r["id"] for r in recs]
+    table.store.get_record = real
+    table.delete(mine[0], "a")
+    table.sweep_once()                      # video_003 (Bob's) expired
+    assert [j.id for j in table.list("a")] == mine[1:]
+    assert "video_003" not in [j.id for j in table.list("b")]
+    entries = list(table.store.index_entries(None))
+    assert len(entries) == 28 and mine[0] not in str(entries) and "video_003" not in str(entries)
+    table.close()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import tempfile
 import time
 from typing import Any
@@ -36,20 +37,24 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.datastructures import Headers
+from starlette.formparsers import MultiPartException, MultiPartParser
+from starlette.requests import ClientDisconnect
+from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 from starlette.routing import Match
 
-from h3serve.config.request import Upload
+from h3serve.config.request import MAX_MEDIA_BYTES, MAX_REFERENCES, Upload
 from h3serve.config.vocab import QUALITIES
 from h3serve.errors import H3Error, RequestError
 from h3serve.errortable import NotFound, NotReady, TooLarge, Unauthenticated, error_object, http_error
 from h3serve.media.thumbnail import first_frame_jpeg
 
 from .auth import Authenticator
-from .fields import MEDIA_FIELDS, REPEATABLE, fields_from_http, served_pools, short
+from .fields import MEDIA_FIELDS, REFERENCE_KIND, REPEATABLE, fields_from_http, served_pools, short
 from .jobs import Job
 from .orchestrate import Gateway
 from .sinks import FileSink
-from .uploads import LARGEST as LARGEST_UPLOAD
+from .uploads import VIDEO_REFUSED, decode_caller
 
 JSON_BODY = {
     "type": "object",
@@ -113,6 +118,17 @@ def error_type(status: int) -> str:
 MAX_JSON_BODY_BYTES = 16 << 20
 
 
+async def _stream(request: Request):
+    """The body's chunks; a client gone before its end is the caller's incomplete body (a 4xx nobody reads), not a
+    traceback."""
+    try:
+        async for chunk in request.stream():
+            yield chunk
+    except ClientDisconnect:
+        raise RequestError("body", "incomplete", "the whole body (the client left, or sent nothing for "
+                                                 "--http-body-timeout-s)") from None
+
+
 async def _capped_body(request: Request) -> bytes:
     """The body, refused with 413 once it passes MAX_JSON_BODY_BYTES (announced or while it streams in)."""
     length = request.headers.get("content-length")
@@ -120,7 +136,7 @@ async def _capped_body(request: Request) -> bytes:
         raise TooLarge(f"body: {int(length):,} bytes; a JSON or form body is at most {MAX_JSON_BODY_BYTES:,} bytes "
                        "(send larger media as multipart uploads)")
     buf = bytearray()
-    async for chunk in request.stream():
+    async for chunk in _stream(request):
         buf += chunk
         if len(buf) > MAX_JSON_BODY_BYTES:
             raise TooLarge(f"body: more than {MAX_JSON_BODY_BYTES:,} bytes; a JSON or form body is at most "
@@ -159,18 +175,92 @@ NO_EDITS = ("H3 generates from a prompt and keyframes / references; it has no vi
 VARIANTS = ("video", "thumbnail")
 
 
-# A multipart body's bound: every reference at its largest (12 files of 20 MiB) and the form fields
-MAX_BODY_BYTES = 12 * LARGEST_UPLOAD + (1 << 20)
+# A multipart body's bound: every reference at its largest (12 files of 20 MiB: video references are refused at
+# their part header, before their bytes are read) and 1 MiB of form fields. Counted on the bytes received, chunked
+# or not (a Content-Length is only a claim: with Transfer-Encoding: chunked the server ignores it).
+MAX_FORM_FILES = MAX_REFERENCES
+MAX_FIELDS_BYTES = 1 << 20
+MAX_BODY_BYTES = MAX_FORM_FILES * MAX_MEDIA_BYTES["image"] + MAX_FIELDS_BYTES
+MAX_FORM_VALUE_BYTES = 1 << 20
+
+
+async def _counted(request: Request, limit: int, what: str):
+    """The body as it arrives, refused with 413 as soon as more than `limit` bytes were received."""
+    received = 0
+    async for chunk in _stream(request):
+        received += len(chunk)
+        if received > limit:
+            raise TooLarge(f"body: more than {limit:,} bytes received; {what} is at most {limit:,} bytes")
+        yield chunk
+
+
+class CappedMultiPartParser(MultiPartParser):
+    """Starlette's streaming multipart parser, with each part held to its own bound as its bytes arrive: a file
+    to its kind's limit (MAX_MEDIA_BYTES), a field that takes no file refused at its header, a video reference
+    refused at its header, a text value to MAX_FORM_VALUE_BYTES, at most MAX_FORM_FILES files. Each refusal is a
+    RequestError naming the part's field; nothing past the bound is read."""
+
+    def __init__(self, headers, stream):
+        super().__init__(headers, stream, max_files=MAX_FORM_FILES, max_fields=1000,
+                         max_part_size=MAX_FORM_VALUE_BYTES)
+        self._received = 0
+
+    def on_headers_finished(self) -> None:
+        try:
+            super().on_headers_finished()
+        except MultiPartException:
+            if self._current_files > self.max_files:
+                raise RequestError(self._current_part.field_name, f"file {self._current_files}",
+                                   f"at most {MAX_FORM_FILES} files in one request") from None
+            raise
+        part, name = self._current_part, self._current_part.field_name
+        self._received = 0
+        if part.file is not None:
+            if name not in MEDIA_FIELDS:
+                raise RequestError(name, part.file.filename or "file",
+                                   "a form field; files go in " + ", ".join(MEDIA_FIELDS))
+            if name == "video_reference":
+                raise RequestError(name, part.file.filename or "file", VIDEO_REFUSED)
+
+    def on_part_data(self, data: bytes, start: int, end: int) -> None:
+        part, name = self._current_part, self._current_part.field_name
+        self._received += end - start
+        if part.file is None:
+            if self._received > MAX_FORM_VALUE_BYTES:
+                raise RequestError(name, f"more than {MAX_FORM_VALUE_BYTES:,} bytes",
+                                   f"a form value of at most {MAX_FORM_VALUE_BYTES:,} bytes")
+        else:
+            kind = REFERENCE_KIND.get(name, "image")
+            cap = MAX_MEDIA_BYTES[kind]
+            if self._received > cap:
+                raise RequestError(name, f"{part.file.filename or 'file'}: more than {cap:,} bytes",
+                                   f"a {kind} file of at most {cap:,} bytes")
+        super().on_part_data(data, start, end)
+
+
+async def _form(request: Request, ctype: str):
+    """The form's items, multipart parsed as it streams under its bounds; urlencoded from the capped body."""
+    if ctype == "multipart/form-data":
+        if "boundary=" not in request.headers.get("content-type", ""):
+            raise RequestError("content-type", request.headers.get("content-type"),
+                               "multipart/form-data with its boundary parameter")
+        parser = CappedMultiPartParser(request.headers,
+                                       _counted(request, MAX_BODY_BYTES, "a multipart body"))
+        try:
+            form = await parser.parse()
+        except MultiPartException as exc:
+            raise RequestError("body", exc.message, "a well-formed multipart form") from None
+        request._form = form   # its spooled files closed with the request
+        return form
+    return await request.form()
 
 
 async def read_body(request: Request) -> Any:
     length = request.headers.get("content-length")
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype == "multipart/form-data":
-        # parsed as it streams (files spooled), so bounded by the length it announces, which the server enforces
-        if length is None or not length.isdigit():
-            raise RequestError("content-length", length, "a multipart upload announces its Content-Length")
-        if int(length) > MAX_BODY_BYTES:
+        # parsed as it streams (files spooled), bounded by the bytes received; an announced excess is refused first
+        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
             raise TooLarge(f"body: {int(length):,} bytes; a multipart body is at most {MAX_BODY_BYTES:,} bytes")
     else:
         await _capped_body(request)
@@ -180,7 +270,9 @@ async def read_body(request: Request) -> Any:
             ctype = "application/json"
     if ctype in ("multipart/form-data", "application/x-www-form-urlencoded"):
         try:
-            form = await request.form()
+            form = await _form(request, ctype)
+        except H3Error:
+            raise
         except Exception as exc:  # noqa: BLE001 - malformed multipart
             raise RequestError("body", type(exc).__name__, "a well-formed form") from None
         if ctype == "application/x-www-form-urlencoded":
@@ -200,14 +292,12 @@ async def read_body(request: Request) -> Any:
                     raise RequestError(key, short(value), "given once")
                 nested[inner[:-1]] = value
                 continue
-            if not isinstance(value, str):   # an uploaded file
+            if not isinstance(value, str):   # an uploaded file, within its kind's bound (the parser held it there)
                 if key not in MEDIA_FIELDS:
                     raise RequestError(key, getattr(value, "filename", "file"),
                                        "a form field; files go in " + ", ".join(MEDIA_FIELDS))
-                data = await value.read(LARGEST_UPLOAD + 1)
-                value = Upload(data, key, value.filename or "")
-                if len(data) > LARGEST_UPLOAD:
-                    raise RequestError(key, repr(value), f"a file of at most {LARGEST_UPLOAD:,} bytes")
+                file, value = value, Upload(await value.read(), key, value.filename or "")
+                await file.close()
             if key in REPEATABLE:
                 body.setdefault(key, []).append(value)
                 continue
@@ -288,11 +378,65 @@ def mp4_response(gateway: Gateway, job: Job, headers: dict, filename: str | None
     if mp4 is None:
         raise NotFound(f"video {job.id} is completed but its MP4 is no longer in the job store (deleted or expired)")
     if mp4.path is not None:
-        return FileResponse(mp4.path, media_type="video/mp4", headers=headers, filename=filename)
+        return Mp4FileResponse(mp4.path, media_type="video/mp4", headers=headers, filename=filename,
+                               stat_result=os.stat(mp4.path))
     if filename:
         headers = {**headers, "Content-Disposition": f'attachment; filename="{filename}"'}
     return StreamingResponse(mp4.chunks, media_type="video/mp4",
                              headers={**headers, "Content-Length": str(mp4.size)})
+
+
+class Authenticate:
+    """Every /v1 call's `Authorization` checked before anything of it is read; the caller's key name in
+    `request.state.owner`. Passes receive and send through untouched (the client's disconnect stays visible)."""
+
+    def __init__(self, app, keys: Authenticator):
+        self.app = app
+        self.keys = keys
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = [v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"]
+            try:
+                if len(given) > 1:   # which one counts would depend on the proxy in front: none does
+                    raise Unauthenticated(f"{len(given)} Authorization headers: send exactly one")
+                owner = self.keys.caller(given[0] if given else None)
+            except Unauthenticated as exc:
+                response = _error_response(exc)
+                response.headers["WWW-Authenticate"] = 'Bearer realm="h3serve"'
+                await response(scope, receive, send)
+                return
+            scope.setdefault("state", {})["owner"] = owner
+        await self.app(scope, receive, send)
+
+
+class Mp4FileResponse(FileResponse):
+    """A FileResponse whose Range refusals are the error object (Starlette answers them as plain text): 416 with
+    `Content-Range: bytes */SIZE` for a range past the end, 400 naming `Range` for a malformed one."""
+
+    async def __call__(self, scope, receive, send):
+        http_range = Headers(scope=scope).get("range")
+        if_range = Headers(scope=scope).get("if-range")
+        if (http_range is not None and self.stat_result is not None and self.status_code == 200
+                and scope["method"].upper() in ("GET", "HEAD")
+                and (if_range is None or self._should_use_range(if_range))):
+            size = self.stat_result.st_size
+            try:
+                self._parse_range_header(http_range, size)
+            except MalformedRangeHeader as exc:
+                detail = exc.content if isinstance(exc.content, str) and exc.content else "malformed"
+                await _refusal(400, "invalid_request", "Range",
+                               f"Range={short(http_range)!r} is invalid: {detail}; give bytes=START-END within "
+                               f"the {size:,} bytes of the MP4")(scope, receive, send)
+                return
+            except RangeNotSatisfiable:
+                response = _refusal(416, "range_not_satisfiable", "Range",
+                                    f"Range={short(http_range)!r} is not satisfiable: the MP4 has {size:,} bytes "
+                                    f"(bytes 0-{size - 1})")
+                response.headers["Content-Range"] = f"bytes */{size}"
+                await response(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
 
 
 def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
@@ -328,33 +472,32 @@ def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
     async def _internal(request: Request, exc: Exception):
         return _error_response(exc)
 
-    keys = auth or Authenticator(None)
+    # A plain ASGI middleware, not @app.middleware("http"): Starlette's BaseHTTPMiddleware hands the app a receive
+    # of its own that never reports the client gone, so `/v1/videos/sync` could not see its caller leave.
+    app.add_middleware(Authenticate, keys=auth or Authenticator(None))
 
-    @app.middleware("http")
-    async def _authenticate(request: Request, call_next):
-        if request.url.path.startswith("/v1/"):
-            try:
-                given = request.headers.getlist("authorization")
-                if len(given) > 1:   # which one counts would depend on the proxy in front: none does
-                    raise Unauthenticated(f"{len(given)} Authorization headers: send exactly one")
-                request.state.owner = keys.caller(given[0] if given else None)
-            except Unauthenticated as exc:
-                response = _error_response(exc)
-                response.headers["WWW-Authenticate"] = 'Bearer realm="h3serve"'
-                return response
-        return await call_next(request)
+    async def new_job(request: Request, kind: str) -> Job:
+        """The request's body read (bounded), its fields validated and its uploads decoded: on the decode pool,
+        within the caller's share, when it carries media (else on a thread: validation alone is quick)."""
+        body = await read_body(request)
+        timeout = _timeout(request)
+        owner = request.state.owner
 
-    def new_job(fields, names, request: Request, kind: str) -> Job:
         def sink(job: Job):
             return FileSink(gateway.jobs.mp4_path(job))
 
-        return gateway.new_job(fields, kind=kind, sink_factory=sink, timeout=_timeout(request), names=names,
-                               owner=request.state.owner)
+        def make() -> Job:
+            fields, names = fields_from_http(body)
+            return gateway.new_job(fields, kind=kind, sink_factory=sink, timeout=timeout, names=names, owner=owner)
+
+        if isinstance(body, dict) and any(k in body for k in MEDIA_FIELDS):
+            caller = decode_caller(owner, request.client.host if request.client else None)
+            return await gateway.decoder.arun(caller, make)
+        return await asyncio.to_thread(make)
 
     @app.post("/v1/videos", openapi_extra=REQUEST_BODY, summary="Create a video job")
     async def create_video(request: Request, validate_only: bool = False):
-        fields, names = fields_from_http(await read_body(request))
-        job = await asyncio.to_thread(new_job, fields, names, request, "http")   # decodes uploads off the loop
+        job = await new_job(request, "http")
         if validate_only:
             obj = job_object(job, gateway)
             obj["status"], obj["object"] = "validated", "video.validation"
@@ -365,12 +508,11 @@ def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
     @app.post("/v1/videos/sync", openapi_extra=REQUEST_BODY, summary="Create a video and wait for the MP4",
               responses={200: {"content": {"video/mp4": {}}}})
     async def create_video_sync(request: Request):
-        fields, names = fields_from_http(await read_body(request))
-        job = await asyncio.to_thread(new_job, fields, names, request, "http")
+        job = await new_job(request, "http")
         await asyncio.to_thread(gateway.submit, job)
         while not job.done.is_set():
             if await request.is_disconnected():   # nobody to answer: cancel quietly, no error logged
-                job.cancel("the HTTP client disconnected")
+                await asyncio.to_thread(gateway.jobs.cancel, job.id, "the HTTP client disconnected")
                 return Response(status_code=499)
             await asyncio.to_thread(job.done.wait, 0.25)
         if job.exc is not None:
@@ -386,18 +528,10 @@ def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
             raise RequestError("limit", limit, "an integer in [1, 100]")
         if order not in ("asc", "desc"):
             raise RequestError("order", order, "asc or desc")
-        jobs = await asyncio.to_thread(gateway.jobs.list, request.state.owner)
-        if order == "desc":
-            jobs.reverse()
-        if after is not None:
-            ids = [j.id for j in jobs]
-            if after not in ids:
-                raise RequestError("after", after, "the id of a listed video")
-            jobs = jobs[ids.index(after) + 1:]
-        page = jobs[:limit]
+        page, more = await asyncio.to_thread(gateway.jobs.page, request.state.owner, limit, after, order)
         return {"object": "list", "data": [job_object(j, gateway) for j in page],
                 "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None,
-                "has_more": len(jobs) > limit}
+                "has_more": more}
 
     @app.get("/v1/videos/{video_id}", summary="Get a video job")
     async def get_video(request: Request, video_id: str):

@@ -59,7 +59,7 @@ from h3serve.errortable import (
 from .fields import REQUEST_ID, Validated
 from .metrics import GatewayMetrics
 from .sinks import END, Sink, unlink
-from .store import HEARTBEAT_STALE_S, JobStore, Mp4, StoreError, open_store
+from .store import HEARTBEAT_STALE_S, JobStore, Mp4, StoreError, entry_id, index_entry, open_store
 
 log = logging.getLogger("h3serve.gateway")
 
@@ -234,6 +234,7 @@ class JobTable:
         self.admitting: dict[str, Job] = {}   # slots reserved while their records are written (no lock held)
         self.refused: dict[str, int] = {}     # ids whose first record failed -> sweeps that found it settled
         self.store_error: str | None = None   # the last store write's error; None once one succeeds (/ready)
+        self._index_ready = False             # the store's job index checked (built once if it had none)
         # a private temp dir only when nothing durable is configured (then jobs live as long as the process)
         self._own_dir = config.jobs_dir is None and config.job_store is None
         self.dir = config.jobs_dir or tempfile.mkdtemp(prefix="h3serve-jobs-")   # MP4s (spooled, or kept)
@@ -583,17 +584,39 @@ class JobTable:
             unlink(job.output_path)
         return job
 
+    def page(self, owner: str | None, limit: int, after: str | None = None,
+             order: str = "desc") -> tuple[list[Job], bool]:
+        """A page of the caller's HTTP jobs (every one's when `owner` is None), newest first (`order` asc: oldest),
+        after the job `after`, and whether more follow. From the store's index: entry names are listed, and only
+        the records of the page (and of `after`) are read; a live job of this process is its live state."""
+        if not self._index_ready:
+            self.store.ensure_index()   # a store written before the index: indexed once, from its records
+            self._index_ready = True
+        start = None
+        if after is not None:
+            rec = self._record(after)
+            if rec is None or (owner is not None and rec.get("owner") != owner):
+                raise RequestError("after", after, "the id of a listed video")
+            start = index_entry(rec)
+        out: list[Job] = []
+        for entry in self.store.index_entries(owner, start, reverse=order == "asc"):
+            job_id = entry_id(entry)
+            job = self._live_http(job_id)
+            if job is None:
+                rec = self._record(job_id)
+                if rec is None:   # admitted and refused, or deleted meanwhile: not a job
+                    continue
+                job = self._load(rec)
+            if owner is not None and job.owner != owner:
+                continue
+            out.append(job)
+            if len(out) > limit:
+                break
+        return out[:limit], len(out) > limit
+
     def list(self, owner: str | None = None) -> list[Job]:
-        """The caller's HTTP jobs (every one when `owner` is None), oldest first: this process's live ones and the
-        store's."""
-        with self.cond:
-            live = {j.id: j for j in self.jobs.values() if j.kind == "http"}
-        jobs = dict(live)
-        for rec in self.store.records():
-            if rec["id"] not in jobs:
-                jobs[rec["id"]] = self._load(rec)
-        mine = [j for j in jobs.values() if owner is None or j.owner == owner]
-        return sorted(mine, key=lambda j: j.created_at)
+        """The caller's HTTP jobs (every one when `owner` is None), oldest first."""
+        return self.page(owner, limit=1 << 62, order="asc")[0]
 
     def busy(self) -> bool:
         return bool(self.running) or bool(self.queue)

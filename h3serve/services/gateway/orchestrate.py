@@ -39,6 +39,7 @@ from .jobs import SHUTDOWN_REASON, Job, JobTable
 from .metrics import GatewayMetrics
 from .sinks import Sink
 from .stages import EdgeTransports, StageClients
+from .uploads import DecodePool
 
 log = logging.getLogger("h3serve.gateway")
 
@@ -372,6 +373,7 @@ class Gateway:
         self.on_health = on_health
         self.stages = StageClients(config, on_change=self._health_changed)
         self.jobs = JobTable(config, self.metrics)
+        self.decoder = DecodePool(config.decode_workers, config.decode_per_caller)   # uploads, off the API's pool
         self.workers = [threading.Thread(target=self._worker, name=f"h3serve-job-{i}", daemon=True)
                         for i in range(max(1, config.max_inflight))]
 
@@ -419,6 +421,7 @@ class Gateway:
         self.jobs.cancel_running(SHUTDOWN_REASON)
 
     def close(self) -> None:
+        self.decoder.close()
         self.jobs.close()
         self.stages.close()
 

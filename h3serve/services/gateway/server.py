@@ -26,10 +26,12 @@ from h3serve.runtime.tls import Tls
 
 from .auth import AuthInterceptor, Authenticator, check_exposure
 from .fields import fields_from_proto, served_models
+from .frontdoor import uvicorn_config
 from .http import create_app
 from .jobs import Job
 from .orchestrate import Gateway
 from .sinks import END, BytesSink, StreamSink
+from .uploads import decode_caller
 from .watchdog import Watchdog
 
 log = logging.getLogger("h3serve.gateway")
@@ -81,9 +83,7 @@ class GatewayServicer(StageBase):
     def start_http(self) -> None:
         app = create_app(self.gateway, self.auth)
         tls = Tls.of(self.config)   # HTTPS with the gateway's certificate when configured (then no plaintext)
-        cfg = uvicorn.Config(app, host=self.config.http_host, port=self.config.http_port, log_level="warning",
-                             lifespan="off", access_log=False, timeout_graceful_shutdown=5,
-                             ssl_certfile=tls.cert, ssl_keyfile=tls.key)
+        cfg = uvicorn_config(app, self.config, ssl_certfile=tls.cert, ssl_keyfile=tls.key)
         self.http_server = uvicorn.Server(cfg)
         self.http_thread = threading.Thread(target=self.http_server.run, name="h3serve-http", daemon=True)
         self.http_thread.start()
@@ -129,9 +129,16 @@ class GatewayServicer(StageBase):
     def _new_job(self, request, context, kind: str, sink_factory):
         rid = request.request_id if request.HasField("request_id") else None
         owner = self.auth.caller_of(context.invocation_metadata())
+        fields, timeout = fields_from_proto(request), self._timeout(context)
+
+        def make() -> Job:
+            return self.gateway.new_job(fields, kind=kind, sink_factory=sink_factory, timeout=timeout,
+                                        request_id=rid, owner=owner)
+
         try:
-            return self.gateway.new_job(fields_from_proto(request), kind=kind, sink_factory=sink_factory,
-                                        timeout=self._timeout(context), request_id=rid, owner=owner)
+            if any(k in fields for k in ("first_image", "last_image", "references")):   # uploads: decoded on
+                return self.gateway.decoder.run(decode_caller(owner, context.peer()), make)   # the bounded pool
+            return make()
         except RequestError:
             self.gateway.metrics.requests.labels(outcome="invalid_request").inc()
             raise

@@ -1,7 +1,8 @@
 """Where HTTP jobs live: a job record (JSON) and, once completed, its MP4, in a store every gateway replica shares.
 
-    DiskStore  DIR/jobs/<id>.json  DIR/videos/<id>.mp4        embedded and laptop (`--jobs-dir DIR`)
-    S3Store    s3://BUCKET/PREFIX: PREFIX/jobs/<id>.json, PREFIX/videos/<id>.mp4, PREFIX/gateways/<instance>.json
+    DiskStore  DIR/jobs/<id>.json  DIR/videos/<id>.mp4  DIR/index/<owner>/<entry>   laptop (`--jobs-dir DIR`)
+    S3Store    s3://BUCKET/PREFIX: PREFIX/jobs/<id>.json, PREFIX/videos/<id>.mp4, PREFIX/index/<owner>/<entry>,
+               PREFIX/gateways/<instance>.json
                (`--job-store s3://BUCKET/PREFIX`; endpoint and credentials from the environment as every S3 client
                reads them: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION)
 
@@ -11,6 +12,12 @@ read-only disk, an unreachable server) is a StoreError: 503, retryable, naming `
 keeps the local MP4 for the next try. Each gateway writes a heartbeat
 (`gateways/<host:port>.json`: its boot id and time); a record still queued or in progress whose gateway restarted
 (another boot id) or stopped beating is an orphan, and whoever reads it first marks it failed with the reason.
+
+The index: one empty entry per job, under its owner (`_` for a job of no key), named so that name order is newest
+first (`index_entry`: the creation time counted down, then the id). It is written before a job's first record
+and removed with the job, so listing a caller's jobs reads entry names (a directory listing, or an S3 listing from
+a start key) and then only the records of the page asked for, never every record. A store written before the index
+existed is indexed once, from its records, on first use (marked by `index/.complete`).
 """
 
 from __future__ import annotations
@@ -52,10 +59,34 @@ class Mp4:
     chunks: Iterator[bytes] | None = None
 
 
+INDEX_TOP = 10 ** 20 - 1   # entries count down from here: name order is newest first
+ANYONE = "_"               # the index folder of jobs of no key (a key's NAME starts with a letter or digit)
+INDEX_DONE = ".complete"
+
+
+def index_entry(record: dict) -> str:
+    """A job's index entry: its creation time (ns) counted down from INDEX_TOP, then its id."""
+    ns = int(float(record.get("created_at") or 0.0) * 1e9)
+    return f"{INDEX_TOP - ns:020d}_{record['id']}"
+
+
+def entry_id(entry: str) -> str:
+    return entry.split("_", 1)[1]
+
+
+def _owner_folder(owner: str | None) -> str:
+    return ANYONE if owner is None else _safe(owner)
+
+
 class JobStore(Protocol):
     durable: bool
 
     def put_record(self, record: dict) -> None: ...
+
+    def index_entries(self, owner: str | None, after: str | None = None,
+                      reverse: bool = False) -> Iterator[str]: ...
+
+    def ensure_index(self) -> None: ...
 
     def get_record(self, job_id: str) -> dict | None: ...
 
@@ -97,8 +128,13 @@ class DiskStore:
     def __init__(self, root: str, *, durable: bool = True):
         self.root = root
         self.durable = durable
-        for sub in ("jobs", "videos", "gateways"):
+        self._indexed: set[str] = set()   # ids whose entry this process wrote (a record is written 3 times)
+        jobs = os.path.join(root, "jobs")
+        fresh = not os.path.isdir(jobs) or next(os.scandir(jobs), None) is None
+        for sub in ("jobs", "videos", "gateways", "index"):
             os.makedirs(os.path.join(root, sub), exist_ok=True)
+        if fresh:   # no record to index: complete as it is
+            self._write(os.path.join(root, "index", INDEX_DONE), b"", "index the jobs")
 
     def _path(self, sub: str, name: str, ext: str) -> str:
         return os.path.join(self.root, sub, _safe(name) + ext)
@@ -131,10 +167,52 @@ class DiskStore:
             raise disk_error("read a job record", self.root, exc) from None
 
     def put_record(self, record: dict) -> None:
+        self._index(record)   # first: a record always has its entry (an entry without one is skipped)
         self._write(self._path("jobs", record["id"], ".json"), _dumps(record))
 
     def get_record(self, job_id: str) -> dict | None:
         return self._read(self._path("jobs", job_id, ".json"))
+
+    def _entry_path(self, record: dict) -> str:
+        return os.path.join(self.root, "index", _owner_folder(record.get("owner")), index_entry(record))
+
+    def _index(self, record: dict) -> None:
+        if record["id"] in self._indexed:
+            return
+        path = self._entry_path(record)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "ab"):
+                pass
+        except OSError as exc:
+            raise disk_error("write a job record", self.root, exc) from None
+        self._indexed.add(record["id"])
+
+    def index_entries(self, owner: str | None, after: str | None = None,
+                      reverse: bool = False) -> Iterator[str]:
+        """Entry names, newest first (oldest first with `reverse`), after `after`: of one owner, or every one."""
+        top = os.path.join(self.root, "index")
+        try:
+            folders = [_owner_folder(owner)] if owner is not None else os.listdir(top)
+            names = []
+            for folder in folders:
+                path = os.path.join(top, folder)
+                if os.path.isdir(path):
+                    names += [n for n in os.listdir(path) if not n.startswith(".")]
+        except OSError as exc:
+            raise disk_error("list the jobs", self.root, exc) from None
+        names.sort(reverse=reverse)
+        if after is not None:
+            names = [n for n in names if (n < after if reverse else n > after)]
+        return iter(names)
+
+    def ensure_index(self) -> None:
+        done = os.path.join(self.root, "index", INDEX_DONE)
+        if os.path.exists(done):
+            return
+        for rec in self.records():
+            self._index(rec)
+        self._write(done, b"", "index the jobs")
 
     def records(self) -> list[dict]:
         out = []
@@ -150,7 +228,12 @@ class DiskStore:
         return out
 
     def delete(self, job_id: str) -> None:
-        for path in (self._path("videos", job_id, ".mp4"), self._path("jobs", job_id, ".json")):
+        rec = self.get_record(job_id)
+        paths = [self._path("videos", job_id, ".mp4"), self._path("jobs", job_id, ".json")]
+        if rec is not None:
+            paths.append(self._entry_path(rec))
+        self._indexed.discard(job_id)
+        for path in paths:
             try:
                 os.unlink(path)
             except FileNotFoundError:
@@ -216,6 +299,7 @@ class S3Store:
         self.spool = spool_dir
         os.makedirs(spool_dir, exist_ok=True)
         self._etags: dict[str, tuple[str, dict]] = {}   # records of finished jobs do not change: read once
+        self._indexed: set[str] = set()   # ids whose index entry this process wrote
         self._call("reach the bucket", self._ensure_bucket)
 
     def _ensure_bucket(self) -> None:
@@ -261,10 +345,57 @@ class S3Store:
                    content_type="application/json")
 
     def put_record(self, record: dict) -> None:
+        self._index(record)   # first: a record always has its entry (an entry without one is skipped)
         self._put_json(self._key("jobs", record["id"], ".json"), record)
+
+    def _index(self, record: dict) -> None:
+        if record["id"] not in self._indexed:
+            self._call("write a job record", self.client.put_object, self.bucket, self._entry_key(record),
+                       io.BytesIO(b""), 0)
+            self._indexed.add(record["id"])
 
     def get_record(self, job_id: str) -> dict | None:
         return self._get_json(self._key("jobs", job_id, ".json"))
+
+    def _entry_key(self, record: dict) -> str:
+        return "/".join(p for p in (self.prefix, "index", _owner_folder(record.get("owner")),
+                                    index_entry(record)) if p)
+
+    def index_entries(self, owner: str | None, after: str | None = None,
+                      reverse: bool = False) -> Iterator[str]:
+        """Entry names, newest first (oldest first with `reverse`), after `after`. One owner's newest first is
+        listed lazily from `after` (S3 lists in name order); the other orders list the names and sort them."""
+        top = "/".join(p for p in (self.prefix, "index") if p) + "/"
+        if owner is not None and not reverse:
+            prefix = top + _owner_folder(owner) + "/"
+            objs = self._call("list the jobs", self.client.list_objects, self.bucket, prefix=prefix,
+                              recursive=True, start_after=prefix + after if after else None)
+            return (o.object_name.rsplit("/", 1)[1] for o in self._listed(objs))
+        prefix = top + (_owner_folder(owner) + "/" if owner is not None else "")
+        objs = self._call("list the jobs", lambda: list(self.client.list_objects(self.bucket, prefix=prefix,
+                                                                                 recursive=True)))
+        names = sorted((n for n in (o.object_name.rsplit("/", 1)[1] for o in objs or ())
+                        if not n.startswith(".")), reverse=reverse)
+        if after is not None:
+            names = [n for n in names if (n < after if reverse else n > after)]
+        return iter(names)
+
+    def _listed(self, objs) -> Iterator:
+        """A lazy S3 listing, its failures the store's error."""
+        it = iter(objs or ())
+        while True:
+            o = self._call("list the jobs", next, it, None)
+            if o is None:
+                return
+            yield o
+
+    def ensure_index(self) -> None:
+        done = "/".join(p for p in (self.prefix, "index", INDEX_DONE) if p)
+        if self._call("read the job index", self.client.stat_object, self.bucket, done) is not None:
+            return
+        for rec in self.records():
+            self._index(rec)
+        self._call("index the jobs", self.client.put_object, self.bucket, done, io.BytesIO(b""), 0)
 
     def records(self) -> list[dict]:
         prefix = self._key("jobs", "", "")
@@ -288,7 +419,12 @@ class S3Store:
         return out
 
     def delete(self, job_id: str) -> None:
-        for key in (self._key("videos", job_id, ".mp4"), self._key("jobs", job_id, ".json")):
+        rec = self.get_record(job_id)
+        keys = [self._key("videos", job_id, ".mp4"), self._key("jobs", job_id, ".json")]
+        if rec is not None:
+            keys.append(self._entry_key(rec))
+        self._indexed.discard(job_id)
+        for key in keys:
             self._call("delete a job", self.client.remove_object, self.bucket, key)
 
     def spool_path(self, job_id: str) -> str:

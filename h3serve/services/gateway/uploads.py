@@ -2,6 +2,10 @@
 here, at the front door, before the request is admitted, so that a file that cannot be decoded or is out of bounds
 is a 4xx / INVALID_ARGUMENT naming the caller's field, never a stage failure.
 
+Bounded by what is decoded, not by what a header claims: audio is decoded up to MAX_AUDIO_SECONDS and no further,
+images are decoded whole and verified (h3serve.media.image). The decoding runs on `DecodePool`, threads of its
+own with a per-caller share, never the event loop's default executor.
+
 What leaves here for the stages (`Conditions`): the kinds in the order the model reads them and one tensor per kind,
 an image as (H, W, 3) uint8 RGB (the decoded file; each stage applies the same resize, models/conditions.py), an
 audio reference as (2, N) float32 PCM at 32 kHz cut to the request's duration (as the embedded pipeline reads it).
@@ -9,15 +13,17 @@ audio reference as (2, N) float32 PCM at 32 kHz cut to the request's duration (a
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import collections
+import concurrent.futures
 import re
+import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
-import numpy as np
 import torch
-from PIL import Image
 
 from h3serve.config.request import (
     MAX_AUDIO_SECONDS,
@@ -28,7 +34,9 @@ from h3serve.config.request import (
     media_source,
 )
 from h3serve.errors import H3Error, RequestError
-from h3serve.media.audio import audio_seconds, read_audio_reference
+from h3serve.errortable import Draining, QueueFull
+from h3serve.media.audio import AudioTooLong, audio_seconds, read_audio_reference
+from h3serve.media.image import CorruptImage, decode_rgb
 
 DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[\w.+-]+)*)(?P<b64>;base64)?,",
                       re.I)
@@ -89,24 +97,34 @@ def _name(source: Any, default: str) -> str:
 
 
 def _image(source: Any, field: str) -> torch.Tensor:
+    """An image decoded whole and verified (h3serve.media.image: CRCs, a PNG's scanlines, every pixel)."""
     try:
-        with Image.open(media_source(source)) as image:
-            arr = np.ascontiguousarray(np.asarray(image.convert("RGB"), dtype=np.uint8))
+        arr = decode_rgb(media_source(source))
+    except CorruptImage as exc:
+        raise RequestError(field, repr(source) if isinstance(source, Upload) else source,
+                           f"an intact image file ({exc})") from None
     except Exception:  # noqa: BLE001 - a truncated or corrupt file fails in the decode, after its header was read
         raise RequestError(field, repr(source) if isinstance(source, Upload) else source,
-                           "a readable image file (PNG, JPEG, WebP, ...)") from None
+                           "a readable, intact image file (PNG, JPEG, WebP, ...)") from None
     return torch.from_numpy(arr.copy())
 
 
 def _audio(source: Any, field: str, max_samples: int) -> torch.Tensor:
+    """An audio reference decoded up to the cap and no further: a header claiming more than MAX_AUDIO_SECONDS is
+    refused before decoding; a header that claims less (or nothing) is not trusted: decoding stops, and the file
+    is refused, as soon as more than MAX_AUDIO_SECONDS were decoded. Only `max_samples` are kept."""
     shown = repr(source) if isinstance(source, Upload) else source
+    allowed = f"audio of at most {MAX_AUDIO_SECONDS:g} seconds"
     try:
         seconds = audio_seconds(media_source(source))
-        if seconds > MAX_AUDIO_SECONDS:
-            raise RequestError(field, f"{seconds:.1f} s", f"audio of at most {MAX_AUDIO_SECONDS:g} seconds")
-        pcm = read_audio_reference(media_source(source), max_samples, SAMPLE_RATE)
+        if seconds is not None and seconds > MAX_AUDIO_SECONDS:
+            raise RequestError(field, f"{seconds:.1f} s", allowed)
+        pcm = read_audio_reference(media_source(source), max_samples, SAMPLE_RATE, max_seconds=MAX_AUDIO_SECONDS)
     except RequestError:
         raise
+    except AudioTooLong as exc:
+        claim = "" if exc.header_seconds is None else f" (its header says {exc.header_seconds:.1f} s)"
+        raise RequestError(field, f"more than {MAX_AUDIO_SECONDS:g} s decoded{claim}", allowed) from None
     except Exception as exc:  # noqa: BLE001 - a malformed file fails anywhere in the demuxer or decoder
         reason = str(exc).removeprefix("references: ") if isinstance(exc, H3Error) else \
             f"the decoder failed: {type(exc).__name__}"
@@ -139,3 +157,105 @@ def decode_conditions(req: GenerationRequest) -> Conditions | None:
     else:
         return None
     return Conditions(tuple(kinds), tuple(tensors))
+
+
+# -- where uploads are decoded ---------------------------------------------------------------------------------
+
+DECODE_WAITING_PER_CALLER = 8   # a caller's requests waiting for the pool beyond its share; more: QueueFull (429)
+
+
+def decode_caller(owner: str | None, address: str | None) -> tuple[str, str]:
+    """Whose share of the decode pool a request takes: its API key's name, else (no keys) its client's address
+    (a gRPC peer's `ipv4:HOST:PORT` without the port)."""
+    if owner is not None:
+        return ("key", owner)
+    address = address or ""
+    if address.startswith(("ipv4:", "ipv6:")):
+        address = address.split(":", 1)[1].rsplit(":", 1)[0]
+    return ("address", address)
+
+
+class DecodePool:
+    """Upload decoding (validation of a request that carries media: image headers, whole images, audio) on threads
+    of its own, never the event loop's default executor that the API's store calls use, so a flood of uploads
+    cannot hold up anyone's `GET /v1/videos`.
+
+    At most `workers` decode at once, and at most `per_caller` of them for one caller (the API key's name, else the
+    client's address); the next task is taken round-robin over the callers with one waiting, so a caller's turn
+    comes however many requests another has queued. A caller with DECODE_WAITING_PER_CALLER requests waiting is
+    refused the next at once (QueueFull: 429, retryable)."""
+
+    def __init__(self, workers: int, per_caller: int):
+        self.workers = max(1, int(workers))
+        self.per_caller = max(1, min(int(per_caller), self.workers))
+        self._cond = threading.Condition()
+        self._pending: collections.OrderedDict[Any, collections.deque] = collections.OrderedDict()
+        self._running: collections.Counter = collections.Counter()
+        self._closed = False
+        self._threads = [threading.Thread(target=self._work, name=f"h3serve-decode-{i}", daemon=True)
+                         for i in range(self.workers)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, caller: Any, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self._closed:
+                raise Draining("the server is shutting down and admits no new requests; retry elsewhere")
+            queue = self._pending.setdefault(caller, collections.deque())
+            if len(queue) >= DECODE_WAITING_PER_CALLER:
+                raise QueueFull(f"{len(queue)} of this caller's requests with uploads wait to be decoded (each caller "
+                                f"decodes {self.per_caller} at a time); retry later")
+            queue.append((fut, fn))
+            self._cond.notify()
+        return fut
+
+    def run(self, caller: Any, fn: Callable[[], Any]) -> Any:
+        """fn() on the pool, waited for (a gRPC handler's thread)."""
+        return self.submit(caller, fn).result()
+
+    async def arun(self, caller: Any, fn: Callable[[], Any]) -> Any:
+        """fn() on the pool, awaited (the HTTP API's event loop)."""
+        return await asyncio.wrap_future(self.submit(caller, fn))
+
+    def _next(self):
+        for caller, queue in self._pending.items():
+            if self._running[caller] < self.per_caller:
+                item = queue.popleft()
+                del self._pending[caller]
+                if queue:   # its next request waits behind every other caller's
+                    self._pending[caller] = queue
+                return caller, item
+        return None
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and (taken := self._next()) is None:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                caller, (fut, fn) = taken
+                self._running[caller] += 1
+            try:
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn())
+                    except BaseException as exc:  # noqa: BLE001 - the caller's future carries it
+                        fut.set_exception(exc)
+            finally:
+                with self._cond:
+                    self._running[caller] -= 1
+                    if not self._running[caller]:
+                        del self._running[caller]
+                    self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            pending = [item for q in self._pending.values() for item in q]
+            self._pending.clear()
+            self._cond.notify_all()
+        for fut, _ in pending:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(Draining("the server shut down before the request was decoded; retry elsewhere"))

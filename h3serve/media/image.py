@@ -1,0 +1,122 @@
+"""Images in: a keyframe or image reference decoded to (H, W, 3) uint8 RGB with Pillow, refusing corrupt files.
+
+Pillow decodes what it can of a damaged file: a PNG chunk with a wrong CRC is read anyway, and a PNG whose
+compressed IDAT stream ends early, or holds fewer scanlines than the header says, is filled in silently. Callers'
+files are not trusted that far: `decode_rgb` verifies a PNG first (`Image.verify()`, then `check_png`: every
+chunk's CRC, and image data that is exactly the scanlines its header announces), then decodes all of any image
+(`load()`, truncated data refused).
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+import zlib
+
+import numpy as np
+from PIL import Image, ImageFile
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+PNG_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}   # colour type -> samples per pixel
+ADAM7 = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2), (0, 1, 1, 2))
+
+
+class CorruptImage(ValueError):
+    """The file is damaged (what is wrong in `str()`)."""
+
+
+def _png_scanline_bytes(width: int, height: int, depth: int, colour: int, interlace: int) -> int:
+    """The bytes a PNG's IDAT stream inflates to: every (pass's) scanline with its filter byte."""
+    bits = PNG_CHANNELS[colour] * depth
+    if not interlace:
+        return height * (1 + (width * bits + 7) // 8)
+    total = 0
+    for x0, y0, dx, dy in ADAM7:
+        w, h = (width - x0 + dx - 1) // dx, (height - y0 + dy - 1) // dy
+        if w > 0 and h > 0:
+            total += h * (1 + (w * bits + 7) // 8)
+    return total
+
+
+def check_png(data: bytes) -> None:
+    """A PNG's chunks are whole and pass their CRCs (IEND's too, which Pillow's verify() skips), and its IDAT stream
+    inflates to exactly the scanlines of its header (a stream that ends early, holds fewer rows or more data is
+    refused). Inflates at most one byte past that size."""
+    pos, header, idat = len(PNG_SIGNATURE), None, []
+    while True:
+        if pos + 8 > len(data):
+            raise CorruptImage("the PNG ends inside a chunk header (no IEND)")
+        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        if pos + 12 + length > len(data):
+            raise CorruptImage(f"the PNG's {kind.decode('latin-1')!r} chunk is cut short")
+        body = data[pos + 8:pos + 8 + length]
+        if zlib.crc32(kind + body) != struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])[0]:
+            raise CorruptImage(f"the PNG's {kind.decode('latin-1')!r} chunk fails its CRC")
+        if kind == b"IHDR":
+            if length != 13:
+                raise CorruptImage("the PNG's IHDR chunk is not 13 bytes")
+            header = struct.unpack(">IIBBBBB", body)
+        elif kind == b"IDAT":
+            idat.append(body)
+        elif kind == b"IEND":
+            break
+        pos += 12 + length
+    if header is None or not idat:
+        raise CorruptImage("the PNG has no IHDR or no IDAT chunk")
+    width, height, depth, colour, _, _, interlace = header
+    if colour not in PNG_CHANNELS:
+        raise CorruptImage(f"the PNG's colour type {colour} is not one PNG defines")
+    expected = _png_scanline_bytes(width, height, depth, colour, interlace)
+    inflate = zlib.decompressobj()
+    got = 0
+    try:
+        for chunk in idat:
+            got += len(inflate.decompress(chunk, expected + 1 - got))
+            if got > expected:
+                break
+            while inflate.unconsumed_tail and got <= expected:
+                got += len(inflate.decompress(inflate.unconsumed_tail, expected + 1 - got))
+    except zlib.error as exc:
+        raise CorruptImage(f"the PNG's image data does not inflate ({exc})") from None
+    if got > expected:
+        raise CorruptImage(f"the PNG's image data holds more than the {expected:,} bytes of scanlines its header "
+                           "announces")
+    if not inflate.eof or got < expected:
+        raise CorruptImage(f"the PNG's image data is truncated: {got:,} of the {expected:,} bytes of scanlines its "
+                           "header announces")
+
+
+def _bytes(source) -> bytes | None:
+    """The file's bytes when it is in memory (an upload), else None (a path: Pillow reads it)."""
+    if isinstance(source, (bytes, bytearray)):
+        return bytes(source)
+    if isinstance(source, io.BytesIO):
+        return source.getvalue()
+    return None
+
+
+def decode_rgb(source) -> np.ndarray:
+    """(H, W, 3) uint8 RGB of an image (a path, bytes or a BytesIO); raises CorruptImage, or whatever Pillow
+    raises, for a file that is not a whole, intact image."""
+    data = _bytes(source)
+    opened = (lambda: io.BytesIO(data)) if data is not None else (lambda: source)
+    if ImageFile.LOAD_TRUNCATED_IMAGES:   # a library that turned it on for itself does not decide for callers
+        raise CorruptImage("Pillow is set to load truncated images (ImageFile.LOAD_TRUNCATED_IMAGES)")
+    image = Image.open(opened())
+    try:
+        if image.format == "PNG":
+            try:
+                image.verify()   # chunk CRCs (the only format whose verify() checks the data)
+            except Exception as exc:  # noqa: BLE001 - Pillow says what is broken: SyntaxError, OSError, ...
+                raise CorruptImage(f"{exc}") from None
+            image.close()    # verify() leaves the image unusable: opened again
+            if data is not None:
+                check_png(data)
+            image = Image.open(opened())
+        try:
+            image.load()     # every pixel decoded: truncated data raises
+        except (OSError, SyntaxError, ValueError) as exc:
+            raise CorruptImage(f"{exc}") from None
+        return np.ascontiguousarray(np.asarray(image.convert("RGB"), dtype=np.uint8))
+    finally:
+        image.close()

@@ -3,6 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+VENV=${H3SERVE_VENV:-.venv}   # the one setup.sh made
 if ! command -v ffprobe >/dev/null 2>&1; then
   # The media tests check every MP4 with an independent decoder, Debian's ffprobe.
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq ffmpeg >/dev/null) \
@@ -14,6 +15,6 @@ bash tests/operator/tools.sh >/dev/null
 # The job-store tests run a real S3-compatible server (versitygw), built once the same way (about 1 minute cold).
 bash tests/service/s3tools.sh >/dev/null
 # The layers of DESIGN §4 (contracts in pyproject.toml): a crossed boundary fails before any test runs.
-.venv/bin/lint-imports --no-cache
+"$VENV"/bin/lint-imports --no-cache
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-exec .venv/bin/python -m pytest "$@"
+exec "$VENV"/bin/python -m pytest "$@"

@@ -1,6 +1,6 @@
 """The image the chart deploys: it declares what the GPU stages use, at the versions the project pins and measured.
 
-This reads the Dockerfile (the users' image; tests/realcluster/test_image.py runs the test cluster's, built by
+This reads the Dockerfile (the users' image; tests/realcluster/test_container_image.py runs the test cluster's, built by
 scripts/image.sh): each package the stages import at full speed is installed, pinned where the project pins it, and
 the ports the renderer uses are exposed.
 """

@@ -633,7 +633,7 @@ def leftovers() -> list[str]:
         f = line.split()
         if PREFIX in f[4] or "h3serve-cluster" in f[4]:
             out.append(f"mount {f[4]}")
-    for pid in pids_matching(str(DEFAULT_DIR.parent / "h3serve-")):
+    for pid in pids_matching("h3serve-cluster"):  # a cluster's folder: DEFAULT_DIR or h3serve-cluster-XXXX
         if "pytest" not in (pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")):
             out.append(f"process {pid}")
     if os.path.exists(DEBIAN["iptables"]):

@@ -56,8 +56,15 @@ _KEEPALIVE = [
 ]
 
 
+# A client channel resolves its DNS target again only when a connection ends: a server that asks its clients to
+# reconnect after this long (GOAWAY; calls in flight finish, the grace is unbounded) lets a balanced channel find
+# replicas added since (a DiT scaled 1 -> 2 got no call from a gateway's old channel: found on the real cluster).
+MAX_CONNECTION_AGE_MS = 30_000
+
+
 def server_options(max_message: int = MESSAGE_LIMIT) -> list[tuple[str, Any]]:
     return [
+        ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_MS),
         ("grpc.max_send_message_length", int(max_message)),
         ("grpc.max_receive_message_length", int(max_message)),
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),

@@ -324,7 +324,10 @@ def disaggregated(cluster, operator, api_keys):
     name = "h3-tiny-d"
     patch = {"placement": "disaggregated", "tls": {"secretName": f"{name}-tls"}}
     doc = yaml.safe_load((ROOT / "examples" / "cpu-tiny.yaml").read_text())
-    merge(doc["spec"], {**patch, "tls": {"secretName": f"{name}-tls", "certManager": {"issuerRef": {"name": "x"}}}})
+    # the names of the Services with a FastH3 pool too (a later test adds one)
+    pool = {"adapter": {"path": "/models/fasth3.safetensors", "sha256": "0" * 64}}
+    merge(doc["spec"], {**patch, "fasth3": pool,
+                        "tls": {"secretName": f"{name}-tls", "certManager": {"issuerRef": {"name": "x"}}}})
     [cert] = [o for o in M.render(H3DeploymentSpec.from_dict(doc["spec"]), name, APPS_NS) if o["kind"] == "Certificate"]
     pki = cluster.run / "deployment-pki"
     pki.mkdir()
@@ -448,17 +451,22 @@ def test_dit_scaled_to_two_serves_and_restarts_no_other_pod(cluster, disaggregat
     assert set(before) <= set(now) and all(now[u] == before[u] for u in before)  # no other pod replaced or restarted
     [new] = [p for p in ready if p["metadata"]["uid"] not in before]
     # the gateway balances per call over the headless Service: the new DiT gets calls
-    served = 0.0
-    for i in range(4):
-        out = cluster.run / f"scaled-{i}.mp4"
-        code, so, se = finish(tls_generate(cluster, disaggregated, out))
-        assert code == 0 and sha(out.read_bytes()) == sha(embedded), se[-3000:]
-        served = metric(cluster, new, 9402, 'h3serve_stage_requests_total{stage="dit"}')
-        if served:
-            break
-    assert served >= 1, "the new DiT pod got no call"
-    cluster.kubectl("scale", "h3d", disaggregated["name"], "-n", APPS_NS, "--replicas=1")
-    wait_pods_ready(cluster, APPS_NS, f"{sel},app.kubernetes.io/component=dit", 1, timeout=300)
+    try:
+        # the gateway balances per call over the headless Service; its channel finds the new replica when the old
+        # connection ages out (the servers' max connection age)
+        served, deadline = 0.0, time.monotonic() + 120
+        i = 0
+        while not served and time.monotonic() < deadline:
+            out = cluster.run / f"scaled-{i}.mp4"
+            code, so, se = finish(tls_generate(cluster, disaggregated, out))
+            assert code == 0 and sha(out.read_bytes()) == sha(embedded), se[-3000:]
+            served = metric(cluster, new, 9402, 'h3serve_stage_requests_total{stage="dit"}')
+            i += 1
+        assert served >= 1, f"the new DiT pod got no call in {i} jobs"
+        log_figure("dit_scaled_new_pod_first_call_after_jobs", i)
+    finally:
+        cluster.kubectl("scale", "h3d", disaggregated["name"], "-n", APPS_NS, "--replicas=1")
+        wait_pods_ready(cluster, APPS_NS, f"{sel},app.kubernetes.io/component=dit", 1, timeout=300)
 
 
 def test_a_deleted_dit_pod_drains_its_job_and_loses_none(cluster, disaggregated, embedded):
@@ -480,7 +488,9 @@ def test_a_deleted_dit_pod_drains_its_job_and_loses_none(cluster, disaggregated,
     assert code == 0 and sha(out.read_bytes()) == sha(embedded), se[-3000:]
 
 
-@pytest.mark.parametrize("stage", ["encoder", "dit", "vae", "muxer"])
+# The encoder is left out: its part is over before the DiT starts (a job no longer needs it then; the watchdog
+# knows), so killing it mid-job loses nothing, which the drain and the DiT cases already show.
+@pytest.mark.parametrize("stage", ["dit", "vae", "muxer"])
 def test_a_stage_pod_killed_mid_job_fails_it_naming_the_stage_then_recovers(cluster, disaggregated, embedded, stage):
     out = cluster.run / f"killed-{stage}.mp4"
     job = tls_generate(cluster, disaggregated, out, LONG)
@@ -490,13 +500,9 @@ def test_a_stage_pod_killed_mid_job_fails_it_naming_the_stage_then_recovers(clus
     cluster.kubectl("delete", "pod", "-n", APPS_NS, victim["metadata"]["name"], "--grace-period=0", "--force",
                     "--wait=false")
     code, so, se = finish(job)
-    # the client's answer: its error (the encoder: the job, which no longer needed it, finished)
-    FIGURES.setdefault("killed_to_client_answer_s", {})[stage] = round(time.monotonic() - t0, 1)
-    if stage == "encoder":  # the encoder's part was done before the DiT started: the job is not its to lose
-        assert code == 0, se[-3000:]
-    else:
-        assert code != 0 and stage in se.lower() and "Traceback" not in se, se[-3000:]
-        assert not out.exists() or out.stat().st_size == 0 or code == 0  # nothing half-written presented as done
+    FIGURES.setdefault("killed_to_client_error_s", {})[stage] = round(time.monotonic() - t0, 1)
+    assert code != 0 and stage in se.lower() and "Traceback" not in se, se[-3000:]
+    assert not out.exists()  # nothing half-written presented as done
     wait_all_ready(cluster, disaggregated)
     FIGURES.setdefault("killed_to_recovered_s", {})[stage] = round(time.monotonic() - t0, 1)
     out = cluster.run / f"after-{stage}.mp4"

@@ -6,7 +6,6 @@ Each archive is unpacked with umoci and run with Debian's runc the way the opera
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pathlib
@@ -28,9 +27,6 @@ pytestmark = pytest.mark.realcluster
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PREFIX = "/opt/h3serve"
-THREADS = "2"  # the same in the container and on the host, so that the two MP4s can be compared byte for byte
-GENERATE = ["--prompt", "a red fox in the snow", "--seconds", "4", "--size", "256x256", "--steps", "3", "--seed", "7",
-            "--no-progress"]
 
 
 @dataclass
@@ -238,29 +234,6 @@ def test_every_stage_imports(runc, bundle):
     failed = {m: v for m, v in got.items() if isinstance(v, str)}
     assert not failed, "\n".join(f"{m}:\n{v}" for m, v in failed.items())
     assert got["torch"][1:] == [False, 9.0]  # CPU: CUDA torch without a driver
-
-
-def test_generate_in_the_container_matches_the_venv(runc, bundle, tmp_path):
-    env = {"OMP_NUM_THREADS": THREADS}
-    script = (f"h3serve checkpoint init --preset tiny /tmp/t > /dev/null && "
-              f"h3serve generate --checkpoint /tmp/t {' '.join(repr(a) for a in GENERATE)} -o /tmp/o.mp4 && "
-              "python -c \"import hashlib; print('sha256', hashlib.sha256(open('/tmp/o.mp4', 'rb').read())"
-              ".hexdigest())\"")
-    t0 = time.monotonic()
-    r = run_in(runc, bundle, ["sh", "-c", script], timeout=300, env=env)
-    took = time.monotonic() - t0
-    assert r.returncode == 0, r.stderr
-    inside = re.search(r"^sha256 ([0-9a-f]{64})$", r.stdout, re.M).group(1)
-    # the same request embedded in the venv's h3serve on the host
-    venv_h3serve = pathlib.Path(sys.executable).parent / "h3serve"
-    host_env = dict(os.environ, **env)
-    subprocess.run([venv_h3serve, "checkpoint", "init", "--preset", "tiny", tmp_path / "t"], check=True,
-                   capture_output=True, env=host_env)
-    subprocess.run([venv_h3serve, "generate", "--checkpoint", tmp_path / "t", *GENERATE, "-o", tmp_path / "o.mp4"],
-                   check=True, capture_output=True, env=host_env)
-    outside = hashlib.sha256((tmp_path / "o.mp4").read_bytes()).hexdigest()
-    print(f"container: {took:.0f}s, sha256 {inside}")
-    assert inside == outside
 
 
 def test_pause(runc, pause_bundle):

@@ -222,7 +222,6 @@ def yaml_dump(path: pathlib.Path, obj: dict) -> None:
 def supervise(run: pathlib.Path) -> None:
     """Runs inside the node's network namespace and private mount namespace: starts every component, then waits;
     SIGTERM stops them in order (pods first), so that nothing outlives it."""
-    st = json.loads((run / "state.json").read_text())
     B = lambda n: str(kh.CACHE / "bin" / n)  # noqa: E731
     D, logs = run / "pki", run / "logs"
     logs.mkdir(exist_ok=True)
@@ -250,9 +249,8 @@ def supervise(run: pathlib.Path) -> None:
         shadow.parent.mkdir(exist_ok=True)
         shadow.write_text(value + "\n")
         sh("mount", "--bind", str(shadow), f"/proc/sys/{key}")
-    net = [("sysctl", "-qw", "net.ipv4.ip_forward=1"), ("sysctl", "-qw", "net.bridge.bridge-nf-call-iptables=1")]
-    for cmd in net:
-        sh(*cmd)
+    # this network namespace's own settings: routing for the pods, iptables on bridged pod-to-pod traffic
+    sh("sysctl", "-qw", "net.ipv4.ip_forward=1", "net.bridge.bridge-nf-call-iptables=1")
 
     spawn("etcd", [B("etcd"), "--name=default", f"--data-dir={run / 'etcd'}", "--unsafe-no-fsync=true",
                    "--listen-client-urls=http://127.0.0.1:2379", "--advertise-client-urls=http://127.0.0.1:2379",
@@ -301,7 +299,6 @@ def supervise(run: pathlib.Path) -> None:
     for name in ("kube-proxy", "coredns", "containerd", "kube-scheduler", "kube-controller-manager",
                  "kube-apiserver", "etcd"):
         stop(procs, name)
-    del st
 
 
 def stop(procs: list[tuple[str, subprocess.Popen]], name: str, grace: float = 10.0) -> None:

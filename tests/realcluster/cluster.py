@@ -12,7 +12,7 @@ one network namespace the harness creates (the "node"), joined to this host by o
 Confinement: the node's only routes are its own subnets and a default route into a veth pair that ends nowhere, behind an
 iptables chain (H3S-NO-ESCAPE) that rejects and counts every packet to any other address; `escapes()` reads that
 counter. CoreDNS serves the cluster zone only (no forwarding), containerd has no registry to pull from (the images
-are imported from local OCI archives). The node's processes share a private mount namespace (`ip netns exec`), so
+are imported from local OCI archives). The node's processes share a private mount namespace (`unshare --mount`), so
 every mount they make (overlay root file systems, volumes) goes when they go; their cgroups live under one root,
 removed at the end. The kernel tunables the kubelet insists on are shown to it, and only to it, as files bind-mounted
 in that private mount namespace: the host's sysctls are never written.
@@ -380,6 +380,7 @@ class Cluster:
         "pause" is the sandbox image."""
         if (run / "state.json").exists():
             raise RuntimeError(f"a cluster already lives in {run}: `cluster.py down --dir {run}` first")
+        reclaim_stale()
         left = leftovers()
         if left:
             raise RuntimeError(f"an earlier cluster left things behind (run `cluster.py down`): {left}")
@@ -637,6 +638,43 @@ def leftovers() -> list[str]:
         rules = sh("iptables-save", check=False).stdout + sh("iptables-save", "-t", "nat", check=False).stdout
         out += [f"host iptables {ln}" for ln in rules.splitlines() if "KUBE-" in ln or "CNI-" in ln or "H3S-" in ln]
     return out
+
+
+def reclaim_stale() -> list[str]:
+    """Tear down what a dead cluster left behind (a test run killed mid-way never reaches `down`); returns what it
+    found. A cluster with a live process is someone's running cluster and is left alone."""
+    left = leftovers()
+    if not left or any(x.startswith(("process ", "host iptables ")) for x in left):
+        return []
+    log(f"reclaiming what a dead cluster left: {left}")
+    for d in sorted(pathlib.Path("/tmp").glob("h3serve-cluster*")) + [DEFAULT_DIR]:
+        if (d / "state.json").exists():
+            Cluster(d).down()
+    # a container outlives its killed shim in the cluster's cgroups
+    for h in cgroup_hierarchies():
+        for top in h.glob(PREFIX + "*"):
+            for procs in top.rglob("cgroup.procs"):
+                for pid in procs.read_text().split():
+                    try:
+                        os.kill(int(pid), signal.SIGKILL)
+                    except (ProcessLookupError, ValueError):
+                        pass
+    time.sleep(0.5)
+    for line in reversed(pathlib.Path("/proc/self/mountinfo").read_text().splitlines()):
+        target = line.split()[4]
+        if PREFIX in target or "h3serve-cluster" in target:
+            sh("umount", "-l", target, check=False)
+    for x in leftovers():
+        kind, _, name = x.partition(" ")
+        if kind == "netns":
+            sh("ip", "netns", "del", name, check=False)
+        elif kind == "link":
+            sh("ip", "link", "del", name, check=False)
+        elif kind == "file":
+            shutil.rmtree(name, ignore_errors=True)
+        elif kind == "cgroup":
+            remove_cgroups(pathlib.Path(name).name)
+    return left
 
 
 def dns_objects() -> list[dict]:

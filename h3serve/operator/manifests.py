@@ -331,6 +331,7 @@ def _grpc_probe(period: int, failures: int, timeout: int = 5) -> dict:
 
 
 PROBE = ["python", "-m", "h3serve.runtime.probe"]  # h3serve/runtime/probe.py
+HUNG_KILL_GRACE_S = 10
 
 
 def _probes(spec: H3DeploymentSpec, name: str, namespace: str, comp: str) -> dict[str, dict]:
@@ -353,9 +354,10 @@ def _probes(spec: H3DeploymentSpec, name: str, namespace: str, comp: str) -> dic
         # a Python start and one check: well inside the timeout
         return {"exec": {"command": cmd}, "periodSeconds": period, "timeoutSeconds": 15, "failureThreshold": failures}
 
+    # A container killed for liveness is hung: it cannot drain, so it gets seconds, not the pod's drain grace.
     return {"startupProbe": probe(10, 360) if comp != GATEWAY else probe(5, 60),
             "readinessProbe": probe(5, 3),
-            "livenessProbe": probe(20, 6, live=True)}
+            "livenessProbe": {**probe(20, 6, live=True), "terminationGracePeriodSeconds": HUNG_KILL_GRACE_S}}
 
 
 def metrics_ports(comp: str) -> dict[str, int]:

@@ -115,6 +115,8 @@ def test_pods_meet_restricted_pod_security(path):
                     assert cmd[:3] == M.PROBE and "--live" not in cmd and "--tls-cert" in cmd, cmd
             live = c["livenessProbe"]["exec"]["command"]  # a draining server (NOT_SERVING) is alive; a hung one not
             assert live[:3] == M.PROBE and "--live" in live
+            # killed for liveness = hung: no drain to wait for (the pod's grace would be spent on a stopped process)
+            assert c["livenessProbe"]["terminationGracePeriodSeconds"] < pod["terminationGracePeriodSeconds"]
         for v in pod["volumes"]:  # restricted: only these volume types
             assert set(v) - {"name"} <= {"configMap", "emptyDir", "persistentVolumeClaim", "secret", "projected",
                                          "csi", "downwardAPI", "ephemeral"}

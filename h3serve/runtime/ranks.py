@@ -50,8 +50,7 @@ from h3serve.distributed.world import (
     launch,
     spawn_peers,
 )
-from h3serve.errors import H3Error, RankFailed
-from h3serve.errortable import StageUnavailable
+from h3serve.errors import H3Error, RankFailed, StageUnavailable
 from h3serve.models.dit.parallel import build_dit_rank
 from h3serve.models.encoder.parallel import build_encoder_rank
 from h3serve.models.vae.parallel import build_vae_rank

@@ -25,8 +25,8 @@ from grpc_health.v1 import health_pb2
 from h3serve._proto import common_pb2
 from h3serve.config.stage import StageConfig
 from h3serve.config.vocab import SINKS
-from h3serve.errors import Cancelled
-from h3serve.errortable import DeadlineExceeded, abort
+from h3serve.errors import Cancelled, DeadlineExceeded
+from h3serve.errortable import abort
 from h3serve.runtime.device import PeakMemory
 from h3serve.runtime.ranks import ParallelStage, degrees_of, stage_degree
 from h3serve.runtime.tls import Tls, authenticated_peer, check_peer, parse_peers

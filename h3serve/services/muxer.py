@@ -37,8 +37,17 @@ from h3serve._proto import common_pb2, muxer_pb2, muxer_pb2_grpc
 from h3serve.config.request import FRAMES_PER_CLIP, MAX_SECONDS
 from h3serve.config.spec import TRANSPORTS
 from h3serve.config.stage import StageConfig
-from h3serve.errors import Cancelled, RequestError, SenderStopped, TransportError
-from h3serve.errortable import NotFound, QueueFull, StageFailed, StageUnavailable, grpc_method
+from h3serve.errors import (
+    Cancelled,
+    NotFound,
+    QueueFull,
+    RequestError,
+    SenderStopped,
+    StageFailed,
+    StageUnavailable,
+    TransportError,
+)
+from h3serve.errortable import grpc_method
 from h3serve.media.mux import Mp4Writer
 from h3serve.models.vae.yuv import rgb_to_yuv420p
 from h3serve.runtime.stage import StageBase

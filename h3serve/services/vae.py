@@ -20,8 +20,8 @@ from h3serve._proto import common_pb2, muxer_pb2_grpc, vae_pb2, vae_pb2_grpc
 from h3serve.config.levers import staging_conflict
 from h3serve.config.stage import StageConfig
 from h3serve.distributed.proxies import VideoVAEProxy
-from h3serve.errors import H3Error, RequestError
-from h3serve.errortable import NotFound, StageUnavailable, grpc_method
+from h3serve.errors import H3Error, NotFound, RequestError, StageUnavailable
+from h3serve.errortable import grpc_method
 from h3serve.models import conditions as cond
 from h3serve.models.vae.audio import AudioVAE
 from h3serve.models.vae.video import VideoVAE

@@ -25,8 +25,8 @@ from typing import Any, Callable, Iterable, Iterator
 import grpc
 import torch
 
-from h3serve.errors import MalformedStream, RequestError, TransportError
-from h3serve.errortable import StageFailed, StageUnavailable, from_grpc
+from h3serve.errors import MalformedStream, RequestError, StageFailed, StageUnavailable, TransportError
+from h3serve.errortable import from_grpc
 from h3serve.transport.base import Message
 from h3serve.transport.nixl.receiver import NixlReceiver
 from h3serve.transport.nixl.sender import NixlSender

@@ -23,8 +23,7 @@ import time
 import torch
 
 from h3serve._proto import muxer_pb2
-from h3serve.errors import TransportError
-from h3serve.errortable import StageUnavailable
+from h3serve.errors import StageUnavailable, TransportError
 from h3serve.transport.control import FRAMES_EDGE, ControlSender, ControlUnavailable, call_error, peer_error
 from h3serve.transport.grpc import CHUNK_BYTES, GrpcStreamSender
 from h3serve.transport.nixl.probe import count

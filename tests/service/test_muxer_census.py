@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from h3serve._proto import common_pb2, muxer_pb2, muxer_pb2_grpc
-from h3serve.errortable import StageFailed
+from h3serve.errors import StageFailed
 from h3serve.transport.control import peer_error
 
 from .conftest import LoneStage

@@ -215,13 +215,6 @@ class MuxerServicer(StageBase):
                                              transport_metadata=metadata, max_chunk_bytes=CHUNK_BYTES)
 
     @grpc_method("muxer")
-    def Handshake(self, request, context):
-        """Nothing to exchange ahead of a stream: grpc needs none, and nixl's handshake travels on Control."""
-        self._get(request.session_id)
-        _transport("transport", request.transport)
-        return common_pb2.TransportHandshake(transport=request.transport, session_id=request.session_id)
-
-    @grpc_method("muxer")
     def Push(self, request_iterator, context):
         first = next(request_iterator, None)
         if first is None or first.WhichOneof("item") != "open":

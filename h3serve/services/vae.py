@@ -102,11 +102,6 @@ class VAEServicer(StageBase):
             self.check_finite(audio=self.audio_vae.decode(torch.zeros(2, self.audio_vae.latent_channels, 4)))
 
     @grpc_method("vae")
-    def Handshake(self, request, context):
-        """Nothing to exchange ahead of a stream: grpc needs none, and nixl's handshake travels on Control."""
-        return common_pb2.TransportHandshake(transport=request.transport, session_id=request.session_id)
-
-    @grpc_method("vae")
     def EncodeConditions(self, request_iterator, context):
         """fl2va keyframes / ref2va references -> the DiT's condition latents and audio rows, in order."""
         first = next(request_iterator, None)

@@ -1,13 +1,15 @@
 """The stage runtime every servicer shares.
 
 `StageBase` (one engine worker thread, status counters and the Status RPC, the transport choice, drain and
-cancel), `RequestScope` (one request's cancel flag and deadline, wired to its gRPC context) and `HealthHandle` (the
-gRPC health status of the server and its service together). A stage's servicer class is its factory:
+cancel, `request`: the scope of one request, finished however it ends), `RequestScope` (one request's cancel flag
+and deadline, wired to its gRPC context), `first_message` (a request stream's opening message, checked) and
+`HealthHandle` (the gRPC health status of the server and its service together). A stage's servicer class is its factory:
 `XServicer(config, health)`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -16,7 +18,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import grpc
 import torch
@@ -25,7 +27,7 @@ from grpc_health.v1 import health_pb2
 from h3serve._proto import common_pb2
 from h3serve.config.stage import StageConfig
 from h3serve.config.vocab import SINKS
-from h3serve.errors import Cancelled, DeadlineExceeded
+from h3serve.errors import Cancelled, DeadlineExceeded, RequestError
 from h3serve.errortable import abort
 from h3serve.runtime.device import PeakMemory
 from h3serve.runtime.ranks import ParallelStage, degrees_of, stage_degree
@@ -39,6 +41,16 @@ DEADLINE_SKEW_S = 0.5   # a call ended this close to its deadline ended by it, n
 
 HIDDEN = "hidden"   # a request id in the Status answered to a caller that is not an authenticated peer
 NO_DEADLINE = 1e8   # grpc reports "no deadline" as a time_remaining of years
+
+
+def first_message(requests: Iterator, name: str, allowed: str):
+    """The first message of a request stream; refused naming `name` (with `allowed`) unless it carries `name`:
+    the oneof member of that name, or a non-empty field."""
+    first = next(requests, None)
+    field = None if first is None else first.DESCRIPTOR.fields_by_name[name]
+    if field is None or not (first.HasField(name) if field.message_type is not None else getattr(first, name)):
+        raise RequestError(name, None, allowed)
+    return first
 
 
 class HealthHandle:
@@ -298,6 +310,23 @@ class StageBase:
             self.requests_total += 1
             self.active[id(scope)] = scope
         return scope
+
+    @contextlib.contextmanager
+    def request(self, context, request_id: str) -> Iterator[RequestScope]:
+        """`with self.request(context, id) as scope:` around one request's work: the scope, finished when the
+        block ends with the outcome its exception gives (none: ok)."""
+        with self.finishing(self.scope(context, request_id)) as scope:
+            yield scope
+
+    @contextlib.contextmanager
+    def finishing(self, scope: RequestScope) -> Iterator[RequestScope]:
+        """Finish `scope` when the block ends: for a scope opened on one thread and worked on another."""
+        try:
+            yield scope
+        except BaseException as exc:
+            self.finish(scope, exc)
+            raise
+        self.finish(scope)
 
     def finish(self, scope: RequestScope, exc: BaseException | None = None) -> None:
         scope.active = False

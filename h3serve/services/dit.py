@@ -34,7 +34,7 @@ from h3serve.models import conditions as cond
 from h3serve.models.dit import kernels
 from h3serve.models.dit.engine import COMPONENT_FOR_TASK, DiTEngine, DiTRequest
 from h3serve.runtime.device import DTYPES, pick_device
-from h3serve.runtime.stage import StageBase
+from h3serve.runtime.stage import StageBase, first_message
 from h3serve.transport.control import LATENTS_EDGE, ControlSender
 from h3serve.transport.grpc import GrpcStreamReceiver, iter_tensor_chunks
 from h3serve.weights.adapter import Adapter
@@ -138,10 +138,8 @@ class DiTServicer(StageBase):
 
     @grpc_method("dit")
     def Generate(self, request_iterator, context):
-        first = next(request_iterator, None)
-        if first is None or first.WhichOneof("input") != "params":
-            raise RequestError("params", None, "the first message of a DiT stream carries the parameters")
-        p = first.params
+        p = first_message(request_iterator, "params",
+                          "the first message of a DiT stream carries the parameters").params
         task = p.task or "t2va"
         if task not in self.tasks:
             raise RequestError("task", p.task, f"this DiT serves {' | '.join(self.tasks)} (profile "
@@ -157,8 +155,7 @@ class DiTServicer(StageBase):
         check_geometry(p)
         sink = p.latents_sink   # checked (--peers) before any work; dialled when the latents are ready
         vae = self.channel(sink.address, "latents_sink.address") if sink.address and sink.session_id else None
-        scope = self.scope(context, p.request_id)
-        try:
+        with self.request(context, p.request_id) as scope:
             tensors = {}
             for msg in GrpcStreamReceiver(request_iterator, _unwrap, edge="gateway->dit"):
                 tensors[msg.header.name] = msg.tensor
@@ -205,10 +202,6 @@ class DiTServicer(StageBase):
                 for chunk in iter_tensor_chunks("audio_latents", result.audio):
                     yield dit_pb2.DiTEvent(chunk=chunk)
             yield dit_pb2.DiTEvent(done=done)
-        except BaseException as exc:
-            self.finish(scope, exc)
-            raise
-        self.finish(scope)
 
     def _send_latents(self, scope, vae, sink, result) -> dict:
         """Send the latents to the VAE's latents session over `VAE.Control` (the bytes by NIXL WRITE, or inline on

@@ -17,7 +17,7 @@ from h3serve.models.encoder.cache import EncodeCache, cache_key, checkpoint_iden
 from h3serve.models.encoder.fp8 import quantize_text_decoder
 from h3serve.models.encoder.model import ATTENTION, DEFAULT_LAYER, TextEncoder
 from h3serve.runtime.device import DTYPES, pick_device
-from h3serve.runtime.stage import StageBase
+from h3serve.runtime.stage import StageBase, first_message
 from h3serve.transport.grpc import GrpcStreamReceiver, iter_tensor_chunks
 from h3serve.weights.folder import CheckpointFolder
 
@@ -77,17 +77,14 @@ class EncoderServicer(StageBase):
             raise RequestError("task", request.task, "the encoder service presents t2va")
         if not request.prompt:
             raise RequestError("prompt", request.prompt, "a non-empty prompt")
-        scope = self.scope(context, request.request_id)
-        key = self._key(task=request.task, prompt=request.prompt)
-        yield from self._encode(scope, lambda: self.encoder.encode(request.prompt, task=request.task), key)
+        with self.request(context, request.request_id) as scope:
+            key = self._key(task=request.task, prompt=request.prompt)
+            yield from self._encode(scope, lambda: self.encoder.encode(request.prompt, task=request.task), key)
 
     @grpc_method("encoder")
     def EncodeConditioned(self, request_iterator, context):
-        first = next(request_iterator, None)
-        if first is None or first.WhichOneof("input") != "params":
-            raise RequestError("params", None, "the first message of an EncodeConditioned stream carries the "
-                                               "parameters")
-        p = first.params
+        p = first_message(request_iterator, "params",
+                          "the first message of an EncodeConditioned stream carries the parameters").params
         if p.task not in CONDITIONED_TASKS:
             raise RequestError("task", p.task, "fl2va or ref2va (t2va: Encode)")
         if not p.prompt:
@@ -103,7 +100,6 @@ class EncoderServicer(StageBase):
         missing = [f"condition.{i}" for i in visual if f"condition.{i}" not in tensors]
         if missing:
             raise RequestError(missing[0], None, "(H, W, 3) uint8 RGB, one per visual condition")
-        scope = self.scope(context, p.request_id)
 
         def run():
             images = cond.resize(kinds, [tensors[f"condition.{i}"].numpy() for i in visual], p.height, p.width,
@@ -111,9 +107,10 @@ class EncoderServicer(StageBase):
             images, refs = cond.encoder_inputs(kinds, images, p.task)
             return self.encoder.encode(p.prompt, images=images, task=p.task, references=refs)
 
-        key = self._key(task=p.task, prompt=p.prompt, width=p.width, height=p.height, kinds=kinds,
-                        images=[tensors[f"condition.{i}"] for i in visual])
-        yield from self._encode(scope, run, key)
+        with self.request(context, p.request_id) as scope:
+            key = self._key(task=p.task, prompt=p.prompt, width=p.width, height=p.height, kinds=kinds,
+                            images=[tensors[f"condition.{i}"] for i in visual])
+            yield from self._encode(scope, run, key)
 
     def attention(self) -> dict:
         return {"kernel": ATTENTION, "reason": "fixed: the Qwen3-VL encoder runs transformers' "
@@ -128,26 +125,21 @@ class EncoderServicer(StageBase):
 
     def _encode(self, scope, work, key: str):
         """The cached encoding for `key`, else run `work` (-> EncodedText) on the engine thread and keep it; stream
-        the two tensors and EncodeDone."""
-        try:
-            t0 = time.perf_counter()
-            cached = self.cache.get(key) if self.cache.capacity else None
-            if cached is None:
-                encoded = self.run_engine(scope, work)
-                states, tags = (self.cache.put(key, encoded.states, encoded.tags) if self.cache.capacity
-                                else (encoded.states, encoded.tags))
-            else:
-                states, tags = cached
-            seconds = time.perf_counter() - t0
-            scope.unit_done()
-            for chunk in iter_tensor_chunks("text_states", states):
-                yield encoder_pb2.EncodeEvent(chunk=chunk)
-            for chunk in iter_tensor_chunks("text_tags", tags):
-                yield encoder_pb2.EncodeEvent(chunk=chunk)
-            yield encoder_pb2.EncodeEvent(done=encoder_pb2.EncodeDone(tokens=int(tags.shape[0]), seconds=seconds,
-                                                                      peak_memory_mb=scope.peak_memory_mb,
-                                                                      cache_hit=cached is not None))
-        except BaseException as exc:
-            self.finish(scope, exc)
-            raise
-        self.finish(scope)
+        the two tensors and EncodeDone (inside the request's `scope`)."""
+        t0 = time.perf_counter()
+        cached = self.cache.get(key) if self.cache.capacity else None
+        if cached is None:
+            encoded = self.run_engine(scope, work)
+            states, tags = (self.cache.put(key, encoded.states, encoded.tags) if self.cache.capacity
+                            else (encoded.states, encoded.tags))
+        else:
+            states, tags = cached
+        seconds = time.perf_counter() - t0
+        scope.unit_done()
+        for chunk in iter_tensor_chunks("text_states", states):
+            yield encoder_pb2.EncodeEvent(chunk=chunk)
+        for chunk in iter_tensor_chunks("text_tags", tags):
+            yield encoder_pb2.EncodeEvent(chunk=chunk)
+        yield encoder_pb2.EncodeEvent(done=encoder_pb2.EncodeDone(tokens=int(tags.shape[0]), seconds=seconds,
+                                                                  peak_memory_mb=scope.peak_memory_mb,
+                                                                  cache_hit=cached is not None))

@@ -50,7 +50,7 @@ from h3serve.errors import (
 from h3serve.errortable import grpc_method
 from h3serve.media.mux import Mp4Writer
 from h3serve.models.vae.yuv import rgb_to_yuv420p
-from h3serve.runtime.stage import StageBase
+from h3serve.runtime.stage import StageBase, first_message
 from h3serve.runtime.tls import peer_identity
 from h3serve.transport.control import FRAMES_EDGE, ControlReceiver
 from h3serve.transport.frames import session_offer
@@ -216,55 +216,46 @@ class MuxerServicer(StageBase):
 
     @grpc_method("muxer")
     def Push(self, request_iterator, context):
-        first = next(request_iterator, None)
-        if first is None or first.WhichOneof("item") != "open":
-            raise RequestError("open", None, "the first message of a Push stream names the session")
+        first = first_message(request_iterator, "open", "the first message of a Push stream names the session")
         session = self._get(first.open.session_id, "open.session_id")
         _transport("open.transport", first.open.transport)
         with self.sessions_lock:
             if session.state != "open":
                 raise RequestError("session_id", session.id, f"a session that is open, not {session.state}")
             session.state = "pushing"
-        scope = self.scope(context, session.request_id)
-        writer = None
-        try:
-            receiver = GrpcStreamReceiver(request_iterator, _unwrap, edge=FRAMES_EDGE)   # Push carries the bytes
-            # a nixl session pushed here fell back: the VAE sends the reason along
-            reason = first.open.transport_metadata.decode(errors="replace") if session.transport != "grpc" else ""
-            session.transport_info = {"edge": FRAMES_EDGE, "requested": session.transport, "chosen": "grpc",
-                                      "reason": reason or "requested"}
-            self.last_transport = session.transport_info
-            inbox: queue.Queue = queue.Queue(maxsize=RECEIVE_DEPTH)
-            reader = threading.Thread(target=_read_into, args=(receiver, inbox, scope), daemon=True,
-                                      name=f"h3serve-mux-read-{session.id[:6]}")
-            reader.start()
-            planes: dict = {}
-            writer = self._writer(session)
-            while True:
-                try:
-                    item = inbox.get(timeout=0.1)
-                except queue.Empty:
+        with self.request(context, session.request_id) as scope:
+            writer = None
+            try:
+                receiver = GrpcStreamReceiver(request_iterator, _unwrap, edge=FRAMES_EDGE)   # Push carries the bytes
+                # a nixl session pushed here fell back: the VAE sends the reason along
+                reason = first.open.transport_metadata.decode(errors="replace") if session.transport != "grpc" else ""
+                session.transport_info = {"edge": FRAMES_EDGE, "requested": session.transport, "chosen": "grpc",
+                                          "reason": reason or "requested"}
+                self.last_transport = session.transport_info
+                inbox: queue.Queue = queue.Queue(maxsize=RECEIVE_DEPTH)
+                reader = threading.Thread(target=_read_into, args=(receiver, inbox, scope), daemon=True,
+                                          name=f"h3serve-mux-read-{session.id[:6]}")
+                reader.start()
+                planes: dict = {}
+                writer = self._writer(session)
+                while True:
+                    try:
+                        item = inbox.get(timeout=0.1)
+                    except queue.Empty:
+                        if session.state == "aborted":
+                            raise session.error or StageUnavailable("muxer", "session aborted")
+                        scope.check("while receiving")
+                        continue
+                    if item is None:
+                        break
+                    if isinstance(item, BaseException):
+                        raise item
                     if session.state == "aborted":
                         raise session.error or StageUnavailable("muxer", "session aborted")
-                    scope.check("while receiving")
-                    continue
-                if item is None:
-                    break
-                if isinstance(item, BaseException):
-                    raise item
-                if session.state == "aborted":
-                    raise session.error or StageUnavailable("muxer", "session aborted")
-                _add(writer, planes, session, item, scope)
-            result = _close(writer, session)
-        except BaseException as exc:
-            if writer is not None:
-                writer.abort()
-            answer, reported = _outcome(exc)
-            session.fail(reported)
-            self.finish(scope, answer)
-            raise answer from None
-        self.finish(scope)
-        return result
+                    _add(writer, planes, session, item, scope)
+                return _close(writer, session)
+            except BaseException as exc:
+                raise _failed(writer, session, exc) from None
 
     @grpc_method("muxer")
     def Fetch(self, request, context):
@@ -311,9 +302,8 @@ class MuxerServicer(StageBase):
         each message carries one control-pipe message (handshake, hello, put headers, credits, end, closed).
         A worker thread runs the NixlReceiver (zero copy: the planes are wrapped where NIXL wrote them) and the
         encoder; the response stream ends when the MP4 is closed, or with the session's error."""
-        first = next(request_iterator, None)
-        if first is None or not first.session_id:
-            raise RequestError("session_id", None, "the first message of a Control stream names the session")
+        first = first_message(request_iterator, "session_id",
+                              "the first message of a Control stream names the session")
         if (first.transport or "nixl") != "nixl":
             raise RequestError("transport", first.transport, "nixl (the grpc transport uses Push)")
         session = self._get(first.session_id)
@@ -332,28 +322,33 @@ class MuxerServicer(StageBase):
     def _control_receive(self, session: Session, scope, stream: ControlReceiver) -> None:
         """Worker of a Control stream: the NIXL stream's messages -> Mp4Writer."""
         writer = None
-        try:
-            writer = self._writer(session)
-            planes: dict = {}
-            for msg in stream.messages():
-                if session.state == "aborted":
-                    raise session.error or StageUnavailable("muxer", "session aborted")
-                _add(writer, planes, session, msg, scope, copy=True)
-            session.transport_info = self.last_transport = stream.info
-            _close(writer, session)
-            self.finish(scope)
-        except BaseException as exc:  # noqa: BLE001 - reported on the response stream and to Fetch
-            if writer is not None:
-                writer.abort()
-            answer, reported = _outcome(exc)
-            session.fail(reported)
-            self.finish(scope, answer)
-            raise answer from None
+        with self.finishing(scope):
+            try:
+                writer = self._writer(session)
+                planes: dict = {}
+                for msg in stream.messages():
+                    if session.state == "aborted":
+                        raise session.error or StageUnavailable("muxer", "session aborted")
+                    _add(writer, planes, session, msg, scope, copy=True)
+                session.transport_info = self.last_transport = stream.info
+                _close(writer, session)
+            except BaseException as exc:  # noqa: BLE001 - reported on the response stream and to Fetch
+                raise _failed(writer, session, exc) from None
 
 
 def _transport(field: str, value: str) -> None:
     if value and value not in TRANSPORTS:
         raise RequestError(field, value, " | ".join(TRANSPORTS) + " (empty: grpc)")
+
+
+def _failed(writer: Mp4Writer | None, session: Session, exc: BaseException) -> BaseException:
+    """A session's stream failed with `exc`: drop the partial MP4, fail the session with what Fetch reports; return
+    what the producer's call answers."""
+    if writer is not None:
+        writer.abort()
+    answer, reported = _outcome(exc)
+    session.fail(reported)
+    return answer
 
 
 def _outcome(exc: BaseException) -> tuple[BaseException, BaseException]:

@@ -26,7 +26,7 @@ from h3serve.models import conditions as cond
 from h3serve.models.vae.audio import AudioVAE
 from h3serve.models.vae.video import VideoVAE
 from h3serve.runtime.device import DTYPES, pick_device
-from h3serve.runtime.stage import StageBase
+from h3serve.runtime.stage import StageBase, first_message
 from h3serve.transport.control import FRAMES_EDGE, LATENTS_EDGE, ControlReceiver
 from h3serve.transport.frames import open_sink
 from h3serve.transport.grpc import CHUNK_BYTES, GrpcStreamReceiver, iter_tensor_chunks
@@ -104,11 +104,8 @@ class VAEServicer(StageBase):
     @grpc_method("vae")
     def EncodeConditions(self, request_iterator, context):
         """fl2va keyframes / ref2va references -> the DiT's condition latents and audio rows, in order."""
-        first = next(request_iterator, None)
-        if first is None or first.WhichOneof("input") != "params":
-            raise RequestError("params", None, "the first message of an EncodeConditions stream carries the "
-                                               "parameters")
-        p = first.params
+        p = first_message(request_iterator, "params",
+                          "the first message of an EncodeConditions stream carries the parameters").params
         kinds = list(p.kinds)
         try:
             cond.check_kinds(kinds, p.task)
@@ -126,8 +123,7 @@ class VAEServicer(StageBase):
             if not ok:
                 raise RequestError(f"condition.{i}", None if t is None else tuple(t.shape),
                                    "(2, N) float32 PCM" if kind == "audio" else "(H, W, 3) uint8 RGB")
-        scope = self.scope(context, p.request_id)
-        try:
+        with self.request(context, p.request_id) as scope:
             t0 = time.perf_counter()
             encoded = self.run_engine(scope, lambda: self._encode_conditions(p, kinds, tensors))
             seconds = time.perf_counter() - t0
@@ -136,10 +132,6 @@ class VAEServicer(StageBase):
                     yield vae_pb2.ConditionEvent(chunk=chunk)
             yield vae_pb2.ConditionEvent(done=vae_pb2.ConditionDone(seconds=seconds,
                                                                     peak_memory_mb=scope.peak_memory_mb))
-        except BaseException as exc:
-            self.finish(scope, exc)
-            raise
-        self.finish(scope)
 
     def _encode_conditions(self, p, kinds, tensors) -> list[torch.Tensor]:
         """On the engine thread: each image resized (models/conditions.py) and VAE-encoded, each PCM audio-VAE
@@ -157,15 +149,12 @@ class VAEServicer(StageBase):
 
     @grpc_method("vae")
     def Decode(self, request_iterator, context):
-        first = next(request_iterator, None)
-        if first is None or first.WhichOneof("input") != "params":
-            raise RequestError("params", None, "the first message of a Decode stream carries the parameters")
-        p = first.params
+        p = first_message(request_iterator, "params",
+                          "the first message of a Decode stream carries the parameters").params
         # the muxer sink is checked (--peers) before any work (the latents may take the DiT minutes)
         muxer = muxer_pb2_grpc.MuxerStub(self.channel(p.sink.address)) if p.sink.address else None
-        scope = self.scope(context, p.request_id)
         latents_info = None
-        try:
+        with self.request(context, p.request_id) as scope:
             if p.latents_transport == "nixl":   # the DiT sends the latents to a session here over Control
                 tensors, latents_info = yield from self._latents_session(scope, context)
             else:
@@ -191,10 +180,6 @@ class VAEServicer(StageBase):
                 done.latents_transport.CopyFrom(common_pb2.TransportInfo(**latents_info))
             done.peak_memory_mb = scope.peak_memory_mb   # known once the engine work has returned
             yield vae_pb2.DecodeEvent(done=done)
-        except BaseException as exc:
-            self.finish(scope, exc)
-            raise
-        self.finish(scope)
 
     def _latents_session(self, scope, context):
         """Open a latents session, announce it (DecodeEvent.latents), wait for the DiT's Control stream to deliver
@@ -220,9 +205,8 @@ class VAEServicer(StageBase):
     def Control(self, request_iterator, context):
         """The control pipe of the latents edge: a NixlReceiver (copies out of its pool) gets "video_latents" and
         "audio_latents" for the session the DiT's first message names, and hands them to the waiting Decode."""
-        first = next(request_iterator, None)
-        if first is None or not first.session_id:
-            raise RequestError("session_id", None, "the first message of a Control stream names the latents session")
+        first = first_message(request_iterator, "session_id",
+                              "the first message of a Control stream names the latents session")
         with self._latents_lock:
             session = self._latents.get(first.session_id)
             if session is None or session.taken:

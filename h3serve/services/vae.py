@@ -9,10 +9,9 @@ the deadline are checked before every clip.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -20,13 +19,14 @@ from h3serve._proto import common_pb2, muxer_pb2_grpc, vae_pb2, vae_pb2_grpc
 from h3serve.config.levers import staging_conflict
 from h3serve.config.stage import StageConfig
 from h3serve.distributed.proxies import VideoVAEProxy
-from h3serve.errors import H3Error, NotFound, RequestError, StageUnavailable
+from h3serve.errors import H3Error, RequestError, StageUnavailable
 from h3serve.errortable import grpc_method
 from h3serve.models import conditions as cond
 from h3serve.models.vae.audio import AudioVAE
 from h3serve.models.vae.video import VideoVAE
 from h3serve.runtime.device import DTYPES, pick_device
 from h3serve.runtime.stage import StageBase, first_message
+from h3serve.services.sessions import Session, SessionTable
 from h3serve.transport.control import FRAMES_EDGE, LATENTS_EDGE, ControlReceiver
 from h3serve.transport.frames import open_sink
 from h3serve.transport.grpc import CHUNK_BYTES, GrpcStreamReceiver, iter_tensor_chunks
@@ -43,15 +43,12 @@ def _unwrap(msg):
     return ("chunk", msg.chunk) if kind == "chunk" else ("end", msg.end) if kind == "end" else (kind, msg)
 
 
-@dataclass
-class LatentsSession:
-    """A Decode waiting for the DiT to deliver its latents over `Control` (dit->vae)."""
+@dataclass(kw_only=True)
+class LatentsSession(Session):
+    """A Decode waiting for the DiT to deliver its latents over `Control` (dit->vae); a Control call claims it."""
 
-    done: threading.Event = field(default_factory=threading.Event)
     tensors: dict | None = None
-    error: BaseException | None = None
     info: dict | None = None     # the stream's transport info
-    taken: bool = False          # a Control call has claimed the session
 
 
 class VAEServicer(StageBase):
@@ -65,8 +62,8 @@ class VAEServicer(StageBase):
         self.last_transport: dict | None = None
         self.last_latents_transport: dict | None = None
         self._warned: set[str] = set()   # frame-edge fallback reasons already logged
-        self._latents: dict[str, LatentsSession] = {}
-        self._latents_lock = threading.Lock()
+        # no TTL: a session lives as long as its Decode; claimed by one Control, unknown to any other
+        self._latents: SessionTable[LatentsSession] = SessionTable("vae", noun="latents session", claim_hides=True)
         self.short_edge = cond.DEFAULT_REFERENCE_SHORT_EDGE
 
     def register(self, server) -> None:
@@ -184,19 +181,20 @@ class VAEServicer(StageBase):
     def _latents_session(self, scope, context):
         """Open a latents session, announce it (DecodeEvent.latents), wait for the DiT's Control stream to deliver
         both tensors; returns (tensors, transport info of the dit->vae edge)."""
-        sid = uuid.uuid4().hex
-        session = LatentsSession()
-        with self._latents_lock:
-            self._latents[sid] = session
+        session = self._latents.add(LatentsSession(id=uuid.uuid4().hex))
+
+        def keep_waiting() -> bool:
+            scope.check("while waiting for the latents")
+            if not context.is_active():
+                raise StageUnavailable("vae", "the Decode call ended while waiting for the latents")
+            return True
+
         try:
-            yield vae_pb2.DecodeEvent(latents=vae_pb2.LatentsSession(address=self.config.address, session_id=sid))
-            while not session.done.wait(0.1):
-                scope.check("while waiting for the latents")
-                if not context.is_active():
-                    raise StageUnavailable("vae", "the Decode call ended while waiting for the latents")
+            yield vae_pb2.DecodeEvent(latents=vae_pb2.LatentsSession(address=self.config.address,
+                                                                     session_id=session.id))
+            self._latents.wait(session, keep_waiting)
         finally:
-            with self._latents_lock:
-                self._latents.pop(sid, None)
+            self._latents.pop(session.id)
         if session.error is not None:
             raise session.error
         return session.tensors, session.info
@@ -207,11 +205,7 @@ class VAEServicer(StageBase):
         "audio_latents" for the session the DiT's first message names, and hands them to the waiting Decode."""
         first = first_message(request_iterator, "session_id",
                               "the first message of a Control stream names the latents session")
-        with self._latents_lock:
-            session = self._latents.get(first.session_id)
-            if session is None or session.taken:
-                raise NotFound(f"vae: no latents session {first.session_id!r}", stage="vae")
-            session.taken = True
+        session = self._latents.claim(self._latents.get(first.session_id))
         stream = ControlReceiver(LATENTS_EDGE, first.data, (m.data for m in request_iterator), context,
                                  transport=self.transport.chosen, pool_buffers=2, buffer_bytes=LATENTS_SLOT_BYTES)
 
@@ -220,7 +214,7 @@ class VAEServicer(StageBase):
                 session.tensors = {m.header.name: m.tensor for m in stream.messages()}
                 session.info = self.last_latents_transport = stream.info
             except BaseException as exc:  # noqa: BLE001 - handed to the Decode
-                session.error = exc if isinstance(exc, Exception) else StageUnavailable("vae", "interrupted")
+                session.fail(exc if isinstance(exc, Exception) else StageUnavailable("vae", "interrupted"))
                 raise session.error from None
             finally:
                 session.done.set()

@@ -35,6 +35,10 @@ DEFAULT_DTYPE = "fp32"
 DEVICE_DTYPES = {"cuda": "bf16", "cpu": "fp32"}
 DEVICES = tuple(DEVICE_DTYPES)
 
+# ---- how tensors move between stages (h3serve.transport.choice) ------------------------------------------------
+GRPC, NIXL = "grpc", "nixl"   # gRPC byte streams (always work); NIXL over UCX: RDMA, shared memory or TCP
+TRANSPORTS = (GRPC, NIXL)
+
 # ---- ports ----------------------------------------------------------------------------------------------------
 GRPC_PORT = 50051
 HTTP_PORT = 8000

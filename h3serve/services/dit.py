@@ -26,7 +26,7 @@ from h3serve.config.request import (
     num_frames_to_latents,
 )
 from h3serve.config.stage import StageConfig
-from h3serve.config.vocab import DEFAULT_QUALITY, QUALITIES
+from h3serve.config.vocab import DEFAULT_QUALITY, NIXL, QUALITIES
 from h3serve.distributed.proxies import DiTEngineProxy
 from h3serve.errors import RequestError
 from h3serve.errortable import grpc_method
@@ -207,7 +207,7 @@ class DiTServicer(StageBase):
         """Send the latents to the VAE's latents session over `VAE.Control` (the bytes by NIXL WRITE, or inline on
         the call when NIXL cannot be used); returns the edge's transport info."""
         with ControlSender(LATENTS_EDGE, vae_pb2_grpc.VAEStub(vae).Control,
-                           vae_pb2.LatentsControl(session_id=sink.session_id, transport="nixl"),
+                           vae_pb2.LatentsControl(session_id=sink.session_id, transport=NIXL),
                            lambda data: vae_pb2.LatentsControl(data=data), scope,
                            transport=self.transport.chosen, local_reason=f"dit: {self.transport.reason}") as tx:
             tx.send("video_latents", result.video.float().contiguous(), scope)

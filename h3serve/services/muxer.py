@@ -36,8 +36,8 @@ import numpy as np
 
 from h3serve._proto import muxer_pb2, muxer_pb2_grpc
 from h3serve.config.request import FRAMES_PER_CLIP, MAX_SECONDS
-from h3serve.config.spec import TRANSPORTS
 from h3serve.config.stage import StageConfig
+from h3serve.config.vocab import GRPC, NIXL, TRANSPORTS
 from h3serve.errors import (
     Cancelled,
     RequestError,
@@ -173,10 +173,10 @@ class MuxerServicer(StageBase):
         if not (r.ttl_s == 0 or (math.isfinite(r.ttl_s) and 0 < r.ttl_s <= limit)):
             raise RequestError("ttl_s", r.ttl_s, f"seconds in (0, {limit:g}] (0: the default, "
                                                  f"{self.config.session_ttl_s:g})")
-        transport = r.transport or "grpc"
+        transport = r.transport or GRPC
         sid = secrets.token_hex(12)
         # nixl: what this replica offers (the pool is registered when the VAE connects); grpc needs nothing
-        metadata = session_offer(self.transport.chosen, self.transport.reason) if transport == "nixl" else b""
+        metadata = session_offer(self.transport.chosen, self.transport.reason) if transport == NIXL else b""
         session = MuxSession(id=sid, request_id=r.request_id, width=r.width, height=r.height, fps=r.fps,
                              sample_rate=r.sample_rate, channels=r.channels, expected_frames=r.expected_frames,
                              transport=transport, ttl_s=r.ttl_s if r.ttl_s > 0 else self.config.session_ttl_s,
@@ -196,8 +196,8 @@ class MuxerServicer(StageBase):
             try:
                 receiver = GrpcStreamReceiver(request_iterator, _unwrap, edge=FRAMES_EDGE)   # Push carries the bytes
                 # a nixl session pushed here fell back: the VAE sends the reason along
-                reason = first.open.transport_metadata.decode(errors="replace") if session.transport != "grpc" else ""
-                session.transport_info = {"edge": FRAMES_EDGE, "requested": session.transport, "chosen": "grpc",
+                reason = first.open.transport_metadata.decode(errors="replace") if session.transport != GRPC else ""
+                session.transport_info = {"edge": FRAMES_EDGE, "requested": session.transport, "chosen": GRPC,
                                           "reason": reason or "requested"}
                 self.last_transport = session.transport_info
                 inbox: queue.Queue = queue.Queue(maxsize=RECEIVE_DEPTH)
@@ -269,7 +269,7 @@ class MuxerServicer(StageBase):
         encoder; the response stream ends when the MP4 is closed, or with the session's error."""
         first = first_message(request_iterator, "session_id",
                               "the first message of a Control stream names the session")
-        if (first.transport or "nixl") != "nixl":
+        if (first.transport or NIXL) != NIXL:
             raise RequestError("transport", first.transport, "nixl (the grpc transport uses Push)")
         session = self.sessions.claim(self._get(first.session_id))
         scope = self.scope(context, session.request_id)

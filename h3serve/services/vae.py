@@ -18,6 +18,7 @@ import torch
 from h3serve._proto import common_pb2, muxer_pb2_grpc, vae_pb2, vae_pb2_grpc
 from h3serve.config.levers import staging_conflict
 from h3serve.config.stage import StageConfig
+from h3serve.config.vocab import NIXL
 from h3serve.distributed.proxies import VideoVAEProxy
 from h3serve.errors import H3Error, RequestError, StageUnavailable
 from h3serve.errortable import grpc_method
@@ -152,7 +153,7 @@ class VAEServicer(StageBase):
         muxer = muxer_pb2_grpc.MuxerStub(self.channel(p.sink.address)) if p.sink.address else None
         latents_info = None
         with self.request(context, p.request_id) as scope:
-            if p.latents_transport == "nixl":   # the DiT sends the latents to a session here over Control
+            if p.latents_transport == NIXL:   # the DiT sends the latents to a session here over Control
                 tensors, latents_info = yield from self._latents_session(scope, context)
             else:
                 tensors = {m.header.name: m.tensor for m in GrpcStreamReceiver(request_iterator, _unwrap,

@@ -29,6 +29,7 @@ import torch
 from h3serve._proto import common_pb2, dit_pb2, encoder_pb2, gateway_pb2, muxer_pb2, muxer_pb2_grpc, vae_pb2
 from h3serve.config.request import SAMPLE_RATE
 from h3serve.config.stage import StageConfig
+from h3serve.config.vocab import GRPC, NIXL
 from h3serve.errors import H3Error, StageFailed, StageUnavailable
 from h3serve.errortable import from_grpc
 from h3serve.models.dit.layout import AUDIO_CHANNELS
@@ -221,7 +222,7 @@ class StageCalls:
         params = vae_pb2.DecodeParams(request_id=self.job.id, sink=session.sink, num_frames=req.num_frames,
                                       width=req.width, height=req.height)
         if latents is None:
-            params.latents_transport = "nixl"
+            params.latents_transport = NIXL
             inputs = iter([vae_pb2.DecodeInput(params=params),
                            vae_pb2.DecodeInput(end=common_pb2.StreamEnd(tensors=0))])
         else:
@@ -240,7 +241,7 @@ class StageCalls:
         if first is None or first.WhichOneof("event") != "latents":
             raise StageUnavailable("vae", "the VAE did not open a latents session")
         return common_pb2.Sink(address=self.stages.reachable("vae", first.latents.address),
-                               session_id=first.latents.session_id, transport="nixl")
+                               session_id=first.latents.session_id, transport=NIXL)
 
     def decoded(self, decode: Decode) -> None:
         """vae: wait for the Decode to finish, one progress event per clip."""
@@ -357,7 +358,7 @@ DIRECT = Plan("direct", direct)
 
 def choose_plan(transport: str) -> Plan:
     """direct under --transport nixl (the DiT and the VAE then settle how the latents travel), else relay."""
-    return DIRECT if transport == "nixl" else RELAY
+    return DIRECT if transport == NIXL else RELAY
 
 
 # -- the gateway ---------------------------------------------------------------------------------------------
@@ -369,7 +370,7 @@ class Gateway:
     def __init__(self, config: StageConfig, *, on_health: Callable[[bool], None] = lambda ok: None):
         self.config = config
         self.metrics = GatewayMetrics()
-        self.transports = EdgeTransports(config.transport or "grpc", self.metrics)
+        self.transports = EdgeTransports(config.transport or GRPC, self.metrics)
         self.on_health = on_health
         self.stages = StageClients(config, on_change=self._health_changed)
         self.jobs = JobTable(config, self.metrics)

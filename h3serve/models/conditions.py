@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 from PIL import Image
 
@@ -111,8 +110,3 @@ def dit_conditions(kinds: Sequence[str], encoded: Sequence[torch.Tensor], task: 
             if kind == "image":
                 refs.append(ImageRef(latent_h=int(z.shape[-2]), latent_w=int(z.shape[-1])))
     return DiTConditions(anchors, latents, refs if task == "ref2va" else [], rows)
-
-
-def as_uint8_image(image: Any) -> np.ndarray:
-    """(H, W, 3) uint8 C-contiguous array of an RGB image (what travels between the stages)."""
-    return np.ascontiguousarray(np.asarray(pres.to_pil(image).convert("RGB"), dtype=np.uint8))

@@ -109,9 +109,6 @@ class VAEServicer(StageBase):
             cond.check_kinds(kinds, p.task)
         except ValueError as exc:
             raise RequestError("kinds", kinds, str(exc)) from None
-        if not hasattr(self.video_vae, "encode_keyframe"):   # the patch-parallel ranks decode only
-            raise RequestError("task", p.task, "this VAE runs with --vae-pp > 1, whose ranks decode only; serve "
-                                               "fl2va / ref2va from a VAE with --vae-pp 1")
         tensors = {m.header.name: m.tensor for m in GrpcStreamReceiver(request_iterator, _unwrap,
                                                                        edge="gateway->vae")}
         for i, kind in enumerate(kinds):

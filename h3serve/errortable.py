@@ -139,7 +139,7 @@ def classify(exc: BaseException, *, stage: str | None = None) -> Classified:
         edge = getattr(exc, "edge", "") or ""
         exc_stage = edge.split("->")[-1] or None
     message = str(exc) if kind is not INTERNAL else f"internal error: {type(exc).__name__}: {exc}"
-    return Classified(kind, message, field, exc_stage or (stage if kind is not INTERNAL else stage))
+    return Classified(kind, message, field, exc_stage or stage)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@
     ──────────────────────────────────────────────────────        ──────────────────────────────────────
     servicer.engine / encoder / video_vae = a stand-in            the same build (`build_stage_rank`: the
     (h3serve.distributed.proxies) whose calls run as               model's rank builder), then the command loop
-    ParallelStage.call(op, payload) on every rank  ───────────►    of h3serve.distributed.ranks
+    ParallelStage.call(op, payload) on every rank  ───────────►    of h3serve.distributed.commands
 
 Degrees per stage: encoder = encoder_tp, DiT = ulysses x ring, VAE = vae_pp (each stage process is its own world; a
 colocated replica runs three worlds on the same GPUs, rank r of each on cuda:r). They are validated once, against the

@@ -54,7 +54,7 @@ from h3serve.errors import H3Error, RankFailed, StageUnavailable
 from h3serve.models.dit.parallel import build_dit_rank
 from h3serve.models.encoder.parallel import build_encoder_rank
 from h3serve.models.vae.parallel import build_vae_rank
-from h3serve.runtime.device import DTYPES, pick_device
+from h3serve.runtime.device import TORCH_DTYPES, pick_device
 from h3serve.weights.folder import CheckpointFolder
 
 log = logging.getLogger("h3serve.runtime.ranks")
@@ -131,7 +131,7 @@ def build_stage_rank(runtime, stage: str, threads: int, args: tuple) -> dict:
 
 def _build_args(stage: str, c, degrees: ParallelDegrees) -> tuple:
     """(build, build args) of the stage's world, from its StageConfig."""
-    dtype = DTYPES[c.dtype]
+    dtype = TORCH_DTYPES[c.dtype]
     if stage == "encoder":
         args = (c.checkpoint, dtype, degrees.encoder_tp, c.fp8, c.encoder_resident_layers)
     elif stage == "dit":

@@ -33,7 +33,7 @@ from h3serve.errortable import grpc_method
 from h3serve.models import conditions as cond
 from h3serve.models.dit import kernels
 from h3serve.models.dit.engine import COMPONENT_FOR_TASK, DiTEngine, DiTRequest
-from h3serve.runtime.device import DTYPES, pick_device
+from h3serve.runtime.device import TORCH_DTYPES, pick_device
 from h3serve.runtime.stage import StageBase, first_message
 from h3serve.transport.control import LATENTS_EDGE, ControlSender
 from h3serve.transport.grpc import GrpcStreamReceiver, iter_tensor_chunks
@@ -110,7 +110,7 @@ class DiTServicer(StageBase):
             self.tasks = tuple(t for t in self.tasks if COMPONENT_FOR_TASK[t] == "transformer")
         else:
             adapter = Adapter.open(c.adapter, c.adapter_sha256) if c.profile == "fasth3" else None
-            self.engine = DiTEngine.load(c.checkpoint, components=components, dtype=DTYPES[c.dtype],
+            self.engine = DiTEngine.load(c.checkpoint, components=components, dtype=TORCH_DTYPES[c.dtype],
                                          device=device, profile=c.profile, adapter=adapter, levers=c.levers)
             self.engine.apply_offload(c.levers)
             if adapter is not None:

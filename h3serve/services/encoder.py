@@ -16,7 +16,7 @@ from h3serve.models import conditions as cond
 from h3serve.models.encoder.cache import EncodeCache, cache_key, checkpoint_identity
 from h3serve.models.encoder.fp8 import quantize_text_decoder
 from h3serve.models.encoder.model import ATTENTION, DEFAULT_LAYER, TextEncoder
-from h3serve.runtime.device import DTYPES, pick_device
+from h3serve.runtime.device import TORCH_DTYPES, pick_device
 from h3serve.runtime.stage import StageBase, first_message
 from h3serve.transport.grpc import GrpcStreamReceiver, iter_tensor_chunks
 from h3serve.weights.folder import CheckpointFolder
@@ -58,7 +58,7 @@ class EncoderServicer(StageBase):
                 self.encoder = EncoderProxy(self.parallel)
                 device = self.encoder.device
             else:
-                self.encoder = TextEncoder.load(self.config.checkpoint, dtype=DTYPES[self.config.dtype],
+                self.encoder = TextEncoder.load(self.config.checkpoint, dtype=TORCH_DTYPES[self.config.dtype],
                                                 device=device)
                 if self.config.fp8:  # the text decoder's projections in FP8 (lever --fp8)
                     quantize_text_decoder(self.encoder.model)

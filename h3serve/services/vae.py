@@ -25,7 +25,7 @@ from h3serve.errortable import grpc_method
 from h3serve.models import conditions as cond
 from h3serve.models.vae.audio import AudioVAE
 from h3serve.models.vae.video import VideoVAE
-from h3serve.runtime.device import DTYPES, pick_device
+from h3serve.runtime.device import TORCH_DTYPES, pick_device
 from h3serve.runtime.stage import StageBase, first_message
 from h3serve.services.sessions import Session, SessionTable
 from h3serve.transport.control import FRAMES_EDGE, LATENTS_EDGE, ControlReceiver
@@ -89,7 +89,7 @@ class VAEServicer(StageBase):
         if self.start_ranks() is not None:   # --vae-pp: tiles decoded on every rank, stitched here (rank 0)
             self.video_vae = VideoVAEProxy(self.parallel)
         else:
-            self.video_vae = VideoVAE.load(self.config.checkpoint, dtype=DTYPES[self.config.dtype], device=device)
+            self.video_vae = VideoVAE.load(self.config.checkpoint, dtype=TORCH_DTYPES[self.config.dtype], device=device)
         self.audio_vae = AudioVAE.load(self.config.checkpoint, dtype=torch.float32, device=device)
         if self.config.vae_staged:   # both VAEs in pinned host memory, on the device per request (lever)
             self.video_vae.stage()

@@ -52,7 +52,7 @@ from h3serve.media.thumbnail import first_frame_jpeg
 from .auth import Authenticator
 from .fields import MEDIA_FIELDS, REFERENCE_KIND, REPEATABLE, fields_from_http, served_pools, short
 from .jobs import Job
-from .orchestrate import Gateway
+from .gateway import Gateway
 from .sinks import FileSink
 from .uploads import VIDEO_REFUSED, decode_caller
 

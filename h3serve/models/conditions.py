@@ -19,6 +19,7 @@ from typing import Any, Sequence
 import torch
 from PIL import Image
 
+from h3serve.errors import RequestError
 from h3serve.models.dit.layout import AudioRef, ImageRef
 from h3serve.models.encoder import presentation as pres
 
@@ -31,6 +32,16 @@ DEFAULT_REFERENCE_SHORT_EDGE = 2048   # the released pipeline config's reference
 def reference_short_edge(pipeline_config: dict) -> int:
     """ref2va image references are encoded at this short edge (the checkpoint's pipeline config)."""
     return int(pipeline_config.get("reference_image_short_edge", DEFAULT_REFERENCE_SHORT_EDGE))
+
+
+def requested_kinds(kinds: Sequence[str], task: str, field: str) -> list[str]:
+    """A request's kinds as a list, checked for its task (`check_kinds`); RequestError naming the request's field."""
+    kinds = list(kinds)
+    try:
+        check_kinds(kinds, task)
+    except ValueError as exc:
+        raise RequestError(field, kinds, str(exc)) from None
+    return kinds
 
 
 def check_kinds(kinds: Sequence[str], task: str) -> None:

@@ -147,11 +147,7 @@ class DiTServicer(StageBase):
         quality = p.quality or DEFAULT_QUALITY
         if quality not in QUALITIES:
             raise RequestError("quality", p.quality, "one of " + " | ".join(QUALITIES))
-        kinds = list(p.condition_kinds)
-        try:
-            cond.check_kinds(kinds, task)
-        except ValueError as exc:
-            raise RequestError("condition_kinds", kinds, str(exc)) from None
+        kinds = cond.requested_kinds(p.condition_kinds, task, "condition_kinds")
         check_geometry(p)
         sink = p.latents_sink   # checked (--peers) before any work; dialled when the latents are ready
         vae = self.channel(sink.address, "latents_sink.address") if sink.address and sink.session_id else None

@@ -89,11 +89,7 @@ class EncoderServicer(StageBase):
             raise RequestError("task", p.task, "fl2va or ref2va (t2va: Encode)")
         if not p.prompt:
             raise RequestError("prompt", p.prompt, "a non-empty prompt")
-        kinds = list(p.kinds)
-        try:
-            cond.check_kinds(kinds, p.task)
-        except ValueError as exc:
-            raise RequestError("kinds", kinds, str(exc)) from None
+        kinds = cond.requested_kinds(p.kinds, p.task, "kinds")
         tensors = {m.header.name: m.tensor for m in GrpcStreamReceiver(request_iterator, _unwrap,
                                                                        edge="gateway->encoder")}
         visual = [i for i, k in enumerate(kinds) if k in cond.VISUAL_KINDS]

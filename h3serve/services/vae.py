@@ -104,11 +104,7 @@ class VAEServicer(StageBase):
         """fl2va keyframes / ref2va references -> the DiT's condition latents and audio rows, in order."""
         p = first_message(request_iterator, "params",
                           "the first message of an EncodeConditions stream carries the parameters").params
-        kinds = list(p.kinds)
-        try:
-            cond.check_kinds(kinds, p.task)
-        except ValueError as exc:
-            raise RequestError("kinds", kinds, str(exc)) from None
+        kinds = cond.requested_kinds(p.kinds, p.task, "kinds")
         tensors = {m.header.name: m.tensor for m in GrpcStreamReceiver(request_iterator, _unwrap,
                                                                        edge="gateway->vae")}
         for i, kind in enumerate(kinds):

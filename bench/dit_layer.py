@@ -25,7 +25,7 @@ from h3serve.testing.presets import transformer_config
 from h3serve.models.dit import kernels
 from h3serve.models.dit import layout as L
 from h3serve.models.dit.model import FP32_MODULES, H3DiT, H3DiTConfig
-from h3serve.runtime.device import DTYPES
+from h3serve.runtime.device import TORCH_DTYPES
 
 
 def _parse() -> argparse.Namespace:
@@ -98,7 +98,7 @@ def main() -> None:
     diffusers_logging.set_verbosity_error()  # the fp32-module casting notice: we restore those modules below
 
     device = torch.device(a.device)
-    dtype = DTYPES[a.dtype]
+    dtype = TORCH_DTYPES[a.dtype]
     cfg = transformer_config(a.preset)
     for key, value in (("hidden_size", a.width), ("num_attention_heads", a.heads),
                        ("attention_head_dim", a.head_dim), ("ffn_dim", a.ffn)):

@@ -28,7 +28,7 @@ from h3serve.models.dit import kernels
 from h3serve.models.dit import layout as L
 from h3serve.models.dit.model import H3DiT, H3DiTConfig
 from h3serve.models.dit.parallel import USPGroups, USPPlan, parallelize_dit
-from h3serve.runtime.device import DTYPES
+from h3serve.runtime.device import TORCH_DTYPES
 from h3serve.testing.presets import transformer_config
 
 
@@ -72,7 +72,7 @@ def _worker(rank: int, a: argparse.Namespace, port: int, queue) -> None:
                  device=a.device)
     dev = rt.device
     cuda = dev.type == "cuda"
-    dtype = DTYPES[a.dtype]
+    dtype = TORCH_DTYPES[a.dtype]
     cfg = transformer_config(a.preset)
     cfg["num_layers"] = a.layers
     torch.manual_seed(a.seed)  # the same weights on every rank

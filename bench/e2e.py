@@ -39,7 +39,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     from h3serve.pipeline import Pipeline
-    from h3serve.runtime.device import DTYPES, pick_device
+    from h3serve.runtime.device import TORCH_DTYPES, pick_device
     from h3serve.config.request import validate_request
     from h3serve.media.mux import Mp4Writer
     from h3serve.models.vae.yuv import rgb_to_yuv420p
@@ -65,7 +65,7 @@ def main() -> None:
     if not args.no_diffusers:
         from h3serve.testing.tiny import reference_pipeline
 
-        ref = reference_pipeline(args.checkpoint, "t2va", dtype=DTYPES[args.dtype])
+        ref = reference_pipeline(args.checkpoint, "t2va", dtype=TORCH_DTYPES[args.dtype])
         ref.to(device) if hasattr(ref, "to") else None
 
         def run_ref():

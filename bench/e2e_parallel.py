@@ -359,12 +359,12 @@ def _diffusers_run(rank: int, dev, ctrl, cfg: dict) -> None:
     from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 
     from h3serve.models.encoder.processor import load_processor
-    from h3serve.runtime.device import DTYPES, process_memory
+    from h3serve.runtime.device import TORCH_DTYPES, process_memory
     from h3serve.media.mux import Mp4Writer
     from h3serve.models.vae.yuv import rgb_to_yuv420p
 
     world, cuda, out = cfg["world"], dev.type == "cuda", Path(cfg["out"])
-    torch_dtype = DTYPES[cfg["dtype"]]
+    torch_dtype = TORCH_DTYPES[cfg["dtype"]]
     placement = cfg["diffusers_encoder"]
     holds_encoder = placement == "replicated" or rank == 0
     req = _request(cfg)

@@ -33,7 +33,7 @@ import torch
 from h3serve.models.dit import kernels
 from h3serve.models.dit import layout as L
 from h3serve.models.dit.model import FP32_MODULES, H3DiT, H3DiTConfig
-from h3serve.models.dit.offload import attach_offload
+from h3serve.models.offload import attach_offload
 from h3serve.models.dit.quant import quantize_dit, weight_bytes
 from h3serve.testing.presets import transformer_config
 

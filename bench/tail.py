@@ -202,11 +202,11 @@ def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
     from h3serve.models.vae.video import VideoVAE
-    from h3serve.runtime.device import DTYPES
+    from h3serve.runtime.device import TORCH_DTYPES
     from h3serve.testing.modules import random_video_vae
 
     device = torch.device(a.device)
-    dtype = DTYPES[a.dtype]
+    dtype = TORCH_DTYPES[a.dtype]
     t_, h_, w_ = (int(v) for v in (a.latents or ("12x4x6" if a.preset == "tiny" else "72x48x84")).split("x"))
     model = random_video_vae(a.preset, dtype, device)
     tile, overlap = (256, 64) if a.preset == "full" else (32, 16)

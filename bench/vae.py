@@ -47,11 +47,11 @@ def main() -> None:
     from diffusers.utils import logging as diffusers_logging
 
     from h3serve.models.vae.video import VideoVAE
-    from h3serve.runtime.device import DTYPES
+    from h3serve.runtime.device import TORCH_DTYPES
 
     diffusers_logging.set_verbosity_error()
     device = torch.device(a.device)
-    dtype = DTYPES[a.dtype]
+    dtype = TORCH_DTYPES[a.dtype]
     t_, h_, w_ = (int(v) for v in (a.latents or ("12x4x6" if a.preset == "tiny" else "72x48x84")).split("x"))
     model = random_video_vae(a.preset, dtype, device, a.seed)
     tile = 256 if a.preset == "full" else 32

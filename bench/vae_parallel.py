@@ -27,7 +27,7 @@ def _decode_all(vae, z):
 def _rank(rank: int, args, port: int) -> None:
     from h3serve.models.vae.parallel import PatchParallelVAE
     from h3serve.models.vae.video import VideoVAE
-    from h3serve.runtime.device import DTYPES
+    from h3serve.runtime.device import TORCH_DTYPES
     from h3serve.testing.modules import random_video_vae
 
     cuda = args.device == "cuda"
@@ -36,7 +36,7 @@ def _rank(rank: int, args, port: int) -> None:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=args.world, device_id=device if cuda else None)
-    dtype = DTYPES[args.dtype]
+    dtype = TORCH_DTYPES[args.dtype]
     vae = VideoVAE(random_video_vae(args.preset, dtype, device, seed=0))
     t, h, w = (int(x) for x in args.latents.split("x"))
     z = torch.randn(1, 24, t, h, w, generator=torch.Generator().manual_seed(1)).to(device)

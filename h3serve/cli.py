@@ -20,7 +20,7 @@ from h3serve.config.levers import CLI_NAMES, LeverError, Levers, check_combinati
 from h3serve.config.stage import API_KEY_ENV, API_KEYS_ENV, StageConfig
 from h3serve.config.vocab import (DEFAULT_DTYPE, DIT_LAYERS, DTYPES, ENCODER_LAYERS, GRPC_PORT, HTTP_PORT,
                                   MIN_RESIDENT_BLOCKS,
-                                  MODEL_STAGES, OFFLOAD_MODES)
+                                  MODEL_STAGES, OFFLOAD_MODES, TRANSPORTS)
 from h3serve.errors import H3Error
 
 EXIT_USER_ERROR = 2
@@ -263,7 +263,7 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                         "network policy fences the port; otherwise give --tls-cert, --tls-key and --tls-ca)")
     p.add_argument("--max-sync-bytes", type=int, default=d.max_sync_bytes,
                    help="gateway: largest MP4 GenerateSync returns in one message")
-    p.add_argument("--transport", default=d.transport, choices=("grpc", "nixl"),
+    p.add_argument("--transport", default=d.transport, choices=TRANSPORTS,
                    help="VAE -> muxer frame transport: grpc, or nixl (falls back to grpc with a warning when NIXL "
                         "cannot be loaded or the peers cannot connect)")
     p.add_argument("--model-name", default=None, help="gateway: model id reported and accepted in requests")

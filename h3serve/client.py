@@ -49,20 +49,9 @@ from grpc import aio
 
 from h3serve._proto import gateway_pb2, gateway_pb2_grpc
 from h3serve.config.stage import API_KEY_ENV
-from h3serve.errors import Cancelled, H3Error, RequestError
-from h3serve.errortable import (
-    AlreadyExists,
-    DeadlineExceeded,
-    Draining,
-    NotFound,
-    PermissionDenied,
-    QueueFull,
-    StageFailed,
-    StageUnavailable,
-    TooLarge,
-    Unauthenticated,
-    from_grpc,
-)
+from h3serve.errors import (AlreadyExists, Cancelled, DeadlineExceeded, Draining, H3Error, NotFound, PermissionDenied,
+                            QueueFull, RequestError, StageFailed, StageUnavailable, TooLarge, Unauthenticated)
+from h3serve.errortable import from_grpc
 from h3serve.transport.grpc import channel_options, wait_serving
 
 __all__ = ["Client", "AsyncClient", "Generation", "AsyncGeneration", "GenerationResult", "Accepted", "Progress",

@@ -37,88 +37,31 @@ from typing import Any
 
 import grpc
 
-from h3serve.errors import Cancelled, H3Error, MediaError, ProfileError, RequestError, TransportError
+from h3serve.errors import (
+    AlreadyExists,
+    Cancelled,
+    DeadlineExceeded,
+    Draining,
+    H3Error,
+    InvalidRequest,
+    MediaError,
+    NotFound,
+    NotReady,
+    PermissionDenied,
+    ProfileError,
+    QueueFull,
+    RequestError,
+    ServiceError,
+    StageFailed,
+    StageUnavailable,
+    TooLarge,
+    TransportError,
+    Unauthenticated,
+)
 
 log = logging.getLogger("h3serve.errors")
 
 MD_CODE, MD_FIELD, MD_STAGE = "h3serve-code", "h3serve-field", "h3serve-stage"
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Service-layer domain errors (the model-side ones live in h3serve.errors)
-
-class ServiceError(H3Error):
-    """A service-layer failure; `stage` names the stage it concerns, when one does."""
-
-    def __init__(self, message: str, *, stage: str | None = None):
-        self.stage = stage
-        super().__init__(message)
-
-
-class QueueFull(ServiceError):
-    """The admission queue is full; retry later or elsewhere."""
-
-
-class TooLarge(ServiceError):
-    """The result exceeds a configured size limit (e.g. the sync response limit)."""
-
-
-class Draining(ServiceError):
-    """The server is shutting down and admits nothing new."""
-
-
-class StageUnavailable(ServiceError):
-    """A stage is down, not ready, or died while working on the request."""
-
-    def __init__(self, stage: str, message: str = ""):
-        super().__init__(f"{stage}: stage unavailable" + (f": {message}" if message else ""), stage=stage)
-
-
-class StageFailed(ServiceError):
-    """A stage failed on the request for a reason other than being unavailable."""
-
-    def __init__(self, stage: str, message: str):
-        super().__init__(f"{stage}: {message}", stage=stage)
-
-
-class DeadlineExceeded(ServiceError):
-    """The request's deadline passed before it finished."""
-
-
-class Unauthenticated(ServiceError):
-    """The call carries no API key, or one the server does not know."""
-
-
-class PermissionDenied(ServiceError):
-    """The caller is known but may not touch this resource (another caller's job)."""
-
-
-class NotFound(ServiceError):
-    """No such request / job / session."""
-
-
-class NotReady(ServiceError):
-    """The resource exists but is not ready yet (e.g. a job's content before it completed)."""
-
-
-class AlreadyExists(RequestError):
-    """An id the caller chose that a job already has (a gRPC `request_id`); names the field, never whose job it is.
-    `message` rebuilds it from the wire."""
-
-    def __init__(self, field: str, value: object,
-                 allowed: str = "an id no job has: choose another, or leave it out and the gateway mints one", *,
-                 message: str | None = None):
-        super().__init__(field, value, allowed)
-        if message is not None:
-            self.args = (message,)
-
-
-class InvalidRequest(RequestError):
-    """A RequestError rebuilt from the wire (field and message known, value and allowed not separately)."""
-
-    def __init__(self, field: str, message: str):
-        self.field, self.value, self.allowed = field, None, message
-        H3Error.__init__(self, message)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -196,7 +139,7 @@ def classify(exc: BaseException, *, stage: str | None = None) -> Classified:
         edge = getattr(exc, "edge", "") or ""
         exc_stage = edge.split("->")[-1] or None
     message = str(exc) if kind is not INTERNAL else f"internal error: {type(exc).__name__}: {exc}"
-    return Classified(kind, message, field, exc_stage or (stage if kind is not INTERNAL else stage))
+    return Classified(kind, message, field, exc_stage or stage)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from h3serve.models.encoder.parallel import build_encoder_rank
 from h3serve.models.vae.audio import AudioVAE
 from h3serve.models.vae.parallel import build_vae_rank
 from h3serve.models.vae.video import VideoVAE
-from h3serve.runtime.device import DTYPES, PeakMemory, pick_device, process_memory
+from h3serve.runtime.device import TORCH_DTYPES, PeakMemory, pick_device, process_memory
 from h3serve.weights.adapter import Adapter
 from h3serve.weights.folder import CheckpointFolder
 
@@ -158,8 +158,8 @@ class Pipeline:
         """`levers` (config/levers.py, all off by default): DiT offload and FP8, the text decoder's offload (and FP8
         with `levers.fp8`), VAE staging; checked here as the CLI checks them."""
         t0 = time.perf_counter()
-        if dtype not in DTYPES:
-            raise H3Error(f"dtype={dtype!r} is invalid: one of {', '.join(DTYPES)}")
+        if dtype not in TORCH_DTYPES:
+            raise H3Error(f"dtype={dtype!r} is invalid: one of {', '.join(TORCH_DTYPES)}")
         if profile not in PROFILES:
             raise ProfileError(f"profile={profile!r} is invalid: base or fasth3")
         if profile == "fasth3":
@@ -178,7 +178,7 @@ class Pipeline:
             raise CheckpointError(f"checkpoint folder {root} does not exist")
         folder = CheckpointFolder(root)  # fails early, naming what is missing
         dev = pick_device(device)
-        torch_dtype = DTYPES[dtype]
+        torch_dtype = TORCH_DTYPES[dtype]
         components = sorted({COMPONENT_FOR_TASK[t] for t in tasks})
         degrees = ParallelDegrees(encoder_tp=encoder_tp, ulysses=ulysses, ring=ring, vae_pp=vae_pp)
         if not degrees.trivial:

@@ -46,16 +46,6 @@ class Sink(_message.Message):
     transport_metadata: bytes
     def __init__(self, address: _Optional[str] = ..., session_id: _Optional[str] = ..., transport: _Optional[str] = ..., transport_metadata: _Optional[bytes] = ...) -> None: ...
 
-class TransportHandshake(_message.Message):
-    __slots__ = ("transport", "session_id", "transport_metadata")
-    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    TRANSPORT_METADATA_FIELD_NUMBER: _ClassVar[int]
-    transport: str
-    session_id: str
-    transport_metadata: bytes
-    def __init__(self, transport: _Optional[str] = ..., session_id: _Optional[str] = ..., transport_metadata: _Optional[bytes] = ...) -> None: ...
-
 class TransportInfo(_message.Message):
     __slots__ = ("edge", "requested", "chosen", "reason")
     EDGE_FIELD_NUMBER: _ClassVar[int]

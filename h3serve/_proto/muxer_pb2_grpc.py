@@ -55,11 +55,6 @@ class MuxerStub:
                 request_serializer=h3serve_dot_v1_dot_muxer__pb2.AbortRequest.SerializeToString,
                 response_deserializer=h3serve_dot_v1_dot_muxer__pb2.AbortResponse.FromString,
                 _registered_method=True)
-        self.Handshake = channel.unary_unary(
-                '/h3serve.v1.Muxer/Handshake',
-                request_serializer=h3serve_dot_v1_dot_common__pb2.TransportHandshake.SerializeToString,
-                response_deserializer=h3serve_dot_v1_dot_common__pb2.TransportHandshake.FromString,
-                _registered_method=True)
         self.Control = channel.stream_stream(
                 '/h3serve.v1.Muxer/Control',
                 request_serializer=h3serve_dot_v1_dot_muxer__pb2.ControlMessage.SerializeToString,
@@ -105,13 +100,6 @@ class MuxerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Handshake(self, request, context):
-        """Exchange transport metadata for a session (transports other than "grpc").
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Control(self, request_iterator, context):
         """A two-way control pipe for transports that move the bytes out of band and need messages in both directions
         (NIXL: handshake, part headers, credits, end; see docs/nixl.md). Opaque to gRPC; the producer's first message
@@ -151,11 +139,6 @@ def add_MuxerServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=h3serve_dot_v1_dot_muxer__pb2.AbortRequest.FromString,
                     response_serializer=h3serve_dot_v1_dot_muxer__pb2.AbortResponse.SerializeToString,
-            ),
-            'Handshake': grpc.unary_unary_rpc_method_handler(
-                    servicer.Handshake,
-                    request_deserializer=h3serve_dot_v1_dot_common__pb2.TransportHandshake.FromString,
-                    response_serializer=h3serve_dot_v1_dot_common__pb2.TransportHandshake.SerializeToString,
             ),
             'Control': grpc.stream_stream_rpc_method_handler(
                     servicer.Control,
@@ -276,33 +259,6 @@ class Muxer:
             '/h3serve.v1.Muxer/Abort',
             h3serve_dot_v1_dot_muxer__pb2.AbortRequest.SerializeToString,
             h3serve_dot_v1_dot_muxer__pb2.AbortResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Handshake(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/h3serve.v1.Muxer/Handshake',
-            h3serve_dot_v1_dot_common__pb2.TransportHandshake.SerializeToString,
-            h3serve_dot_v1_dot_common__pb2.TransportHandshake.FromString,
             options,
             channel_credentials,
             insecure,

@@ -40,11 +40,6 @@ class VAEStub:
                 request_serializer=h3serve_dot_v1_dot_vae__pb2.DecodeInput.SerializeToString,
                 response_deserializer=h3serve_dot_v1_dot_vae__pb2.DecodeEvent.FromString,
                 _registered_method=True)
-        self.Handshake = channel.unary_unary(
-                '/h3serve.v1.VAE/Handshake',
-                request_serializer=h3serve_dot_v1_dot_common__pb2.TransportHandshake.SerializeToString,
-                response_deserializer=h3serve_dot_v1_dot_common__pb2.TransportHandshake.FromString,
-                _registered_method=True)
         self.Control = channel.stream_stream(
                 '/h3serve.v1.VAE/Control',
                 request_serializer=h3serve_dot_v1_dot_vae__pb2.LatentsControl.SerializeToString,
@@ -69,13 +64,6 @@ class VAEServicer:
         """Client stream: DecodeInput.params first, then the latents as chunks, then DecodeInput.end.
         Server stream: DecodeEvent.clip after each clip has been handed to the sink, then DecodeEvent.done once the
         sink has acknowledged the whole stream. Cancellation and the deadline are checked before every clip.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Handshake(self, request, context):
-        """Exchange transport metadata with a peer before a Decode (used by transports other than "grpc").
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -112,11 +100,6 @@ def add_VAEServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=h3serve_dot_v1_dot_vae__pb2.DecodeInput.FromString,
                     response_serializer=h3serve_dot_v1_dot_vae__pb2.DecodeEvent.SerializeToString,
-            ),
-            'Handshake': grpc.unary_unary_rpc_method_handler(
-                    servicer.Handshake,
-                    request_deserializer=h3serve_dot_v1_dot_common__pb2.TransportHandshake.FromString,
-                    response_serializer=h3serve_dot_v1_dot_common__pb2.TransportHandshake.SerializeToString,
             ),
             'Control': grpc.stream_stream_rpc_method_handler(
                     servicer.Control,
@@ -161,33 +144,6 @@ class VAE:
             '/h3serve.v1.VAE/Decode',
             h3serve_dot_v1_dot_vae__pb2.DecodeInput.SerializeToString,
             h3serve_dot_v1_dot_vae__pb2.DecodeEvent.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Handshake(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/h3serve.v1.VAE/Handshake',
-            h3serve_dot_v1_dot_common__pb2.TransportHandshake.SerializeToString,
-            h3serve_dot_v1_dot_common__pb2.TransportHandshake.FromString,
             options,
             channel_credentials,
             insecure,

@@ -24,7 +24,6 @@ from h3serve.config.vocab import (
     ENCODER_LAYERS,
     MIN_RESIDENT_BLOCKS,
     OFFLOAD_MODES,
-    QUALITIES,
 )
 
 LEVERS_MESSAGE = ("profile fasth3 takes no {offload}, {encoder_offload}, {vae_staged}, {fp8}, {fp8_attention} or "
@@ -81,15 +80,6 @@ class Levers:
             raise LeverError("offload_mode", f"offload mode {self.offload_mode!r} must be one of "
                              f"{', '.join(OFFLOAD_MODES)}")
         return self
-
-
-def check_quality(quality: str | None, field: str = "quality") -> str:
-    """The request's quality (default lossless), or LeverError naming the allowed values."""
-    if quality is None:
-        return DEFAULT_QUALITY
-    if not isinstance(quality, str) or quality.lower() not in QUALITIES:
-        raise LeverError(field, f"{field}={quality!r} must be one of {', '.join(QUALITIES)}")
-    return quality.lower()
 
 
 def lever_conflict(profile: str, levers: Levers = Levers(), quality: str = DEFAULT_QUALITY,

@@ -221,8 +221,9 @@ def _normal(path: str) -> Op:
     return op("!", op("matches", Field(path), NOT_NORMAL))
 
 
-def _positive(path: str) -> Op:
-    """Guards a division: the schema's minimum already rejects 0, but CEL rules run too and must not divide by it."""
+def _not_positive(path: str) -> Op:
+    """True when `path` is 0 or less, the escape of a rule that divides by it: the schema's minimum already refuses
+    such a value, but CEL rules run too and must not divide by it."""
     return op("<=", Field(path), 0)
 
 
@@ -265,13 +266,13 @@ RULES: tuple[Rule, ...] = (
     Rule("placement", any_of(DISAGGREGATED, all_of(*(unset(f"{s}.replicas") for s in (*PIPELINE_STAGES, "gateway")))),
          "per-stage replicas only apply to disaggregated placement: with placement colocated set spec.replicas and "
          "remove encoder/dit/vae/muxer/gateway.replicas (each colocated replica runs its own gateway)"),
-    Rule("encoder.tensorParallel", any_of(DISAGGREGATED, _positive("encoder.tensorParallel"),
+    Rule("encoder.tensorParallel", any_of(DISAGGREGATED, _not_positive("encoder.tensorParallel"),
                                           op("==", op("%", DIT_SP, TP), 0)),
          "encoder.tensorParallel={tp:d} must divide the {sp:d} GPUs of a colocated replica (dit.ulysses x dit.ring)",
          dict(tp=TP, sp=DIT_SP)),
-    Rule("dit", any_of(_positive("gpusPerNode"), op("<=", DIT_SP, GPN), op("==", op("%", DIT_SP, GPN), 0)),
+    Rule("dit", any_of(_not_positive("gpusPerNode"), op("<=", DIT_SP, GPN), op("==", op("%", DIT_SP, GPN), 0)),
          "dit needs {n:d} GPUs, more than gpusPerNode={gpn:d}: {whole}", dict(n=DIT_SP, gpn=GPN, whole=WHOLE_NODES)),
-    Rule("encoder", any_of(COLOCATED, _positive("gpusPerNode"), op("<=", TP, GPN), op("==", op("%", TP, GPN), 0)),
+    Rule("encoder", any_of(COLOCATED, _not_positive("gpusPerNode"), op("<=", TP, GPN), op("==", op("%", TP, GPN), 0)),
          "encoder needs {n:d} GPUs, more than gpusPerNode={gpn:d}: {whole}", dict(n=TP, gpn=GPN, whole=WHOLE_NODES)),
     Rule("model.path", any_of(unset("model.volume"), _inside_mount("model.path")),
          "model.path {path} must be inside model.mountPath {mount}, where model.volume is mounted",
@@ -300,7 +301,8 @@ RULES: tuple[Rule, ...] = (
     Rule("fasth3.ulysses", any_of(NO_FAST, op("in", Field("fasth3.ulysses"), ulysses_choices())), ULYSSES_MESSAGE,
          dict(FIELD_NAMES, ulysses="fasth3.ulysses", ring="fasth3.ring", u=Field("fasth3.ulysses"), heads=DIT_HEADS,
               choices=join_choices(ulysses_choices()))),
-    Rule("fasth3", any_of(NO_FAST, _positive("gpusPerNode"), op("<=", FAST_SP, GPN), op("==", op("%", FAST_SP, GPN), 0)),
+    Rule("fasth3", any_of(NO_FAST, _not_positive("gpusPerNode"), op("<=", FAST_SP, GPN),
+                          op("==", op("%", FAST_SP, GPN), 0)),
          "fasth3 needs {n:d} GPUs, more than gpusPerNode={gpn:d}: {whole}", dict(n=FAST_SP, gpn=GPN, whole=WHOLE_NODES)),
     Rule("fasth3.adapter.path",
          any_of(NO_FAST, all_of(_normal("fasth3.adapter.path"),

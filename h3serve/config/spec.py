@@ -44,6 +44,8 @@ from h3serve.config.vocab import (
     HTTP_PORT,
     PIPELINE_STAGES,
     PROFILES,
+    GRPC,
+    TRANSPORTS,
 )
 from h3serve.errors import H3Error
 
@@ -54,7 +56,6 @@ PLURAL = "h3deployments"
 API_VERSION = f"{GROUP}/{VERSION}"
 
 PLACEMENTS = ("colocated", "disaggregated")
-TRANSPORTS = ("grpc", "nixl")
 MAX_REPLICA_GPUS = 1024  # a bound for the schema: GPUs of one stage replica (Ring has no head limit)
 
 NAME_MAX = 40  # leaves room for "-encoder-12" suffixes and StatefulSet pod / revision-hash labels (<= 63)
@@ -394,7 +395,7 @@ class H3DeploymentSpec:
     placement: str = f("placement", "colocated: every stage of a replica in one pod on the same GPUs; "
                        "disaggregated: one workload per stage.", "colocated", enum=list(PLACEMENTS))
     transport: str = f("transport", "How tensors move between stages: grpc (always works) or nixl (UCX: RDMA, "
-                       "shared memory or TCP).", "grpc", enum=list(TRANSPORTS))
+                       "shared memory or TCP).", GRPC, enum=list(TRANSPORTS))
     replicas: int = f("replicas", "Replicas of the DiT pool, the one the /scale subresource (kubectl scale, an HPA "
                       "on the H3Deployment) sets: colocated, the engine replicas (each runs every stage); "
                       "disaggregated, the DiT replicas unless dit.replicas or dit.autoscaling sets them (the other "

@@ -16,6 +16,7 @@ from h3serve.config.vocab import (
     DEFAULT_TASKS,
     ENCODER_CACHE_BYTES,
     FASTH3_DIT,
+    GRPC,
     MODEL_STAGES,
     PIPELINE_STAGES,
     PORT_OFFSETS,
@@ -83,7 +84,7 @@ class StageConfig:
     api_keys_file: str | None = None  # callers' hashed bearer keys (services/gateway/auth.py); None: no auth
     no_auth: bool = False             # allow a gateway without keys on a non-loopback address
     no_peer_auth: bool = False        # allow a stage without mTLS on a non-loopback address (a network fences it)
-    transport: str = "grpc"
+    transport: str = GRPC
     model_name: str | None = None
     fasth3_dit: str | None = None    # gateway of a base deployment: a FastH3 DiT pool, routed to by `model`
     fasth3_adapter: str | None = None         # `h3serve serve` of a base deployment: also run that pool here

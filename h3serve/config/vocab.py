@@ -27,13 +27,20 @@ DEFAULT_TASKS = "t2va,fl2va"
 TASKS_PATTERN = f"^({'|'.join(TASKS)})(,({'|'.join(TASKS)}))*$"  # a comma list of tasks, as --tasks takes it
 ENCODER_CACHE_BYTES = 512 << 20  # encodings kept for repeated prompts / references (0: no cache)
 MAX_ENCODER_CACHE_BYTES = 1 << 40
-DTYPES = ("fp32", "bf16")
+# The engines' dtypes by the name a request, a flag or a spec gives, and the torch dtype each one is
+# (runtime.device.TORCH_DTYPES maps them; config imports no torch).
+TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
+DTYPES = tuple(TORCH_DTYPE_NAMES)
 # The engines' dtype when nobody names one (the embedded pipeline, `h3serve serve`, `h3serve generate`, a request
 # without dtype): fp32, what the pipeline and the services have always run in; the operator's GPU pods set bf16.
 DEFAULT_DTYPE = "fp32"
 # A deployment's device (spec.device) and the dtype its model stages run in there.
 DEVICE_DTYPES = {"cuda": "bf16", "cpu": "fp32"}
 DEVICES = tuple(DEVICE_DTYPES)
+
+# ---- how tensors move between stages (h3serve.transport.choice) ------------------------------------------------
+GRPC, NIXL = "grpc", "nixl"   # gRPC byte streams (always work); NIXL over UCX: RDMA, shared memory or TCP
+TRANSPORTS = (GRPC, NIXL)
 
 # ---- ports ----------------------------------------------------------------------------------------------------
 GRPC_PORT = 50051

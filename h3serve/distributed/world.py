@@ -1,7 +1,7 @@
 """The runtime of a stage with N parallel ranks: one process per rank, one `torch.distributed` world.
 
 This module holds the world (`Runtime`, `launch`, `join_from_env`) and rank 0's side (`StageHandle`); the other
-ranks' command loop is `h3serve.distributed.ranks`, rank 0's stand-ins for the models `h3serve.distributed.proxies`.
+ranks' command loop is `h3serve.distributed.commands`, rank 0's stand-ins for the models `h3serve.distributed.proxies`.
 
     rank 0 (owns the request; in services, the gRPC server)         ranks 1..N-1 (peers)
     ───────────────────────────────────────────────────────         ─────────────────────────────────
@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from h3serve.config.parallel import DegreeError, ParallelDegrees
-from h3serve.distributed.ranks import (
+from h3serve.distributed.commands import (
     CMD,
     DONE,
     HEARTBEAT,

@@ -16,10 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 from PIL import Image
 
+from h3serve.errors import RequestError
 from h3serve.models.dit.layout import AudioRef, ImageRef
 from h3serve.models.encoder import presentation as pres
 
@@ -32,6 +32,16 @@ DEFAULT_REFERENCE_SHORT_EDGE = 2048   # the released pipeline config's reference
 def reference_short_edge(pipeline_config: dict) -> int:
     """ref2va image references are encoded at this short edge (the checkpoint's pipeline config)."""
     return int(pipeline_config.get("reference_image_short_edge", DEFAULT_REFERENCE_SHORT_EDGE))
+
+
+def requested_kinds(kinds: Sequence[str], task: str, field: str) -> list[str]:
+    """A request's kinds as a list, checked for its task (`check_kinds`); RequestError naming the request's field."""
+    kinds = list(kinds)
+    try:
+        check_kinds(kinds, task)
+    except ValueError as exc:
+        raise RequestError(field, kinds, str(exc)) from None
+    return kinds
 
 
 def check_kinds(kinds: Sequence[str], task: str) -> None:
@@ -111,8 +121,3 @@ def dit_conditions(kinds: Sequence[str], encoded: Sequence[torch.Tensor], task: 
             if kind == "image":
                 refs.append(ImageRef(latent_h=int(z.shape[-2]), latent_w=int(z.shape[-1])))
     return DiTConditions(anchors, latents, refs if task == "ref2va" else [], rows)
-
-
-def as_uint8_image(image: Any) -> np.ndarray:
-    """(H, W, 3) uint8 C-contiguous array of an RGB image (what travels between the stages)."""
-    return np.ascontiguousarray(np.asarray(pres.to_pil(image).convert("RGB"), dtype=np.uint8))

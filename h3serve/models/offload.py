@@ -19,8 +19,8 @@ Two modes with several ranks (the same process group as the sequence-parallel pl
   shard into its part of the slot and the group all-gathers the slot: host memory per rank / world, H2D per rank /
   world, plus one all-gather per block on the interconnect.
 
-The DiT calls `run` (its block loop, with start / stop for step reuse); a stack called by code we do not own (the
-Qwen3-VL decoder loop in transformers) gets the same schedule from forward hooks (`hook_layers`).
+The DiT calls `run` (its block loop, with start / stop for step reuse; `attach_offload`); a stack called by code we
+do not own (the Qwen3-VL decoder loop in transformers) gets the same schedule from forward hooks (`offload_layers`).
 
 `StagedModule` — a module used once per request (a VAE) kept in pinned host memory and copied to the device in one
 H2D copy for the span of a `with staged:` block; the device buffer is freed after it.
@@ -389,6 +389,16 @@ def offload_layers(layers: nn.ModuleList, resident: int, device: torch.device | 
     """Layerwise offload of a stack another library's loop runs (forward hooks): `resident` slots on the device."""
     off = LayerwiseOffload(layers, OffloadPlan(len(layers), resident), device)
     off.handles = off.hook_layers()
+    return off
+
+
+def attach_offload(model, resident_blocks: int, device: torch.device | str, *, mode: str = "local",
+                   group=None) -> LayerwiseOffload:
+    """Put an H3DiT's block stack under layerwise offload; its `run_blocks` then streams."""
+    world = dist.get_world_size(group) if group is not None else 1
+    plan = OffloadPlan(len(model.transformer_blocks), resident_blocks, mode, world)
+    off = LayerwiseOffload(model.transformer_blocks, plan, device, group=group)
+    model.block_runner = off
     return off
 
 

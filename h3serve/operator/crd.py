@@ -19,9 +19,6 @@ import yaml
 from h3serve.config import spec as S
 from h3serve.config.rules import RULES
 
-CONDITION_TYPES = ("SpecValid", "Progressing", "Ready", "Degraded")
-
-
 def _field_schema(tp, fl: dataclasses.Field) -> dict:
     md = fl.metadata
     tp, _ = S._unwrap_optional(tp)

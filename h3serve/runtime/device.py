@@ -1,4 +1,4 @@
-"""This process's device: the one a stage runs on and its dtype by name (`pick_device`, `DTYPES`), and the peak
+"""This process's device: the one a stage runs on and its dtype by name (`pick_device`, `TORCH_DTYPES`), and the peak
 memory over one piece of work (`PeakMemory`: what a stage reports as a request's `peak_memory_mb`).
 
 On a CUDA device: the caching allocator's peak of allocated bytes on that device (weights included), reset when the
@@ -13,12 +13,13 @@ import resource
 
 import torch
 
+from h3serve.config.vocab import TORCH_DTYPE_NAMES
 from h3serve.errors import H3Error
 
-__all__ = ["DTYPES", "pick_device", "PeakMemory", "process_memory"]
+__all__ = ["TORCH_DTYPES", "pick_device", "PeakMemory", "process_memory"]
 
 MIB = float(1 << 20)
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}   # the names config.request.DTYPES allows
+TORCH_DTYPES = {name: getattr(torch, torch_name) for name, torch_name in TORCH_DTYPE_NAMES.items()}
 
 
 def pick_device(device: str | None) -> torch.device:

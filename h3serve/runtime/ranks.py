@@ -6,7 +6,7 @@
     ──────────────────────────────────────────────────────        ──────────────────────────────────────
     servicer.engine / encoder / video_vae = a stand-in            the same build (`build_stage_rank`: the
     (h3serve.distributed.proxies) whose calls run as               model's rank builder), then the command loop
-    ParallelStage.call(op, payload) on every rank  ───────────►    of h3serve.distributed.ranks
+    ParallelStage.call(op, payload) on every rank  ───────────►    of h3serve.distributed.commands
 
 Degrees per stage: encoder = encoder_tp, DiT = ulysses x ring, VAE = vae_pp (each stage process is its own world; a
 colocated replica runs three worlds on the same GPUs, rank r of each on cuda:r). They are validated once, against the
@@ -50,12 +50,11 @@ from h3serve.distributed.world import (
     launch,
     spawn_peers,
 )
-from h3serve.errors import H3Error, RankFailed
-from h3serve.errortable import StageUnavailable
+from h3serve.errors import H3Error, RankFailed, StageUnavailable
 from h3serve.models.dit.parallel import build_dit_rank
 from h3serve.models.encoder.parallel import build_encoder_rank
 from h3serve.models.vae.parallel import build_vae_rank
-from h3serve.runtime.device import DTYPES, pick_device
+from h3serve.runtime.device import TORCH_DTYPES, pick_device
 from h3serve.weights.folder import CheckpointFolder
 
 log = logging.getLogger("h3serve.runtime.ranks")
@@ -132,7 +131,7 @@ def build_stage_rank(runtime, stage: str, threads: int, args: tuple) -> dict:
 
 def _build_args(stage: str, c, degrees: ParallelDegrees) -> tuple:
     """(build, build args) of the stage's world, from its StageConfig."""
-    dtype = DTYPES[c.dtype]
+    dtype = TORCH_DTYPES[c.dtype]
     if stage == "encoder":
         args = (c.checkpoint, dtype, degrees.encoder_tp, c.fp8, c.encoder_resident_layers)
     elif stage == "dit":

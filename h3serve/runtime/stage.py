@@ -1,13 +1,15 @@
 """The stage runtime every servicer shares.
 
 `StageBase` (one engine worker thread, status counters and the Status RPC, the transport choice, drain and
-cancel), `RequestScope` (one request's cancel flag and deadline, wired to its gRPC context) and `HealthHandle` (the
-gRPC health status of the server and its service together). A stage's servicer class is its factory:
+cancel, `request`: the scope of one request, finished however it ends), `RequestScope` (one request's cancel flag
+and deadline, wired to its gRPC context), `first_message` (a request stream's opening message, checked) and
+`HealthHandle` (the gRPC health status of the server and its service together). A stage's servicer class is its factory:
 `XServicer(config, health)`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -15,8 +17,7 @@ import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import grpc
 import torch
@@ -24,14 +25,14 @@ from grpc_health.v1 import health_pb2
 
 from h3serve._proto import common_pb2
 from h3serve.config.stage import StageConfig
-from h3serve.config.vocab import SINKS
-from h3serve.errors import Cancelled
-from h3serve.errortable import DeadlineExceeded, abort
+from h3serve.config.vocab import GRPC, SINKS
+from h3serve.errors import Cancelled, DeadlineExceeded, RequestError
+from h3serve.errortable import abort
 from h3serve.runtime.device import PeakMemory
 from h3serve.runtime.ranks import ParallelStage, degrees_of, stage_degree
 from h3serve.runtime.tls import Tls, authenticated_peer, check_peer, parse_peers
 from h3serve.weights.manifest import IntegrityError
-from h3serve.transport.nixl.probe import select_transport, validate_transport
+from h3serve.transport.choice import TransportChoice
 
 log = logging.getLogger("h3serve.runtime.stage")
 MODULE_CHECK_S = 0.05   # how often a checked forward looks at cancel and deadline
@@ -39,6 +40,16 @@ DEADLINE_SKEW_S = 0.5   # a call ended this close to its deadline ended by it, n
 
 HIDDEN = "hidden"   # a request id in the Status answered to a caller that is not an authenticated peer
 NO_DEADLINE = 1e8   # grpc reports "no deadline" as a time_remaining of years
+
+
+def first_message(requests: Iterator, name: str, allowed: str):
+    """The first message of a request stream; refused naming `name` (with `allowed`) unless it carries `name`:
+    the oneof member of that name, or a non-empty field."""
+    first = next(requests, None)
+    field = None if first is None else first.DESCRIPTOR.fields_by_name[name]
+    if field is None or not (first.HasField(name) if field.message_type is not None else getattr(first, name)):
+        raise RequestError(name, None, allowed)
+    return first
 
 
 class HealthHandle:
@@ -117,23 +128,6 @@ class RequestScope:
         self.stage.work_units_total += n
 
 
-@dataclass(frozen=True)
-class TransportChoice:
-    """The transport of a stage's edges: configured (`requested`), usable in this process (`chosen`), and why."""
-
-    requested: str
-    chosen: str = "grpc"
-    reason: str = "requested"
-
-    def summary(self) -> dict:
-        """The Status details' `transport` of every stage: {requested, chosen, reason}."""
-        return {"requested": self.requested, "chosen": self.chosen, "reason": self.reason}
-
-    def details(self, edge: str, last_stream: dict | None) -> dict:
-        """An edge's entry in the Status details: this process's choice and what the edge's last stream used."""
-        return {"edge": edge, **self.summary(), "last_stream": last_stream}
-
-
 class StageBase:
     """What every stage servicer shares. Subclasses set `stage`, implement `register`, `load` and their RPCs."""
 
@@ -162,9 +156,7 @@ class StageBase:
         self.load_error = ""   # why load failed when the stage stays up NOT_SERVING (IntegrityError)
         self.ready = False
         self.parallel = None   # h3serve.runtime.ranks.ParallelStage when the stage has several ranks
-        requested = config.transport or "grpc"
-        self.transport = TransportChoice(   # decided at load by `choose_transport`
-            requested, "grpc", "requested" if requested == "grpc" else "not decided yet (at load)")
+        self.transport = TransportChoice.undecided(config.transport or GRPC)   # decided at load: choose_transport
         self._channels: dict[str, grpc.Channel] = {}   # to the stages this one streams to, by address
         self._channels_lock = threading.Lock()
         self.tls = Tls.of(config)
@@ -202,16 +194,8 @@ class StageBase:
         return bool(self.active) or self.engine_scope is not None
 
     def choose_transport(self, *, probe: bool = True) -> None:
-        """Decide, once at load, the transport of this stage's edges: `nixl` when NIXL works in this process, else
-        `grpc` with the reason (logged). `probe=False`: a stage that moves no tensor by NIXL itself (the encoder,
-        the gateway) checks the name and uses gRPC."""
-        requested = self.transport.requested
-        if probe:
-            self.transport = TransportChoice(requested, *select_transport(requested))
-        else:
-            validate_transport(requested)
-            self.transport = TransportChoice(requested, "grpc", "requested" if requested == "grpc" else
-                                             f"the {self.stage} has no NIXL edge: its tensors travel by gRPC")
+        """Decide, once at load, the transport of this stage's edges (`TransportChoice.decide`)."""
+        self.transport = TransportChoice.decide(self.transport.requested, self.stage, probe=probe)
 
     def _on_engine(self, scope: RequestScope, fn: Callable[[], Any]) -> Any:
         self.engine_scope = scope
@@ -298,6 +282,23 @@ class StageBase:
             self.requests_total += 1
             self.active[id(scope)] = scope
         return scope
+
+    @contextlib.contextmanager
+    def request(self, context, request_id: str) -> Iterator[RequestScope]:
+        """`with self.request(context, id) as scope:` around one request's work: the scope, finished when the
+        block ends with the outcome its exception gives (none: ok)."""
+        with self.finishing(self.scope(context, request_id)) as scope:
+            yield scope
+
+    @contextlib.contextmanager
+    def finishing(self, scope: RequestScope) -> Iterator[RequestScope]:
+        """Finish `scope` when the block ends: for a scope opened on one thread and worked on another."""
+        try:
+            yield scope
+        except BaseException as exc:
+            self.finish(scope, exc)
+            raise
+        self.finish(scope)
 
     def finish(self, scope: RequestScope, exc: BaseException | None = None) -> None:
         scope.active = False

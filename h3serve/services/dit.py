@@ -26,15 +26,15 @@ from h3serve.config.request import (
     num_frames_to_latents,
 )
 from h3serve.config.stage import StageConfig
-from h3serve.config.vocab import DEFAULT_QUALITY, QUALITIES
+from h3serve.config.vocab import DEFAULT_QUALITY, NIXL, QUALITIES
 from h3serve.distributed.proxies import DiTEngineProxy
 from h3serve.errors import RequestError
 from h3serve.errortable import grpc_method
 from h3serve.models import conditions as cond
 from h3serve.models.dit import kernels
 from h3serve.models.dit.engine import COMPONENT_FOR_TASK, DiTEngine, DiTRequest
-from h3serve.runtime.device import DTYPES, pick_device
-from h3serve.runtime.stage import StageBase
+from h3serve.runtime.device import TORCH_DTYPES, pick_device
+from h3serve.runtime.stage import StageBase, first_message
 from h3serve.transport.control import LATENTS_EDGE, ControlSender
 from h3serve.transport.grpc import GrpcStreamReceiver, iter_tensor_chunks
 from h3serve.weights.adapter import Adapter
@@ -110,7 +110,7 @@ class DiTServicer(StageBase):
             self.tasks = tuple(t for t in self.tasks if COMPONENT_FOR_TASK[t] == "transformer")
         else:
             adapter = Adapter.open(c.adapter, c.adapter_sha256) if c.profile == "fasth3" else None
-            self.engine = DiTEngine.load(c.checkpoint, components=components, dtype=DTYPES[c.dtype],
+            self.engine = DiTEngine.load(c.checkpoint, components=components, dtype=TORCH_DTYPES[c.dtype],
                                          device=device, profile=c.profile, adapter=adapter, levers=c.levers)
             self.engine.apply_offload(c.levers)
             if adapter is not None:
@@ -138,10 +138,8 @@ class DiTServicer(StageBase):
 
     @grpc_method("dit")
     def Generate(self, request_iterator, context):
-        first = next(request_iterator, None)
-        if first is None or first.WhichOneof("input") != "params":
-            raise RequestError("params", None, "the first message of a DiT stream carries the parameters")
-        p = first.params
+        p = first_message(request_iterator, "params",
+                          "the first message of a DiT stream carries the parameters").params
         task = p.task or "t2va"
         if task not in self.tasks:
             raise RequestError("task", p.task, f"this DiT serves {' | '.join(self.tasks)} (profile "
@@ -149,16 +147,11 @@ class DiTServicer(StageBase):
         quality = p.quality or DEFAULT_QUALITY
         if quality not in QUALITIES:
             raise RequestError("quality", p.quality, "one of " + " | ".join(QUALITIES))
-        kinds = list(p.condition_kinds)
-        try:
-            cond.check_kinds(kinds, task)
-        except ValueError as exc:
-            raise RequestError("condition_kinds", kinds, str(exc)) from None
+        kinds = cond.requested_kinds(p.condition_kinds, task, "condition_kinds")
         check_geometry(p)
         sink = p.latents_sink   # checked (--peers) before any work; dialled when the latents are ready
         vae = self.channel(sink.address, "latents_sink.address") if sink.address and sink.session_id else None
-        scope = self.scope(context, p.request_id)
-        try:
+        with self.request(context, p.request_id) as scope:
             tensors = {}
             for msg in GrpcStreamReceiver(request_iterator, _unwrap, edge="gateway->dit"):
                 tensors[msg.header.name] = msg.tensor
@@ -205,16 +198,12 @@ class DiTServicer(StageBase):
                 for chunk in iter_tensor_chunks("audio_latents", result.audio):
                     yield dit_pb2.DiTEvent(chunk=chunk)
             yield dit_pb2.DiTEvent(done=done)
-        except BaseException as exc:
-            self.finish(scope, exc)
-            raise
-        self.finish(scope)
 
     def _send_latents(self, scope, vae, sink, result) -> dict:
         """Send the latents to the VAE's latents session over `VAE.Control` (the bytes by NIXL WRITE, or inline on
         the call when NIXL cannot be used); returns the edge's transport info."""
         with ControlSender(LATENTS_EDGE, vae_pb2_grpc.VAEStub(vae).Control,
-                           vae_pb2.LatentsControl(session_id=sink.session_id, transport="nixl"),
+                           vae_pb2.LatentsControl(session_id=sink.session_id, transport=NIXL),
                            lambda data: vae_pb2.LatentsControl(data=data), scope,
                            transport=self.transport.chosen, local_reason=f"dit: {self.transport.reason}") as tx:
             tx.send("video_latents", result.video.float().contiguous(), scope)

@@ -16,8 +16,8 @@ from h3serve.models import conditions as cond
 from h3serve.models.encoder.cache import EncodeCache, cache_key, checkpoint_identity
 from h3serve.models.encoder.fp8 import quantize_text_decoder
 from h3serve.models.encoder.model import ATTENTION, DEFAULT_LAYER, TextEncoder
-from h3serve.runtime.device import DTYPES, pick_device
-from h3serve.runtime.stage import StageBase
+from h3serve.runtime.device import TORCH_DTYPES, pick_device
+from h3serve.runtime.stage import StageBase, first_message
 from h3serve.transport.grpc import GrpcStreamReceiver, iter_tensor_chunks
 from h3serve.weights.folder import CheckpointFolder
 
@@ -58,7 +58,7 @@ class EncoderServicer(StageBase):
                 self.encoder = EncoderProxy(self.parallel)
                 device = self.encoder.device
             else:
-                self.encoder = TextEncoder.load(self.config.checkpoint, dtype=DTYPES[self.config.dtype],
+                self.encoder = TextEncoder.load(self.config.checkpoint, dtype=TORCH_DTYPES[self.config.dtype],
                                                 device=device)
                 if self.config.fp8:  # the text decoder's projections in FP8 (lever --fp8)
                     quantize_text_decoder(self.encoder.model)
@@ -77,33 +77,25 @@ class EncoderServicer(StageBase):
             raise RequestError("task", request.task, "the encoder service presents t2va")
         if not request.prompt:
             raise RequestError("prompt", request.prompt, "a non-empty prompt")
-        scope = self.scope(context, request.request_id)
-        key = self._key(task=request.task, prompt=request.prompt)
-        yield from self._encode(scope, lambda: self.encoder.encode(request.prompt, task=request.task), key)
+        with self.request(context, request.request_id) as scope:
+            key = self._key(task=request.task, prompt=request.prompt)
+            yield from self._encode(scope, lambda: self.encoder.encode(request.prompt, task=request.task), key)
 
     @grpc_method("encoder")
     def EncodeConditioned(self, request_iterator, context):
-        first = next(request_iterator, None)
-        if first is None or first.WhichOneof("input") != "params":
-            raise RequestError("params", None, "the first message of an EncodeConditioned stream carries the "
-                                               "parameters")
-        p = first.params
+        p = first_message(request_iterator, "params",
+                          "the first message of an EncodeConditioned stream carries the parameters").params
         if p.task not in CONDITIONED_TASKS:
             raise RequestError("task", p.task, "fl2va or ref2va (t2va: Encode)")
         if not p.prompt:
             raise RequestError("prompt", p.prompt, "a non-empty prompt")
-        kinds = list(p.kinds)
-        try:
-            cond.check_kinds(kinds, p.task)
-        except ValueError as exc:
-            raise RequestError("kinds", kinds, str(exc)) from None
+        kinds = cond.requested_kinds(p.kinds, p.task, "kinds")
         tensors = {m.header.name: m.tensor for m in GrpcStreamReceiver(request_iterator, _unwrap,
                                                                        edge="gateway->encoder")}
         visual = [i for i, k in enumerate(kinds) if k in cond.VISUAL_KINDS]
         missing = [f"condition.{i}" for i in visual if f"condition.{i}" not in tensors]
         if missing:
             raise RequestError(missing[0], None, "(H, W, 3) uint8 RGB, one per visual condition")
-        scope = self.scope(context, p.request_id)
 
         def run():
             images = cond.resize(kinds, [tensors[f"condition.{i}"].numpy() for i in visual], p.height, p.width,
@@ -111,9 +103,10 @@ class EncoderServicer(StageBase):
             images, refs = cond.encoder_inputs(kinds, images, p.task)
             return self.encoder.encode(p.prompt, images=images, task=p.task, references=refs)
 
-        key = self._key(task=p.task, prompt=p.prompt, width=p.width, height=p.height, kinds=kinds,
-                        images=[tensors[f"condition.{i}"] for i in visual])
-        yield from self._encode(scope, run, key)
+        with self.request(context, p.request_id) as scope:
+            key = self._key(task=p.task, prompt=p.prompt, width=p.width, height=p.height, kinds=kinds,
+                            images=[tensors[f"condition.{i}"] for i in visual])
+            yield from self._encode(scope, run, key)
 
     def attention(self) -> dict:
         return {"kernel": ATTENTION, "reason": "fixed: the Qwen3-VL encoder runs transformers' "
@@ -128,26 +121,21 @@ class EncoderServicer(StageBase):
 
     def _encode(self, scope, work, key: str):
         """The cached encoding for `key`, else run `work` (-> EncodedText) on the engine thread and keep it; stream
-        the two tensors and EncodeDone."""
-        try:
-            t0 = time.perf_counter()
-            cached = self.cache.get(key) if self.cache.capacity else None
-            if cached is None:
-                encoded = self.run_engine(scope, work)
-                states, tags = (self.cache.put(key, encoded.states, encoded.tags) if self.cache.capacity
-                                else (encoded.states, encoded.tags))
-            else:
-                states, tags = cached
-            seconds = time.perf_counter() - t0
-            scope.unit_done()
-            for chunk in iter_tensor_chunks("text_states", states):
-                yield encoder_pb2.EncodeEvent(chunk=chunk)
-            for chunk in iter_tensor_chunks("text_tags", tags):
-                yield encoder_pb2.EncodeEvent(chunk=chunk)
-            yield encoder_pb2.EncodeEvent(done=encoder_pb2.EncodeDone(tokens=int(tags.shape[0]), seconds=seconds,
-                                                                      peak_memory_mb=scope.peak_memory_mb,
-                                                                      cache_hit=cached is not None))
-        except BaseException as exc:
-            self.finish(scope, exc)
-            raise
-        self.finish(scope)
+        the two tensors and EncodeDone (inside the request's `scope`)."""
+        t0 = time.perf_counter()
+        cached = self.cache.get(key) if self.cache.capacity else None
+        if cached is None:
+            encoded = self.run_engine(scope, work)
+            states, tags = (self.cache.put(key, encoded.states, encoded.tags) if self.cache.capacity
+                            else (encoded.states, encoded.tags))
+        else:
+            states, tags = cached
+        seconds = time.perf_counter() - t0
+        scope.unit_done()
+        for chunk in iter_tensor_chunks("text_states", states):
+            yield encoder_pb2.EncodeEvent(chunk=chunk)
+        for chunk in iter_tensor_chunks("text_tags", tags):
+            yield encoder_pb2.EncodeEvent(chunk=chunk)
+        yield encoder_pb2.EncodeEvent(done=encoder_pb2.EncodeDone(tokens=int(tags.shape[0]), seconds=seconds,
+                                                                  peak_memory_mb=scope.peak_memory_mb,
+                                                                  cache_hit=cached is not None))

@@ -8,7 +8,8 @@
 
 A reader thread drains the network stream into a short queue while the handler thread encodes, so receiving the
 next clip overlaps encoding this one. A Push stream that ends without its end marker (the VAE died or was
-cancelled) fails the session; Fetch then reports the VAE as unavailable. Unfetched sessions expire after their TTL.
+cancelled) fails the session; Fetch then reports the VAE as unavailable. Unfetched sessions expire after their TTL
+(the session table: `h3serve/services/sessions.py`).
 
 Bounds: at most --max-sessions sessions at once, and at most --max-sessions-per-peer of them opened by one caller (by
 its address: one gateway replica, or whoever else reaches the port, cannot take them all); then RESOURCE_EXHAUSTED.
@@ -29,20 +30,28 @@ import shutil
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from h3serve._proto import common_pb2, muxer_pb2, muxer_pb2_grpc
+from h3serve._proto import muxer_pb2, muxer_pb2_grpc
 from h3serve.config.request import FRAMES_PER_CLIP, MAX_SECONDS
-from h3serve.config.spec import TRANSPORTS
 from h3serve.config.stage import StageConfig
-from h3serve.errors import Cancelled, RequestError, SenderStopped, TransportError
-from h3serve.errortable import NotFound, QueueFull, StageFailed, StageUnavailable, grpc_method
+from h3serve.config.vocab import GRPC, NIXL, TRANSPORTS
+from h3serve.errors import (
+    Cancelled,
+    RequestError,
+    SenderStopped,
+    StageFailed,
+    StageUnavailable,
+    TransportError,
+)
+from h3serve.errortable import grpc_method
 from h3serve.media.mux import Mp4Writer
 from h3serve.models.vae.yuv import rgb_to_yuv420p
-from h3serve.runtime.stage import StageBase
+from h3serve.runtime.stage import StageBase, first_message
 from h3serve.runtime.tls import peer_identity
+from h3serve.services.sessions import Session, SessionTable
 from h3serve.transport.control import FRAMES_EDGE, ControlReceiver
 from h3serve.transport.frames import session_offer
 from h3serve.transport.grpc import CHUNK_BYTES, GrpcStreamReceiver
@@ -61,9 +70,10 @@ def _unwrap(msg):
     return ("chunk", msg.chunk) if kind == "chunk" else ("end", msg.end) if kind == "end" else (kind, msg)
 
 
-@dataclass
-class Session:
-    id: str
+@dataclass(kw_only=True)
+class MuxSession(Session):
+    """One MP4 in the making. `state`: open | pushing (a Push or Control claimed it) | done | failed | aborted."""
+
     request_id: str
     width: int
     height: int
@@ -72,22 +82,11 @@ class Session:
     channels: int
     expected_frames: int
     transport: str
-    ttl_s: float
     path: str
-    peer: str = ""           # who opened it (runtime.tls.peer_identity)
-    created: float = field(default_factory=time.monotonic)
     finished: float | None = None   # time.monotonic() when the MP4 was closed
-    state: str = "open"      # open | pushing | done | failed | aborted
-    error: BaseException | None = None
     result: object = None
-    done: threading.Event = field(default_factory=threading.Event)
     # the frame edge as it was used for this session: {requested, chosen, reason}
     transport_info: dict | None = None
-
-    def fail(self, exc: BaseException, state: str = "failed") -> None:
-        if self.state not in ("done",):
-            self.state, self.error = state, exc
-        self.done.set()
 
 
 class MuxerServicer(StageBase):
@@ -95,8 +94,10 @@ class MuxerServicer(StageBase):
 
     def __init__(self, config: StageConfig, health=None):
         super().__init__(config, health)
-        self.sessions: dict[str, Session] = {}
-        self.sessions_lock = threading.Lock()
+        self.sessions: SessionTable[MuxSession] = SessionTable(
+            "muxer", unknown_hint=" (unknown, expired or already fetched)", claimed_state="pushing",
+            cap=config.max_sessions, cap_flag="--max-sessions",
+            peer_cap=config.max_sessions_per_peer, peer_cap_flag="--max-sessions-per-peer")
         self.tmp_dir = config.tmp_dir or tempfile.mkdtemp(prefix="h3serve-mux-")
         self._own_tmp = config.tmp_dir is None
         os.makedirs(self.tmp_dir, exist_ok=True)
@@ -117,11 +118,7 @@ class MuxerServicer(StageBase):
 
     def close(self) -> None:
         super().close()
-        with self.sessions_lock:
-            sessions = list(self.sessions.values())
-            self.sessions.clear()
-        for s in sessions:
-            s.fail(StageUnavailable("muxer", "shutting down"), "aborted")
+        for s in self.sessions.close(StageUnavailable("muxer", "shutting down")):
             _unlink(s.path)
         if self._own_tmp:
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
@@ -131,37 +128,29 @@ class MuxerServicer(StageBase):
         return bool(self.active) or any(
             s.state == "pushing" or (s.state == "done" and os.path.exists(s.path) and s.finished is not None
                                      and now - s.finished < FETCH_GRACE_S)
-            for s in list(self.sessions.values()))
+            for s in self.sessions)
 
     def info(self) -> dict:
         return {**super().info(), "sessions": len(self.sessions), "writer": self.writer_options,
                 "transport": self.transport.details(FRAMES_EDGE, self.last_transport), "nixl": counters()}
 
     def _sweep(self) -> None:
+        def expiring(s: MuxSession) -> None:
+            log.warning("session %s (request %s) expired after %.0fs in state %s", s.id, s.request_id, s.ttl_s,
+                        s.state)
+
         while not self.stopping.wait(1.0):
-            now = time.monotonic()
-            with self.sessions_lock:
-                expired = [s for s in self.sessions.values() if now - s.created > s.ttl_s]
-                for s in expired:
-                    del self.sessions[s.id]
-            for s in expired:
-                log.warning("session %s (request %s) expired after %.0fs in state %s", s.id, s.request_id,
-                            s.ttl_s, s.state)
-                s.fail(NotFound(f"muxer: session {s.id} expired"), "aborted")
+            for s in self.sessions.sweep(before_fail=expiring):
                 _unlink(s.path)
 
-    def _writer(self, session: Session) -> Mp4Writer:
+    def _writer(self, session: MuxSession) -> Mp4Writer:
         return Mp4Writer(session.path, session.width, session.height, fps=session.fps,
                          sample_rate=session.sample_rate, channels=session.channels, **self.writer_options)
 
-    def _get(self, session_id: str, field: str = "session_id") -> Session:
+    def _get(self, session_id: str, field: str = "session_id") -> MuxSession:
         if not session_id:
             raise RequestError(field, session_id, "the session id OpenSession returned")
-        with self.sessions_lock:
-            session = self.sessions.get(session_id)
-        if session is None:
-            raise NotFound(f"muxer: no session {session_id!r} (unknown, expired or already fetched)", stage="muxer")
-        return session
+        return self.sessions.get(session_id)
 
     # -- RPCs -----------------------------------------------------------------------------------------------
     @grpc_method("muxer")
@@ -184,94 +173,65 @@ class MuxerServicer(StageBase):
         if not (r.ttl_s == 0 or (math.isfinite(r.ttl_s) and 0 < r.ttl_s <= limit)):
             raise RequestError("ttl_s", r.ttl_s, f"seconds in (0, {limit:g}] (0: the default, "
                                                  f"{self.config.session_ttl_s:g})")
-        transport = r.transport or "grpc"
+        transport = r.transport or GRPC
         sid = secrets.token_hex(12)
         # nixl: what this replica offers (the pool is registered when the VAE connects); grpc needs nothing
-        metadata = session_offer(self.transport.chosen, self.transport.reason) if transport == "nixl" else b""
-        session = Session(id=sid, request_id=r.request_id, width=r.width, height=r.height, fps=r.fps,
-                          sample_rate=r.sample_rate, channels=r.channels, expected_frames=r.expected_frames,
-                          transport=transport, ttl_s=r.ttl_s if r.ttl_s > 0 else self.config.session_ttl_s,
-                          path=os.path.join(self.tmp_dir, f"{sid}.mp4"), peer=peer_identity(context))
-        with self.sessions_lock:
-            if len(self.sessions) >= self.config.max_sessions:
-                raise QueueFull(f"muxer: {len(self.sessions)} sessions open, the most this replica holds "
-                                f"(--max-sessions {self.config.max_sessions}); retry later", stage="muxer")
-            held = sum(1 for s in self.sessions.values() if s.peer == session.peer)
-            if held >= self.config.max_sessions_per_peer:
-                raise QueueFull(f"muxer: this caller holds {held} sessions, the most one caller may "
-                                f"(--max-sessions-per-peer {self.config.max_sessions_per_peer}); fetch or abort "
-                                "them, or retry later", stage="muxer")
-            self.sessions[sid] = session
+        metadata = session_offer(self.transport.chosen, self.transport.reason) if transport == NIXL else b""
+        session = MuxSession(id=sid, request_id=r.request_id, width=r.width, height=r.height, fps=r.fps,
+                             sample_rate=r.sample_rate, channels=r.channels, expected_frames=r.expected_frames,
+                             transport=transport, ttl_s=r.ttl_s if r.ttl_s > 0 else self.config.session_ttl_s,
+                             path=os.path.join(self.tmp_dir, f"{sid}.mp4"), peer=peer_identity(context))
+        self.sessions.add(session)
         return muxer_pb2.OpenSessionResponse(session_id=sid, address=self.config.address,
                                              transport_metadata=metadata, max_chunk_bytes=CHUNK_BYTES)
 
     @grpc_method("muxer")
-    def Handshake(self, request, context):
-        """Nothing to exchange ahead of a stream: grpc needs none, and nixl's handshake travels on Control."""
-        self._get(request.session_id)
-        _transport("transport", request.transport)
-        return common_pb2.TransportHandshake(transport=request.transport, session_id=request.session_id)
-
-    @grpc_method("muxer")
     def Push(self, request_iterator, context):
-        first = next(request_iterator, None)
-        if first is None or first.WhichOneof("item") != "open":
-            raise RequestError("open", None, "the first message of a Push stream names the session")
+        first = first_message(request_iterator, "open", "the first message of a Push stream names the session")
         session = self._get(first.open.session_id, "open.session_id")
         _transport("open.transport", first.open.transport)
-        with self.sessions_lock:
-            if session.state != "open":
-                raise RequestError("session_id", session.id, f"a session that is open, not {session.state}")
-            session.state = "pushing"
-        scope = self.scope(context, session.request_id)
-        writer = None
-        try:
-            receiver = GrpcStreamReceiver(request_iterator, _unwrap, edge=FRAMES_EDGE)   # Push carries the bytes
-            # a nixl session pushed here fell back: the VAE sends the reason along
-            reason = first.open.transport_metadata.decode(errors="replace") if session.transport != "grpc" else ""
-            session.transport_info = {"edge": FRAMES_EDGE, "requested": session.transport, "chosen": "grpc",
-                                      "reason": reason or "requested"}
-            self.last_transport = session.transport_info
-            inbox: queue.Queue = queue.Queue(maxsize=RECEIVE_DEPTH)
-            reader = threading.Thread(target=_read_into, args=(receiver, inbox, scope), daemon=True,
-                                      name=f"h3serve-mux-read-{session.id[:6]}")
-            reader.start()
-            planes: dict = {}
-            writer = self._writer(session)
-            while True:
-                try:
-                    item = inbox.get(timeout=0.1)
-                except queue.Empty:
+        self.sessions.claim(session)
+        with self.request(context, session.request_id) as scope:
+            writer = None
+            try:
+                receiver = GrpcStreamReceiver(request_iterator, _unwrap, edge=FRAMES_EDGE)   # Push carries the bytes
+                # a nixl session pushed here fell back: the VAE sends the reason along
+                reason = first.open.transport_metadata.decode(errors="replace") if session.transport != GRPC else ""
+                session.transport_info = {"edge": FRAMES_EDGE, "requested": session.transport, "chosen": GRPC,
+                                          "reason": reason or "requested"}
+                self.last_transport = session.transport_info
+                inbox: queue.Queue = queue.Queue(maxsize=RECEIVE_DEPTH)
+                reader = threading.Thread(target=_read_into, args=(receiver, inbox, scope), daemon=True,
+                                          name=f"h3serve-mux-read-{session.id[:6]}")
+                reader.start()
+                planes: dict = {}
+                writer = self._writer(session)
+                while True:
+                    try:
+                        item = inbox.get(timeout=0.1)
+                    except queue.Empty:
+                        if session.state == "aborted":
+                            raise session.error or StageUnavailable("muxer", "session aborted")
+                        scope.check("while receiving")
+                        continue
+                    if item is None:
+                        break
+                    if isinstance(item, BaseException):
+                        raise item
                     if session.state == "aborted":
                         raise session.error or StageUnavailable("muxer", "session aborted")
-                    scope.check("while receiving")
-                    continue
-                if item is None:
-                    break
-                if isinstance(item, BaseException):
-                    raise item
-                if session.state == "aborted":
-                    raise session.error or StageUnavailable("muxer", "session aborted")
-                _add(writer, planes, session, item, scope)
-            result = _close(writer, session)
-        except BaseException as exc:
-            if writer is not None:
-                writer.abort()
-            answer, reported = _outcome(exc)
-            session.fail(reported)
-            self.finish(scope, answer)
-            raise answer from None
-        self.finish(scope)
-        return result
+                    _add(writer, planes, session, item, scope)
+                return _close(writer, session)
+            except BaseException as exc:
+                raise _failed(writer, session, exc) from None
 
     @grpc_method("muxer")
     def Fetch(self, request, context):
         session = self._get(request.session_id)
         remaining = context.time_remaining()
         end = None if remaining is None or remaining > 1e8 else time.monotonic() + remaining
-        while not session.done.wait(0.1):
-            if not context.is_active() or (end is not None and time.monotonic() >= end):
-                return
+        if not self.sessions.wait(session, lambda: context.is_active() and (end is None or time.monotonic() < end)):
+            return
         if session.error is not None:
             raise session.error
         total = os.path.getsize(session.path)
@@ -286,16 +246,14 @@ class MuxerServicer(StageBase):
                 offset += len(data)
                 if offset >= total:
                     break
-        with self.sessions_lock:
-            self.sessions.pop(session.id, None)
+        self.sessions.pop(session.id)
         _unlink(session.path)
 
     @grpc_method("muxer")
     def Abort(self, request, context):
         if not request.session_id:
             raise RequestError("session_id", "", "the session id OpenSession returned")
-        with self.sessions_lock:
-            session = self.sessions.pop(request.session_id, None)
+        session = self.sessions.pop(request.session_id)
         if session is None:
             return muxer_pb2.AbortResponse(existed=False)
         session.fail(StageUnavailable("muxer", f"session aborted: {request.reason or 'by the caller'}"), "aborted")
@@ -309,16 +267,11 @@ class MuxerServicer(StageBase):
         each message carries one control-pipe message (handshake, hello, put headers, credits, end, closed).
         A worker thread runs the NixlReceiver (zero copy: the planes are wrapped where NIXL wrote them) and the
         encoder; the response stream ends when the MP4 is closed, or with the session's error."""
-        first = next(request_iterator, None)
-        if first is None or not first.session_id:
-            raise RequestError("session_id", None, "the first message of a Control stream names the session")
-        if (first.transport or "nixl") != "nixl":
+        first = first_message(request_iterator, "session_id",
+                              "the first message of a Control stream names the session")
+        if (first.transport or NIXL) != NIXL:
             raise RequestError("transport", first.transport, "nixl (the grpc transport uses Push)")
-        session = self._get(first.session_id)
-        with self.sessions_lock:
-            if session.state != "open":
-                raise RequestError("session_id", session.id, f"a session that is open, not {session.state}")
-            session.state = "pushing"
+        session = self.sessions.claim(self._get(first.session_id))
         scope = self.scope(context, session.request_id)
         slot = min(DEFAULT_SLOT_BYTES, max(1 << 20, FRAMES_PER_CLIP * session.width * session.height * 3))
         stream = ControlReceiver(FRAMES_EDGE, first.data, (m.data for m in request_iterator), context,
@@ -327,31 +280,36 @@ class MuxerServicer(StageBase):
         yield from stream.serve(lambda: self._control_receive(session, scope, stream),
                                 lambda data: muxer_pb2.ControlMessage(data=data))
 
-    def _control_receive(self, session: Session, scope, stream: ControlReceiver) -> None:
+    def _control_receive(self, session: MuxSession, scope, stream: ControlReceiver) -> None:
         """Worker of a Control stream: the NIXL stream's messages -> Mp4Writer."""
         writer = None
-        try:
-            writer = self._writer(session)
-            planes: dict = {}
-            for msg in stream.messages():
-                if session.state == "aborted":
-                    raise session.error or StageUnavailable("muxer", "session aborted")
-                _add(writer, planes, session, msg, scope, copy=True)
-            session.transport_info = self.last_transport = stream.info
-            _close(writer, session)
-            self.finish(scope)
-        except BaseException as exc:  # noqa: BLE001 - reported on the response stream and to Fetch
-            if writer is not None:
-                writer.abort()
-            answer, reported = _outcome(exc)
-            session.fail(reported)
-            self.finish(scope, answer)
-            raise answer from None
+        with self.finishing(scope):
+            try:
+                writer = self._writer(session)
+                planes: dict = {}
+                for msg in stream.messages():
+                    if session.state == "aborted":
+                        raise session.error or StageUnavailable("muxer", "session aborted")
+                    _add(writer, planes, session, msg, scope, copy=True)
+                session.transport_info = self.last_transport = stream.info
+                _close(writer, session)
+            except BaseException as exc:  # noqa: BLE001 - reported on the response stream and to Fetch
+                raise _failed(writer, session, exc) from None
 
 
 def _transport(field: str, value: str) -> None:
     if value and value not in TRANSPORTS:
         raise RequestError(field, value, " | ".join(TRANSPORTS) + " (empty: grpc)")
+
+
+def _failed(writer: Mp4Writer | None, session: MuxSession, exc: BaseException) -> BaseException:
+    """A session's stream failed with `exc`: drop the partial MP4, fail the session with what Fetch reports; return
+    what the producer's call answers."""
+    if writer is not None:
+        writer.abort()
+    answer, reported = _outcome(exc)
+    session.fail(reported)
+    return answer
 
 
 def _outcome(exc: BaseException) -> tuple[BaseException, BaseException]:
@@ -369,7 +327,7 @@ def _outcome(exc: BaseException) -> tuple[BaseException, BaseException]:
     return exc, exc
 
 
-def _close(writer: Mp4Writer, session: Session) -> muxer_pb2.PushResult:
+def _close(writer: Mp4Writer, session: MuxSession) -> muxer_pb2.PushResult:
     """Close the MP4 (the frame count checked against the session's) and mark the session done."""
     t_end = time.perf_counter()
     if not writer.frames:
@@ -400,7 +358,7 @@ def _tensor(item, name: str, dtype: str, shape: tuple) -> np.ndarray:
     return item.tensor.numpy()
 
 
-def _add(writer, planes: dict, session: Session, item, scope, copy: bool = False) -> None:
+def _add(writer, planes: dict, session: MuxSession, item, scope, copy: bool = False) -> None:
     """Hand one received message to the writer. Names: "frames" (n, H, W, 3) uint8; "yuv" (one clip of yuv420p
     planes packed y|u|v, meta {"n": frames}); "y", "u", "v" planes in that order; "pcm" (C, N) float32.
     `copy`: the tensors are views of a transport buffer valid until the next receive (planes kept across

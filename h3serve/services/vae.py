@@ -9,24 +9,25 @@ the deadline are checked before every clip.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from h3serve._proto import common_pb2, muxer_pb2_grpc, vae_pb2, vae_pb2_grpc
 from h3serve.config.levers import staging_conflict
 from h3serve.config.stage import StageConfig
+from h3serve.config.vocab import NIXL
 from h3serve.distributed.proxies import VideoVAEProxy
-from h3serve.errors import H3Error, RequestError
-from h3serve.errortable import NotFound, StageUnavailable, grpc_method
+from h3serve.errors import H3Error, RequestError, StageUnavailable
+from h3serve.errortable import grpc_method
 from h3serve.models import conditions as cond
 from h3serve.models.vae.audio import AudioVAE
 from h3serve.models.vae.video import VideoVAE
-from h3serve.runtime.device import DTYPES, pick_device
-from h3serve.runtime.stage import StageBase
+from h3serve.runtime.device import TORCH_DTYPES, pick_device
+from h3serve.runtime.stage import StageBase, first_message
+from h3serve.services.sessions import Session, SessionTable
 from h3serve.transport.control import FRAMES_EDGE, LATENTS_EDGE, ControlReceiver
 from h3serve.transport.frames import open_sink
 from h3serve.transport.grpc import CHUNK_BYTES, GrpcStreamReceiver, iter_tensor_chunks
@@ -43,15 +44,12 @@ def _unwrap(msg):
     return ("chunk", msg.chunk) if kind == "chunk" else ("end", msg.end) if kind == "end" else (kind, msg)
 
 
-@dataclass
-class LatentsSession:
-    """A Decode waiting for the DiT to deliver its latents over `Control` (dit->vae)."""
+@dataclass(kw_only=True)
+class LatentsSession(Session):
+    """A Decode waiting for the DiT to deliver its latents over `Control` (dit->vae); a Control call claims it."""
 
-    done: threading.Event = field(default_factory=threading.Event)
     tensors: dict | None = None
-    error: BaseException | None = None
     info: dict | None = None     # the stream's transport info
-    taken: bool = False          # a Control call has claimed the session
 
 
 class VAEServicer(StageBase):
@@ -65,8 +63,8 @@ class VAEServicer(StageBase):
         self.last_transport: dict | None = None
         self.last_latents_transport: dict | None = None
         self._warned: set[str] = set()   # frame-edge fallback reasons already logged
-        self._latents: dict[str, LatentsSession] = {}
-        self._latents_lock = threading.Lock()
+        # no TTL: a session lives as long as its Decode; claimed by one Control, unknown to any other
+        self._latents: SessionTable[LatentsSession] = SessionTable("vae", noun="latents session", claim_hides=True)
         self.short_edge = cond.DEFAULT_REFERENCE_SHORT_EDGE
 
     def register(self, server) -> None:
@@ -91,7 +89,7 @@ class VAEServicer(StageBase):
         if self.start_ranks() is not None:   # --vae-pp: tiles decoded on every rank, stitched here (rank 0)
             self.video_vae = VideoVAEProxy(self.parallel)
         else:
-            self.video_vae = VideoVAE.load(self.config.checkpoint, dtype=DTYPES[self.config.dtype], device=device)
+            self.video_vae = VideoVAE.load(self.config.checkpoint, dtype=TORCH_DTYPES[self.config.dtype], device=device)
         self.audio_vae = AudioVAE.load(self.config.checkpoint, dtype=torch.float32, device=device)
         if self.config.vae_staged:   # both VAEs in pinned host memory, on the device per request (lever)
             self.video_vae.stage()
@@ -102,26 +100,11 @@ class VAEServicer(StageBase):
             self.check_finite(audio=self.audio_vae.decode(torch.zeros(2, self.audio_vae.latent_channels, 4)))
 
     @grpc_method("vae")
-    def Handshake(self, request, context):
-        """Nothing to exchange ahead of a stream: grpc needs none, and nixl's handshake travels on Control."""
-        return common_pb2.TransportHandshake(transport=request.transport, session_id=request.session_id)
-
-    @grpc_method("vae")
     def EncodeConditions(self, request_iterator, context):
         """fl2va keyframes / ref2va references -> the DiT's condition latents and audio rows, in order."""
-        first = next(request_iterator, None)
-        if first is None or first.WhichOneof("input") != "params":
-            raise RequestError("params", None, "the first message of an EncodeConditions stream carries the "
-                                               "parameters")
-        p = first.params
-        kinds = list(p.kinds)
-        try:
-            cond.check_kinds(kinds, p.task)
-        except ValueError as exc:
-            raise RequestError("kinds", kinds, str(exc)) from None
-        if not hasattr(self.video_vae, "encode_keyframe"):   # the patch-parallel ranks decode only
-            raise RequestError("task", p.task, "this VAE runs with --vae-pp > 1, whose ranks decode only; serve "
-                                               "fl2va / ref2va from a VAE with --vae-pp 1")
+        p = first_message(request_iterator, "params",
+                          "the first message of an EncodeConditions stream carries the parameters").params
+        kinds = cond.requested_kinds(p.kinds, p.task, "kinds")
         tensors = {m.header.name: m.tensor for m in GrpcStreamReceiver(request_iterator, _unwrap,
                                                                        edge="gateway->vae")}
         for i, kind in enumerate(kinds):
@@ -131,8 +114,7 @@ class VAEServicer(StageBase):
             if not ok:
                 raise RequestError(f"condition.{i}", None if t is None else tuple(t.shape),
                                    "(2, N) float32 PCM" if kind == "audio" else "(H, W, 3) uint8 RGB")
-        scope = self.scope(context, p.request_id)
-        try:
+        with self.request(context, p.request_id) as scope:
             t0 = time.perf_counter()
             encoded = self.run_engine(scope, lambda: self._encode_conditions(p, kinds, tensors))
             seconds = time.perf_counter() - t0
@@ -141,10 +123,6 @@ class VAEServicer(StageBase):
                     yield vae_pb2.ConditionEvent(chunk=chunk)
             yield vae_pb2.ConditionEvent(done=vae_pb2.ConditionDone(seconds=seconds,
                                                                     peak_memory_mb=scope.peak_memory_mb))
-        except BaseException as exc:
-            self.finish(scope, exc)
-            raise
-        self.finish(scope)
 
     def _encode_conditions(self, p, kinds, tensors) -> list[torch.Tensor]:
         """On the engine thread: each image resized (models/conditions.py) and VAE-encoded, each PCM audio-VAE
@@ -162,16 +140,13 @@ class VAEServicer(StageBase):
 
     @grpc_method("vae")
     def Decode(self, request_iterator, context):
-        first = next(request_iterator, None)
-        if first is None or first.WhichOneof("input") != "params":
-            raise RequestError("params", None, "the first message of a Decode stream carries the parameters")
-        p = first.params
+        p = first_message(request_iterator, "params",
+                          "the first message of a Decode stream carries the parameters").params
         # the muxer sink is checked (--peers) before any work (the latents may take the DiT minutes)
         muxer = muxer_pb2_grpc.MuxerStub(self.channel(p.sink.address)) if p.sink.address else None
-        scope = self.scope(context, p.request_id)
         latents_info = None
-        try:
-            if p.latents_transport == "nixl":   # the DiT sends the latents to a session here over Control
+        with self.request(context, p.request_id) as scope:
+            if p.latents_transport == NIXL:   # the DiT sends the latents to a session here over Control
                 tensors, latents_info = yield from self._latents_session(scope, context)
             else:
                 tensors = {m.header.name: m.tensor for m in GrpcStreamReceiver(request_iterator, _unwrap,
@@ -196,27 +171,24 @@ class VAEServicer(StageBase):
                 done.latents_transport.CopyFrom(common_pb2.TransportInfo(**latents_info))
             done.peak_memory_mb = scope.peak_memory_mb   # known once the engine work has returned
             yield vae_pb2.DecodeEvent(done=done)
-        except BaseException as exc:
-            self.finish(scope, exc)
-            raise
-        self.finish(scope)
 
     def _latents_session(self, scope, context):
         """Open a latents session, announce it (DecodeEvent.latents), wait for the DiT's Control stream to deliver
         both tensors; returns (tensors, transport info of the dit->vae edge)."""
-        sid = uuid.uuid4().hex
-        session = LatentsSession()
-        with self._latents_lock:
-            self._latents[sid] = session
+        session = self._latents.add(LatentsSession(id=uuid.uuid4().hex))
+
+        def keep_waiting() -> bool:
+            scope.check("while waiting for the latents")
+            if not context.is_active():
+                raise StageUnavailable("vae", "the Decode call ended while waiting for the latents")
+            return True
+
         try:
-            yield vae_pb2.DecodeEvent(latents=vae_pb2.LatentsSession(address=self.config.address, session_id=sid))
-            while not session.done.wait(0.1):
-                scope.check("while waiting for the latents")
-                if not context.is_active():
-                    raise StageUnavailable("vae", "the Decode call ended while waiting for the latents")
+            yield vae_pb2.DecodeEvent(latents=vae_pb2.LatentsSession(address=self.config.address,
+                                                                     session_id=session.id))
+            self._latents.wait(session, keep_waiting)
         finally:
-            with self._latents_lock:
-                self._latents.pop(sid, None)
+            self._latents.pop(session.id)
         if session.error is not None:
             raise session.error
         return session.tensors, session.info
@@ -225,14 +197,9 @@ class VAEServicer(StageBase):
     def Control(self, request_iterator, context):
         """The control pipe of the latents edge: a NixlReceiver (copies out of its pool) gets "video_latents" and
         "audio_latents" for the session the DiT's first message names, and hands them to the waiting Decode."""
-        first = next(request_iterator, None)
-        if first is None or not first.session_id:
-            raise RequestError("session_id", None, "the first message of a Control stream names the latents session")
-        with self._latents_lock:
-            session = self._latents.get(first.session_id)
-            if session is None or session.taken:
-                raise NotFound(f"vae: no latents session {first.session_id!r}", stage="vae")
-            session.taken = True
+        first = first_message(request_iterator, "session_id",
+                              "the first message of a Control stream names the latents session")
+        session = self._latents.claim(self._latents.get(first.session_id))
         stream = ControlReceiver(LATENTS_EDGE, first.data, (m.data for m in request_iterator), context,
                                  transport=self.transport.chosen, pool_buffers=2, buffer_bytes=LATENTS_SLOT_BYTES)
 
@@ -241,7 +208,7 @@ class VAEServicer(StageBase):
                 session.tensors = {m.header.name: m.tensor for m in stream.messages()}
                 session.info = self.last_latents_transport = stream.info
             except BaseException as exc:  # noqa: BLE001 - handed to the Decode
-                session.error = exc if isinstance(exc, Exception) else StageUnavailable("vae", "interrupted")
+                session.fail(exc if isinstance(exc, Exception) else StageUnavailable("vae", "interrupted"))
                 raise session.error from None
             finally:
                 session.done.set()

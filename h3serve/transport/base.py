@@ -19,12 +19,12 @@ import torch
 
 from h3serve.errors import TransportError
 
-DTYPES: dict[str, torch.dtype] = {
+WIRE_DTYPES: dict[str, torch.dtype] = {
     "uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64,
     "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64,
     "bool": torch.bool,
 }
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+DTYPE_NAMES = {v: k for k, v in WIRE_DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class TensorHeader:
         n = 1
         for s in self.shape:
             n *= int(s)
-        return n * torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+        return n * torch.empty((), dtype=WIRE_DTYPES[self.dtype]).element_size()
 
     @classmethod
     def of(cls, name: str, tensor: torch.Tensor) -> "TensorHeader":
@@ -73,7 +73,7 @@ def tensor_from_bytes(header: TensorHeader, data: bytes | bytearray | memoryview
     """Inverse of `tensor_bytes`; validates the byte count against the header."""
     if len(data) != header.nbytes:
         raise TransportError(f"tensor {header.name!r}: got {len(data)} bytes, header says {header.nbytes}")
-    dtype = DTYPES[header.dtype]
+    dtype = WIRE_DTYPES[header.dtype]
     raw_dtype = torch.int16 if dtype == torch.bfloat16 else dtype
     if header.nbytes == 0:
         return torch.empty(header.shape, dtype=dtype)

@@ -25,8 +25,9 @@ from typing import Any, Callable, Iterable, Iterator
 import grpc
 import torch
 
-from h3serve.errors import MalformedStream, RequestError, TransportError
-from h3serve.errortable import StageFailed, StageUnavailable, from_grpc
+from h3serve.config.vocab import NIXL
+from h3serve.errors import MalformedStream, RequestError, StageFailed, StageUnavailable, TransportError
+from h3serve.errortable import from_grpc
 from h3serve.transport.base import Message
 from h3serve.transport.nixl.receiver import NixlReceiver
 from h3serve.transport.nixl.sender import NixlSender
@@ -85,7 +86,7 @@ class ControlSender:
     bytes go inline on the call)."""
 
     def __init__(self, edge: str, control: Callable[..., Iterator[Any]], first: Any, wrap: Callable[[bytes], Any],
-                 scope, *, transport: str = "nixl", local_reason: str = "",
+                 scope, *, transport: str = NIXL, local_reason: str = "",
                  staging_device: str | torch.device = "cpu"):
         self.edge = edge
         self.producer, self.consumer = _ends(edge)
@@ -121,8 +122,8 @@ class ControlSender:
 
     @property
     def info(self) -> dict:
-        info = {"edge": self.edge, **self.tx.transport_info, "requested": "nixl"}
-        if self.tx.requested != "nixl":   # this side could not use NIXL: say why (not the pipe's "requested")
+        info = {"edge": self.edge, **self.tx.transport_info, "requested": NIXL}
+        if self.tx.requested != NIXL:   # this side could not use NIXL: say why (not the pipe's "requested")
             info["reason"] = self.local_reason
         return info
 
@@ -201,7 +202,7 @@ class ControlReceiver:
                     raise TransportError(f"the stream ended before the handshake ({exc})", edge=self.edge) from None
                 while (msg := rx.recv(timeout=self._wait())) is not None:
                     yield msg
-                self.info = {"edge": self.edge, **rx.transport_info, "requested": "nixl"}
+                self.info = {"edge": self.edge, **rx.transport_info, "requested": NIXL}
         except MalformedStream as exc:   # the producer's message broke the protocol: its bad input
             raise RequestError(exc.field, exc.value, str(exc)) from None
         except TransportError as exc:   # the producer died, gave up, or stalled past the timeout

@@ -23,8 +23,8 @@ import time
 import torch
 
 from h3serve._proto import muxer_pb2
-from h3serve.errors import TransportError
-from h3serve.errortable import StageUnavailable
+from h3serve.config.vocab import GRPC, NIXL
+from h3serve.errors import StageUnavailable, TransportError
 from h3serve.transport.control import FRAMES_EDGE, ControlSender, ControlUnavailable, call_error, peer_error
 from h3serve.transport.grpc import CHUNK_BYTES, GrpcStreamSender
 from h3serve.transport.nixl.probe import count
@@ -36,7 +36,7 @@ SEND_DEPTH = 4          # gRPC frame messages the VAE may run ahead of the muxer
 
 def session_offer(chosen: str, reason: str) -> bytes:
     """What a muxer replica offers a `nixl` session (its OpenSession transport_metadata): NIXL, or why not."""
-    offer = chosen == "nixl"
+    offer = chosen == NIXL
     return json.dumps({"nixl": offer, "reason": reason if offer else f"muxer: {reason}"}).encode()
 
 
@@ -56,7 +56,7 @@ class PushSink:
         self.sender = GrpcStreamSender(
             _push_message, depth=SEND_DEPTH, edge=FRAMES_EDGE,
             first=muxer_pb2.PushMessage(open=muxer_pb2.PushOpen(
-                session_id=session_id, transport="grpc",
+                session_id=session_id, transport=GRPC,
                 transport_metadata=info["reason"].encode() if fallback else b"")))
         self.push = stub.Push.future(self.sender.requests(), timeout=scope.remaining())
         self.sender.attach(self.push)
@@ -102,7 +102,7 @@ class NixlSink:
 
     def __init__(self, stub, session_id: str, scope, staging_device: str = "cpu"):
         self.stream = ControlSender(FRAMES_EDGE, stub.Control,
-                                    muxer_pb2.ControlMessage(session_id=session_id, transport="nixl"),
+                                    muxer_pb2.ControlMessage(session_id=session_id, transport=NIXL),
                                     lambda data: muxer_pb2.ControlMessage(data=data), scope,
                                     staging_device=staging_device)
         self._planes: dict = {}
@@ -132,15 +132,15 @@ class NixlSink:
 def open_sink(stub, sink, scope, *, transport: str, reason: str, warned: set[str]) -> PushSink | NixlSink:
     """The path to the muxer session `sink` (a common_pb2.Sink) for one request. `transport`, `reason`: what this
     process can use; `warned`: fallback reasons already logged (each is logged once)."""
-    requested = sink.transport or "grpc"
-    if requested != "nixl":
+    requested = sink.transport or GRPC
+    if requested != NIXL:
         return PushSink(stub, sink.session_id, scope,
                         {"edge": FRAMES_EDGE, "requested": requested, "chosen": requested, "reason": "requested"})
     try:
         offer = json.loads(sink.transport_metadata or b"{}")
     except ValueError:
         offer = {}
-    if transport != "nixl":
+    if transport != NIXL:
         why = f"vae: {reason}"
     elif not offer.get("nixl"):
         why = offer.get("reason") or "muxer: NIXL not offered for the session"
@@ -153,5 +153,5 @@ def open_sink(stub, sink, scope, *, transport: str, reason: str, warned: set[str
         warned.add(why)
         log.warning("%s: transport nixl requested, using grpc (Push): %s", FRAMES_EDGE, why)
     count("fallbacks_total")
-    return PushSink(stub, sink.session_id, scope, {"edge": FRAMES_EDGE, "requested": "nixl", "chosen": "grpc",
+    return PushSink(stub, sink.session_id, scope, {"edge": FRAMES_EDGE, "requested": NIXL, "chosen": GRPC,
                                                    "reason": why})

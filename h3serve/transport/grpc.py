@@ -31,7 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from h3serve._proto import common_pb2
 from h3serve.errors import MalformedStream, RequestError, SenderStopped, TransportError
 from h3serve.transport.base import (
-    DTYPES,
+    WIRE_DTYPES,
     Message,
     TensorHeader,
     TensorReceiver,
@@ -164,7 +164,7 @@ class TensorAssembler:
                 nbytes = header.nbytes
             except KeyError:
                 raise MalformedStream("chunk.dtype", chunk.dtype, f"tensor {chunk.name!r}: unknown dtype "
-                                      f"{chunk.dtype!r} (one of {', '.join(DTYPES)})", edge=self.edge) from None
+                                      f"{chunk.dtype!r} (one of {', '.join(WIRE_DTYPES)})", edge=self.edge) from None
             if any(s < 0 for s in header.shape):
                 raise MalformedStream("chunk.shape", header.shape, f"tensor {chunk.name!r}: a negative "
                                       f"dimension in shape {header.shape}", edge=self.edge)
@@ -179,7 +179,7 @@ class TensorAssembler:
             if nbytes == 0 and chunk.last:
                 self._header = None
                 self.tensors += 1
-                return Message(header, torch.empty(header.shape, dtype=DTYPES[header.dtype]), meta)
+                return Message(header, torch.empty(header.shape, dtype=WIRE_DTYPES[header.dtype]), meta)
             if chunk.last and len(chunk.data) == nbytes:   # the common single-chunk case: no extra copy
                 self._header = None
                 self.tensors += 1

@@ -16,17 +16,9 @@ from h3serve.errors import RankFailed
 from h3serve.models.dit.layout import row_shards
 from h3serve.models.vae.parallel import assign_tiles
 from h3serve.models.vae.tiling import plan_tiles
+from h3serve.testing.rankcases import GEOMETRIES
 
 from .workers import build_suite, dit_inputs, dit_request
-
-# (text_len, latent_frames, latent_h, latent_w, audio_latents), extra kwargs
-GEOMETRIES = {
-    "S28": ((10, 2, 4, 6, 3), {}),  # 10 + 6 + 12 rows: divides 2 and 4
-    "S25": ((7, 2, 4, 6, 3), {}),  # divides neither: the last rank pads
-    "S5": ((2, 1, 2, 2, 1), {}),  # 4 ranks: 2 + 2 + 1 + 0 rows, a rank of pure padding
-    "fl2va": ((7, 2, 4, 6, 3), {"anchors": ("first",)}),  # condition rows, 3 timesteps
-    "per-row-t": ((7, 2, 4, 6, 3), {"per_row_timesteps": True}),  # the model's gather path (no segment runs)
-}
 
 
 def test_a_dead_rank_fails_the_request_with_a_clear_error(tiny_checkpoint):

@@ -16,8 +16,7 @@ import torch
 
 from h3serve.pipeline import Pipeline
 from h3serve.config.request import validate_request
-
-TOL = 1e-5
+from h3serve.testing.rankcases import TOL
 
 
 def _run(checkpoint, tmp_path, name, **degrees):

@@ -12,22 +12,9 @@ import torch
 
 from h3serve.distributed.world import launch
 from h3serve.errors import Cancelled
+from h3serve.testing.rankcases import GEOMETRIES, TOL, maxdiff
 
-from .workers import build_suite, dit_inputs, dit_request, load_vae, qwen_text_states, tiny_dit, tiny_qwen_text
-
-TOL = 1e-5
-# (text_len, latent_frames, latent_h, latent_w, audio_latents), extra kwargs
-GEOMETRIES = {
-    "S28": ((10, 2, 4, 6, 3), {}),  # 10 + 6 + 12 rows: divides 2 and 4
-    "S25": ((7, 2, 4, 6, 3), {}),  # divides neither: the last rank pads
-    "S5": ((2, 1, 2, 2, 1), {}),  # 4 ranks: 2 + 2 + 1 + 0 rows, a rank of pure padding
-    "fl2va": ((7, 2, 4, 6, 3), {"anchors": ("first",)}),  # condition rows, 3 timesteps
-    "per-row-t": ((7, 2, 4, 6, 3), {"per_row_timesteps": True}),  # the model's gather path (no segment runs)
-}
-
-
-def _maxdiff(a, b) -> float:
-    return max((x - y).abs().max().item() for x, y in zip(a, b))
+from .workers import build_suite, dit_inputs, dit_request, qwen_text_states, tiny_dit, tiny_qwen_text
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +32,7 @@ def test_dit_two_ranks_match_one(stage2, plan, geometry):
     ref = tiny_dit()(*dit_inputs(*geo, **kw))
     out = stage2.call("forward", (plan, geo, kw))
     assert [o.shape for o in out] == [r.shape for r in ref]
-    assert _maxdiff(out, ref) <= TOL
+    assert maxdiff(out, ref) <= TOL
     assert stage2.last_outcomes == {1: "ok"}
 
 
@@ -63,7 +50,7 @@ def test_cancel_stops_every_rank_at_the_same_step_then_serves_the_next(stage2):
     res = stage2.call("generate", ((2, 1), dit_request()))  # the stage is still healthy and serves the next one
     ref = DiTEngine({"transformer": tiny_dit()}, device=torch.device("cpu"), profile="base").generate(dit_request())
     assert stage2.healthy and res.steps == ref.steps
-    assert _maxdiff((res.video, res.audio), (ref.video, ref.audio)) <= TOL
+    assert maxdiff((res.video, res.audio), (ref.video, ref.audio)) <= TOL
 
 
 # -- encoder TP -------------------------------------------------------------------------------------------------------
@@ -86,12 +73,6 @@ def test_qwen_text_tp2_shards_kv_heads(stage2):
 
 
 # -- VAE patch parallel -----------------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def vae_reference(tiny_checkpoint):
-    latents = torch.randn(1, 24, 7, 16, 24, generator=torch.Generator().manual_seed(0))  # 2 windows, 12 tiles
-    return latents, load_vae(tiny_checkpoint).decode_float(latents)
-
 
 def test_vae_pp2_frames_equal_pp1(stage2, vae_reference):
     latents, ref = vae_reference

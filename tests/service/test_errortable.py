@@ -9,20 +9,21 @@ import grpc
 import pytest
 
 from h3serve._proto import gateway_pb2, gateway_pb2_grpc
-from h3serve.errors import Cancelled, MediaError, RequestError, TransportError
-from h3serve.errortable import (
+from h3serve.errors import (
     AlreadyExists,
+    Cancelled,
     DeadlineExceeded,
     Draining,
+    MediaError,
     NotFound,
     QueueFull,
+    RequestError,
     StageFailed,
     StageUnavailable,
     TooLarge,
-    from_grpc,
-    grpc_method,
-    http_error,
+    TransportError,
 )
+from h3serve.errortable import from_grpc, grpc_method, http_error
 
 CASES = [
     (AlreadyExists("request_id", "job-1"), grpc.StatusCode.ALREADY_EXISTS, 409, AlreadyExists, "request_id", None),

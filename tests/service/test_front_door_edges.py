@@ -19,8 +19,8 @@ from fastapi.testclient import TestClient
 
 from h3serve.config.request import Upload
 from h3serve.config.stage import StageConfig
-from h3serve.errors import RequestError
-from h3serve.errortable import Unauthenticated, classify
+from h3serve.errors import RequestError, Unauthenticated
+from h3serve.errortable import classify
 from h3serve.runtime.tls import check_peer, parse_peers
 from h3serve.services.gateway.auth import Authenticator, check_exposure
 from h3serve.services.gateway.http import create_app

@@ -29,7 +29,8 @@ from h3serve.services.gateway.fields import (
     served_models,
     validate_fields,
 )
-from h3serve.services.gateway.orchestrate import DIRECT, RELAY, Gateway, choose_plan
+from h3serve.services.gateway.gateway import Gateway
+from h3serve.services.gateway.orchestrate import DIRECT, RELAY, choose_plan
 from h3serve.services.gateway.sinks import END, StreamSink
 from h3serve.services.muxer import MuxerServicer
 from h3serve.services.vae import VAEServicer

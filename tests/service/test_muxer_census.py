@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from h3serve._proto import common_pb2, muxer_pb2, muxer_pb2_grpc
-from h3serve.errortable import StageFailed
+from h3serve.errors import StageFailed
 from h3serve.transport.control import peer_error
 
 from .conftest import LoneStage
@@ -136,12 +136,6 @@ def cases() -> list[Case]:
                 muxer_pb2.FetchRequest(session_id="no-such-session"), timeout=10)), NOT_FOUND),
             Case("Fetch no session_id", "session_id", lambda stub, _sid: list(stub.Fetch(
                 muxer_pb2.FetchRequest(), timeout=10))),
-            Case("Handshake unknown session", None, lambda stub, _sid: stub.Handshake(
-                common_pb2.TransportHandshake(transport="grpc", session_id="nope"), timeout=10), NOT_FOUND),
-            Case("Handshake no session_id", "session_id", lambda stub, _sid: stub.Handshake(
-                common_pb2.TransportHandshake(transport="grpc"), timeout=10)),
-            Case("Handshake transport=carrier-pigeon", "transport", lambda stub, sid: stub.Handshake(
-                common_pb2.TransportHandshake(transport="carrier-pigeon", session_id=sid), timeout=10)),
             Case("Abort no session_id", "session_id", lambda stub, _sid: stub.Abort(
                 muxer_pb2.AbortRequest(reason="x"), timeout=10))]
 

@@ -16,8 +16,6 @@ tests/transport.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
 
 import grpc
@@ -25,7 +23,8 @@ import httpx
 import pytest
 
 from h3serve._proto import common_pb2, muxer_pb2_grpc
-from h3serve.client import Client, Progress, StageUnavailable
+from h3serve.client import Client
+from h3serve.testing.faults import kill_mid_request, wait_replaced
 
 from .conftest import REQUEST, LoneStage, Stack
 
@@ -92,30 +91,15 @@ def test_mp4_over_nixl_is_byte_identical_to_grpc(nixl_stack, grpc_mp4):
 
 def test_vae_killed_mid_stream_under_nixl_fails_unavailable_and_the_next_request_works(nixl_stack, grpc_mp4):
     pid = nixl_stack.status("vae").pid
-    killed_at = None
-    with Client(nixl_stack.grpc, timeout=60) as client:
-        gen = client.stream(**dict(REQUEST, seconds=15))     # 22 clips: time to kill between two
-        with pytest.raises(StageUnavailable) as info:
-            for event in gen:
-                if isinstance(event, Progress) and event.stage == "vae" and killed_at is None:
-                    os.kill(pid, signal.SIGKILL)
-                    killed_at = time.monotonic()
-            gen.result()
-    assert killed_at is not None
+    with Client(nixl_stack.grpc, timeout=60) as client:   # 15 s, 22 clips: time to kill between two
+        err, killed_at = kill_mid_request(client, dict(REQUEST, seconds=15), "vae", pid)
     assert time.monotonic() - killed_at < 10.0       # well within the 60 s deadline
-    assert info.value.stage == "vae" and "vae" in str(info.value)
+    assert err.stage == "vae" and "vae" in str(err)
     muxer = nixl_stack.wait_idle("muxer")
     assert muxer.last.outcome in ("error", "cancelled")   # the broken call counts as its end signal
     counters = _nixl_counters(nixl_stack, "muxer")
     assert counters["agents_live"] == 0 and counters["regions_registered"] == 0, counters   # released
-    end = time.monotonic() + 120
-    while time.monotonic() < end:
-        try:
-            if nixl_stack.status("vae").pid != pid and nixl_stack.status("vae").ready:
-                break
-        except Exception:  # noqa: BLE001 - not up yet
-            pass
-        time.sleep(0.2)
+    wait_replaced(lambda: nixl_stack.status("vae"), pid)
     nixl_stack.wait_ready()
     with Client(nixl_stack.grpc, timeout=120) as client:
         assert client.generate(**REQUEST).mp4 == grpc_mp4

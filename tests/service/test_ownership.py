@@ -11,7 +11,8 @@ import threading
 import pytest
 
 from h3serve.config.stage import StageConfig
-from h3serve.errortable import AlreadyExists, NotFound, PermissionDenied, classify
+from h3serve.errors import AlreadyExists, NotFound, PermissionDenied
+from h3serve.errortable import classify
 from h3serve.services.gateway.jobs import JobTable
 from h3serve.services.gateway.metrics import GatewayMetrics
 from h3serve.services.gateway.store import S3Store

@@ -6,15 +6,14 @@ launcher restarts it (both ranks) so that the next request is served."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from h3serve.client import Client, Progress, StageUnavailable
+from h3serve.client import Client
+from h3serve.testing.faults import kill_mid_request, wait_replaced
 
 from .conftest import REQUEST, Stack
 
@@ -51,29 +50,14 @@ def test_ulysses2_vae_pp2_services_write_the_bytes_of_degree_1(pstack, embedded)
 def test_a_dead_dit_rank_fails_the_request_unavailable_naming_the_dit(pstack, embedded):
     info = _info(pstack, "dit")
     leader, peer = info["rank_pids"]
-    killed_at = None
     with Client(pstack.grpc, timeout=120) as client:
-        gen = client.stream(**dict(REQUEST, num_inference_steps=60))
-        with pytest.raises(StageUnavailable) as err:
-            for event in gen:
-                if isinstance(event, Progress) and event.stage == "dit" and killed_at is None:
-                    os.kill(peer, signal.SIGKILL)
-                    killed_at = time.monotonic()
-            gen.result()
-    assert killed_at is not None and time.monotonic() - killed_at < 10.0
-    assert err.value.stage == "dit" and "rank 1 of 2" in str(err.value), str(err.value)
+        err, killed_at = kill_mid_request(client, dict(REQUEST, num_inference_steps=60), "dit", peer)
+    assert time.monotonic() - killed_at < 10.0
+    assert err.stage == "dit" and "rank 1 of 2" in str(err), str(err)
     # NOT_SERVING at once (then the process exits and the launcher starts a new world)
     status = _health(pstack.addresses["dit"])
     assert status != health_pb2.HealthCheckResponse.SERVING
-    end = time.monotonic() + 90
-    while time.monotonic() < end:
-        try:
-            st = pstack.status("dit")
-            if st.pid != leader and st.ready:
-                break
-        except grpc.RpcError:
-            pass
-        time.sleep(0.2)
+    wait_replaced(lambda: pstack.status("dit"), leader, timeout_s=90)
     info = _info(pstack, "dit")
     assert info["ranks_healthy"] and peer not in info["rank_pids"] and leader not in info["rank_pids"]
     pstack.wait_ready()

@@ -11,7 +11,8 @@ import time
 import httpx
 import pytest
 
-from h3serve.client import Accepted, Cancelled, Client, DeadlineExceeded, Progress, QueueFull, StageUnavailable
+from h3serve.client import Accepted, Cancelled, Client, DeadlineExceeded, Progress, QueueFull
+from h3serve.testing.faults import kill_mid_request, wait_replaced
 from h3serve.testing.mp4check import check_mp4
 
 from .conftest import REQUEST
@@ -115,16 +116,8 @@ KILLED_MID_JOB = {"encoder": dict(REQUEST, prompt=HUGE_PROMPT),   # killed insid
 
 
 def _wait_restarted(stack, stage: str, pid: int, timeout: float = 120.0) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            st = stack.status(stage)
-            if st.pid != pid and st.ready:
-                return
-        except Exception:  # noqa: BLE001 - not up yet
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{stage} not restarted within {timeout}s")
+    if not wait_replaced(lambda: stack.status(stage), pid, timeout_s=timeout):
+        raise TimeoutError(f"{stage} not restarted within {timeout}s")
 
 
 @pytest.mark.parametrize("stage", list(KILLED_MID_JOB))
@@ -166,25 +159,11 @@ def test_a_stage_killed_mid_job_fails_it_unavailable_naming_it(stack, embedded, 
 
 def test_muxer_killed_while_the_vae_streams_fails_unavailable_naming_it(stack, embedded):
     pid = stack.status("muxer").pid
-    killed_at = None
     with Client(stack.grpc, timeout=60) as client:
-        gen = client.stream(**dict(REQUEST, seconds=15))
-        with pytest.raises(StageUnavailable) as info:
-            for event in gen:
-                if isinstance(event, Progress) and event.stage == "vae" and killed_at is None:
-                    os.kill(pid, signal.SIGKILL)
-                    killed_at = time.monotonic()
-            gen.result()
-    assert killed_at is not None and time.monotonic() - killed_at < 10.0
-    assert info.value.stage == "muxer" and "muxer" in str(info.value)
+        err, killed_at = kill_mid_request(client, dict(REQUEST, seconds=15), "vae", pid)
+    assert time.monotonic() - killed_at < 10.0
+    assert err.stage == "muxer" and "muxer" in str(err)
     vae = stack.wait_idle("vae")
     assert vae.last.outcome == "error" and vae.last.units_done < 22   # the VAE stopped decoding
-    end = time.monotonic() + 120
-    while time.monotonic() < end:
-        try:
-            if stack.status("muxer").pid != pid:
-                break
-        except Exception:  # noqa: BLE001 - not up yet
-            pass
-        time.sleep(0.2)
+    wait_replaced(lambda: stack.status("muxer"), pid, ready=False)
     _assert_next_request_served(stack, embedded)

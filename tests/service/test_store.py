@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from h3serve.config.stage import StageConfig
-from h3serve.errortable import QueueFull
+from h3serve.errors import QueueFull
 from h3serve.services.gateway.jobs import JobTable
 from h3serve.services.gateway.metrics import GatewayMetrics
 from h3serve.services.gateway.store import S3Store, StoreError

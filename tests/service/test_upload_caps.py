@@ -38,7 +38,7 @@ from h3serve.media.image import ADAM7
 from h3serve.services.gateway import http as gateway_http
 from h3serve.services.gateway.auth import Authenticator
 from h3serve.services.gateway.frontdoor import uvicorn_config
-from h3serve.services.gateway.orchestrate import Gateway
+from h3serve.services.gateway.gateway import Gateway
 from h3serve.services.gateway.uploads import _image
 
 REPO = Path(__file__).resolve().parents[2]

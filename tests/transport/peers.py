@@ -19,7 +19,8 @@ import psutil
 import torch
 
 from h3serve.errors import TransportError
-from h3serve.transport.nixl.probe import counters, nixl_available, select_transport
+from h3serve.transport.choice import select_transport
+from h3serve.transport.nixl.probe import counters, nixl_available
 from h3serve.transport.nixl.receiver import NixlReceiver
 from h3serve.transport.nixl.sender import NixlSender
 from h3serve.transport.pipes import QueuePipe, SocketPipe

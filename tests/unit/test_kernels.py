@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from h3serve.models.dit import kernels
-from h3serve.models.dit.model import (BlockContext, H3Attention, H3Block, H3DiTConfig, H3FeedForward, _add_gated_,
+from h3serve.models.dit.model import (BlockContext, H3Attention, H3Block, H3DiTConfig, _add_gated_,
                                         _modulate_, apply_rope_)
 
 pytestmark = pytest.mark.skipif(not kernels.HAVE_TRITON, reason="triton is not installed")
@@ -205,7 +205,6 @@ def test_attention_selection(monkeypatch):
 def test_attention_module_default_is_auto():
     attn = H3Attention(32, 2, 16, 1e-5)
     assert attn.attention_fn is kernels.auto_attention
-    assert isinstance(H3FeedForward(8, 4), torch.nn.Module)
 
 
 def test_modulation_rows_of_a_padded_shard_read_row_zero():

@@ -10,8 +10,7 @@ import torch.multiprocessing as mp
 
 from h3serve.models.dit.layout import build_t2va_layout, row_timesteps
 from h3serve.models.dit.model import H3DiT, H3DiTConfig
-from h3serve.models.dit.offload import attach_offload
-from h3serve.models.offload import OffloadPlan
+from h3serve.models.offload import OffloadPlan, attach_offload
 
 TINY = dict(num_attention_heads=2, attention_head_dim=16, hidden_size=32, num_layers=6, num_refiner_layers=1,
             ffn_dim=64, text_dim=24, freq_dim=16, time_embed_hidden_dim=32, time_embed_dim=16, rope_freq_dim=2)

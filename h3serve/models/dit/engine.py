@@ -29,10 +29,10 @@ from h3serve.models.dit.layout import (
 from h3serve.models.dit.loop import denoise, noise_condition_rows, prepare_noise
 from h3serve.models.dit import kernels
 from h3serve.models.dit.model import FP32_MODULES, H3DiT, H3DiTConfig
-from h3serve.models.dit.offload import attach_offload
 from h3serve.models.dit.quant import quantize_dit
 from h3serve.models.dit.reuse import ReuseConfig, StepReuse
 from h3serve.models.dit.scheduler import schedules_for
+from h3serve.models.offload import attach_offload
 from h3serve.weights.folder import CheckpointFolder
 from h3serve.weights.load import load_module_weights
 

@@ -152,9 +152,5 @@ def quantize_dit(model: nn.Module) -> list[str]:
     return quantize_linears(model, DIT_FP8_LINEARS)
 
 
-def quantize_encoder(model: nn.Module) -> list[str]:
-    return quantize_linears(model, ENCODER_FP8_LINEARS)
-
-
 def weight_bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])

@@ -29,8 +29,8 @@ import time
 import grpc
 
 from h3serve.config.stage import API_KEYS_ENV
-from h3serve.errors import H3Error
-from h3serve.errortable import MD_CODE, Unauthenticated, classify
+from h3serve.errors import H3Error, Unauthenticated
+from h3serve.errortable import MD_CODE, classify
 from h3serve.runtime.tls import is_loopback
 
 log = logging.getLogger("h3serve.gateway")

@@ -45,14 +45,14 @@ from starlette.routing import Match
 
 from h3serve.config.request import MAX_MEDIA_BYTES, MAX_REFERENCES, Upload
 from h3serve.config.vocab import QUALITIES
-from h3serve.errors import H3Error, RequestError
-from h3serve.errortable import NotFound, NotReady, TooLarge, Unauthenticated, error_object, http_error
+from h3serve.errors import H3Error, NotFound, NotReady, RequestError, TooLarge, Unauthenticated
+from h3serve.errortable import error_object, http_error
 from h3serve.media.thumbnail import first_frame_jpeg
 
 from .auth import Authenticator
 from .fields import MEDIA_FIELDS, REFERENCE_KIND, REPEATABLE, fields_from_http, served_pools, short
 from .jobs import Job
-from .orchestrate import Gateway
+from .gateway import Gateway
 from .sinks import FileSink
 from .uploads import VIDEO_REFUSED, decode_caller
 

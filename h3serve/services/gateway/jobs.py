@@ -39,22 +39,9 @@ import grpc
 
 from h3serve.config.request import GenerationRequest, ReferenceSpec
 from h3serve.config.stage import StageConfig
-from h3serve.errors import Cancelled, H3Error, RequestError
-from h3serve.errortable import (
-    AlreadyExists,
-    Classified,
-    DeadlineExceeded,
-    Draining,
-    NotFound,
-    PermissionDenied,
-    QueueFull,
-    StageUnavailable,
-    TABLE,
-    INTERNAL,
-    classify,
-    error_object,
-    from_grpc,
-)
+from h3serve.errors import (AlreadyExists, Cancelled, DeadlineExceeded, Draining, H3Error, NotFound, PermissionDenied,
+                            QueueFull, RequestError, StageUnavailable)
+from h3serve.errortable import Classified, TABLE, INTERNAL, classify, error_object, from_grpc
 
 from .fields import REQUEST_ID, Validated
 from .metrics import GatewayMetrics

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from h3serve.config.vocab import PIPELINE_STAGES
+from h3serve.config.vocab import NIXL, PIPELINE_STAGES
 
 STAGE_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800)
 RTF_BUCKETS = (0.1, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2, 3, 5, 10, 20, 50)
@@ -71,7 +71,7 @@ class GatewayMetrics:
         self.transport_info.labels(*labels).set(1)
         if request:
             self.transport_requests.labels(edge=edge, chosen=chosen).inc()
-            if requested == "nixl" and chosen != "nixl":
+            if requested == NIXL and chosen != NIXL:
                 self.transport_fallbacks.labels(edge=edge).inc()
 
     def render(self) -> bytes:

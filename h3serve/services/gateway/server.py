@@ -29,7 +29,7 @@ from .fields import fields_from_proto, served_models
 from .frontdoor import uvicorn_config
 from .http import create_app
 from .jobs import Job
-from .orchestrate import Gateway
+from .gateway import Gateway
 from .sinks import END, BytesSink, StreamSink
 from .uploads import decode_caller
 from .watchdog import Watchdog

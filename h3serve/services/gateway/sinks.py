@@ -8,7 +8,7 @@ import os
 from typing import Callable, Protocol
 
 from h3serve._proto import gateway_pb2
-from h3serve.errortable import TooLarge
+from h3serve.errors import TooLarge
 
 from .store import disk_error
 

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from h3serve._proto import dit_pb2_grpc, encoder_pb2_grpc, muxer_pb2_grpc, vae_pb2_grpc
 from h3serve.config.stage import StageConfig
-from h3serve.config.vocab import FASTH3_DIT, PIPELINE_STAGES
+from h3serve.config.vocab import FASTH3_DIT, GRPC, PIPELINE_STAGES
 from h3serve.runtime.tls import Tls
 
 from .metrics import GatewayMetrics
@@ -139,7 +139,7 @@ class EdgeTransports:
     def __init__(self, requested: str, metrics: GatewayMetrics):
         self.metrics = metrics
         self._lock = threading.Lock()
-        pending = requested != "grpc"
+        pending = requested != GRPC
         self.edges = {edge: {"requested": requested, "chosen": "pending" if pending else requested,
                              "reason": f"decided per request by {ends} (no request yet)" if pending else "requested"}
                       for edge, ends in EDGES.items()}

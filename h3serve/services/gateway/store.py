@@ -34,7 +34,7 @@ from typing import Iterator, Protocol
 
 import urllib3
 
-from h3serve.errortable import StageUnavailable
+from h3serve.errors import StageUnavailable
 
 log = logging.getLogger("h3serve.gateway")
 

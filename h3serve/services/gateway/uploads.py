@@ -33,8 +33,7 @@ from h3serve.config.request import (
     Upload,
     media_source,
 )
-from h3serve.errors import H3Error, RequestError
-from h3serve.errortable import Draining, QueueFull
+from h3serve.errors import Draining, H3Error, QueueFull, RequestError
 from h3serve.media.audio import AudioTooLong, audio_seconds, read_audio_reference
 from h3serve.media.image import CorruptImage, decode_rgb
 

@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 
-from h3serve.errortable import StageUnavailable
+from h3serve.errors import StageUnavailable
 
 from .jobs import JobTable
 from .stages import UNREACHABLE, StageClients

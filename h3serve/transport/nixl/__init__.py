@@ -36,7 +36,7 @@ NIXL's own progress thread busy-polls a core (`pthrDelay` 0 in the Python wrappe
 it; the endpoints drive progress themselves whenever they wait (`check_xfer_state`, `get_new_notifs`). Same-host
 (CMA) and RDMA transfers need no target-side progress; UCX's TCP transport moves bytes only while a side polls.
 
-Modules: `probe` (availability, `select_transport`, counters), `wire` (handshake, control messages, headers),
-`agent` (the NIXL agent and the endpoint logic both ends share), `receiver` (`NixlReceiver`, its slot pool),
+Modules: `probe` (availability, counters; the choice itself is `transport/choice.py`), `wire` (handshake, control
+messages, headers), `agent` (the NIXL agent and the endpoint logic both ends share), `receiver` (`NixlReceiver`, its slot pool),
 `sender` (`NixlSender`). The `nixl` package itself is optional and imported only when an agent is made.
 """

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from h3serve.config.vocab import GRPC, NIXL
 from h3serve.errors import MalformedStream, TransportError
 from h3serve.transport.nixl.probe import count, import_nixl
 from h3serve.transport.nixl.wire import pack_message, unpack_message
@@ -160,9 +161,9 @@ class Endpoint:
         self.edge = edge
         self.pipe = pipe
         self.timeout = float(timeout)
-        self.transport = "grpc"
+        self.transport = GRPC
         self.reason = ""
-        self.requested = "nixl"
+        self.requested = NIXL
         self.failed: str | None = None
         self._agent: Agent | None = None
         self._backlog: collections.deque = collections.deque()

@@ -1,5 +1,5 @@
-"""Whether NIXL can be used in this process, the transport a stage gets (`select_transport`), and the
-process-wide NIXL counters (for the metrics and the leak checks)."""
+"""Whether NIXL can be used in this process (`nixl_available`), and the process-wide NIXL counters (for the metrics
+and the leak checks). The transport a stage gets: `h3serve.transport.choice`."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ import os
 import threading
 import uuid
 from importlib.metadata import PackageNotFoundError, version
-
-from h3serve.config.spec import TRANSPORTS
 
 log = logging.getLogger(__name__)
 
@@ -69,34 +67,6 @@ def nixl_version() -> str:
         return version("nixl")
     except PackageNotFoundError:
         return "?"
-
-
-def select_transport(requested: str, *, probe=None) -> tuple[str, str]:
-    """The transport a deployment asked for (`grpc` | `nixl`) and the one it gets, with the reason.
-
-    `nixl` falls back to `grpc` with a warning when NIXL cannot be loaded here or `probe()` (optional: e.g. a test
-    connection to the peer) raises. The reason is meant for the logs, the health details and the metrics.
-    """
-    validate_transport(requested)
-    if requested == "grpc":
-        return "grpc", "requested"
-    ok, reason = nixl_available()
-    if ok and probe is not None:
-        try:
-            probe()
-        except Exception as e:
-            ok, reason = False, f"peer cannot connect: {e}"
-    if not ok:
-        log.warning("transport nixl requested, using grpc: %s", reason)
-        count("fallbacks_total")
-        return "grpc", reason
-    log.info("transport nixl: %s", reason)
-    return "nixl", reason
-
-
-def validate_transport(name: str) -> None:
-    if name not in TRANSPORTS:
-        raise ValueError(f"transport={name!r} is invalid: use one of {', '.join(TRANSPORTS)}")
 
 
 # Counters: process-wide, so that a leak (an agent or a region never released) shows in the metrics.

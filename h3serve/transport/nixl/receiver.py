@@ -7,10 +7,12 @@ import time
 
 import torch
 
+from h3serve.config.vocab import GRPC, NIXL
 from h3serve.errors import TransportError
 from h3serve.transport.base import Message, TensorReceiver
 from h3serve.transport.nixl.agent import DEFAULT_TIMEOUT, Agent, Backoff, Endpoint, alloc, device_mem
-from h3serve.transport.nixl.probe import count, nixl_available, validate_transport
+from h3serve.transport.choice import validate_transport
+from h3serve.transport.nixl.probe import count, nixl_available
 from h3serve.transport.nixl.wire import encode_handshake, from_bytes, header_from, pack_message
 from h3serve.transport.pipes import ControlPipe
 
@@ -38,7 +40,7 @@ class NixlReceiver(Endpoint, TensorReceiver):
 
     def __init__(self, edge: str, pipe: ControlPipe, *, pool_buffers: int = DEFAULT_SLOTS,
                  buffer_bytes: int = DEFAULT_SLOT_BYTES, device: str | torch.device = "cpu", zero_copy: bool = False,
-                 timeout: float = DEFAULT_TIMEOUT, transport: str = "nixl", fallback: bool = True):
+                 timeout: float = DEFAULT_TIMEOUT, transport: str = NIXL, fallback: bool = True):
         super().__init__(edge, pipe, timeout)
         if pool_buffers < 1:
             raise ValueError(f"pool_buffers={pool_buffers} is invalid: need at least 1 slot")
@@ -57,21 +59,21 @@ class NixlReceiver(Endpoint, TensorReceiver):
         self._closed = False
         self._hello = False
         validate_transport(transport)
-        if transport == "grpc":
-            self.transport, self.reason = "grpc", "requested"
+        if transport == GRPC:
+            self.transport, self.reason = GRPC, "requested"
             return
         ok, why = nixl_available()
         if ok:
             try:
                 self._setup_nixl()
-                self.transport, self.reason = "nixl", why
+                self.transport, self.reason = NIXL, why
             except Exception as e:
                 self._teardown()
                 ok, why = False, f"NIXL receiver setup failed: {type(e).__name__}: {e}"
         if not ok:
             if not fallback:
                 raise TransportError(why, edge=edge)
-            self.transport, self.reason = "grpc", why
+            self.transport, self.reason = GRPC, why
             count("fallbacks_total")
             log.warning("%s receiver: transport nixl unavailable, using grpc: %s", edge, why)
 
@@ -82,9 +84,9 @@ class NixlReceiver(Endpoint, TensorReceiver):
 
     def handshake(self) -> bytes:
         """Serialized agent metadata + pool descriptors (or the reason NIXL is not offered) for `connect`."""
-        info = {"edge": self.edge, "k": self.k, "slot_bytes": self.slot_bytes, "nixl": self.transport == "nixl",
+        info = {"edge": self.edge, "k": self.k, "slot_bytes": self.slot_bytes, "nixl": self.transport == NIXL,
                 "reason": self.reason}
-        if self.transport != "nixl":
+        if self.transport != NIXL:
             return encode_handshake(info)
         base = self._pool.data_ptr()
         info.update(agent=self._agent.name, mem=self.mem, dev=self.dev_id,
@@ -124,16 +126,16 @@ class NixlReceiver(Endpoint, TensorReceiver):
 
     def _on_hello(self, obj: dict) -> None:
         self._hello = True
-        chosen = obj.get("transport", "grpc")
-        if chosen == "nixl" and self.transport != "nixl":
+        chosen = obj.get("transport", GRPC)
+        if chosen == NIXL and self.transport != NIXL:
             raise self._error("protocol error: sender chose nixl but this receiver offered none")
-        if chosen != "nixl" and self.transport == "nixl":
+        if chosen != NIXL and self.transport == NIXL:
             # The sender could not use our pool: free it now, the bytes come inline.
-            self.transport, self.reason = "grpc", obj.get("reason") or "sender fell back"
+            self.transport, self.reason = GRPC, obj.get("reason") or "sender fell back"
             self._teardown()
             (log.info if self.reason == "requested" else log.warning)(
                 "%s receiver: sender uses grpc: %s", self.edge, self.reason)
-        elif chosen != "nixl" and obj.get("reason"):
+        elif chosen != NIXL and obj.get("reason"):
             self.reason = obj["reason"]
 
     def _recv_nixl(self, first: dict, deadline: float) -> Message:

@@ -9,10 +9,12 @@ import time
 
 import torch
 
+from h3serve.config.vocab import GRPC, NIXL
 from h3serve.errors import TransportError
 from h3serve.transport.base import TensorHeader, TensorSender
 from h3serve.transport.nixl.agent import DEFAULT_TIMEOUT, Agent, Backoff, Endpoint, alloc, device_mem
-from h3serve.transport.nixl.probe import count, nixl_available, validate_transport
+from h3serve.transport.choice import validate_transport
+from h3serve.transport.nixl.probe import count, nixl_available
 from h3serve.transport.nixl.wire import byte_view, decode_handshake, header_json, pack_message
 from h3serve.transport.pipes import ControlPipe
 
@@ -38,7 +40,7 @@ class NixlSender(Endpoint, TensorSender):
 
     def __init__(self, edge: str, pipe: ControlPipe, *, staging_buffers: int = DEFAULT_STAGING,
                  staging_device: str | torch.device = "cpu", timeout: float = DEFAULT_TIMEOUT,
-                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT, transport: str = "nixl", fallback: bool = True,
+                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT, transport: str = NIXL, fallback: bool = True,
                  inline_chunk_bytes: int = INLINE_CHUNK_BYTES):
         super().__init__(edge, pipe, timeout)
         validate_transport(transport)
@@ -75,7 +77,7 @@ class NixlSender(Endpoint, TensorSender):
             raise TransportError(f"bad handshake from receiver: {e}", edge=self.edge) from None
         self._free = collections.deque(range(self.k))
         reason = ""
-        if self.requested == "grpc":
+        if self.requested == GRPC:
             reason = "requested"
         elif not info.get("nixl"):
             reason = f"receiver: {info.get('reason') or 'NIXL not offered'}"
@@ -86,17 +88,17 @@ class NixlSender(Endpoint, TensorSender):
             else:
                 try:
                     self._connect_nixl(info, metadata)
-                    self.transport, self.reason = "nixl", why
+                    self.transport, self.reason = NIXL, why
                 except Exception as e:
                     self._teardown()
                     reason = f"peer cannot connect over NIXL: {type(e).__name__}: {e}"
         if reason:
-            if self.requested == "nixl":
+            if self.requested == NIXL:
                 if not self.fallback:
                     raise self._error(reason)
                 count("fallbacks_total")
                 log.warning("%s sender: transport nixl -> grpc: %s", self.edge, reason)
-            self.transport, self.reason = "grpc", reason
+            self.transport, self.reason = GRPC, reason
         else:
             log.info("%s sender: transport nixl, %d slots x %d MiB: %s", self.edge, self.k, self.slot_bytes >> 20,
                      self.reason)
@@ -159,7 +161,7 @@ class NixlSender(Endpoint, TensorSender):
         header = TensorHeader.of(name, tensor)
         src = byte_view(tensor)
         total = src.numel()
-        if self.transport == "nixl" and total > 0:
+        if self.transport == NIXL and total > 0:
             self._send_nixl(seq, header, meta, src, total, deadline)
         else:
             self._send_inline(seq, header, meta, src, total, deadline)

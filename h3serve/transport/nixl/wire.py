@@ -9,7 +9,7 @@ import struct
 import torch
 
 from h3serve.errors import TransportError
-from h3serve.transport.base import DTYPES, TensorHeader
+from h3serve.transport.base import WIRE_DTYPES, TensorHeader
 
 _HS_MAGIC = b"H3NX"
 _HS_VERSION = 1
@@ -40,7 +40,7 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def from_bytes(header: TensorHeader, flat: torch.Tensor) -> torch.Tensor:
-    return flat.view(DTYPES[header.dtype]).reshape(header.shape)
+    return flat.view(WIRE_DTYPES[header.dtype]).reshape(header.shape)
 
 
 def header_json(h: TensorHeader) -> list:
@@ -50,7 +50,7 @@ def header_json(h: TensorHeader) -> list:
 def header_from(obj, edge: str) -> TensorHeader:
     try:
         name, dtype, shape = obj
-        if dtype not in DTYPES:
+        if dtype not in WIRE_DTYPES:
             raise ValueError(f"dtype {dtype!r}")
         return TensorHeader(str(name), dtype, tuple(int(s) for s in shape))
     except Exception as e:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from h3serve.errors import H3Error
 
-log = logging.getLogger("h3serve.distributed.ranks")
+log = logging.getLogger("h3serve.distributed.commands")
 
 __all__ = ["Local", "Handler", "serve", "peer_main"]
 

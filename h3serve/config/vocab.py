@@ -35,6 +35,9 @@ DEFAULT_DTYPE = "fp32"
 DEVICE_DTYPES = {"cuda": "bf16", "cpu": "fp32"}
 DEVICES = tuple(DEVICE_DTYPES)
 
+# ---- exit codes (the CLI's and the launcher's; docs/services.md lists them all) ---------------------------------
+EXIT_USER_ERROR = 2   # a bad flag, request, file or port: one line on stderr; restarting cannot fix it
+
 # ---- ports ----------------------------------------------------------------------------------------------------
 GRPC_PORT = 50051
 HTTP_PORT = 8000

@@ -17,14 +17,15 @@ import sys
 import time
 
 from h3serve.config.levers import CLI_NAMES, LeverError, Levers, check_combination, staging_conflict
+from h3serve.config.parallel import ParallelDegrees
 from h3serve.config.stage import API_KEY_ENV, API_KEYS_ENV, StageConfig
-from h3serve.config.vocab import (DEFAULT_DTYPE, DIT_LAYERS, DTYPES, ENCODER_LAYERS, GRPC_PORT, HTTP_PORT,
-                                  MIN_RESIDENT_BLOCKS,
+from h3serve.config.vocab import (DEFAULT_DTYPE, DIT_LAYERS, DTYPES, ENCODER_LAYERS, EXIT_USER_ERROR, GRPC_PORT,
+                                  HTTP_PORT, MIN_RESIDENT_BLOCKS,
                                   MODEL_STAGES, OFFLOAD_MODES, TRANSPORTS)
 from h3serve.errors import H3Error
 
-EXIT_USER_ERROR = 2
 EXIT_INTERNAL = 3
+EXIT_SIGPIPE = 128 + 13   # what a shell reports for a tool that SIGPIPE ended
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -76,9 +77,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                profile=args.profile, steps=args.steps, dtype=args.dtype, first_image=args.first_image,
                last_image=args.last_image, references=args.reference or None, quality=args.quality)
     request = validate_request(**{k: v for k, v in raw.items() if v is not None})
-    out_dir = os.path.dirname(os.path.abspath(args.output))
-    if os.path.isdir(args.output) or not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
-        raise H3Error(f"--output {args.output}: expected a file path in an existing, writable folder")
+    _check_output(args.output)
     levers = _levers(args)
     if args.server:
         if levers.any:
@@ -96,8 +95,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
         verify_manifest(args.checkpoint, args.checkpoint_manifest_sha256)
 
+    degrees = ParallelDegrees(args.encoder_tp, args.ulysses, args.ring, args.vae_pp)
+    if not degrees.trivial:   # before any rank starts: one visible device per rank on CUDA
+        from h3serve.runtime.device import check_ranks_fit
+
+        check_ranks_fit(degrees, args.device)
+
     from h3serve.pipeline import Pipeline
 
+    _interrupt_twice("stopping: the pipeline and its ranks")
     pipe = Pipeline.load(
         args.checkpoint, profile=args.profile, adapter=args.adapter, adapter_sha256=args.adapter_sha256,
         dtype=args.dtype, device=args.device, tasks=(request.task,), encoder_tp=args.encoder_tp,
@@ -117,6 +123,39 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(f"wrote {result.path.resolve()} ({result.num_frames} frames, {result.size}, {result.bytes} bytes)")
         print("  " + "  ".join(f"{k}={v}" if isinstance(v, int) else f"{k}={v:.3f}" for k, v in timings.items()))
     return 0
+
+
+def _interrupt_twice(what: str) -> None:
+    """Ctrl-C says at once what it stops (then KeyboardInterrupt unwinds, closing the ranks); a second Ctrl-C ends
+    the process at once."""
+    import signal
+
+    def on_sigint(_signum, _frame):
+        if getattr(on_sigint, "seen", False):
+            os.write(2, b"h3serve: interrupted again; exiting now\n")
+            os._exit(130)
+        on_sigint.seen = True
+        os.write(2, f"h3serve: interrupted; {what} (Ctrl-C again to exit at once)\n".encode())
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_sigint)
+
+
+def _check_output(path: str) -> None:
+    """`-o` names a file that can be created, checked by creating it (os.access trusts root, and /proc says yes):
+    the work it would hold is never spent on a path that cannot take it."""
+    out_dir = os.path.dirname(os.path.abspath(path)) or "."
+    if os.path.isdir(path) or not os.path.isdir(out_dir):
+        raise H3Error(f"--output {path}: expected a file path in an existing, writable folder")
+    existed = os.path.exists(path)
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as exc:
+        raise H3Error(f"--output {path}: cannot write there ({exc.strerror}); expected a file path in an existing, "
+                      "writable folder") from None
+    if not existed:
+        os.unlink(path)
 
 
 def _generate_remote(args: argparse.Namespace, t0: float) -> int:
@@ -327,19 +366,38 @@ def _levers(args: argparse.Namespace) -> Levers:
     return levers
 
 
+def _servicer(stage: str):
+    """The servicer class of the one stage this process runs (a launcher imports none: its children do)."""
+    if stage == "gateway":
+        from h3serve.services.gateway.server import GatewayServicer
+        return GatewayServicer
+    if stage == "encoder":
+        from h3serve.services.encoder import EncoderServicer
+        return EncoderServicer
+    if stage == "dit":
+        from h3serve.services.dit import DiTServicer
+        return DiTServicer
+    if stage == "vae":
+        from h3serve.services.vae import VAEServicer
+        return VAEServicer
+    from h3serve.services.muxer import MuxerServicer
+    return MuxerServicer
+
+
+def _gateway_exposure(config) -> None:
+    """The gateway's host/key rule, checked before any stage starts (the gateway checks it again when it loads)."""
+    from h3serve.services.gateway.auth import check_exposure
+
+    check_exposure(config.api_keys_file, config.no_auth,
+                   (config.host,) + ((config.http_host,) if config.http_port is not None else ()))
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     # lazy: torch, grpc and the models load only for the command that runs
     from h3serve.runtime.launcher import serve_main
-    from h3serve.services.dit import DiTServicer
-    from h3serve.services.encoder import EncoderServicer
-    from h3serve.services.gateway.server import GatewayServicer
-    from h3serve.services.muxer import MuxerServicer
-    from h3serve.services.vae import VAEServicer
 
-    servicers = {"encoder": EncoderServicer, "dit": DiTServicer, "vae": VAEServicer, "muxer": MuxerServicer,
-                 "gateway": GatewayServicer}
     _levers(args)  # before anything starts
-    return serve_main(args, servicers)
+    return serve_main(args, _servicer, prechecks={"gateway": _gateway_exposure})
 
 
 def _add_checkpoint(sub: argparse._SubParsersAction) -> None:
@@ -441,7 +499,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()   # here, so that a reader gone away (`| head`) is the BrokenPipeError below
+        return code
+    except BrokenPipeError:
+        # the reader of our output left (`h3serve checkpoint info DIR | head`): quiet, as a tool killed by SIGPIPE;
+        # stdout goes to /dev/null so that the interpreter's own last flush does not complain
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_SIGPIPE
     except H3Error as exc:
         print(f"h3serve: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR

@@ -86,6 +86,19 @@ class ParallelDegrees:
     def trivial(self) -> bool:
         return self.world_size == 1
 
+    def check_devices(self, count: int, stages=("encoder", "dit", "vae")) -> "ParallelDegrees":
+        """Rank r of a stage runs on cuda:r: the largest of `stages`' degrees must not exceed the `count` CUDA
+        devices this process sees (checked before any rank starts: an extra rank fails to find its device)."""
+        sizes = {"encoder": (self.encoder_tp, f"--encoder-tp {self.encoder_tp}"),
+                 "dit": (self.dit_world, f"--ulysses {self.ulysses} x --ring {self.ring}"),
+                 "vae": (self.vae_pp, f"--vae-pp {self.vae_pp}")}
+        n, what = max((sizes[s] for s in stages if s in sizes), default=(1, ""))
+        if n > count:
+            raise DegreeError(f"{what} = {n} ranks, one per CUDA device, but {count} CUDA device"
+                              f"{'' if count == 1 else 's'} visible: lower the degree to at most {max(count, 1)}, "
+                              "or use --device cpu")
+        return self
+
     def validate(self, *, dit_heads: int = DIT_HEADS, encoder_heads: int = ENCODER_HEADS,
                  encoder_kv_heads: int = ENCODER_KV_HEADS, encoder_intermediate: int | None = None,
                  world_size: int | None = None) -> "ParallelDegrees":

@@ -42,6 +42,9 @@ DEVICES = tuple(DEVICE_DTYPES)
 GRPC, NIXL = "grpc", "nixl"   # gRPC byte streams (always work); NIXL over UCX: RDMA, shared memory or TCP
 TRANSPORTS = (GRPC, NIXL)
 
+# ---- exit codes (the CLI's and the launcher's; docs/services.md lists them all) ---------------------------------
+EXIT_USER_ERROR = 2   # a bad flag, request, file or port: one line on stderr; restarting cannot fix it
+
 # ---- ports ----------------------------------------------------------------------------------------------------
 GRPC_PORT = 50051
 HTTP_PORT = 8000

@@ -85,8 +85,29 @@ def serve(runtime, build: Callable, build_args: tuple, on_ready: Callable[[], No
         runtime.close()
 
 
-def peer_main(make_runtime: Callable, build: Callable, build_args: tuple, env: dict) -> None:
+def peer_main(make_runtime: Callable, build: Callable, build_args: tuple, env: dict, report=None) -> None:
     """A spawned rank's process: its Runtime is made here (the store client and the process group belong to this
-    process), `make_runtime` being `Runtime` with this rank's arguments bound."""
+    process), `make_runtime` being `Runtime` with this rank's arguments bound. An error before it serves (a device
+    it cannot open, a build that fails) goes to rank 0 through `report` (a pipe), which ends the start with it."""
     os.environ.update(env)
-    serve(make_runtime(), build, build_args)
+    try:
+        runtime = make_runtime()
+    except BaseException as exc:
+        _report(report, exc)
+        raise
+    try:
+        serve(runtime, build, build_args, on_ready=lambda: _report(report, None))
+    except BaseException as exc:
+        _report(report, exc)
+        raise
+
+
+def _report(conn, exc: BaseException | None) -> None:
+    if conn is None or conn.closed:
+        return
+    try:
+        if exc is not None:
+            conn.send(f"{type(exc).__name__}: {exc}")
+        conn.close()   # ready (or reported): nothing more to say
+    except OSError:
+        pass

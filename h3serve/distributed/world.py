@@ -213,7 +213,7 @@ class StageHandle:
     def _check_peers(self) -> tuple[int, str] | None:
         for i, p in enumerate(self.processes):
             if not p.is_alive():
-                return i + 1, f"exited (exit code {p.exitcode})"
+                return i + 1, f"exited (exit code {p.exitcode}){peer_error(p)}"
         limit = max(5.0, 10 * HEARTBEAT_S)
         now = time.time()
         for r in range(1, self.world_size):
@@ -375,8 +375,28 @@ def _wait_ready(handle: StageHandle, deadline_s: float) -> None:
                 why = found[1] if found else f"not ready after {deadline_s:.0f} s"
                 handle._dead = (r, why)
                 handle.close()
-                raise RankFailed(f"starting the stage failed: rank {r} {why}")
+                raise RankFailed(f"starting the stage failed: rank {r} of {handle.world_size} {why}")
             time.sleep(0.05)
+
+
+def peer_error(p) -> str:
+    """": <Error>: message" a spawned rank reported before it served (`peer_main`), or ""."""
+    conn = getattr(p, "h3_report", None)
+    if getattr(p, "h3_error", None) is None:
+        p.h3_error = ""
+        try:
+            if conn is not None and conn.poll(0.5):   # a dead rank's last words arrive with its exit
+                p.h3_error = f": {conn.recv()}"
+        except (EOFError, OSError):
+            pass
+    return p.h3_error
+
+
+def _first_dead(procs: Sequence) -> tuple[int, str] | None:
+    for i, p in enumerate(procs):
+        if not p.is_alive():
+            return i + 1, f"exited (exit code {p.exitcode}){peer_error(p)}"
+    return None
 
 
 def spawn_peers(ranks: Iterable[tuple[int, int]], world_size: int, master_addr: str, master_port: int,
@@ -390,9 +410,12 @@ def spawn_peers(ranks: Iterable[tuple[int, int]], world_size: int, master_addr: 
     for rank, local_rank in ranks:
         make_runtime = functools.partial(Runtime, rank, world_size, master_addr=master_addr, master_port=master_port,
                                          local_rank=local_rank, timeout_s=timeout_s, backend=backend, device=device)
+        report, child_end = ctx.Pipe(duplex=False)
         p = ctx.Process(target=peer_main, name=f"h3-rank-{rank}", daemon=True,
-                        args=(make_runtime, build, build_args, env))
+                        args=(make_runtime, build, build_args, env, child_end))
         p.start()
+        child_end.close()
+        p.h3_report = report
         procs.append(p)
     return procs
 
@@ -415,19 +438,39 @@ def launch(world_size: int, build: Callable, build_args: tuple = (), *, timeout_
     port = master_port or free_port(addr)
     procs = spawn_peers(((r, r) for r in range(1, world_size)), world_size, addr, port, build, build_args,
                         timeout_s=timeout_s, backend=backend, device=device)
+    # Rank 0 joins and builds in a thread while this one watches the peers: a rank that dies before it joins (no
+    # device for it, a failed load) would leave rank 0 in the rendezvous or a group's barrier until timeout_s.
+    started: dict[str, Any] = {}
+
+    def start_rank0() -> None:
+        try:
+            started["runtime"] = Runtime(0, world_size, master_addr=addr, master_port=port, local_rank=0,
+                                         timeout_s=timeout_s, backend=backend, device=device)
+            started["handlers"] = build(started["runtime"], *build_args)
+        except BaseException as exc:  # noqa: BLE001 - raised below, in the caller's thread
+            started["error"] = exc
+
+    starter = threading.Thread(target=start_rank0, name="h3-rank0-start", daemon=True)
+    starter.start()
     try:
-        runtime = Runtime(0, world_size, master_addr=addr, master_port=port, local_rank=0, timeout_s=timeout_s,
-                          backend=backend, device=device)
-    except BaseException:
+        while starter.is_alive():
+            starter.join(0.1)
+            dead = _first_dead(procs) if starter.is_alive() else None
+            if dead is not None:
+                raise RankFailed(f"starting the stage failed: rank {dead[0]} of {world_size} {dead[1]}")
+    except BaseException:   # a dead rank, or Ctrl-C: the others go too; rank 0's thread is left to the exit
         for p in procs:
-            p.kill()
+            if p.is_alive():
+                p.kill()
         raise
-    handle = StageHandle(runtime, {}, procs)
-    try:
-        handle.handlers = build(runtime, *build_args)
-    except BaseException:
-        handle.close()
-        raise
+    if "error" in started:
+        if "runtime" in started:
+            StageHandle(started["runtime"], {}, procs).close()
+        else:
+            for p in procs:
+                p.kill()
+        raise started["error"]
+    handle = StageHandle(started["runtime"], started["handlers"], procs)
     _wait_ready(handle, start_timeout_s)
     return handle
 

@@ -16,7 +16,7 @@ import torch
 from h3serve.config.vocab import TORCH_DTYPE_NAMES
 from h3serve.errors import H3Error
 
-__all__ = ["TORCH_DTYPES", "pick_device", "PeakMemory", "process_memory"]
+__all__ = ["TORCH_DTYPES", "pick_device", "check_ranks_fit", "PeakMemory", "process_memory"]
 
 MIB = float(1 << 20)
 TORCH_DTYPES = {name: getattr(torch, torch_name) for name, torch_name in TORCH_DTYPE_NAMES.items()}
@@ -30,6 +30,12 @@ def pick_device(device: str | None) -> torch.device:
             raise H3Error(f"device={device!r} requested but no CUDA device is available; use --device cpu")
         return dev
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def check_ranks_fit(degrees, device: str | None, stages=("encoder", "dit", "vae")) -> None:
+    """Before any rank starts: on CUDA each rank of a stage needs its own visible device (`check_devices`)."""
+    if pick_device(device).type == "cuda":
+        degrees.check_devices(torch.cuda.device_count(), stages)
 
 
 def _rss_hwm_mb() -> float:

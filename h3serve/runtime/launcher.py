@@ -22,24 +22,30 @@ import sys
 import threading
 import time
 from dataclasses import fields, replace
-from typing import Mapping
+from typing import Callable, Mapping
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from h3serve._proto import common_pb2
 from h3serve.config.stage import COMPONENT_ENV, CONFIG_ENV, StageConfig, connect_host, service_config_values
-from h3serve.config.vocab import FASTH3_DIT, HTTP_PORT, MODEL_STAGES, PORT_OFFSETS, SERVICE_NAMES, STAGES, START_ORDER
+from h3serve.config.vocab import (EXIT_USER_ERROR, FASTH3_DIT, HTTP_PORT, MODEL_STAGES, PORT_OFFSETS, SERVICE_NAMES,
+                                  STAGES, START_ORDER)
 from h3serve.distributed.world import free_port
-from h3serve.errors import H3Error, RequestError
+from h3serve.errors import CheckpointError, H3Error, RequestError
+from h3serve.models.dit.engine import COMPONENT_FOR_TASK
 from h3serve.runtime import ranks
-from h3serve.runtime.process import EXIT_LOAD_FAILED, ServicerFactory, announce, run_stage
+from h3serve.runtime.device import check_ranks_fit
+from h3serve.runtime.process import EXIT_LOAD_FAILED, ServicerFactory, announce, check_ports, run_stage
 from h3serve.runtime.tls import Tls, check_stage_exposure
 from h3serve.transport.grpc import wait_serving
+from h3serve.weights.folder import CheckpointFolder
 
 # the launcher's liveness probe: a child SERVING once and then silent (health deadline exceeded) this long is hung
 LIVENESS_INTERVAL_S = 1.0
 LIVENESS_S = 10.0
+# `serve` stopped, but a stage had to be killed (past its grace, or a second Ctrl-C) or exited non-zero
+EXIT_UNCLEAN_STOP = 5
 
 
 def parse_stages(text: str) -> list[str]:
@@ -119,9 +125,24 @@ class Launcher:
                 self.addresses[s] = getattr(config, s)
         tls = Tls.of(config)
         self.credentials = tls.channel_credentials() if tls.enabled else None   # its health checks
+        self.base_port = base_port
         self.procs: dict[str, subprocess.Popen] = {}
         self.restarts: dict[str, int] = {s: 0 for s in stages}
         self.stopping = threading.Event()
+        self.exit_code = 0   # a child's user error (EXIT_USER_ERROR) ends `serve` with it
+        self.killed = False   # a second Ctrl-C killed the children
+        self._threads: list[threading.Thread] = []
+
+    def planned_ports(self) -> list[tuple[str, int, str]]:
+        """(host, port, the flag that sets it) of every port the children will bind."""
+        out = []
+        for s in self.order:
+            flag = f"--port {self.base_port}" if s == "gateway" or not self.base_port else \
+                f"--port {self.base_port} (+{PORT_OFFSETS[s]}: the {s} stage)"
+            out.append((self.config.host, self.ports[s], flag))
+        if self.http_port:
+            out.append((self.config.http_host, self.http_port, f"--http-port {self.http_port}"))
+        return out
 
     def spawn(self, stage: str) -> subprocess.Popen:
         if stage == FASTH3_DIT:
@@ -145,7 +166,8 @@ class Launcher:
                               if self.http_port else None}
         return out
 
-    def start(self) -> bool:
+    def start(self) -> int:
+        """Start the children; 0 once each answered SERVING itself, else the exit code `serve` ends with."""
         for stage in self.order:
             self.spawn(stage)
         end = time.monotonic() + self.start_timeout
@@ -162,15 +184,19 @@ class Launcher:
                     failed[:] = [self.load_error(s)]
                 return not (failed and failed[0])
 
+            # only this child's own SERVING counts (its pid rides on the answer): another server on the port
+            # must not make a ready banner
             ok = wait_serving(self.addresses[stage], max(0.0, end - time.monotonic()), alive=alive,
-                              credentials=self.credentials)
+                              credentials=self.credentials, pid=proc.pid)
             if not ok:
+                if self.stopping.is_set():
+                    return EXIT_LOAD_FAILED
                 why = f"exited with {proc.returncode}" if proc.poll() is not None else \
                     f"load failed: {failed[0]}" if failed and failed[0] else \
                     f"not SERVING within {self.start_timeout:.0f}s"
                 print(f"h3serve: {stage} {why}", file=sys.stderr, flush=True)
-                return False
-        return True
+                return EXIT_USER_ERROR if proc.poll() == EXIT_USER_ERROR else EXIT_LOAD_FAILED
+        return 0
 
     def load_error(self, stage: str) -> str:
         """The reason a child stays up NOT_SERVING (its Status' load_error), or ""."""
@@ -237,13 +263,21 @@ class Launcher:
             c.close()
 
     def supervise(self) -> None:
-        threading.Thread(target=self._liveness, name="h3serve-liveness", daemon=True).start()
+        liveness = threading.Thread(target=self._liveness, name="h3serve-liveness", daemon=True)
+        liveness.start()
+        self._threads.append(liveness)
         backoff = {s: 1.0 for s in self.stages}
         while not self.stopping.wait(0.25):
             for stage in self.stages:
                 proc = self.procs[stage]
                 if proc.poll() is None or self.stopping.is_set():
                     continue
+                if proc.returncode == EXIT_USER_ERROR:   # its one line said why; a restart would say it again
+                    print(f"h3serve: {stage} exited with {EXIT_USER_ERROR} (its error above); stopping",
+                          file=sys.stderr, flush=True)
+                    self.exit_code = EXIT_USER_ERROR
+                    self.stopping.set()
+                    break
                 if not self.restart:
                     print(f"h3serve: {stage} exited with {proc.returncode}; stopping", file=sys.stderr, flush=True)
                     self.stopping.set()
@@ -260,12 +294,32 @@ class Launcher:
                 threading.Thread(target=self._reset_backoff, args=(stage, new, backoff), daemon=True).start()
 
     def _reset_backoff(self, stage: str, proc: subprocess.Popen, backoff: dict) -> None:
-        if wait_serving(self.addresses[stage], self.start_timeout, alive=lambda: proc.poll() is None,
-                        credentials=self.credentials):
+        if wait_serving(self.addresses[stage], self.start_timeout,
+                        alive=lambda: proc.poll() is None and not self.stopping.is_set(),
+                        credentials=self.credentials, pid=proc.pid):
             backoff[stage] = 1.0
 
+    def kill(self) -> None:
+        """SIGKILL every child's process group (a stage and its ranks) at once: the second Ctrl-C."""
+        self.stopping.set()
+        self.killed = True
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)   # start_new_session: the group is the stage's
+                except OSError:
+                    pass
+
+    def what_stops(self) -> str:
+        """The line printed at the first Ctrl-C / SIGTERM: what is stopped, in which order, how long at most."""
+        rest = [s for s in self.order if s != "gateway" and s in self.procs]
+        first = f"the gateway drains (up to {self.config.grace_s:.0f}s), then " if "gateway" in self.procs else ""
+        return (f"h3serve: stopping: {first}{', '.join(rest) or 'nothing else'} stop; Ctrl-C again to kill "
+                "them at once")
+
     def stop(self) -> int:
-        """SIGTERM the gateway, wait for it to drain, then the stages; SIGKILL what overstays."""
+        """SIGTERM the gateway, wait for it to drain, then the stages; SIGKILL what overstays. The exit code: 0 when
+        every child stopped cleanly, `EXIT_UNCLEAN_STOP` when one had to be killed or exited non-zero."""
         self.stopping.set()
         grace = self.config.grace_s
         order = ["gateway"] + [s for s in self.order if s != "gateway"]
@@ -280,12 +334,19 @@ class Launcher:
                     codes[s] = self.procs[s].wait(timeout=max(0.1, end - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     print(f"h3serve: {s} did not stop within {grace + 15:.0f}s; killing", file=sys.stderr)
-                    self.procs[s].kill()
+                    try:
+                        os.killpg(self.procs[s].pid, signal.SIGKILL)   # the stage and its ranks
+                    except OSError:
+                        pass
                     codes[s] = self.procs[s].wait()
+        for t in self._threads:
+            t.join(LIVENESS_INTERVAL_S * 2 + 1.0)
         bad = {s: c for s, c in codes.items() if c not in (0, None)}
         if bad:
             print(f"h3serve: stages exited with {bad}", file=sys.stderr, flush=True)
-        return 0
+        if self.killed:
+            return 130
+        return EXIT_UNCLEAN_STOP if bad else 0
 
 
 def config_from_args(args: argparse.Namespace, stage: str, environ: Mapping[str, str] = os.environ) -> StageConfig:
@@ -313,21 +374,50 @@ def config_from_args(args: argparse.Namespace, stage: str, environ: Mapping[str,
     return StageConfig(**values)
 
 
-def serve_main(args: argparse.Namespace, servicers: dict[str, ServicerFactory]) -> int:
-    """`h3serve serve`: one stage in this process, or the launcher for several (see the module docstring)."""
+# The checkpoint components each model stage cannot start without (the DiT's ref2va partition is optional: a
+# checkpoint without transformer_ref/ serves the other tasks), checked before any stage loads.
+STAGE_COMPONENTS = {"encoder": ("text_encoder", "tokenizer"), "dit": (COMPONENT_FOR_TASK["t2va"],),
+                    "vae": ("vae", "audio_vae")}
+
+
+def check_checkpoint(checkpoint: str, stages: list[str]) -> None:
+    """The folder exists and holds every component (config and weight files) the stages served here load."""
+    components = [c for s in stages for c in STAGE_COMPONENTS.get(s, ())]
+    if components:
+        try:
+            CheckpointFolder(checkpoint, components=components)
+        except CheckpointError as exc:
+            text = str(exc)
+            raise H3Error(f"--checkpoint {text if text.startswith(str(checkpoint)) else f'{checkpoint}: {text}'}") \
+                from None
+
+
+def serve_main(args: argparse.Namespace, servicers: Callable[[str], ServicerFactory],
+               prechecks: Mapping[str, Callable[[StageConfig], None]] | None = None) -> int:
+    """`h3serve serve`: one stage in this process, or the launcher for several (see the module docstring).
+
+    Everything a user can get wrong (ports, checkpoint, exposure, degrees, `prechecks[stage](config)`) is checked
+    before any process starts or any model loads: exit 2 and one line."""
     stages = parse_stages(args.stages)
     config = config_from_args(args, stages[0] if len(stages) == 1 else "gateway")
     for s in stages:   # before any process starts: a stage beyond loopback needs mTLS (or --no-peer-auth)
         check_stage_exposure(config if s == config.stage else config_from_args(args, s))
     if config.http_port is None and "gateway" in stages:
         config = replace(config, http_port=HTTP_PORT)
+    for s, check in (prechecks or {}).items():
+        if s in stages:
+            check(config if s == config.stage else replace(config_from_args(args, s), http_port=config.http_port))
     if any(s in MODEL_STAGES for s in stages) and not config.checkpoint:
         raise H3Error("--checkpoint DIR is required to serve " + ", ".join(s for s in stages if s in MODEL_STAGES))
+    if config.checkpoint:
+        check_checkpoint(config.checkpoint, stages)
     degrees = ranks.validate_degrees(ranks.degrees_of(config), config.checkpoint)
     env = ranks.dist_env() if any(ranks.stage_degree(degrees, s) > 1 for s in stages) else None
     if env is not None and len(stages) > 1:
         raise H3Error(f"--stages {args.stages} with RANK/WORLD_SIZE of a multi-node or torchrun world: each model "
                       "stage is its own world there; run one stage per process (--stages encoder|dit|vae)")
+    if env is None and not degrees.trivial:   # launched here: rank r of each stage on cuda:r
+        check_ranks_fit(degrees, config.device, [s for s in stages if s in MODEL_STAGES])
     if len(stages) == 1:
         if env is not None and env["rank"] != 0:   # a joined rank other than 0: its part of the model, no gRPC
             return ranks.run_peer(stages[0], config, degrees)
@@ -336,7 +426,11 @@ def serve_main(args: argparse.Namespace, servicers: dict[str, ServicerFactory]) 
             if missing:
                 raise H3Error("a lone gateway needs the stage addresses: " +
                               " ".join(f"--{s} HOST:PORT" for s in missing))
-        return run_stage(config, servicers[stages[0]])
+        ports = [(config.host, config.port, f"--port {config.port}")]
+        if stages[0] == "gateway" and config.http_port:
+            ports.append((config.http_host, config.http_port, f"--http-port {config.http_port}"))
+        check_ports(ports)   # before the model loads
+        return run_stage(config, servicers(stages[0]))
     if "gateway" in stages:
         missing = [s for s in MODEL_STAGES + ("muxer",) if s not in stages and not getattr(config, s)]
         if missing:
@@ -345,22 +439,30 @@ def serve_main(args: argparse.Namespace, servicers: dict[str, ServicerFactory]) 
     launcher = Launcher(config, stages, base_port=config.port, http_port=config.http_port,
                         start_timeout=args.start_timeout, restart=not args.no_restart,
                         log_level=args.log_level, json_output=args.json)
-    stop = threading.Event()
+    check_ports(launcher.planned_ports())   # before any child starts: a busy port is one line, not a restart loop
+    signals: list[int] = []
 
-    def on_signal(_signum, _frame):
-        stop.set()
-        launcher.stopping.set()
+    def on_signal(signum, _frame):
+        signals.append(signum)
+        if len(signals) == 1:
+            launcher.stopping.set()
+            os.write(2, (launcher.what_stops() + "\n").encode())   # at once, not after the drain
+        elif signum == signal.SIGINT:
+            os.write(2, b"h3serve: killing every stage now\n")
+            launcher.kill()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
+    started = EXIT_LOAD_FAILED
     try:
-        if not launcher.start():
-            launcher.stop()
-            return EXIT_LOAD_FAILED
-        launcher.print_endpoints()
-        launcher.supervise()
+        started = launcher.start()
+        if started == 0:
+            launcher.print_endpoints()
+            launcher.supervise()
     finally:
         code = launcher.stop()
     if args.json:
         announce("stopped")
-    return code
+    if started != 0 and not signals:
+        return started
+    return launcher.exit_code or code

@@ -3,10 +3,12 @@ the grace period, exit 0 (`run_stage`)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -25,15 +27,64 @@ from h3serve.runtime.metrics import serve_metrics
 from h3serve.runtime.stage import HealthHandle
 from h3serve.runtime.tls import Tls, check_stage_exposure
 from h3serve.weights.manifest import STAGE_FOLDERS, IntegrityError, verify_manifest
-from h3serve.transport.grpc import MESSAGE_LIMIT, server_options
+from h3serve.transport.grpc import MESSAGE_LIMIT, PID_METADATA, server_options
 
 log = logging.getLogger("h3serve.runtime.process")
 
 EXIT_LOAD_FAILED = 3
 
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+
 # A stage's servicer class (`XServicer(config, health) -> StageBase`); the faces above (cli) pass it in, so the
 # runtime never imports a service.
 ServicerFactory = Callable[[StageConfig, HealthHandle], Any]
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether a listener holds host:port: a bind as our servers bind (SO_REUSEADDR, no SO_REUSEPORT) fails."""
+    if not port:
+        return False
+    try:
+        infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return False   # an unknown host: the bind itself says so
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # a port in TIME_WAIT is free to our servers
+            try:
+                s.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return True
+    return False
+
+
+def check_ports(ports: list[tuple[str, int, str]]) -> None:
+    """(host, port, what sets it) each: the first port another program holds is one line naming it and its flag."""
+    for host, port, flag in ports:
+        if port_in_use(host, port):
+            raise H3Error(f"{flag}: {host}:{port} is in use (another h3serve serve, or another program); stop it "
+                          "or choose another port (0: a free one)")
+
+
+class HealthPid(grpc.ServerInterceptor):
+    """Every health Check answer carries this process's pid (`PID_METADATA`): the launcher's wait for SERVING
+    counts only its own child's answer, never another server's on the same port."""
+
+    def __init__(self) -> None:
+        self.metadata = ((PID_METADATA, str(os.getpid())),)
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler_call_details.method != HEALTH_CHECK or handler.unary_unary is None:
+            return handler
+        inner = handler.unary_unary
+
+        def check(request, context):
+            context.send_initial_metadata(self.metadata)
+            return inner(request, context)
+
+        return handler._replace(unary_unary=check)
 
 
 class StageProcess:
@@ -51,17 +102,23 @@ class StageProcess:
         self.server = grpc.server(ThreadPoolExecutor(max_workers=config.rpc_workers,
                                                      thread_name_prefix=f"grpc-{config.stage}"),
                                   options=server_options(max_message),
-                                  interceptors=(RefuseUnparsable(), *getattr(self.servicer, "interceptors", ())))
+                                  interceptors=(HealthPid(), RefuseUnparsable(),
+                                                *getattr(self.servicer, "interceptors", ())))
         self.servicer.register(self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health_servicer, self.server)
         reflection.enable_server_reflection(
             [service, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
             self.server)
         # TLS when configured (plaintext is then refused); stages other than the gateway require a peer certificate
-        self.port = Tls.of(config).add_port(self.server, f"{config.host}:{config.port}",
-                                            require_client=config.stage != "gateway")
+        try:
+            self.port = Tls.of(config).add_port(self.server, f"{config.host}:{config.port}",
+                                                require_client=config.stage != "gateway")
+        except RuntimeError:   # grpcio raises where older releases returned 0
+            self.port = 0
         if not self.port:
-            raise H3Error(f"{config.stage}: cannot listen on {config.host}:{config.port}")
+            check_ports([(config.host, config.port, f"--port {config.port}")])   # the usual reason, named
+            raise H3Error(f"--port {config.port}: the {config.stage} stage cannot listen on {config.host}:"
+                          f"{config.port}")
         config.port = self.port
         self.server.start()
         serve_metrics(self.servicer, config.host)  # a stage's /metrics, when $H3SERVE_METRICS_PORT is set

@@ -387,9 +387,15 @@ class GrpcStreamReceiver(TensorReceiver):
                 return out
 
 
+# Initial metadata of every gRPC health answer of an h3serve stage: the server's pid, so that a supervisor counts a
+# SERVING only from the process it started (another server on the port would otherwise answer for it).
+PID_METADATA = "h3serve-pid"
+
+
 def wait_serving(address: str, timeout: float, *, service: str = "", alive: Callable[[], bool] = lambda: True,
-                 credentials: grpc.ChannelCredentials | None = None) -> bool:
-    """Poll gRPC health at `address` until it reports SERVING (True), `timeout` passes or `alive()` fails (False)."""
+                 credentials: grpc.ChannelCredentials | None = None, pid: int | None = None) -> bool:
+    """Poll gRPC health at `address` until it reports SERVING (True), `timeout` passes or `alive()` fails (False).
+    With `pid`, only an answer whose `PID_METADATA` is that pid counts."""
     end = time.monotonic() + timeout
     with (grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
@@ -397,8 +403,9 @@ def wait_serving(address: str, timeout: float, *, service: str = "", alive: Call
             if not alive():
                 return False
             try:
-                r = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
-                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                r, call = stub.Check.with_call(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+                if r.status == health_pb2.HealthCheckResponse.SERVING and (
+                        pid is None or dict(call.initial_metadata()).get(PID_METADATA) == str(pid)):
                     return True
             except grpc.RpcError:
                 pass

@@ -18,7 +18,7 @@ from h3serve.models.vae.parallel import assign_tiles
 from h3serve.models.vae.tiling import plan_tiles
 from h3serve.testing.rankcases import GEOMETRIES
 
-from .workers import build_suite, dit_inputs, dit_request
+from .workers import build_fails_on_rank_1, build_suite, dit_inputs, dit_request
 
 
 def test_a_dead_rank_fails_the_request_with_a_clear_error(tiny_checkpoint):
@@ -41,6 +41,17 @@ def test_a_dead_rank_fails_the_request_with_a_clear_error(tiny_checkpoint):
         print(f"dead rank reported in {elapsed:.2f} s: {info.value}")
     finally:
         h.close()
+
+
+def test_a_rank_that_fails_at_start_up_ends_the_start_with_its_error():
+    # the rank's own error ends the start (it comes back through a pipe: the rank may die before it joins)
+    t0 = time.monotonic()
+    with pytest.raises(RankFailed, match=r"rank 1 of 2 exited \(exit code -?\d+\): RuntimeError: CUDA error: invalid "
+                                         r"device ordinal"):
+        launch(2, build_fails_on_rank_1, timeout_s=120)
+    elapsed = time.monotonic() - t0
+    assert elapsed < 30, f"took {elapsed:.1f} s"
+    print(f"rank start-up failure reported in {elapsed:.2f} s")
 
 
 # -- pure parts -------------------------------------------------------------------------------------------------------

@@ -214,3 +214,11 @@ def build_exchange(runtime: Runtime):
         return True
 
     return {"exchange": exchange}
+
+
+def build_fails_on_rank_1(runtime: Runtime):
+    """Rank 1 fails at start-up, before the group every rank must create (rank 0 waits in its barrier)."""
+    if runtime.rank == 1:
+        raise RuntimeError("CUDA error: invalid device ordinal")
+    runtime.new_group([0])
+    return {}

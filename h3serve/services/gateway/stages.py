@@ -128,6 +128,8 @@ class StageClients:
 
     def close(self) -> None:
         self._stop.set()
+        if self._thread.is_alive():   # its Check (1 s deadline) ends before the channels close under it
+            self._thread.join(HEALTH_INTERVAL_S + 2.0)
         for c in [*self.channels.values(), *self._health_channels.values(), *self._extra.values()]:
             c.close()
 

@@ -332,6 +332,15 @@ def test_a_jpeg_whose_scan_data_is_random_bytes_is_refused():
         refused(garbage_scan(data, markers=True))   # Pillow's own error, or the scan ends at the first marker
 
 
+def test_a_jpeg_with_more_restart_intervals_than_blocks_of_the_largest_image_is_refused():
+    # 2048x2048, progressive (10 scans), a restart marker after every block: 360,448 intervals (4 x 1024x1024's),
+    # each of which the check would step through in Python
+    data = jpeg(size=(2048, 2048), progressive=True, restart_marker_blocks=1)
+    assert "more than 262,144 scans and restart intervals" in refused(data)
+    whole = jpeg(size=(1024, 1024), progressive=True, restart_marker_blocks=1)   # 90,112 of them
+    _image(Upload(whole, "input_reference", "x.jpg"), "input_reference")
+
+
 @pytest.mark.parametrize("name,data", [
     ("baseline", jpeg()), ("progressive", jpeg(progressive=True)), ("grayscale", jpeg("L")),
     ("CMYK", jpeg("CMYK")), ("4:4:4, quality 100", jpeg(quality=100, subsampling=0)), ("quality 1", jpeg(quality=1)),

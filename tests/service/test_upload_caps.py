@@ -34,13 +34,13 @@ from PIL import Image
 from h3serve.config.request import MAX_MEDIA_BYTES, Upload
 from h3serve.config.stage import StageConfig
 from h3serve.errors import RequestError
-from h3serve.errortable import classify
+from h3serve.errortable import QueueFull, classify
 from h3serve.media.image import ADAM7
 from h3serve.services.gateway import http as gateway_http
 from h3serve.services.gateway.auth import Authenticator
 from h3serve.services.gateway.frontdoor import uvicorn_config
 from h3serve.services.gateway.orchestrate import Gateway
-from h3serve.services.gateway.uploads import _image
+from h3serve.services.gateway.uploads import DECODE_WAITING_PER_CALLER, DecodePool, _image
 
 REPO = Path(__file__).resolve().parents[2]
 KEYS = {"alice": "alice-key", "bob": "bob-key"}
@@ -540,6 +540,40 @@ def test_crafted_jpeg_segments_are_refused_before_pillow_parses_them(front):
     ok = httpx.post(f"{front.url}/v1/videos?validate_only=true", headers=BOB, data=FL2VA,
                     files={"input_reference": ("k.jpg", crafted_jpeg(100), "image/jpeg")}, timeout=60)
     assert ok.status_code == 200, ok.text
+
+
+def test_the_decode_pool_gives_each_caller_its_share():
+    """Bob's uploads hold at most `per_caller` of the pool's threads, Alice's upload starts while all of Bob's
+    are stuck, and Bob's requests past DECODE_WAITING_PER_CALLER waiting are refused at once: 429, retryable."""
+    pool = DecodePool(workers=2, per_caller=1)
+    release, started = threading.Event(), []
+
+    def stuck(who):
+        def fn():
+            started.append(who)
+            release.wait(30)
+            return who
+        return fn
+
+    try:
+        bobs = [pool.submit(("key", "bob"), stuck("bob"))]
+        end = time.monotonic() + 10
+        while not started:   # Bob's first is running: the rest wait
+            assert time.monotonic() < end
+            time.sleep(0.01)
+        bobs += [pool.submit(("key", "bob"), stuck("bob")) for _ in range(DECODE_WAITING_PER_CALLER)]
+        with pytest.raises(QueueFull) as info:
+            pool.submit(("key", "bob"), stuck("bob"))
+        c = classify(info.value)
+        assert c.kind.http == 429 and c.kind.retryable, c
+        alice = pool.submit(("key", "alice"), lambda: "alice")
+        assert alice.result(10) == "alice"   # Bob's first still holds its thread, the other is Alice's
+        assert started == ["bob"]            # Bob's share: one thread, however many he queued
+        release.set()
+        assert [f.result(10) for f in bobs] == ["bob"] * len(bobs)
+    finally:
+        release.set()
+        pool.close()
 
 
 FLOOD = r'''

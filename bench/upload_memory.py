@@ -5,9 +5,10 @@ uploads, at their peak and after them. Prints one JSON object (MB = 10^6 bytes).
     python bench/upload_memory.py [--rounds 6] [--threads 4] [--settle-s 3]
 
 Each round sends, from `--threads` threads of two callers at once: a 4096x4096 JPEG and a 2048x2048 PNG of
-noise (each about 12 MB, served), the same JPEG cut short with an end marker appended and with random bytes for
+noise (12.2 and 11.1 MB, served), the same JPEG cut short with an end marker appended and with random bytes for
 its scan data, the PNG with a bad CRC (refused 422), a 10 s WAV (served) and a 61 s WAV (refused). "before" is
-read after one small upload of each kind (what a first decode loads), "after" `--settle-s` seconds after the last answer.
+read after one small upload of each kind (what a first decode loads), "after" `--settle-s` seconds after the last
+answer.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -192,6 +193,7 @@ def main() -> int:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -4,21 +4,39 @@ Pillow decodes what it can of a damaged file: a PNG chunk with a wrong CRC is re
 compressed IDAT stream ends early, or holds fewer scanlines than the header says, is filled in silently. Callers'
 files are not trusted that far: `decode_rgb` verifies a PNG first (`Image.verify()`, then `check_png`: every
 chunk's CRC, and image data that is exactly the scanlines its header announces), then decodes all of any image
-(`load()`, truncated data refused).
+(`load()`, truncated data refused), then checks a JPEG's scans against what was decoded (`check_jpeg`).
+
+libjpeg fills in a scan whose data ends before its last block (the rest of the image mid-gray) and skips scan data
+left over after it, each with a warning that Pillow never reports. So `check_jpeg` asks the decoder itself, by
+decoding the file twice more with its scans edited: once with JPEG_FILLER put after every scan's data (a whole
+scan never reads it, so the pixels must not change), once with the last JPEG_UNREAD_SCAN_BYTES of every scan's data
+replaced by it (a scan that reads its own data to the end must change).
 """
 
 from __future__ import annotations
 
 import io
+import re
 import struct
 import zlib
 
 import numpy as np
-from PIL import Image, ImageFile
+from PIL import Image, ImageChops, ImageFile
+
+from h3serve.config.request import MAX_IMAGE_PIXELS
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PNG_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}   # colour type -> samples per pixel
 ADAM7 = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2), (0, 1, 1, 2))
+
+# Scan bytes of no particular meaning and without 0xFF (so no marker and no stuffing): what a scan that lacks data
+# reads in place of the marker it hit (check_jpeg).
+JPEG_FILLER = bytes((i * 167 + 89) % 255 for i in range(32))
+JPEG_MARKER = re.compile(rb"\xff\xff*([^\x00\xff])")   # a marker's code after its FF (and fill FFs); FF 00 is data
+JPEG_MAX_SPANS = MAX_IMAGE_PIXELS // 64        # scans and restart intervals: one per 8x8 block of the largest image
+# Scan data a decoder may leave unread. An encoder pads a few bytes at most (libjpeg warns "extraneous bytes");
+# random bytes in place of a scan's data leave about 60 % of it unread.
+JPEG_UNREAD_SCAN_BYTES = 64
 
 
 class CorruptImage(ValueError):
@@ -86,6 +104,71 @@ def check_png(data: bytes) -> None:
                            "header announces")
 
 
+def jpeg_scan_data(data: bytes) -> list[tuple[int, int]]:
+    """(start, end) of each stretch of entropy-coded data in a JPEG: a scan's data, or one restart interval of it,
+    `end` being where the marker that ends it begins. Bytes outside a marker segment are skipped, as libjpeg
+    skips them; the first EOI ends the file (what follows is not decoded). More than JPEG_MAX_SPANS: CorruptImage."""
+    spans, i, n, scan = [], 2, len(data), None   # scan: where the data of the scan being read starts
+    while (m := JPEG_MARKER.search(data, i)) is not None:
+        code, i = m.group(1)[0], m.end()
+        if scan is not None:
+            spans.append((scan, m.start()))
+            if len(spans) > JPEG_MAX_SPANS:   # each one costs the check a Python step and filler bytes
+                raise CorruptImage(f"more than {JPEG_MAX_SPANS:,} scans and restart intervals (one per 8x8 block "
+                                   "of the largest image)")
+            scan = i if 0xD0 <= code <= 0xD7 else None   # after a restart marker the scan goes on
+            if scan is not None:
+                continue
+        if code == 0xD9:
+            return spans
+        if code not in (0x01, 0xD8) and not 0xD0 <= code <= 0xD7 and i + 2 <= n:   # markers with a length
+            i += (data[i] << 8) | data[i + 1]
+            if code == 0xDA:
+                scan = i
+    if scan is not None:
+        spans.append((scan, n))
+    return spans
+
+
+def _with_filler(data: bytes, spans: list[tuple[int, int]], replace: int) -> bytes:
+    """`data` with JPEG_FILLER in place of the last `replace` bytes of each span (0: put after it)."""
+    out, last = [], 0
+    for start, end in spans:
+        cut = max(start, end - replace)
+        while cut > start and data[cut - 1] == 0xFF:   # never split a stuffed FF from its 00
+            cut -= 1
+        out += [data[last:cut], JPEG_FILLER]
+        last = end
+    out.append(data[last:])
+    return b"".join(out)
+
+
+def _decodes_alike(image: Image.Image, data: bytes) -> bool:
+    try:
+        with Image.open(io.BytesIO(data)) as other:
+            other.load()
+            return other.mode == image.mode and other.size == image.size \
+                and ImageChops.difference(image, other).getbbox() is None
+    except Exception:  # noqa: BLE001 - the edited file does not decode: the decoder read the edit
+        return False
+
+
+def check_jpeg(data: bytes, image: Image.Image) -> None:
+    """The loaded JPEG `image` (decoded from `data`) owes no pixel to data the file lacks, and its scans are
+    image data: refused when the decoder reads JPEG_FILLER put after a scan's data (the scan ends before its last
+    block: cut short, an end marker appended) or when every scan leaves its last JPEG_UNREAD_SCAN_BYTES unread
+    (the scan data is not the image's)."""
+    spans = jpeg_scan_data(data)
+    if not spans:
+        return
+    if not _decodes_alike(image, _with_filler(data, spans, 0)):
+        raise CorruptImage("the JPEG's image data ends before its last block (cut short, or damaged); the decoder "
+                           "would fill in the rest")
+    if _decodes_alike(image, _with_filler(data, spans, JPEG_UNREAD_SCAN_BYTES)):
+        raise CorruptImage(f"the JPEG's scan data is not image data: the decoder leaves at least "
+                           f"{JPEG_UNREAD_SCAN_BYTES} bytes of it unread (damaged)")
+
+
 def _bytes(source) -> bytes | None:
     """The file's bytes when it is in memory (an upload), else None (a path: Pillow reads it)."""
     if isinstance(source, (bytes, bytearray)):
@@ -117,6 +200,8 @@ def decode_rgb(source) -> np.ndarray:
             image.load()     # every pixel decoded: truncated data raises
         except (OSError, SyntaxError, ValueError) as exc:
             raise CorruptImage(f"{exc}") from None
+        if image.format in ("JPEG", "MPO") and data is not None:
+            check_jpeg(data, image)
         return np.ascontiguousarray(np.asarray(image.convert("RGB"), dtype=np.uint8))
     finally:
         image.close()

@@ -2,8 +2,9 @@
 caller's uploads unable to stall another's API calls.
 
 Every crafted input is made here: a FLAC whose STREAMINFO claims 5 s and that holds 2,400 s, PNGs with a bad CRC or
-too few scanlines, multipart bodies past their bounds (chunked, with a Content-Length that lies), connections that
-trickle their headers or stop in their body, JPEGs with hundreds of thousands of empty APP2 segments. The gateway
+too few scanlines, JPEGs cut short with an end marker appended or with random bytes for scan data, multipart bodies
+past their bounds (chunked, with a Content-Length that lies), connections that trickle their headers or stop in
+their body, JPEGs with hundreds of thousands of empty APP2 segments. The gateway
 runs in this process (no stages: `validate_only` requests and listing need none) behind the production uvicorn
 configuration (`frontdoor.uvicorn_config`), on 127.0.0.1.
 """
@@ -33,13 +34,13 @@ from PIL import Image
 from h3serve.config.request import MAX_MEDIA_BYTES, Upload
 from h3serve.config.stage import StageConfig
 from h3serve.errors import RequestError
-from h3serve.errortable import classify
+from h3serve.errortable import QueueFull, classify
 from h3serve.media.image import ADAM7
 from h3serve.services.gateway import http as gateway_http
 from h3serve.services.gateway.auth import Authenticator
 from h3serve.services.gateway.frontdoor import uvicorn_config
 from h3serve.services.gateway.gateway import Gateway
-from h3serve.services.gateway.uploads import _image
+from h3serve.services.gateway.uploads import DECODE_WAITING_PER_CALLER, DecodePool, _image
 
 REPO = Path(__file__).resolve().parents[2]
 KEYS = {"alice": "alice-key", "bob": "bob-key"}
@@ -248,6 +249,121 @@ def test_a_corrupt_png_upload_is_422_naming_the_field(front):
     assert r.status_code == 200 and r.json()["status"] == "validated", r.text
 
 
+def jpeg(mode: str = "RGB", size: tuple[int, int] = (320, 256), **save) -> bytes:
+    """A JPEG of a gradient with noise (every block has AC data), saved with Pillow's options `save`."""
+    w, h = size
+    y, x = np.mgrid[0:h, 0:w]
+    arr = np.stack([(x * 3) % 256, (y * 2) % 256, (x + y) % 256], -1)
+    arr = np.clip(arr + np.random.default_rng(21).integers(-30, 30, arr.shape), 0, 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr).convert(mode).save(buf, "JPEG", **save)
+    return buf.getvalue()
+
+
+def flat_jpeg(level: int) -> bytes:
+    """A JPEG of one gray level: every block the same, no AC data (what a filled-in scan decodes to at 128)."""
+    buf = io.BytesIO()
+    Image.new("RGB", (320, 256), (level,) * 3).save(buf, "JPEG", quality=100)
+    return buf.getvalue()
+
+
+def last_scan(data: bytes) -> tuple[int, int]:
+    """Where the data of a JPEG's last scan starts (after its SOS header) and ends (the EOI at the file's end)."""
+    sos = data.rfind(b"\xff\xda")
+    assert data.endswith(b"\xff\xd9") and sos > 0
+    return sos + 4 + ((data[sos + 2] << 8) | data[sos + 3]) - 2, len(data) - 2
+
+
+def cut_short(data: bytes, keep: float) -> bytes:
+    """The file cut inside its last scan, `keep` of that scan's data kept, and an end marker appended."""
+    start, end = last_scan(data)
+    head = data[:start + int((end - start) * keep)].rstrip(b"\xff")   # no half of a stuffed FF
+    return head + b"\xff\xd9"
+
+
+def garbage_scan(data: bytes, *, markers: bool) -> bytes:
+    """The file with its last scan's data replaced by random bytes of the same length: stuffed (no marker in it)
+    or raw (any 0xFF pair a marker, as in a file overwritten with noise)."""
+    start, end = last_scan(data)
+    noise = np.random.default_rng(7).integers(0, 256, end - start, dtype=np.uint8).tobytes()
+    if not markers:
+        noise = noise.replace(b"\xff", b"\xff\x00")[:end - start].rstrip(b"\xff")
+    return data[:start] + noise + b"\xff\xd9"
+
+
+def restart_interval_cut(data: bytes, interval: int) -> bytes:
+    """A JPEG with restart markers whose `interval`-th restart interval loses its second half; the rest intact."""
+    rst = [i for i in range(len(data) - 1) if data[i] == 0xFF and 0xD0 <= data[i + 1] <= 0xD7]
+    start, end = rst[interval - 1] + 2, rst[interval]
+    return data[:start + (end - start) // 2].rstrip(b"\xff") + data[end:]
+
+
+def refused(data: bytes) -> str:
+    with pytest.raises(RequestError) as info:
+        _image(Upload(data, "input_reference", "x.jpg"), "input_reference")
+    c = classify(info.value)
+    assert c.field == "input_reference" and c.kind.http == 422, c
+    assert "intact image" in c.message, c.message
+    return c.message
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.99])
+@pytest.mark.parametrize("kind", ["baseline", "progressive", "grayscale", "CMYK", "restart markers"])
+def test_a_jpeg_cut_short_with_an_end_marker_is_refused_naming_the_field(kind, keep):
+    data = {"baseline": jpeg(), "progressive": jpeg(progressive=True), "grayscale": jpeg("L"),
+            "CMYK": jpeg("CMYK"), "restart markers": jpeg(restart_marker_rows=1)}[kind]
+    crafted = cut_short(data, keep)
+    with Image.open(io.BytesIO(crafted)) as image:
+        image.load()   # what the check is for: Pillow itself decodes it, the rest mid-gray, and says nothing
+    assert "ends before its last block" in refused(crafted)
+
+
+def test_a_jpeg_missing_half_of_one_restart_interval_is_refused():
+    data = jpeg(restart_marker_rows=1)
+    assert "ends before its last block" in refused(restart_interval_cut(data, 5))
+
+
+def test_a_jpeg_whose_scan_data_is_random_bytes_is_refused():
+    stuffed = garbage_scan(jpeg(), markers=False)
+    with Image.open(io.BytesIO(stuffed)) as image:
+        image.load()   # it decodes: to noise, with most of the bytes left over
+    assert "is not image data" in refused(stuffed)
+    for data in (jpeg(), jpeg(progressive=True), jpeg(restart_marker_rows=1)):
+        refused(garbage_scan(data, markers=True))   # Pillow's own error, or the scan ends at the first marker
+
+
+def test_a_jpeg_with_more_restart_intervals_than_blocks_of_the_largest_image_is_refused():
+    # 2048x2048, progressive (10 scans), a restart marker after every block: 360,448 intervals (4 x 1024x1024's),
+    # each of which the check would step through in Python
+    data = jpeg(size=(2048, 2048), progressive=True, restart_marker_blocks=1)
+    assert "more than 262,144 scans and restart intervals" in refused(data)
+    whole = jpeg(size=(1024, 1024), progressive=True, restart_marker_blocks=1)   # 90,112 of them
+    _image(Upload(whole, "input_reference", "x.jpg"), "input_reference")
+
+
+@pytest.mark.parametrize("name,data", [
+    ("baseline", jpeg()), ("progressive", jpeg(progressive=True)), ("grayscale", jpeg("L")),
+    ("CMYK", jpeg("CMYK")), ("4:4:4, quality 100", jpeg(quality=100, subsampling=0)), ("quality 1", jpeg(quality=1)),
+    ("odd size", jpeg(size=(17, 33))), ("optimized tables", jpeg(optimize=True)),
+    ("restart markers", jpeg(restart_marker_blocks=7)), ("flat mid-gray", flat_jpeg(128)), ("black", flat_jpeg(0)),
+    ("padding before the end marker", jpeg()[:-2] + b"\0" * 63 + b"\xff\xd9"),
+    ("data after the end marker", jpeg() + b"trailer" * 100),
+])
+def test_whole_jpegs_decode_as_pillow_reads_them(name, data):
+    ours = _image(Upload(data, "input_reference", "x.jpg"), "input_reference").numpy()
+    assert (ours == np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))).all(), name
+
+
+def test_a_cut_short_jpeg_upload_is_422_naming_the_field(front):
+    r = httpx.post(f"{front.url}/v1/videos?validate_only=true", headers=ALICE, data=FL2VA,
+                   files={"input_reference": ("k.jpg", cut_short(jpeg(), 0.5), "image/jpeg")}, timeout=30)
+    assert r.status_code == 422 and r.json()["error"]["param"] == "input_reference", r.text
+    assert "ends before its last block" in r.json()["error"]["message"]
+    r = httpx.post(f"{front.url}/v1/videos?validate_only=true", headers=ALICE, data=FL2VA,
+                   files={"input_reference": ("k.jpg", jpeg(), "image/jpeg")}, timeout=30)
+    assert r.status_code == 200 and r.json()["status"] == "validated", r.text
+
+
 # -- item 4: bodies bounded by the bytes received ----------------------------------------------------------------
 
 BOUNDARY = "h3capsboundary"
@@ -424,6 +540,40 @@ def test_crafted_jpeg_segments_are_refused_before_pillow_parses_them(front):
     ok = httpx.post(f"{front.url}/v1/videos?validate_only=true", headers=BOB, data=FL2VA,
                     files={"input_reference": ("k.jpg", crafted_jpeg(100), "image/jpeg")}, timeout=60)
     assert ok.status_code == 200, ok.text
+
+
+def test_the_decode_pool_gives_each_caller_its_share():
+    """Bob's uploads hold at most `per_caller` of the pool's threads, Alice's upload starts while all of Bob's
+    are stuck, and Bob's requests past DECODE_WAITING_PER_CALLER waiting are refused at once: 429, retryable."""
+    pool = DecodePool(workers=2, per_caller=1)
+    release, started = threading.Event(), []
+
+    def stuck(who):
+        def fn():
+            started.append(who)
+            release.wait(30)
+            return who
+        return fn
+
+    try:
+        bobs = [pool.submit(("key", "bob"), stuck("bob"))]
+        end = time.monotonic() + 10
+        while not started:   # Bob's first is running: the rest wait
+            assert time.monotonic() < end
+            time.sleep(0.01)
+        bobs += [pool.submit(("key", "bob"), stuck("bob")) for _ in range(DECODE_WAITING_PER_CALLER)]
+        with pytest.raises(QueueFull) as info:
+            pool.submit(("key", "bob"), stuck("bob"))
+        c = classify(info.value)
+        assert c.kind.http == 429 and c.kind.retryable, c
+        alice = pool.submit(("key", "alice"), lambda: "alice")
+        assert alice.result(10) == "alice"   # Bob's first still holds its thread, the other is Alice's
+        assert started == ["bob"]            # Bob's share: one thread, however many he queued
+        release.set()
+        assert [f.result(10) for f in bobs] == ["bob"] * len(bobs)
+    finally:
+        release.set()
+        pool.close()
 
 
 FLOOD = r'''

@@ -17,7 +17,7 @@ from .metrics import GatewayMetrics
 from .orchestrate import StageCalls, choose_plan
 from .sinks import Sink
 from .stages import EdgeTransports, StageClients
-from .uploads import DecodePool
+from .uploads import DecodePool, unmap_large_buffers
 
 log = logging.getLogger("h3serve.gateway")
 
@@ -34,6 +34,7 @@ class Gateway:
         self.stages = StageClients(config, on_change=self._health_changed)
         self.jobs = JobTable(config, self.metrics)
         self.decoder = DecodePool(config.decode_workers, config.decode_per_caller)   # uploads, off the API's pool
+        unmap_large_buffers()   # what an upload used goes back to the system once freed
         self.workers = [threading.Thread(target=self._worker, name=f"h3serve-job-{i}", daemon=True)
                         for i in range(max(1, config.max_inflight))]
 

@@ -18,6 +18,7 @@ import base64
 import binascii
 import collections
 import concurrent.futures
+import ctypes
 import re
 import threading
 from dataclasses import dataclass
@@ -160,6 +161,25 @@ def decode_conditions(req: GenerationRequest) -> Conditions | None:
 
 # -- where uploads are decoded ---------------------------------------------------------------------------------
 
+# glibc serves an allocation of at least its mmap threshold from a mapping of its own, unmapped when freed, and
+# raises that threshold to the size of each such block freed (up to 32 MiB). After the first large upload, the next
+# upload bodies and decoded images came from the heaps of the threads that allocated them and stayed resident once
+# freed (bench/upload_memory.py; docs/reliability.md). A threshold set with mallopt does not move.
+MMAP_THRESHOLD = 1 << 20
+M_MMAP_THRESHOLD = -3
+
+
+def unmap_large_buffers() -> bool:
+    """Fix the C library's mmap threshold at MMAP_THRESHOLD for this process, so that freed upload buffers return to
+    the system. False where the C library has no mallopt (not glibc) or refuses."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+
+
 DECODE_WAITING_PER_CALLER = 8   # a caller's requests waiting for the pool beyond its share; more: QueueFull (429)
 
 
@@ -248,6 +268,9 @@ class DecodePool:
                     if not self._running[caller]:
                         del self._running[caller]
                     self._cond.notify_all()
+                # while it waits for the next task, the thread holds nothing of this one: the request's uploads
+                # and decoded tensors (the future's result) go with the request
+                del taken, fut, fn
 
     def close(self) -> None:
         with self._cond:

@@ -33,8 +33,7 @@ from PIL import Image
 
 from h3serve.config.request import MAX_MEDIA_BYTES, Upload
 from h3serve.config.stage import StageConfig
-from h3serve.errors import RequestError
-from h3serve.errors import QueueFull
+from h3serve.errors import QueueFull, RequestError
 from h3serve.errortable import classify
 from h3serve.media.image import ADAM7
 from h3serve.services.gateway import http as gateway_http

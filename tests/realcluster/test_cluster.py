@@ -385,17 +385,21 @@ def wait_all_ready(cluster, dep, timeout: float = 600) -> None:
     raise AssertionError(f"{dep['name']} not Ready again after {timeout}s")
 
 
-def wait_dit_busy(cluster, dep, timeout: float = 120) -> None:
-    """Until the DiT reports a job in flight (its /metrics, scraped inside the node as Prometheus would)."""
-    ip = stage_pod(cluster, dep, "dit")["status"]["podIP"]
+def wait_busy(cluster, dep, stage: str = "dit", timeout: float = 120) -> None:
+    """Until `stage` reports a job in flight (its /metrics, scraped inside the node as Prometheus would). The VAE and
+    the muxer join a job only once the DiT is done (the gateway relays the latents)."""
+    pod = stage_pod(cluster, dep, stage)
+    [port] = [p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports", [])
+              if p["name"].startswith("metrics")]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        r = in_node(cluster, ["curl", "-s", "--max-time", "2", f"http://{ip}:9402/metrics"], timeout=10)
-        busy = [ln for ln in r.stdout.splitlines() if ln.startswith('h3serve_stage_active_requests{stage="dit"}')]
+        r = in_node(cluster, ["curl", "-s", "--max-time", "2", f"http://{pod['status']['podIP']}:{port}/metrics"],
+                    timeout=10)
+        busy = [ln for ln in r.stdout.splitlines() if ln.startswith(f'h3serve_stage_active_requests{{stage="{stage}"}}')]
         if busy and float(busy[0].split()[1]) > 0:
             return
-        time.sleep(0.3)
-    raise AssertionError(f"the DiT never reported an active request: {r.stdout[-800:]}")
+        time.sleep(0.2)
+    raise AssertionError(f"the {stage} never reported an active request: {r.stdout[-800:]}")
 
 
 def test_disaggregated_with_tls_serves_the_embedded_bytes(cluster, disaggregated, embedded):
@@ -526,15 +530,18 @@ def test_dit_scaled_to_two_serves_and_restarts_no_other_pod(cluster, disaggregat
 
 
 def test_a_rolling_update_of_the_dit_drains_its_job_and_loses_none(cluster, disaggregated, embedded):
-    """A DiT-only spec change mid-job: the operator rolls the DiT Deployment (a new pod first: CPU pods surge), the
-    old pod is deleted while it holds the job, drains it to the end, and no other stage's pod is replaced."""
+    """A DiT-only spec change mid-job: the operator rolls the DiT Deployment, the old pod is deleted while it holds
+    the job, drains it to the end, and no other stage's pod is replaced. (CPU pods surge, but an old pod that is not
+    Ready goes first: the controller removes unavailable old pods before it waits for new ones.)"""
     sel = f"app.kubernetes.io/instance={disaggregated['name']}"
     others = {p["metadata"]["uid"] for p in pods(cluster, APPS_NS, sel)
               if p["metadata"]["labels"]["app.kubernetes.io/component"] != "dit"}
     out = cluster.run / "drain.mp4"
     job = tls_generate(cluster, disaggregated, out, ROLLING)
-    wait_dit_busy(cluster, disaggregated)
+    wait_busy(cluster, disaggregated)
     old = stage_pod(cluster, disaggregated, "dit")
+    now = json.loads(cluster.kubectl("get", "pod", old["metadata"]["name"], "-n", APPS_NS, "-o", "json").stdout)
+    log_figure("rolling_update_old_dit_ready_when_patched", is_ready(now))
     t0 = time.monotonic()
     cluster.kubectl("patch", "h3d", disaggregated["name"], "-n", APPS_NS, "--type=merge", "-p",
                     json.dumps({"spec": {"dit": {"resources": {"requests": {"cpu": "110m", "memory": "1Gi"},
@@ -571,7 +578,7 @@ def test_a_rolling_update_of_the_dit_drains_its_job_and_loses_none(cluster, disa
 def test_a_stage_pod_killed_mid_job_fails_it_naming_the_stage_then_recovers(cluster, disaggregated, embedded, stage):
     out = cluster.run / f"killed-{stage}.mp4"
     job = tls_generate(cluster, disaggregated, out, LONG)
-    wait_dit_busy(cluster, disaggregated)
+    wait_busy(cluster, disaggregated, stage)
     victim = stage_pod(cluster, disaggregated, stage)
     t0 = time.monotonic()
     cluster.kubectl("delete", "pod", "-n", APPS_NS, victim["metadata"]["name"], "--grace-period=0", "--force",

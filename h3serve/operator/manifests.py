@@ -554,8 +554,9 @@ def _deployment(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, re
     dist = _dist_env(gpus, gpus, 1, "127.0.0.1", False) if gpus else []
     tmpl = _pod_template(spec, name, namespace, comp, gpus, cfg_hash, {LABEL_ROLE: "leader"}, dist, False)
     # GPU workloads roll one pod at a time without a surge (a surge pod would need spare GPUs that rarely exist);
-    # CPU workloads surge so that they never drop below their replica count.
-    strategy = ({"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}} if gpus else
+    # CPU workloads (spec.device cpu: the model stages too) surge so that they never drop below their replica count.
+    on_gpus = gpus and spec.device == "cuda"
+    strategy = ({"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}} if on_gpus else
                 {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": 0}})
     dep = {"apiVersion": "apps/v1", "kind": "Deployment", "spec": {
         "replicas": replicas, "revisionHistoryLimit": 5, "strategy": strategy,

@@ -924,6 +924,12 @@ def test_device_cpu_requests_no_gpus_and_runs_fp32_on_the_cpu():
         cfg = next(o for o in objs if o["kind"] == "ConfigMap")
         engine = yaml.safe_load(next(iter(cfg["data"].values())))["engine"]
         assert engine == {"device": "cpu", "dtype": "fp32"}
+        # no GPU to keep free: every Deployment surges (a rolling update never drops below its replicas)
+        for o in objs:
+            if o["kind"] == "Deployment":
+                assert o["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": "25%", "maxUnavailable": 0}, o["metadata"]
         d["spec"]["device"] = "cuda"  # the default: GPUs requested, bf16
         objs = M.render(H3DeploymentSpec.from_dict(d["spec"]), "t", "apps")
         assert any("nvidia.com/gpu" in c["resources"].get("limits", {}) for _, p in pods(objs) for c in p["containers"])
+        assert {"maxSurge": 0, "maxUnavailable": 1} in [o["spec"]["strategy"]["rollingUpdate"] for o in objs
+                                                         if o["kind"] == "Deployment"]

@@ -4,14 +4,15 @@
 #   (sigs.k8s.io/custom-metrics-apiserver's test adapter: a real custom.metrics.k8s.io aggregated API server whose
 #   values the tests write, standing in for Prometheus scraping pods that kwok does not run);
 #   and for the real single-node cluster (tests/realcluster/): kubelet and kube-proxy (the same Kubernetes
-#   version), containerd with its runc shim and ctr, and CoreDNS with only the plugins a cluster zone needs
-#   (tests/realcluster/coredns/main.go).
+#   version), containerd with its runc shim and ctr, CoreDNS with only the plugins a cluster zone needs
+#   (tests/realcluster/coredns/main.go), and kube-router's network policy controller (iptables + ipset: this
+#   kernel has no nftables `queue`, which sigs.k8s.io/kube-network-policies needs).
 # Everything lands in $H3SERVE_TOOLS_CACHE (default $HOME/.cache/h3serve-k8s), outside the repo,
 # and is reused on later runs: a tool is rebuilt only if its binary or its version stamp is missing.
 #
 #   tests/operator/tools.sh [TOOL...]          build what is missing, print the bin directory
 #   tests/operator/tools.sh --check [TOOL...]  exit 1 if anything is missing (builds nothing)
-# TOOL is helm, etcd, kwok, kubernetes, metrics-adapter, node, containerd or coredns (default: all).
+# TOOL is helm, etcd, kwok, kubernetes, metrics-adapter, node, containerd, coredns or kube-router (default: all).
 #
 # Versions are pinned below; override with the environment variables of the same name.
 set -euo pipefail
@@ -24,6 +25,7 @@ HELM_VERSION=${HELM_VERSION:-v3.22.0}
 METRICS_ADAPTER_VERSION=${METRICS_ADAPTER_VERSION:-v1.37.0}
 CONTAINERD_VERSION=${CONTAINERD_VERSION:-v2.4.2}
 COREDNS_VERSION=${COREDNS_VERSION:-v1.14.7}
+KUBE_ROUTER_VERSION=${KUBE_ROUTER_VERSION:-v2.1.0}
 HERE=$(cd "$(dirname "$0")" && pwd)
 ADAPTER_MAIN=$HERE/metrics_adapter/main.go
 ADAPTER_STAMP="$METRICS_ADAPTER_VERSION+$(sha256sum "$ADAPTER_MAIN" | cut -c1-12)"
@@ -133,6 +135,11 @@ build_coredns() { # CoreDNS with the cluster-zone plugins only (no forward: noth
   nice -n "$NICE" go build -trimpath -ldflags "-s -w" -o "$BIN/coredns" .
 }
 
+build_kube_router() { # only its firewall runs (tests/realcluster/cluster.py): no BGP, no proxy, no CNI
+  GOBIN=$BIN nice -n "$NICE" go install -trimpath -ldflags "-s -w" \
+    "github.com/cloudnativelabs/kube-router/v2/cmd/kube-router@$KUBE_ROUTER_VERSION"
+}
+
 build_metrics_adapter() {
   # A throw-away module: our main (metrics_adapter/main.go: the upstream test provider, its write endpoint on
   # loopback) against the pinned release.
@@ -146,7 +153,7 @@ build_metrics_adapter() {
 HELM_STAMP="$HELM_VERSION+k8s${K8S_VERSION%.*}"
 check=0
 if [[ ${1:-} == --check ]]; then check=1; shift; fi
-want=("$@"); [[ ${#want[@]} -gt 0 ]] || want=(helm etcd kwok kubernetes metrics-adapter node containerd coredns)
+want=("$@"); [[ ${#want[@]} -gt 0 ]] || want=(helm etcd kwok kubernetes metrics-adapter node containerd coredns kube-router)
 
 ok() { # ok TOOL: is it built at the pinned version?
   case $1 in
@@ -158,7 +165,9 @@ ok() { # ok TOOL: is it built at the pinned version?
     node) have node "$K8S_VERSION" kubelet kube-proxy ;;
     containerd) have containerd "$CONTAINERD_VERSION" containerd containerd-shim-runc-v2 ctr ;;
     coredns) have coredns "$COREDNS_STAMP" coredns ;;
-    *) echo "unknown tool $1 (helm, etcd, kwok, kubernetes, metrics-adapter, node, containerd, coredns)" >&2; exit 2 ;;
+    kube-router) have kube-router "$KUBE_ROUTER_VERSION" kube-router ;;
+    *) echo "unknown tool $1 (helm, etcd, kwok, kubernetes, metrics-adapter, node, containerd, coredns," \
+            "kube-router)" >&2; exit 2 ;;
   esac
 }
 
@@ -183,6 +192,8 @@ for t in "${want[@]}"; do
     node) timed "kubelet+kube-proxy@$K8S_VERSION" build_node && mark node "$K8S_VERSION" ;;
     containerd) timed "containerd@$CONTAINERD_VERSION" build_containerd && mark containerd "$CONTAINERD_VERSION" ;;
     coredns) timed "coredns@$COREDNS_VERSION" build_coredns && mark coredns "$COREDNS_STAMP" ;;
+    kube-router) timed "kube-router@$KUBE_ROUTER_VERSION" build_kube_router &&
+      mark kube-router "$KUBE_ROUTER_VERSION" ;;
   esac
 done
 rm -rf "$CACHE/src"

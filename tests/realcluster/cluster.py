@@ -1,7 +1,8 @@
 """A real single-node Kubernetes cluster on this machine, for the tests and for a developer to poke at.
 
-etcd, kube-apiserver, kube-controller-manager, kube-scheduler, containerd (runc), kubelet, kube-proxy and CoreDNS,
-all built by tests/operator/tools.sh (runc, the CNI plugins and iptables are Debian's packages). Everything runs in
+etcd, kube-apiserver, kube-controller-manager, kube-scheduler, containerd (runc), kubelet, kube-proxy, CoreDNS and
+kube-router's network policy controller (the pods' NetworkPolicies enforced, in iptables and ipsets), all built by
+tests/operator/tools.sh (runc, the CNI plugins, iptables and ipset are Debian's packages). Everything runs in
 one network namespace the harness creates (the "node"), joined to this host by one veth pair; inside it:
 
     10.250.0.1   this host's end of the veth (the tests' clients reach the API server from here)
@@ -51,7 +52,7 @@ ALLOWED = ("127.0.0.0/8", NET, POD_NET, SVC_CIDR, "224.0.0.0/24")
 PREFIX = "h3s-"  # network namespace, host veth and cgroup root of every cluster of this harness
 CGROUPS = pathlib.Path("/sys/fs/cgroup")
 DEBIAN = {"runc": "/usr/sbin/runc", "containernetworking-plugins": "/usr/lib/cni/bridge",
-          "iptables": "/usr/sbin/iptables", "conntrack": "/usr/sbin/conntrack"}
+          "iptables": "/usr/sbin/iptables", "conntrack": "/usr/sbin/conntrack", "ipset": "/usr/sbin/ipset"}
 CNI_BIN = "/usr/lib/cni"
 # What the kubelet requires of the kernel (pkg/kubelet/cm: setupKernelTunables); with protectKernelDefaults it only
 # checks, and these files in its own mount namespace are what it reads.
@@ -101,7 +102,8 @@ def make_pki(d: pathlib.Path) -> None:
                             ("admin", "/O=system:masters/CN=admin", "cli.ext"),
                             ("kubelet", f"/O=system:nodes/CN=system:node:{NODE}", "cli.ext"),
                             ("kube-proxy", "/CN=system:kube-proxy", "cli.ext"),
-                            ("coredns", "/O=system:masters/CN=coredns", "cli.ext")):
+                            ("coredns", "/O=system:masters/CN=coredns", "cli.ext"),
+                            ("kube-router", "/CN=kube-router", "cli.ext")):
         o("req", "-newkey", "rsa:2048", "-nodes", "-subj", subj, "-keyout", f"{name}.key", "-out", f"{name}.csr")
         o("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-days",
           "3650", "-extfile", ext, "-out", f"{name}.crt")
@@ -113,7 +115,7 @@ def make_pki(d: pathlib.Path) -> None:
 
 def write_configs(run: pathlib.Path, cg_root: str, pause_image: str) -> None:
     D = run / "pki"
-    for who in ("admin", "kubelet", "kube-proxy", "coredns"):
+    for who in ("admin", "kubelet", "kube-proxy", "coredns", "kube-router"):
         kh.write_kubeconfig(run / f"{who}.kubeconfig", f"https://{NODE_IP}:6443", D / "ca.crt",
                             {"client-certificate": str(D / f"{who}.crt"), "client-key": str(D / f"{who}.key")})
     cd = run / "containerd"
@@ -219,6 +221,16 @@ def yaml_dump(path: pathlib.Path, obj: dict) -> None:
 
 # ---- inside the node: the supervisor ---------------------------------------------------------------------------
 
+def kube_router_argv(run: pathlib.Path) -> list[str]:
+    """kube-router as the NetworkPolicy enforcer only: no BGP routing, no service proxy (kube-proxy's), no CNI
+    (the bridge plugin's); health and metrics servers off (they would listen on every address)."""
+    return [str(kh.CACHE / "bin" / "kube-router"), f"--kubeconfig={run / 'kube-router.kubeconfig'}",
+            f"--hostname-override={NODE}", "--run-firewall=true", "--run-router=false", "--run-service-proxy=false",
+            "--enable-cni=false", "--enable-ipv6=false", f"--service-cluster-ip-range={SVC_CIDR}",
+            "--health-port=0", "--metrics-port=0", "--v=1"]
+
+
+
 def supervise(run: pathlib.Path) -> None:
     """Runs inside the node's network namespace and private mount namespace: starts every component, then waits;
     SIGTERM stops them in order (pods first), so that nothing outlives it."""
@@ -227,9 +239,12 @@ def supervise(run: pathlib.Path) -> None:
     logs.mkdir(exist_ok=True)
     procs: list[tuple[str, subprocess.Popen]] = []
 
+    def spawn_detached(name: str, argv: list[str]) -> subprocess.Popen:
+        return subprocess.Popen(argv, stdout=open(logs / f"{name}.log", "ab"), stderr=subprocess.STDOUT, cwd=run,
+                                env={**os.environ, "PATH": f"{kh.CACHE / 'bin'}:/usr/sbin:/usr/bin:/sbin:/bin"})
+
     def spawn(name: str, argv: list[str]) -> subprocess.Popen:
-        p = subprocess.Popen(argv, stdout=open(logs / f"{name}.log", "ab"), stderr=subprocess.STDOUT, cwd=run,
-                             env={**os.environ, "PATH": f"{kh.CACHE / 'bin'}:/usr/sbin:/usr/bin:/sbin:/bin"})
+        p = spawn_detached(name, argv)
         procs.append((name, p))
         return p
 
@@ -284,19 +299,25 @@ def supervise(run: pathlib.Path) -> None:
                       f"--hostname-override={NODE}", f"--node-ip={NODE_IP}", "--v=1"])
     spawn("kube-proxy", [B("kube-proxy"), f"--config={run / 'kube-proxy.yaml'}", "--v=1"])
     spawn("coredns", [B("coredns"), "-conf", str(run / "Corefile")])
+    spawn("kube-router", kube_router_argv(run))
     (run / "supervisor.ready").write_text(json.dumps({n: p.pid for n, p in procs}))
 
     while not stopping:
-        for name, p in procs:
-            if p.poll() is not None and name != "coredns":
-                log(f"{name} exited with {p.returncode}; see {logs / (name + '.log')}")
-                stopping.append(1)
+        for i, (name, p) in enumerate(procs):
+            if p.poll() is None or name == "coredns":
+                continue
+            if name == "kube-router":  # it exits until its node and RBAC exist: restarted, as its DaemonSet would be
+                time.sleep(2)
+                procs[i] = (name, spawn_detached(name, kube_router_argv(run)))
+                continue
+            log(f"{name} exited with {p.returncode}; see {logs / (name + '.log')}")
+            stopping.append(1)
         time.sleep(0.5)
 
     # Pods first: the kubelet would restart what is killed under it, and a container outlives containerd.
     stop(procs, "kubelet")
     kill_containers(run)
-    for name in ("kube-proxy", "coredns", "containerd", "kube-scheduler", "kube-controller-manager",
+    for name in ("kube-router", "kube-proxy", "coredns", "containerd", "kube-scheduler", "kube-controller-manager",
                  "kube-apiserver", "etcd"):
         stop(procs, name)
 
@@ -386,7 +407,7 @@ class Cluster:
             raise RuntimeError(f"an earlier cluster left things behind (run `cluster.py down`): {left}")
         t0 = time.monotonic()
         ensure_debian_packages()
-        kh.ensure_tools("etcd", "kubernetes", "node", "containerd", "coredns")
+        kh.ensure_tools("etcd", "kubernetes", "node", "containerd", "coredns", "kube-router")
         run.mkdir(parents=True, exist_ok=True)
         sfx = os.urandom(2).hex()
         state = {"netns": PREFIX + sfx, "veth": PREFIX + sfx, "cgroup_root": PREFIX + sfx, "timings": {}}
@@ -463,7 +484,8 @@ class Cluster:
         s["timings"]["images"] = round(time.monotonic() - t, 1)
 
         t = time.monotonic()
-        self.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": dns_objects()}))
+        self.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List",
+                                                           "items": dns_objects() + kube_router_rbac()}))
         self.wait("node Ready", self.node_ready, 180, sup)
         self.wait("default ServiceAccount", lambda: self.kubectl("get", "sa", "default", check=False).returncode == 0,
                   60, sup)
@@ -690,6 +712,22 @@ def dns_objects() -> list[dict]:
                                  "endpointslice.kubernetes.io/managed-by": "h3serve-test-harness"}},
          "addressType": "IPv4", "endpoints": [{"addresses": [NODE_IP], "conditions": {"ready": True}}],
          "ports": ports},
+    ]
+
+
+def kube_router_rbac() -> list[dict]:
+    """What kube-router's firewall reads (upstream's ClusterRole, less what its router and proxy would write)."""
+    rules = [{"apiGroups": [""], "resources": ["namespaces", "pods", "services", "nodes", "endpoints"],
+              "verbs": ["get", "list", "watch"]},
+             {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": ["get", "list", "watch"]},
+             {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}]
+    return [
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": "kube-router"},
+         "rules": rules},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+         "metadata": {"name": "kube-router"},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "kube-router"},
+         "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "kube-router"}]},
     ]
 
 

@@ -312,6 +312,7 @@ def test_cpu_tiny_colocated_serves_the_embedded_bytes_through_the_gateway_servic
 # ---- disaggregated, TLS on, day 2 -----------------------------------------------------------------------------
 
 LONG = {**REQUEST, "seconds": 8, "size": "256x256", "num_inference_steps": 40}  # long enough to act mid-job
+ROLLING = {**LONG, "num_inference_steps": 160}  # outlasts a new DiT pod's start-up (the rolling update's surge)
 
 
 @pytest.fixture(scope="module")
@@ -384,17 +385,21 @@ def wait_all_ready(cluster, dep, timeout: float = 600) -> None:
     raise AssertionError(f"{dep['name']} not Ready again after {timeout}s")
 
 
-def wait_dit_busy(cluster, dep, timeout: float = 120) -> None:
-    """Until the DiT reports a job in flight (its /metrics, scraped inside the node as Prometheus would)."""
-    ip = stage_pod(cluster, dep, "dit")["status"]["podIP"]
+def wait_busy(cluster, dep, stage: str = "dit", timeout: float = 120) -> None:
+    """Until `stage` reports a job in flight (its /metrics, scraped inside the node as Prometheus would). The VAE and
+    the muxer join a job only once the DiT is done (the gateway relays the latents)."""
+    pod = stage_pod(cluster, dep, stage)
+    [port] = [p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports", [])
+              if p["name"].startswith("metrics")]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        r = in_node(cluster, ["curl", "-s", "--max-time", "2", f"http://{ip}:9402/metrics"], timeout=10)
-        busy = [ln for ln in r.stdout.splitlines() if ln.startswith('h3serve_stage_active_requests{stage="dit"}')]
+        r = in_node(cluster, ["curl", "-s", "--max-time", "2", f"http://{pod['status']['podIP']}:{port}/metrics"],
+                    timeout=10)
+        busy = [ln for ln in r.stdout.splitlines() if ln.startswith(f'h3serve_stage_active_requests{{stage="{stage}"}}')]
         if busy and float(busy[0].split()[1]) > 0:
             return
-        time.sleep(0.3)
-    raise AssertionError(f"the DiT never reported an active request: {r.stdout[-800:]}")
+        time.sleep(0.2)
+    raise AssertionError(f"the {stage} never reported an active request: {r.stdout[-800:]}")
 
 
 def test_disaggregated_with_tls_serves_the_embedded_bytes(cluster, disaggregated, embedded):
@@ -409,14 +414,69 @@ def test_disaggregated_with_tls_serves_the_embedded_bytes(cluster, disaggregated
     r = in_node(cluster, ["curl", "-sS", "--cacert", str(disaggregated["ca"]), "-H", f"authorization: Bearer {KEY_A}",
                           f"https://{svc(disaggregated['name'])}:8000/v1/models"])
     assert r.returncode == 0 and "data" in json.loads(r.stdout), r.stdout + r.stderr
-    # NetworkPolicies: rendered and accepted; this cluster's CNI (Debian's bridge plugin) does not enforce them, so a
-    # stage port is fenced here by mTLS alone: a client without the deployment's certificate gets no answer from it
-    policies = json.loads(cluster.kubectl("get", "networkpolicy", "-n", APPS_NS, "-o", "json").stdout)["items"]
-    assert {p["metadata"]["name"] for p in policies} >= {f"{disaggregated['name']}-stages",
-                                                         f"{disaggregated['name']}-gateway"}, policies
+    # Behind the NetworkPolicies (kube-router enforces them), mTLS: a client that reaches a stage port without the
+    # deployment's certificate gets no answer from it (the node itself may reach its pods: kubelet, this client)
     dit = stage_pod(cluster, disaggregated, "dit")["status"]["podIP"]
     r = in_node(cluster, [sys.executable, "-c", STRANGER, f"{dit}:50051", str(disaggregated["ca"])], timeout=60)
     assert r.returncode == 0 and r.stdout.split() == ["refused", "refused"], r.stdout + r.stderr
+
+
+def test_network_policies_keep_a_pod_outside_the_deployment_off_the_stage_ports(cluster, image, disaggregated):
+    """A pod without the deployment's labels reaches the gateway's ports and no stage's; one with them reaches the
+    stages too (where mTLS then asks for the certificate)."""
+    name = disaggregated["name"]
+    policies = json.loads(cluster.kubectl("get", "networkpolicy", "-n", APPS_NS, "-o", "json").stdout)["items"]
+    assert {p["metadata"]["name"] for p in policies} >= {f"{name}-stages", f"{name}-gateway"}, policies
+    stages = {s: f"{stage_pod(cluster, disaggregated, s)['status']['podIP']}:50051"
+              for s in ("encoder", "dit", "vae", "muxer")}
+    gateway = stage_pod(cluster, disaggregated, "gateway")["status"]["podIP"]
+    targets = [*stages.values(), f"{gateway}:50051", f"{gateway}:8000"]
+    outside = tcp_reach_from_pod(cluster, image, "outsider", {"app": "outsider"}, targets)
+    assert outside == {**{t: "blocked" for t in stages.values()}, f"{gateway}:50051": "connected",
+                       f"{gateway}:8000": "connected"}, outside
+    member = tcp_reach_from_pod(cluster, image, "member", {"app.kubernetes.io/name": "h3serve",
+                                                            "app.kubernetes.io/instance": name}, targets)
+    assert set(member.values()) == {"connected"}, member
+
+
+REACH = textwrap.dedent("""
+    import socket, sys
+    for target in sys.argv[1:]:
+        host, port = target.rsplit(":", 1)
+        try:
+            socket.create_connection((host, int(port)), timeout=5).close()
+            print(target, "connected")
+        except OSError:
+            print(target, "blocked")
+""")
+
+
+def tcp_reach_from_pod(cluster, image: dict, name: str, labels: dict, targets: list[str]) -> dict[str, str]:
+    """{target: "connected" | "blocked"}: TCP connects from a pod of the project's image in the apps namespace."""
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": APPS_NS, "labels": labels},
+           "spec": {"restartPolicy": "Never", "automountServiceAccountToken": False,
+                    "securityContext": {"runAsNonRoot": True, "runAsUser": 65532,
+                                        "seccompProfile": {"type": "RuntimeDefault"}},
+                    "containers": [{"name": "reach", "image": image["image"], "imagePullPolicy": "Never",
+                                    "command": ["python", "-c", REACH, *targets],
+                                    "resources": {"requests": {"cpu": "50m"}},
+                                    "securityContext": {"allowPrivilegeEscalation": False,
+                                                        "readOnlyRootFilesystem": True,
+                                                        "capabilities": {"drop": ["ALL"]}}}]}}
+    apply(cluster, [pod])
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            phase = json.loads(cluster.kubectl("get", "pod", name, "-n", APPS_NS, "-o", "json").stdout)[
+                "status"].get("phase")
+            if phase in ("Succeeded", "Failed"):
+                break
+            time.sleep(1)
+        logs = cluster.kubectl("logs", name, "-n", APPS_NS).stdout
+        assert phase == "Succeeded", f"{name}: {phase}\n{logs}"
+        return dict(ln.split() for ln in logs.splitlines() if ln.strip())
+    finally:
+        cluster.kubectl("delete", "pod", name, "-n", APPS_NS, "--grace-period=0", "--force", check=False)
 
 
 STRANGER = textwrap.dedent("""
@@ -469,20 +529,45 @@ def test_dit_scaled_to_two_serves_and_restarts_no_other_pod(cluster, disaggregat
         wait_pods_ready(cluster, APPS_NS, f"{sel},app.kubernetes.io/component=dit", 1, timeout=300)
 
 
-def test_a_deleted_dit_pod_drains_its_job_and_loses_none(cluster, disaggregated, embedded):
-    """`kubectl delete pod` (a rolling update or a drain does the same): the job it holds completes."""
+def test_a_rolling_update_of_the_dit_drains_its_job_and_loses_none(cluster, disaggregated, embedded):
+    """A DiT-only spec change mid-job: the operator rolls the DiT Deployment, a new pod first (CPU pods surge: the
+    capacity never drops), then the old pod is deleted while it holds the job and drains it to the end; no other
+    stage's pod is replaced."""
+    sel = f"app.kubernetes.io/instance={disaggregated['name']}"
+    others = {p["metadata"]["uid"] for p in pods(cluster, APPS_NS, sel)
+              if p["metadata"]["labels"]["app.kubernetes.io/component"] != "dit"}
     out = cluster.run / "drain.mp4"
-    job = tls_generate(cluster, disaggregated, out, LONG)
-    wait_dit_busy(cluster, disaggregated)
+    job = tls_generate(cluster, disaggregated, out, ROLLING)
+    wait_busy(cluster, disaggregated)
     old = stage_pod(cluster, disaggregated, "dit")
     t0 = time.monotonic()
-    cluster.kubectl("delete", "pod", "-n", APPS_NS, old["metadata"]["name"], "--wait=false")
+    cluster.kubectl("patch", "h3d", disaggregated["name"], "-n", APPS_NS, "--type=merge", "-p",
+                    json.dumps({"spec": {"dit": {"resources": {"requests": {"cpu": "110m", "memory": "1Gi"},
+                                                                "limits": {"memory": "6Gi"}}}}}))
+    deadline = t0 + 300
+    while time.monotonic() < deadline:
+        r = cluster.kubectl("get", "pod", old["metadata"]["name"], "-n", APPS_NS, "-o", "json", check=False)
+        if r.returncode or json.loads(r.stdout)["metadata"].get("deletionTimestamp"):
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError("the rolling update never deleted the old DiT pod")
+    log_figure("rolling_update_old_dit_deleted_after_s", round(time.monotonic() - t0, 1))
+    surge = [p for p in pods(cluster, APPS_NS, f"{sel},app.kubernetes.io/component=dit")
+             if p["metadata"]["uid"] != old["metadata"]["uid"] and is_ready(p)]
+    assert surge, "the old DiT pod went before a new one was Ready"
+    assert job.poll() is None, "the job ended before the update reached its pod: make ROLLING longer"
+    t1 = time.monotonic()
     code, so, se = finish(job)
     assert code == 0, se[-3000:]  # finished on the pod being deleted
-    log_figure("drained_job_done_after_delete_s", round(time.monotonic() - t0, 1))
+    log_figure("drained_job_done_after_delete_s", round(time.monotonic() - t1, 1))
     ffprobe_ok(out)
     wait_all_ready(cluster, disaggregated)
-    log_figure("dit_replaced_ready_s", round(time.monotonic() - t0, 1))
+    log_figure("dit_rolled_ready_s", round(time.monotonic() - t0, 1))
+    rolled = [p for p in pods(cluster, APPS_NS, f"{sel},app.kubernetes.io/component=dit")
+              if p["metadata"]["uid"] != old["metadata"]["uid"]]
+    assert rolled and all(p["spec"]["containers"][0]["resources"]["requests"]["cpu"] == "110m" for p in rolled)
+    assert others <= {p["metadata"]["uid"] for p in pods(cluster, APPS_NS, sel)}  # only the DiT rolled
     out = cluster.run / "after-drain.mp4"
     code, so, se = finish(tls_generate(cluster, disaggregated, out))
     assert code == 0 and sha(out.read_bytes()) == sha(embedded), se[-3000:]
@@ -494,7 +579,7 @@ def test_a_deleted_dit_pod_drains_its_job_and_loses_none(cluster, disaggregated,
 def test_a_stage_pod_killed_mid_job_fails_it_naming_the_stage_then_recovers(cluster, disaggregated, embedded, stage):
     out = cluster.run / f"killed-{stage}.mp4"
     job = tls_generate(cluster, disaggregated, out, LONG)
-    wait_dit_busy(cluster, disaggregated)
+    wait_busy(cluster, disaggregated, stage)
     victim = stage_pod(cluster, disaggregated, stage)
     t0 = time.monotonic()
     cluster.kubectl("delete", "pod", "-n", APPS_NS, victim["metadata"]["name"], "--grace-period=0", "--force",
@@ -591,7 +676,36 @@ def test_a_stopped_stage_container_is_restarted_by_its_liveness_probe(cluster, d
     assert code == 0 and sha(out.read_bytes()) == sha(embedded), se[-3000:]
 
 
-def test_helm_upgrade_rolls_only_the_operator_and_uninstall_leaves_what_it_says(cluster, operator, disaggregated):
+def strict_dry_run(cluster, cr: dict) -> subprocess.CompletedProcess:
+    """A server-side dry run of creating `cr` that refuses a field the stored CRD does not know."""
+    return cluster.kubectl("create", "--dry-run=server", "--validate=strict", "-f", "-", input=json.dumps(cr),
+                           check=False)
+
+
+def test_helm_upgrade_with_a_crd_change_rolls_only_the_operator_and_uninstall_leaves_what_it_says(
+        cluster, operator, disaggregated):
+    """The release before this one had a CRD without a field this one has (the stored CRD is set back to that):
+    `helm upgrade` never touches crds/, so the new operator pod applies its CRD at start; the users' H3Deployments
+    keep their spec and no serving pod restarts."""
+    crd_name = "h3deployments.h3serve.io"
+    current = json.loads(cluster.kubectl("get", "crd", crd_name, "-o", "json").stdout)
+    crs = json.loads(cluster.kubectl("get", "h3d", "-A", "-o", "json").stdout)["items"]
+    used = {k for cr in crs for k in cr["spec"]}
+    field = next(f for f in ("priorityClassName", "tolerations", "nodeSelector") if f not in used)
+    older = json.loads(json.dumps(current))
+    del older["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"][field]
+    cluster.kubectl("replace", "-f", "-", input=json.dumps(older))
+    [mine] = [cr for cr in crs if cr["metadata"]["name"] == disaggregated["name"]]
+    probe = {"apiVersion": mine["apiVersion"], "kind": mine["kind"],
+             "metadata": {"name": "crd-probe", "namespace": APPS_NS},
+             "spec": {**mine["spec"], field: "x" if field == "priorityClassName" else ({} if field == "nodeSelector"
+                                                                                       else [])}}
+    deadline = time.monotonic() + 30  # the API server serves the replaced schema within moments
+    while strict_dry_run(cluster, probe).returncode == 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    refused = strict_dry_run(cluster, probe)
+    assert refused.returncode != 0 and field in refused.stderr, refused.stderr
+
     workload_pods = {p["metadata"]["uid"] for p in pods(cluster, APPS_NS, "app.kubernetes.io/part-of=h3serve")}
     [old_op] = pods(cluster, SYSTEM_NS, "app.kubernetes.io/name=h3serve-operator")
     cluster.helm("upgrade", RELEASE, str(CHART), "--namespace", SYSTEM_NS, "--reuse-values",
@@ -607,10 +721,15 @@ def test_helm_upgrade_rolls_only_the_operator_and_uninstall_leaves_what_it_says(
     assert cr_ready(cluster, disaggregated["name"])
     after = {p["metadata"]["uid"] for p in pods(cluster, APPS_NS, "app.kubernetes.io/part-of=h3serve")}
     assert after == workload_pods  # an operator upgrade restarts no serving pod
-    # the CRD the new operator applied is the one it was built with
+    # the CRD the new operator applied is the one it was built with: the field is known again
     from h3serve.operator import crd as crd_module
-    stored = json.loads(cluster.kubectl("get", "crd", "h3deployments.h3serve.io", "-o", "json").stdout)
+    stored = json.loads(cluster.kubectl("get", "crd", crd_name, "-o", "json").stdout)
     assert stored["spec"]["versions"][0]["schema"] == crd_module.crd()["spec"]["versions"][0]["schema"]
+    accepted = strict_dry_run(cluster, probe)
+    assert accepted.returncode == 0, accepted.stderr
+    after_cr = json.loads(cluster.kubectl("get", "h3d", disaggregated["name"], "-n", APPS_NS, "-o", "json").stdout)
+    assert after_cr["spec"] == mine["spec"]
+    log_figure("helm_upgrade_crd_field_restored", field)
 
     cluster.helm("uninstall", RELEASE, "--namespace", SYSTEM_NS, "--wait")
     deadline = time.monotonic() + 120  # the operator pod takes its grace period to go

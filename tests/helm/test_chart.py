@@ -98,6 +98,7 @@ def test_operator_deployment(helm):
     c = pod["containers"][0]
     assert c["command"] == ["h3serve", "operator"]
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "liveness"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "liveness"}  # Ready once it applied its CRD
     assert "--liveness=http://0.0.0.0:8080/healthz" in c["args"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}

@@ -676,6 +676,13 @@ def test_a_stopped_stage_container_is_restarted_by_its_liveness_probe(cluster, d
     assert code == 0 and sha(out.read_bytes()) == sha(embedded), se[-3000:]
 
 
+def paths_that_differ(a, b, path: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [x for k in sorted(set(a) | set(b)) for x in
+                ([f"{path}/{k}: only one side"] if (k in a) != (k in b) else paths_that_differ(a[k], b[k], f"{path}/{k}"))]
+    return [] if a == b else [f"{path}: {str(a)[:60]} != {str(b)[:60]}"]
+
+
 def strict_dry_run(cluster, cr: dict) -> subprocess.CompletedProcess:
     """A server-side dry run of creating `cr` that refuses a field the stored CRD does not know."""
     return cluster.kubectl("create", "--dry-run=server", "--validate=strict", "-f", "-", input=json.dumps(cr),
@@ -724,7 +731,10 @@ def test_helm_upgrade_with_a_crd_change_rolls_only_the_operator_and_uninstall_le
     # the CRD the new operator applied is the one it was built with: the field is known again
     from h3serve.operator import crd as crd_module
     stored = json.loads(cluster.kubectl("get", "crd", crd_name, "-o", "json").stdout)
-    assert stored["spec"]["versions"][0]["schema"] == crd_module.crd()["spec"]["versions"][0]["schema"]
+    differ = paths_that_differ(stored["spec"]["versions"][0]["schema"], crd_module.crd()["spec"]["versions"][0]["schema"])
+    [new_op] = pods(cluster, SYSTEM_NS, "app.kubernetes.io/name=h3serve-operator")
+    assert not differ, (differ[:20], new_op["spec"]["containers"][0].get("args"),
+                        cluster.kubectl("logs", "-n", SYSTEM_NS, new_op["metadata"]["name"]).stdout[-3000:])
     accepted = strict_dry_run(cluster, probe)
     assert accepted.returncode == 0, accepted.stderr
     after_cr = json.loads(cluster.kubectl("get", "h3d", disaggregated["name"], "-n", APPS_NS, "-o", "json").stdout)

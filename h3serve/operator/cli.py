@@ -117,10 +117,22 @@ def _cmd_operator(args: argparse.Namespace) -> int:
                                                images=split(args.allowed_images))
     if args.apply_crd:
         kube.load_config()
+        ours = crd.crd()
         try:
-            kube.apply_crd(crd.crd())
+            stored = kube.get_crd(ours["metadata"]["name"])
+            newer = crd.newer_than_ours(stored, ours) if stored else None
+            if newer is None:
+                kube.apply_crd(ours)
         except Exception as e:  # noqa: BLE001 - one line, not a traceback
             raise H3Error(f"operator: --apply-crd: could not apply the CRD: {kube._reason(e)}") from None
+        if newer is not None:  # a rollback, or an older replica in a mixed rollout: never lower the stored CRD
+            by = stored["metadata"]["annotations"][crd.VERSION_ANNOTATION]
+            shown = ", ".join(newer[:6]) + (f" and {len(newer) - 6} more" if len(newer) > 6 else "")
+            raise H3Error(f"operator: --apply-crd: the stored CRD {ours['metadata']['name']} is {by}'s, newer than "
+                          f"this operator's ({ours['metadata']['annotations'][crd.VERSION_ANNOTATION]})"
+                          + (f"; it declares {shown}, which applying this one would erase from every H3Deployment"
+                             if newer else "") + ": this operator does not start. Run the newer operator, or "
+                          "replace the CRD by hand to downgrade on purpose")
     kube.check_access(namespaces)  # bad credentials or RBAC: exit now, not retry forever
     leader = None
     if not args.no_leader_election:

@@ -11,13 +11,18 @@ that file and this generator disagree. Regenerate with:
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 import typing
 
 import yaml
 
+from h3serve import __version__
 from h3serve.config import spec as S
 from h3serve.config.rules import RULES
+
+# which h3serve generated a stored CRD: named when an older operator refuses to apply its CRD over a newer one
+VERSION_ANNOTATION = f"{S.GROUP}/generated-by"
 
 def _field_schema(tp, fl: dataclasses.Field) -> dict:
     md = fl.metadata
@@ -142,7 +147,8 @@ def crd() -> dict:
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
         "metadata": {"name": f"{S.PLURAL}.{S.GROUP}",
-                     "labels": {"app.kubernetes.io/name": "h3serve", "app.kubernetes.io/part-of": "h3serve"}},
+                     "labels": {"app.kubernetes.io/name": "h3serve", "app.kubernetes.io/part-of": "h3serve"},
+                     "annotations": {VERSION_ANNOTATION: f"h3serve {__version__}"}},
         "spec": {
             "group": S.GROUP,
             "scope": "Namespaced",
@@ -171,6 +177,42 @@ def crd() -> dict:
             }],
         },
     }
+
+
+def schema_fields(crd_obj: dict) -> set[str]:
+    """Every field a CRD's versions declare, as `version:path` (`v1alpha1:spec.dit.levers.fp8`)."""
+    out: set[str] = set()
+
+    def walk(node: dict, version: str, path: str) -> None:
+        for name, sub in (node.get("properties") or {}).items():
+            here = f"{path}.{name}" if path else name
+            out.add(f"{version}:{here}")
+            walk(sub, version, here)
+        for key in ("items", "additionalProperties"):
+            if isinstance(node.get(key), dict):
+                walk(node[key], version, f"{path}[]")
+
+    for v in crd_obj["spec"]["versions"]:
+        out.add(f"{v['name']}:")
+        walk(v["schema"]["openAPIV3Schema"], v["name"], "")
+    return out
+
+
+def generated_by(crd_obj: dict) -> tuple[int, ...] | None:
+    """The h3serve version that generated a CRD (its annotation), or None (one from before the annotation)."""
+    text = (crd_obj["metadata"].get("annotations") or {}).get(VERSION_ANNOTATION, "")
+    m = re.fullmatch(r"h3serve (\d+(?:\.\d+)*)", text)
+    return tuple(int(x) for x in m.group(1).split(".")) if m else None
+
+
+def newer_than_ours(stored: dict, ours: dict | None = None) -> list[str] | None:
+    """None when applying ours over `stored` lowers nothing (stored is ours, older, or from before the annotation);
+    else the fields (and versions) only `stored` declares, which that apply would prune from every stored object."""
+    ours = ours or crd()
+    theirs = generated_by(stored)
+    if theirs is None or theirs <= generated_by(ours):
+        return None
+    return sorted(schema_fields(stored) - schema_fields(ours))
 
 
 def to_yaml() -> str:

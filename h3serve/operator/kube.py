@@ -202,12 +202,19 @@ def _reason(e: Exception) -> str:
         return str(e)
 
 
+def get_crd(name: str) -> dict | None:
+    try:
+        return _plain(_resource("apiextensions.k8s.io/v1", "CustomResourceDefinition").get(name=name))
+    except NotFoundError:
+        return None
+
+
 def apply_crd(crd: dict) -> None:
     """Server-side apply of the operator's own CRD (so `helm upgrade` upgrades it: Helm never touches crds/)."""
     res = _resource("apiextensions.k8s.io/v1", "CustomResourceDefinition")
     res.server_side_apply(body=crd, name=crd["metadata"]["name"], field_manager=FIELD_MANAGER, force_conflicts=True)
 
 
-__all__ = ["FIELD_MANAGER", "PLURAL", "apply", "apply_crd", "check_access", "delete", "dynamic", "get",
+__all__ = ["FIELD_MANAGER", "PLURAL", "apply", "apply_crd", "check_access", "delete", "dynamic", "get", "get_crd",
            "get_h3deployment", "list_children", "list_pods", "load_config", "owned_by", "patch_status", "post_event",
            "served"]

@@ -117,3 +117,23 @@ def test_openapi_schema_rejects_what_the_parser_rejects():
         jsonschema.validate(bad, _plain_jsonschema(crd.spec_schema()))
     with pytest.raises(S.SpecError):
         S.H3DeploymentSpec.from_dict(bad)
+
+
+def _newer(version: str, extra: dict | None = None) -> dict:
+    c = crd.crd()
+    c["metadata"]["annotations"][crd.VERSION_ANNOTATION] = f"h3serve {version}"
+    c["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"].update(extra or {})
+    return c
+
+
+def test_an_older_operator_never_lowers_a_newer_crd():
+    """A rollback or an older replica of a mixed rollout: the stored CRD of a later h3serve is left alone, naming
+    the fields only it declares; ours, an older one's or one from before the annotation is applied over."""
+    assert crd.generated_by(crd.crd()) is not None and crd.newer_than_ours(crd.crd()) is None
+    later = _newer("99.0.0", {"security": {"type": "object", "properties": {"mode": {"type": "string"}}}})
+    assert crd.newer_than_ours(later) == ["v1alpha1:spec.security", "v1alpha1:spec.security.mode"]
+    assert crd.newer_than_ours(_newer("99.0.0")) == []  # newer with no new field: still not lowered
+    assert crd.newer_than_ours(_newer("0.0.1", {"gone": {"type": "string"}})) is None  # older: a field it dropped
+    unannotated = crd.crd()
+    del unannotated["metadata"]["annotations"]
+    assert crd.newer_than_ours(unannotated) is None

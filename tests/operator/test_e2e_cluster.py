@@ -11,6 +11,7 @@ import json
 import pathlib
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -22,6 +23,7 @@ from kube_harness import (
 from kubernetes import dynamic
 from kubernetes.dynamic.exceptions import ApiException, NotFoundError, ResourceNotFoundError
 
+import h3serve
 from h3serve.operator import crd as crd_module
 from h3serve.operator import manifests as M
 from h3serve.operator.status import expected_workloads
@@ -922,6 +924,33 @@ def test_helm_upgrade_from_the_previous_chart_upgrades_the_crd(operator, control
     now = crds.get(name=old["metadata"]["name"]).to_dict()
     assert now["spec"]["versions"] == crd_module.crd()["spec"]["versions"]
     assert ready_cr(dyn, "h3-base")["status"]["observedGeneration"]  # stored objects still served and reconciled
+
+
+def test_an_older_operator_refuses_to_start_against_a_newer_crd(operator, control_plane, dyn):
+    """A later h3serve's CRD is stored (a field this one does not know): this operator, started with --apply-crd,
+    exits naming both versions and the field, and the stored CRD keeps it; with its own CRD back it starts."""
+    crds = R(dyn, "CustomResourceDefinition")
+    name = crd_module.crd()["metadata"]["name"]
+    later = crd_module.crd()
+    later["metadata"]["annotations"][crd_module.VERSION_ANNOTATION] = "h3serve 99.0.0"
+    later["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["futureField"] = {
+        "type": "string"}
+    later["metadata"]["resourceVersion"] = crds.get(name=name).to_dict()["metadata"]["resourceVersion"]
+    crds.replace(body=later, name=name)
+    operator.kill()
+    older = subprocess.run([sys.executable, "-m", "h3serve.operator.cli", "operator", f"--namespace={APPS_NS}",
+                            "--apply-crd", "--no-leader-election"], capture_output=True, text=True, timeout=120,
+                           cwd=ROOT, env={**control_plane.env, "KUBECONFIG": str(control_plane.kubeconfig)})
+    said = older.stderr
+    assert older.returncode == 2 and "Traceback" not in said, said
+    assert "h3serve 99.0.0" in said and f"h3serve {h3serve.__version__}" in said and "spec.futureField" in said, said
+    stored = crds.get(name=name).to_dict()
+    assert "futureField" in stored["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"][
+        "properties"]
+    ours = crd_module.crd()
+    ours["metadata"]["resourceVersion"] = stored["metadata"]["resourceVersion"]
+    crds.replace(body=ours, name=name)  # the downgrade on purpose, by hand
+    operator.start()
 
 
 # ---- autoscaling: the real HPA controller on a real custom metrics API ---------------------------------------------

@@ -435,30 +435,40 @@ def test_network_policies_keep_a_pod_outside_the_deployment_off_the_stage_ports(
     assert outside == {**{t: "blocked" for t in stages.values()}, f"{gateway}:50051": "connected",
                        f"{gateway}:8000": "connected"}, outside
     member = tcp_reach_from_pod(cluster, image, "member", {"app.kubernetes.io/name": "h3serve",
-                                                            "app.kubernetes.io/instance": name}, targets)
+                                                            "app.kubernetes.io/instance": name}, targets,
+                                patience_s=60)
     assert set(member.values()) == {"connected"}, member
 
 
 REACH = textwrap.dedent("""
-    import socket, sys
-    for target in sys.argv[1:]:
+    import socket, sys, time
+    patience = float(sys.argv[1])    # a policy that admits this pod lands only once the firewall has seen its IP
+    for target in sys.argv[2:]:
         host, port = target.rsplit(":", 1)
-        try:
-            socket.create_connection((host, int(port)), timeout=5).close()
-            print(target, "connected")
-        except OSError:
-            print(target, "blocked")
+        deadline = time.monotonic() + patience
+        while True:
+            try:
+                socket.create_connection((host, int(port)), timeout=5).close()
+                print(target, "connected")
+                break
+            except OSError:
+                if time.monotonic() >= deadline:
+                    print(target, "blocked")
+                    break
+                time.sleep(1)
 """)
 
 
-def tcp_reach_from_pod(cluster, image: dict, name: str, labels: dict, targets: list[str]) -> dict[str, str]:
-    """{target: "connected" | "blocked"}: TCP connects from a pod of the project's image in the apps namespace."""
+def tcp_reach_from_pod(cluster, image: dict, name: str, labels: dict, targets: list[str],
+                      patience_s: float = 0) -> dict[str, str]:
+    """{target: "connected" | "blocked"}: TCP connects from a pod of the project's image in the apps namespace, each
+    target retried for patience_s (kube-router admits a new pod's IP on its next sync, seconds after the pod starts)."""
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": APPS_NS, "labels": labels},
            "spec": {"restartPolicy": "Never", "automountServiceAccountToken": False,
                     "securityContext": {"runAsNonRoot": True, "runAsUser": 65532,
                                         "seccompProfile": {"type": "RuntimeDefault"}},
                     "containers": [{"name": "reach", "image": image["image"], "imagePullPolicy": "Never",
-                                    "command": ["python", "-c", REACH, *targets],
+                                    "command": ["python", "-c", REACH, str(patience_s), *targets],
                                     "resources": {"requests": {"cpu": "50m"}},
                                     "securityContext": {"allowPrivilegeEscalation": False,
                                                         "readOnlyRootFilesystem": True,

@@ -44,6 +44,7 @@ from h3serve.operator import status as S
 RESYNC_SECONDS = float(os.environ.get("H3SERVE_RESYNC_SECONDS", "60"))
 DEBOUNCE_SECONDS = float(os.environ.get("H3SERVE_DEBOUNCE_SECONDS", "0.5"))
 RESOURCE = (GROUP, VERSION, PLURAL)
+WORKLOAD_KINDS = ("Deployment", "StatefulSet")
 log = logging.getLogger("h3serve.operator")
 
 
@@ -131,6 +132,12 @@ def reconcile(namespace: str, name: str, logger: logging.Logger) -> dict | None:
                        "PodGroup (feature gate GenericWorkload): multi-node replicas are placed pod by pod, and a "
                        "partly placed one holds its GPUs", once=True)
             keep = {(o["kind"], o["metadata"]["name"]) for o in desired}
+            for obj in desired:  # first the objects in the way: a pod would mount or run as them
+                key = (obj["kind"], obj["metadata"]["name"])
+                if key not in owned and not (obj["kind"] in M.OPTIONAL_KINDS and not kube.served(obj["kind"])):
+                    other = kube.get(key[0], namespace, key[1])
+                    if other is not None and not kube.owned_by(other, uid):
+                        foreign.append("/".join(key))
             for obj in desired:
                 key = (obj["kind"], obj["metadata"]["name"])
                 if obj["kind"] in M.OPTIONAL_KINDS and not kube.served(obj["kind"]):  # asked for, not installed
@@ -139,23 +146,28 @@ def reconcile(namespace: str, name: str, logger: logging.Logger) -> dict | None:
                     logger.error("apply failed: %s", apply_error)
                     break
                 before = owned.get(key)
-                if before is None:
-                    other = kube.get(key[0], namespace, key[1])
-                    if other is not None and not kube.owned_by(other, uid):
-                        foreign.append("/".join(key))
-                        continue
+                if "/".join(key) in foreign:
+                    continue
+                if foreign and obj["kind"] in WORKLOAD_KINDS:
+                    # No pod is created or replaced while a foreign object stands in a child's place: it would
+                    # mount that ConfigMap, run as that ServiceAccount or serve behind that Service.
+                    if before is not None:
+                        workloads.append(before)
+                    continue
                 try:
+                    if before is not None and obj["kind"] == "Deployment" and "replicas" not in obj["spec"]:
+                        kube.hand_over_replicas(obj, before)
                     out = kube.apply(obj)
                 except Exception as e:  # noqa: BLE001 - reported in status, retried by the caller
                     apply_error = f"{obj['kind']}/{obj['metadata']['name']}: {_short(e)}"
                     logger.error("apply failed: %s", apply_error)
                     break
                 _report_change(cr, key, before, out)
-                if obj["kind"] in ("Deployment", "StatefulSet"):
+                if obj["kind"] in WORKLOAD_KINDS:
                     workloads.append(out)
             if foreign:
                 msg = (f"not adopted: {', '.join(foreign)} exist(s) and were not created by this H3Deployment; "
-                       f"left untouched (delete or rename them)")
+                       f"left untouched (delete or rename them); no pod is created or replaced until then")
                 logger.warning(msg)
                 _event(cr, "Warning", "ForeignObject", msg, once=True)
             if apply_error is None:
@@ -163,7 +175,7 @@ def reconcile(namespace: str, name: str, logger: logging.Logger) -> dict | None:
             else:
                 _event(cr, "Warning", "ApplyFailed", apply_error, once=True)
         else:  # keep what runs; describe it
-            workloads = [o for (kind, _), o in owned.items() if kind in ("Deployment", "StatefulSet")]
+            workloads = [o for (kind, _), o in owned.items() if kind in WORKLOAD_KINDS]
 
         _restart_gangs(cr, workloads, logger)
         pods = _pods_if_unready(namespace, name, workloads, logger)
@@ -189,7 +201,7 @@ def _report_change(cr: dict, key: tuple[str, str], before: dict | None, after: d
     if before is None:
         _event(cr, "Normal", "Created", f"created {kind}/{name}")
         return
-    if kind not in ("Deployment", "StatefulSet"):
+    if kind not in WORKLOAD_KINDS:
         return
     b, a = before.get("spec") or {}, after.get("spec") or {}
     comp = ((after["metadata"].get("labels") or {}).get(M.LABEL_COMPONENT)) or name

@@ -72,6 +72,27 @@ def apply(obj: dict) -> dict:
     return _plain(out)
 
 
+HANDOVER_MANAGER = "h3serve-handover-to-hpa"
+
+
+def hand_over_replicas(obj: dict, live: dict) -> None:
+    """Before the operator's apply drops spec.replicas (an autoscaler takes the count over), co-own the field at its
+    live value under a second manager: server-side apply then keeps the field instead of removing it, which would
+    default it to 1 and delete running pods before the autoscaler scales back up (the hand-over the Kubernetes
+    server-side apply docs give for an HPA)."""
+    fields = [m for m in live["metadata"].get("managedFields") or []
+              if m.get("manager") == FIELD_MANAGER and "f:replicas" in ((m.get("fieldsV1") or {}).get("f:spec") or {})]
+    replicas = (live.get("spec") or {}).get("replicas")
+    if not fields or replicas is None:
+        return
+    md = live["metadata"]
+    res = _resource(obj["apiVersion"], obj["kind"])
+    res.server_side_apply(body={"apiVersion": obj["apiVersion"], "kind": obj["kind"],
+                                "metadata": {"name": md["name"], "namespace": md["namespace"]},
+                                "spec": {"replicas": replicas}},
+                          name=md["name"], namespace=md["namespace"], field_manager=HANDOVER_MANAGER)
+
+
 _served: dict[str, bool] = {}
 _served_lock = threading.Lock()
 
@@ -216,5 +237,5 @@ def apply_crd(crd: dict) -> None:
 
 
 __all__ = ["FIELD_MANAGER", "PLURAL", "apply", "apply_crd", "check_access", "delete", "dynamic", "get", "get_crd",
-           "get_h3deployment", "list_children", "list_pods", "load_config", "owned_by", "patch_status", "post_event",
-           "served"]
+           "get_h3deployment", "hand_over_replicas", "list_children", "list_pods", "load_config", "owned_by",
+           "patch_status", "post_event", "served"]

@@ -279,10 +279,12 @@ def _component(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, cfg
                                      gang_scheduling))
 
     if replicas > 1:
-        # One replica may go (a whole gang: evicting any of its pods stops it); a single replica gets no PDB, which
-        # could only block node drains without keeping anything serving.
+        # One replica may go; a single replica gets no PDB, which could only block node drains without keeping
+        # anything serving. A gang stops whole when any one of its pods goes, so its budget is one pod: with
+        # (replicas - 1) x gang, two evictions in two different gangs would stop both. The gang's other pods turn
+        # unready as it restarts, which holds the next eviction until it is back.
         pdb = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "spec": {
-            "minAvailable": (replicas - 1) * gang, "selector": {"matchLabels": selector(name, comp)},
+            "minAvailable": replicas * gang - 1, "selector": {"matchLabels": selector(name, comp)},
             "unhealthyPodEvictionPolicy": "AlwaysAllow"}}
         objs.append(_meta(pdb, f"{name}-{comp}", name, namespace, comp))
     return objs

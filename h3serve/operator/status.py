@@ -7,7 +7,9 @@ Conditions (reasons are CamelCase):
 - SpecValid    True  SpecAccepted | False InvalidSpec (message: every problem, with what to change)
 - Progressing  True  RollingOut (message: the workloads still rolling out) | False RolloutComplete | False InvalidSpec
 - Ready        True  AllStagesReady | False StagesNotReady | False ScaledToZero | False InvalidSpec
+- Ready        False ForeignObject (the pods would mount / run as / serve behind an object not created here)
 - Degraded     True  ForeignObject (message: the objects in the way, by kind/name) | ApplyFailed |
+                     PodCreationFailed (a quota or admission refused the pods) |
                      PodsUnschedulable | PodsFailing | RolloutStalled | StagesUnavailable
                False AsExpected
 """
@@ -142,14 +144,18 @@ def compute(*, name: str, namespace: str, generation: int, spec: H3DeploymentSpe
 
     not_ready = [f"{s} {v['ready']}/{v['desired']}" for s, v in stages.items() if v["ready"] < v["desired"]]
     all_counts = ", ".join(f"{s} {v['ready']}/{v['desired']}" for s, v in stages.items())
-    if not stages:
+    in_the_way = (f"not adopted: {', '.join(foreign)} already exist(s) and not created by this H3Deployment; "
+                  f"delete or rename them, or rename the H3Deployment") if foreign else ""
+    if foreign:  # the pods would mount / run as / serve behind someone else's object
+        ready = (False, "ForeignObject", in_the_way)
+    elif not stages:
         ready = (False, "InvalidSpec" if not valid else "StagesNotReady", "no workloads exist yet")
     elif any(v["desired"] == 0 for v in stages.values()):
         zero = [s for s, v in stages.items() if v["desired"] == 0]
         ready = (False, "ScaledToZero", f"scaled to zero: {', '.join(zero)}")
     elif not_ready:
         problems = pod_problems(pods or [])
-        why = "; ".join(t for _, t in problems[:3])
+        why = "; ".join([*create_failures(workloads)[:1], *(t for _, t in problems[:3])])
         ready = (False, "StagesNotReady", "waiting for " + ", ".join(not_ready) + (f" ({why})" if why else ""))
     else:
         ready = (True, "AllStagesReady", all_counts)
@@ -165,11 +171,13 @@ def compute(*, name: str, namespace: str, generation: int, spec: H3DeploymentSpe
     conds.append(_condition("Progressing", prog[0], prog[1], prog[2], generation, previous, now))
 
     problems = pod_problems(pods or []) if not_ready else []
+    refused = create_failures(workloads)
     if foreign:
-        deg = (True, "ForeignObject", f"not adopted: {', '.join(foreign)} already exist(s) and not created by this "
-                                      f"H3Deployment; delete or rename them, or rename the H3Deployment")
+        deg = (True, "ForeignObject", in_the_way)
     elif apply_error:
         deg = (True, "ApplyFailed", apply_error)
+    elif refused:  # a quota or an admission webhook refused the pods: none exists to explain itself
+        deg = (True, "PodCreationFailed", "; ".join(refused[:3]))
     elif problems:
         deg = (True, problems[0][0], "; ".join(t for _, t in problems[:5]))
     elif stalled:
@@ -193,6 +201,17 @@ def compute(*, name: str, namespace: str, generation: int, spec: H3DeploymentSpe
         "selector": ",".join(f"{k}={v}" for k, v in M.selector(name, scale_comp).items()),
         "summary": f"{ready_stages}/{len(stages)}",
     }
+
+
+def create_failures(workloads: list[dict]) -> list[str]:
+    """What refused a workload's pods at creation (a ResourceQuota, an admission webhook or policy), from the
+    Deployment's ReplicaFailure condition, which the Deployment controller copies from its ReplicaSet."""
+    out = []
+    for w in workloads:
+        for c in (w.get("status") or {}).get("conditions") or []:
+            if c.get("type") == "ReplicaFailure" and c.get("status") == "True":
+                out.append(f"{w['kind']}/{w['metadata']['name']}: {c.get('message') or c.get('reason')}")
+    return out
 
 
 def _order(comp: str) -> int:

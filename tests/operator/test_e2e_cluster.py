@@ -794,8 +794,13 @@ def test_foreign_objects_are_never_adopted(operator, dyn):
         now = R(dyn, k).get(name=n, namespace=APPS_NS).to_dict()
         assert now["metadata"]["resourceVersion"] == before[k]["metadata"]["resourceVersion"], k
         assert not now["metadata"].get("ownerReferences"), k
-    # the children that are free were created, the rest of the graph is there
-    assert ("Deployment", f"{name}-engine") in children(dyn, name)
+    # the children that are free were created; no workload while the objects stand: its pods would mount that
+    # ConfigMap, run as that ServiceAccount and serve behind that Service
+    made = children(dyn, name)
+    assert ("NetworkPolicy", f"{name}-gateway") in made
+    assert not [k for k in made if k[0] in ("Deployment", "StatefulSet")], made
+    ready = condition(get_cr(dyn, name), "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "ForeignObject"), ready
     delete_cr(dyn, name)
     wait_for(f"{name} gone", lambda: _cr_gone(dyn, name) and not [
         k for k in children(dyn, name) if k[0] == "Deployment"], timeout=60)
@@ -1123,4 +1128,129 @@ def test_killing_a_gang_worker_restarts_the_whole_gang(operator, dyn):
     ev = [e["message"] for e in events(dyn, name) if e["reason"] == "GroupRestart"]
     assert ev and f"deleted {name}-dit-0-0" in ev[0], ev
     delete_cr(dyn, name)
+    wait_gone(dyn, name)
+
+
+# ---- day 2: drains, autoscaling hand-over, /scale on every example, refused pods --------------------------------
+
+def evict(dyn, pod: str) -> int:
+    """An eviction through the Eviction API (what `kubectl drain` sends): 201 granted, 429 refused by a budget."""
+    try:
+        R(dyn, "Pod").subresources["eviction"].create(
+            name=pod, namespace=APPS_NS, body={"apiVersion": "policy/v1", "kind": "Eviction",
+                                               "metadata": {"name": pod, "namespace": APPS_NS}})
+        return 201
+    except ApiException as e:
+        return e.status
+
+
+def test_a_drain_never_stops_two_dit_gangs(operator, dyn):
+    """Two DiT gangs of 2 pods: evicting a pod stops its whole gang, so right after one eviction the budget refuses
+    one in the other gang; once the first gang is whole again, the drain goes on."""
+    name = "drain-gangs"
+    doc = good_doc(name)
+    doc["spec"].update(placement="disaggregated", gpusPerNode=4, dit={"ulysses": 8, "replicas": 2})
+    create(dyn, doc)
+    try:
+        ready_cr(dyn, name, timeout=120)
+        pdb = R(dyn, "PodDisruptionBudget", "policy/v1").get(name=f"{name}-dit", namespace=APPS_NS).to_dict()
+        assert pdb["spec"]["minAvailable"] == 3, pdb["spec"]
+        wait_for("the budget counts 4 healthy DiT pods", lambda: (R(dyn, "PodDisruptionBudget", "policy/v1").get(
+            name=f"{name}-dit", namespace=APPS_NS).to_dict().get("status") or {}).get("currentHealthy") == 4,
+            timeout=60)
+        assert evict(dyn, f"{name}-dit-0-1") == 201
+        assert evict(dyn, f"{name}-dit-1-1") == 429  # back to back, as a drain sends them: the other gang stays
+        assert evict(dyn, f"{name}-dit-1-0") == 429
+        granted = wait_for("the next eviction once gang 0 is whole again",
+                           lambda: evict(dyn, f"{name}-dit-1-1") == 201 or None, timeout=120, interval=2)
+        assert granted
+        ready_cr(dyn, name, timeout=120)
+    finally:
+        delete_cr(dyn, name)
+    wait_gone(dyn, name)
+
+
+def test_turning_on_autoscaling_deletes_no_running_pod(operator, dyn):
+    """dit.replicas 3 -> dit.autoscaling: the operator hands the count to the HPA at its live value (a plain apply
+    without the field resets it to 1, deleting two running DiT pods, before the HPA scales back up). The HPA's
+    minimum is 3 here so that nothing it decides on its own can take a pod away."""
+    name = "to-hpa"
+    doc = good_doc(name)
+    doc["spec"].update(placement="disaggregated", dit={"replicas": 3})
+    create(dyn, doc)
+    try:
+        ready_cr(dyn, name, timeout=120)
+        dit = lambda: {p["metadata"]["uid"] for p in pods(dyn, name)  # noqa: E731
+                       if p["metadata"]["labels"][M.LABEL_COMPONENT] == "dit"}
+        before = dit()
+        assert len(before) == 3
+        R(dyn, "H3Deployment").patch(body={"spec": {"dit": {"replicas": None, "autoscaling": {
+            "minReplicas": 3, "maxReplicas": 4}}}}, name=name, namespace=APPS_NS,
+            content_type="application/merge-patch+json")
+        wait_for("the HPA", lambda: R(dyn, "HorizontalPodAutoscaler", "autoscaling/v2").get(
+            name=f"{name}-dit", namespace=APPS_NS), timeout=60)
+        ready_cr(dyn, name, timeout=60)
+        for _ in range(20):  # several reconciles and HPA syncs: the count and the pods stay
+            dep = R(dyn, "Deployment").get(name=f"{name}-dit", namespace=APPS_NS).to_dict()
+            assert dep["spec"]["replicas"] == 3 and dit() == before, (dep["spec"]["replicas"], dit(), before)
+            time.sleep(0.5)
+        managers = {m["manager"] for m in dep["metadata"]["managedFields"]
+                    if "f:replicas" in ((m.get("fieldsV1") or {}).get("f:spec") or {})}
+        assert "h3serve-operator" not in managers, managers  # the operator no longer owns the count
+        # and back: fixed replicas again take the count over
+        R(dyn, "H3Deployment").patch(body={"spec": {"dit": {"autoscaling": None, "replicas": 2}}}, name=name,
+                                     namespace=APPS_NS, content_type="application/merge-patch+json")
+        wait_for("dit replicas 2", lambda: R(dyn, "Deployment").get(name=f"{name}-dit", namespace=APPS_NS)
+                 .to_dict()["spec"]["replicas"] == 2, timeout=60)
+    finally:
+        delete_cr(dyn, name)
+    wait_gone(dyn, name)
+
+
+@pytest.mark.parametrize("example", sorted(p.stem for p in (pathlib.Path(__file__).resolve().parents[2] / "examples")
+                                           .glob("*.yaml")))
+def test_kubectl_scale_works_on_every_shipped_example(installed, dyn, example):
+    """Each example as shipped takes a /scale write (what `kubectl scale h3d` and an HPA on the H3Deployment send)."""
+    doc = load_example(example, APPS_NS)
+    doc["metadata"]["name"] = name = f"scale-{example}"[:40]
+    create(dyn, doc)
+    try:
+        scale = R(dyn, "H3Deployment").subresources["scale"]
+        scale.patch(body={"spec": {"replicas": 2}}, name=name, namespace=APPS_NS,
+                    content_type="application/merge-patch+json")
+        assert get_cr(dyn, name)["spec"]["replicas"] == 2
+    finally:
+        delete_cr(dyn, name)
+
+
+def test_pods_a_quota_refuses_are_degraded_naming_the_quota(operator, dyn):
+    """A ResourceQuota admits none of the pods: Degraded=PodCreationFailed with the API server's words, not
+    "no problem detected"; with the quota gone the pods come."""
+    name, prio = "quota", "h3-quota-test"
+    R(dyn, "PriorityClass", "scheduling.k8s.io/v1").create(body={
+        "apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": prio}, "value": 10})
+    R(dyn, "ResourceQuota", "v1").create(namespace=APPS_NS, body={
+        "apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": prio},
+        "spec": {"hard": {"pods": "0"}, "scopeSelector": {"matchExpressions": [
+            {"scopeName": "PriorityClass", "operator": "In", "values": [prio]}]}}})
+    try:
+        doc = good_doc(name)
+        doc["spec"]["priorityClassName"] = prio
+        create(dyn, doc)
+        cr = wait_for("Degraded=PodCreationFailed", lambda: (lambda cr: cr if condition(cr, "Degraded").get(
+            "reason") == "PodCreationFailed" else None)(get_cr(dyn, name)), timeout=90)
+        msg = condition(cr, "Degraded")["message"]
+        assert f"Deployment/{name}-engine" in msg and "exceeded quota" in msg and prio in msg, msg
+        assert condition(cr, "Ready")["status"] == "False" and "exceeded quota" in condition(cr, "Ready")["message"]
+        assert any(e["reason"] == "PodCreationFailed" and e["type"] == "Warning" for e in events(dyn, name))
+        R(dyn, "ResourceQuota", "v1").delete(name=prio, namespace=APPS_NS)
+        ready_cr(dyn, name, timeout=120)
+    finally:
+        delete_cr(dyn, name)
+        for res, ns in ((R(dyn, "ResourceQuota", "v1"), APPS_NS),
+                        (R(dyn, "PriorityClass", "scheduling.k8s.io/v1"), None)):
+            try:
+                res.delete(name=prio, namespace=ns)
+            except NotFoundError:
+                pass
     wait_gone(dyn, name)

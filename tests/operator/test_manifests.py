@@ -402,9 +402,9 @@ def _pdbs(doc_spec: dict, name: str = "h3") -> dict[str, dict]:
 def test_pdbs_only_where_replicas_exceed_one_with_min_available():
     d = yaml.safe_load((ROOT / "examples" / "base-disaggregated.yaml").read_text())["spec"]
     assert set(_pdbs(d)) == {"h3-gateway"} and _pdbs(d)["h3-gateway"]["minAvailable"] == 1
-    d["dit"]["replicas"], d["gpusPerNode"] = 3, 4  # a DiT replica = a gang of 2 pods: one gang may go
+    d["dit"]["replicas"], d["gpusPerNode"] = 3, 4  # a DiT replica = a gang of 2 pods: one pod of one gang may go
     p = _pdbs(d)
-    assert p["h3-dit"]["minAvailable"] == 4 and "maxUnavailable" not in p["h3-dit"]
+    assert p["h3-dit"]["minAvailable"] == 5 and "maxUnavailable" not in p["h3-dit"]
     c = yaml.safe_load((ROOT / "examples" / "base-colocated.yaml").read_text())["spec"]
     assert _pdbs(c) == {}
     assert _pdbs({**c, "replicas": 2})["h3-engine"]["minAvailable"] == 1
@@ -450,7 +450,6 @@ def test_gateway_ingress_limited_to_namespaces_and_cidrs():
 def test_autoscaled_stage_gets_an_hpa_on_its_signal_and_no_replica_count():
     d = yaml.safe_load((ROOT / "examples" / "base-disaggregated.yaml").read_text())["spec"]
     d["dit"] = {**d["dit"], "autoscaling": {"minReplicas": 2, "maxReplicas": 6, "target": "90"}}
-    del d["dit"]["replicas"]
     d["gateway"] = {**d["gateway"], "autoscaling": {"maxReplicas": 4, "scaleDownStabilizationSeconds": 30}}
     del d["gateway"]["replicas"]
     objs = M.render(parse_and_validate(d, "h3"), "h3", "ns")
@@ -799,7 +798,7 @@ def test_fasth3_pool_is_a_second_dit_workload_with_services_and_the_gateways_tar
         sel = {k: v for k, v in svcs["h3-dit-fasth3"]["spec"]["selector"].items() if k != M.LABEL_POD_INDEX}
         assert sel.items() <= w["spec"]["template"]["metadata"]["labels"].items()
     assert [o["spec"]["minAvailable"] for o in fast if o["kind"] == "PodDisruptionBudget"] == [
-        2 * (1 if gpus_per_node == 8 else 2)]
+        3 * (1 if gpus_per_node == 8 else 2) - 1]
     cfg = yaml.safe_load(next(o for o in objs if o["kind"] == "ConfigMap")["data"]["h3serve.yaml"])
     gw = StageConfig.from_service_config(cfg, "gateway")
     assert gw.fasth3_dit == "dns:///h3-dit-fasth3-headless.apps.svc:50051"

@@ -177,6 +177,27 @@ def test_foreign_objects_are_degraded_and_named():
     c = cond(st, "Degraded")
     assert (c["status"], c["reason"]) == ("True", "ForeignObject")
     assert c["message"].startswith("not adopted: Service/h3-split-gateway, ConfigMap/h3-split-config already exist")
+    # every workload ready, and still not Ready: its pods would serve behind / mount someone else's objects
+    r = cond(st, "Ready")
+    assert (r["status"], r["reason"], r["message"]) == ("False", "ForeignObject", c["message"])
+
+
+def test_pods_refused_at_creation_are_degraded_naming_the_refusal():
+    """A ResourceQuota or an admission webhook refuses the pods: none exists to explain itself, the Deployment's
+    ReplicaFailure condition does."""
+    name, spec = spec_of("base-disaggregated")
+    quota = ('pods "h3-split-vae-5d8f-x" is forbidden: exceeded quota: gpus, requested: requests.nvidia.com/gpu=1, '
+             'used: requests.nvidia.com/gpu=8, limited: requests.nvidia.com/gpu=8')
+    failing = {"readyReplicas": 0, "availableReplicas": 0, "conditions": [
+        {"type": "Available", "status": "False", "reason": "MinimumReplicasUnavailable"},
+        {"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate", "message": quota}]}
+    st = compute(name, spec, live(spec, name, overrides={f"{name}-vae": failing}))
+    c = cond(st, "Degraded")
+    assert (c["status"], c["reason"]) == ("True", "PodCreationFailed")
+    assert c["message"] == f"Deployment/{name}-vae: {quota}"
+    r = cond(st, "Ready")
+    assert r["status"] == "False" and "vae 0/1" in r["message"] and "exceeded quota: gpus" in r["message"]
+    assert S.create_failures(live(spec, name)) == []
 
 
 def _pod(name, created, rev="r1", deleting=False):

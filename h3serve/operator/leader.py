@@ -4,6 +4,10 @@ Every operator replica runs kopf (watches, liveness); only the holder of the Lea
 Lease when it is free or its holder stopped renewing it for `duration` seconds, renews it every `renew` seconds, and
 gives it up on a clean exit (the next replica takes over at once). A leader that cannot renew before its Lease
 expires exits the process: another replica may already hold the Lease, and two never reconcile at once.
+
+Expiry is judged by the waiting replica's own monotonic clock, from when it last saw the Lease record change (as
+client-go's `observedTime`), never by comparing the holder's `renewTime` with the local wall clock: a stand-by
+whose clock runs ahead would otherwise take a live leader's Lease.
 """
 
 from __future__ import annotations
@@ -29,10 +33,15 @@ def _now() -> dt.datetime:
 
 class Leader:
     def __init__(self, namespace: str, identity: str, duration: float = 15.0, renew: float = 5.0,
-                 on_elected: Callable[[], None] | None = None, name: str = LEASE_NAME):
+                 on_elected: Callable[[], None] | None = None, name: str = LEASE_NAME,
+                 clock: Callable[[], dt.datetime] = _now, api_client: client.ApiClient | None = None,
+                 on_lost: Callable[[], None] = lambda: os._exit(1)):
         self.namespace, self.identity, self.name = namespace, identity, name
         self.duration, self.renew = duration, renew
-        self.on_elected = on_elected
+        self.on_elected, self.on_lost = on_elected, on_lost
+        self._clock, self._api_client = clock, api_client  # the wall clock only stamps the Lease for readers
+        self._observed: tuple | None = None  # the Lease record last seen, and when (time.monotonic())
+        self._observed_at = 0.0
         self.elected = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -67,7 +76,7 @@ class Leader:
 
     # -- the loop -------------------------------------------------------------------------------------------------
     def _api(self) -> client.CoordinationV1Api:
-        return client.CoordinationV1Api()
+        return client.CoordinationV1Api(self._api_client)
 
     def _run(self) -> None:
         log.info("leader election: %s waits for Lease %s/%s", self.identity, self.namespace, self.name)
@@ -89,11 +98,13 @@ class Leader:
                 # cannot prove the Lease is still ours before another replica may take it: stop now
                 log.error("leader election: lost Lease %s/%s; exiting so that a single replica reconciles",
                           self.namespace, self.name)
-                os._exit(1)
+                self.elected.clear()
+                self.on_lost()
+                return
             self._stop.wait(self.renew if self.elected.is_set() else min(self.renew, 2.0))
 
     def _try_acquire_or_renew(self) -> bool:
-        api, now = self._api(), _now()
+        api, now = self._api(), self._clock()
         try:
             lease = api.read_namespaced_lease(self.name, self.namespace)
         except ApiException as e:
@@ -112,9 +123,11 @@ class Leader:
                 raise
         spec = lease.spec
         holder = spec.holder_identity
-        renewed = spec.renew_time or spec.acquire_time
-        expired = (not holder or renewed is None or
-                   (now - renewed).total_seconds() > (spec.lease_duration_seconds or self.duration))
+        record = (holder, spec.renew_time, spec.acquire_time, spec.lease_transitions)
+        if record != self._observed:
+            self._observed, self._observed_at = record, time.monotonic()
+        expired = (not holder or
+                   time.monotonic() - self._observed_at > (spec.lease_duration_seconds or self.duration))
         if holder != self.identity and not expired:
             return False
         if holder != self.identity:

@@ -125,8 +125,10 @@ def test_leader_election_and_crd_rbac(helm):
     k = by_kind(template(helm))
     lease_role = next(r for r in k["Role"] if r["metadata"]["name"].endswith("-leader"))
     assert lease_role["metadata"]["namespace"] == "ops"
-    assert lease_role["rules"] == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
-                                    "verbs": ["get", "create", "update"]}]
+    assert lease_role["rules"] == [  # its own Lease only (create cannot be limited by name)
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "resourceNames": ["h3serve-operator"],
+         "verbs": ["get", "update"]},
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]}]
     crd_role = next(r for r in k["ClusterRole"] if r["metadata"]["name"].endswith("-crd"))
     assert crd_role["rules"] == [{"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"],
                                   "resourceNames": ["h3deployments.h3serve.io"], "verbs": ["get", "patch"]}]

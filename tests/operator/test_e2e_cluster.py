@@ -1254,3 +1254,31 @@ def test_pods_a_quota_refuses_are_degraded_naming_the_quota(operator, dyn):
             except NotFoundError:
                 pass
     wait_gone(dyn, name)
+
+
+def test_a_stand_by_whose_clock_runs_20_s_ahead_never_takes_a_live_leaders_lease(control_plane, dyn):
+    """The stand-by judges expiry by its own monotonic clock from when it last saw the Lease change, so a wall clock
+    20 s ahead (the holder's renewTime looks 20 s old to it) takes nothing while the holder renews; a clean release
+    hands over at once."""
+    import datetime as dt
+
+    from h3serve.operator.leader import Leader, _now
+
+    lease, lost = "skew-test", []
+    kw = dict(duration=4, renew=1, name=lease, api_client=dyn.client, on_lost=lambda: lost.append(1))
+    live = Leader(APPS_NS, "live", **kw).start()
+    ahead = None
+    try:
+        wait_for("the live leader", live.elected.is_set, timeout=20)
+        ahead = Leader(APPS_NS, "ahead", clock=lambda: _now() + dt.timedelta(seconds=20), **kw).start()
+        for _ in range(24):  # three lease durations
+            assert not ahead.elected.is_set() and live.is_leader() and not lost
+            time.sleep(0.5)
+        live.stop()
+        wait_for("the hand-over", ahead.elected.is_set, timeout=10)
+        assert not lost
+    finally:
+        live.stop()
+        if ahead is not None:
+            ahead.stop()
+        R(dyn, "Lease", "coordination.k8s.io/v1").delete(name=lease, namespace=APPS_NS)

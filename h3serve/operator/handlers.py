@@ -114,6 +114,7 @@ def reconcile(namespace: str, name: str, logger: logging.Logger) -> dict | None:
 
         apply_error = None
         foreign: list[str] = []
+        held: set[str] = set()
         workloads: list[dict] = []
         kinds = [k for k in M.KINDS if k not in M.OPTIONAL_KINDS or kube.served(k)]
         owned = {(kind, o["metadata"]["name"]): o for kind in kinds
@@ -132,6 +133,7 @@ def reconcile(namespace: str, name: str, logger: logging.Logger) -> dict | None:
                        "PodGroup (feature gate GenericWorkload): multi-node replicas are placed pod by pod, and a "
                        "partly placed one holds its GPUs", once=True)
             keep = {(o["kind"], o["metadata"]["name"]) for o in desired}
+            held = S.gangs_held_back(desired, owned)
             for obj in desired:  # first the objects in the way: a pod would mount or run as them
                 key = (obj["kind"], obj["metadata"]["name"])
                 if key not in owned and not (obj["kind"] in M.OPTIONAL_KINDS and not kube.served(obj["kind"])):
@@ -147,6 +149,9 @@ def reconcile(namespace: str, name: str, logger: logging.Logger) -> dict | None:
                     break
                 before = owned.get(key)
                 if "/".join(key) in foreign:
+                    continue
+                if key[1] in held and obj["kind"] == "StatefulSet":  # rolls after the gang rolling now
+                    workloads.append(before)
                     continue
                 if foreign and obj["kind"] in WORKLOAD_KINDS:
                     # No pod is created or replaced while a foreign object stands in a child's place: it would
@@ -181,7 +186,8 @@ def reconcile(namespace: str, name: str, logger: logging.Logger) -> dict | None:
         pods = _pods_if_unready(namespace, name, workloads, logger)
         new = S.compute(name=name, namespace=namespace, generation=generation,
                         spec=spec if not issues else None, issues=issues, workloads=workloads,
-                        previous=cr.get("status"), now=_now(), apply_error=apply_error, pods=pods, foreign=foreign)
+                        previous=cr.get("status"), now=_now(), apply_error=apply_error, pods=pods, foreign=foreign,
+                        held=held)
         old = cr.get("status") or {}
         _report_conditions(cr, old, new)
         if not S.same(old, new):

@@ -59,6 +59,7 @@ LABEL_ROLE = "h3serve.io/role"  # "leader" on single-pod replicas; gang leaders 
 LABEL_POD_INDEX = "apps.kubernetes.io/pod-index"  # set by the StatefulSet controller on every pod
 ANN_CONFIG_HASH = "h3serve.io/config-hash"
 ANN_GANG = "h3serve.io/gang-size"
+ANN_TEMPLATE_HASH = "h3serve.io/template-hash"  # on a gang's StatefulSet: its pod template, rendered
 CONFIG_PATH = "/etc/h3serve/h3serve.yaml"
 RUN_AS = 65532
 GATEWAY = "gateway"
@@ -597,7 +598,15 @@ def _statefulset(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, g
         "updateStrategy": {"type": "RollingUpdate"},
         "persistentVolumeClaimRetentionPolicy": {"whenDeleted": "Delete", "whenScaled": "Delete"},
         "selector": {"matchLabels": {**selector(name, comp), "h3serve.io/gang": gname}}, "template": tmpl}}
-    return _meta(sts, gname, name, namespace, comp)
+    out = _meta(sts, gname, name, namespace, comp)
+    # what the live object is compared with to roll one gang at a time (the API server fills in defaults, so the
+    # live template never equals the rendered one)
+    out["metadata"]["annotations"] = {ANN_TEMPLATE_HASH: _digest(tmpl)}
+    return out
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _service_monitor(spec: H3DeploymentSpec, name: str, namespace: str) -> list[dict]:

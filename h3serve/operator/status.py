@@ -100,7 +100,7 @@ def _condition(ctype: str, ok: bool, reason: str, message: str, generation: int,
 def compute(*, name: str, namespace: str, generation: int, spec: H3DeploymentSpec | None,
             issues: list[tuple[str, str]], workloads: list[dict], previous: dict | None, now: str,
             apply_error: str | None = None, pods: list[dict] | None = None,
-            foreign: list[str] | None = None) -> dict:
+            foreign: list[str] | None = None, held: set[str] | frozenset = frozenset()) -> dict:
     """`foreign`: "Kind/name" of objects in the way: they have a child's name but this H3Deployment did not create
     them, so the operator leaves them alone (never adopts, changes or deletes them)."""
     previous = previous or {}
@@ -123,7 +123,7 @@ def compute(*, name: str, namespace: str, generation: int, spec: H3DeploymentSpe
         else:
             comp_desired[e.component] = comp_desired.get(e.component, 0) + 1
             comp_ready[e.component] = comp_ready.get(e.component, 0) + int(ready_pods >= e.pods and e.pods > 0)
-        if not done:
+        if not done or e.name in held:  # held: a gang waiting for its turn to roll
             rolling.append(e.name)
         if stall:
             stalled.append(e.name)
@@ -226,6 +226,32 @@ def same(a: dict | None, b: dict | None) -> bool:
         s["conditions"] = [{k: v for k, v in c.items() if k != "lastTransitionTime"} for c in s.get("conditions") or []]
         return s
     return strip(a) == strip(b)
+
+
+def gangs_held_back(desired: list[dict], live: dict[tuple[str, str], dict]) -> set[str]:
+    """The gang StatefulSets whose new pod template waits this pass, so that a component's gangs roll one at a time
+    (as LeaderWorkerSet rolls groups, maxUnavailable 1): a gang that is down anyway takes its new template at once;
+    otherwise one whole, settled gang rolls while every other gang serves. Pure: the caller skips their apply."""
+    by_comp: dict[str, list[tuple[str, bool, bool]]] = {}  # component -> (name, needs the new template, settled)
+    for obj in desired:
+        if obj["kind"] != "StatefulSet":
+            continue
+        name = obj["metadata"]["name"]
+        w = live.get(("StatefulSet", name))
+        if w is None:  # a new gang: nothing of it serves yet
+            continue
+        want = obj["metadata"]["annotations"][M.ANN_TEMPLATE_HASH]
+        stale = ((w["metadata"].get("annotations") or {}).get(M.ANN_TEMPLATE_HASH)) != want
+        settled = _rolled_out(w, int(obj["spec"]["replicas"]))[0]
+        comp = obj["metadata"]["labels"][M.LABEL_COMPONENT]
+        by_comp.setdefault(comp, []).append((name, stale, settled))
+    held: set[str] = set()
+    for gangs in by_comp.values():
+        waiting = [n for n, stale, settled in gangs if stale and settled]  # serving on the old template
+        if all(settled for _, _, settled in gangs):  # none down or rolling: the first of them rolls now
+            waiting = waiting[1:]
+        held |= set(waiting)
+    return held
 
 
 GROUP_SKEW_SECONDS = 5.0  # members of one gang start within this of each other; a later one replaced a member

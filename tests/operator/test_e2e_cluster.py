@@ -1210,15 +1210,25 @@ def test_turning_on_autoscaling_deletes_no_running_pod(operator, dyn):
 @pytest.mark.parametrize("example", sorted(p.stem for p in (pathlib.Path(__file__).resolve().parents[2] / "examples")
                                            .glob("*.yaml")))
 def test_kubectl_scale_works_on_every_shipped_example(installed, dyn, example):
-    """Each example as shipped takes a /scale write (what `kubectl scale h3d` and an HPA on the H3Deployment send)."""
+    """Each example as shipped takes a /scale write (what `kubectl scale h3d` and an HPA on the H3Deployment send).
+    A colocated one without gateway.jobStore is refused naming it: each colocated replica runs its own gateway, and
+    two gateways without a shared store would each see only their own jobs (the example says so)."""
     doc = load_example(example, APPS_NS)
     doc["metadata"]["name"] = name = f"scale-{example}"[:40]
+    shared = doc["spec"]["placement"] == "disaggregated" or "jobStore" in doc["spec"].get("gateway", {})
+    assert shared or "kubectl scale" in (ROOT / "examples" / f"{example}.yaml").read_text()
     create(dyn, doc)
     try:
         scale = R(dyn, "H3Deployment").subresources["scale"]
-        scale.patch(body={"spec": {"replicas": 2}}, name=name, namespace=APPS_NS,
-                    content_type="application/merge-patch+json")
-        assert get_cr(dyn, name)["spec"]["replicas"] == 2
+        patch = lambda: scale.patch(body={"spec": {"replicas": 2}}, name=name, namespace=APPS_NS,  # noqa: E731
+                                    content_type="application/merge-patch+json")
+        if shared:
+            patch()
+            assert get_cr(dyn, name)["spec"]["replicas"] == 2
+        else:
+            with pytest.raises(ApiException) as e:
+                patch()
+            assert e.value.status == 422 and "spec.gateway.jobStore" in e.value.body, e.value.body
     finally:
         delete_cr(dyn, name)
 
@@ -1282,3 +1292,49 @@ def test_a_stand_by_whose_clock_runs_20_s_ahead_never_takes_a_live_leaders_lease
         if ahead is not None:
             ahead.stop()
         R(dyn, "Lease", "coordination.k8s.io/v1").delete(name=lease, namespace=APPS_NS)
+
+
+def test_dit_gangs_roll_one_at_a_time_and_one_always_serves(operator, dyn):
+    """A template change of two DiT gangs: one gang rolls while the other serves whole, then the other; never 0 of 2
+    gangs whole, never a gang of two revisions left standing."""
+    name = "roll-gangs"
+    doc = good_doc(name)
+    doc["spec"].update(placement="disaggregated", gpusPerNode=4, dit={"ulysses": 8, "replicas": 2})
+    create(dyn, doc)
+    try:
+        ready_cr(dyn, name, timeout=120)
+        sts = lambda g: R(dyn, "StatefulSet").get(name=f"{name}-dit-{g}", namespace=APPS_NS).to_dict()  # noqa: E731
+        old = {g: sts(g)["status"]["currentRevision"] for g in (0, 1)}
+
+        def whole():  # gangs with every pod Ready at one revision
+            by: dict[str, list] = {}
+            for p in pods(dyn, name):
+                lb = p["metadata"]["labels"]
+                if lb[M.LABEL_COMPONENT] == "dit" and not p["metadata"].get("deletionTimestamp"):
+                    ok = any(c["type"] == "Ready" and c["status"] == "True"
+                             for c in p["status"].get("conditions") or [])
+                    by.setdefault(lb["h3serve.io/gang"], []).append((ok, lb.get("controller-revision-hash")))
+            return {g for g, ms in by.items()
+                    if len(ms) == 2 and all(ok for ok, _ in ms) and len({r for _, r in ms}) == 1}
+
+        R(dyn, "H3Deployment").patch(body={"spec": {"dit": {"resources": {"requests": {"cpu": "2"}}}}}, name=name,
+                                     namespace=APPS_NS, content_type="application/merge-patch+json")
+        seen_rolled: list[int] = []
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            now = whole()
+            assert now, "no DiT gang whole"
+            rolled = [g for g in (0, 1) if sts(g)["status"].get("currentRevision") not in (None, old[g])
+                      and sts(g)["status"].get("updateRevision") == sts(g)["status"].get("currentRevision")]
+            for g in rolled:
+                if g not in seen_rolled:
+                    seen_rolled.append(g)
+            if len(seen_rolled) == 2 and len(now) == 2:
+                break
+            time.sleep(0.2)
+        assert len(seen_rolled) == 2, seen_rolled
+        cr = ready_cr(dyn, name, timeout=60)
+        assert cr["status"]["stages"]["dit"] == {"ready": 2, "desired": 2}
+    finally:
+        delete_cr(dyn, name)
+    wait_gone(dyn, name)

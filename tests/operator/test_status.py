@@ -219,3 +219,34 @@ def test_a_gang_restarts_whole_and_runs_one_config():
     assert [p for p, _ in S.stale_gang_members(sts, rolling)] == ["g-0"]
     assert S.stale_gang_members(sts, [_pod("g-0", "2026-01-01T00:00:00Z"), _pod("g-1", "2026-01-01T00:05:00Z",
                                                                                 deleting=True)]) == []
+
+
+def test_gangs_roll_one_at_a_time():
+    """Three DiT gangs whose template changed: the first rolls while the others serve; while one is down or rolling
+    the others wait; a gang that is down anyway takes its new template at once."""
+    name, spec = spec_of("base-disaggregated")
+    d = yaml.safe_load((ROOT / "examples" / "base-disaggregated.yaml").read_text())["spec"]
+    d.update(replicas=3, gpusPerNode=4)
+    new = parse_and_validate(d, name)
+    d["dit"]["resources"] = {"requests": {"cpu": "31"}}
+    old = parse_and_validate(d, name)
+    desired = M.render(new, name, "ns")
+    gangs = [f"{name}-dit-{r}" for r in range(3)]
+
+    def live_with(new_ones=(), down=()):
+        out = {}
+        for w in live(old, name, overrides={g: {"readyReplicas": 0} for g in down}):
+            if w["metadata"]["name"] in new_ones:
+                w = next(o for o in live(new, name) if o["metadata"]["name"] == w["metadata"]["name"])
+            out[(w["kind"], w["metadata"]["name"])] = w
+        return out
+    assert S.gangs_held_back(desired, live_with()) == {gangs[1], gangs[2]}  # gang 0 rolls
+    rolling = live_with(new_ones=[gangs[0]], down=[gangs[0]])
+    rolling[("StatefulSet", gangs[0])]["status"]["readyReplicas"] = 0
+    assert S.gangs_held_back(desired, rolling) == {gangs[1], gangs[2]}  # gang 0 not back yet: both wait
+    assert S.gangs_held_back(desired, live_with(new_ones=[gangs[0]])) == {gangs[2]}  # gang 0 whole: gang 1 rolls
+    assert S.gangs_held_back(desired, live_with(down=[gangs[2]])) == {gangs[0], gangs[1]}  # gang 2 down: it rolls
+    assert S.gangs_held_back(desired, live_with(new_ones=gangs)) == set()
+    st = S.compute(name=name, namespace="ns", generation=1, spec=new, issues=[], workloads=list(live_with().values()),
+                   previous=None, now=T0, held={gangs[1], gangs[2]})
+    assert cond(st, "Progressing")["status"] == "True" and gangs[1] in cond(st, "Progressing")["message"]

@@ -294,7 +294,7 @@ def _as_int(name: str, value: Any, allowed: str) -> int:
         return int(value)
     if isinstance(value, str):
         text = value.strip()
-        if text and (text.isdigit() or (text[0] in "+-" and text[1:].isdigit())) and len(text) <= 40:
+        if text.isascii() and (text.isdigit() or (text[:1] in ("+", "-") and text[1:].isdigit())) and len(text) <= 40:
             return int(text)
     raise RequestError(name, _brief(value), allowed)
 

@@ -343,7 +343,7 @@ def _snap_size(raw: dict[str, Any]) -> str | None:
     if not isinstance(size, str):
         return None
     parts = size.strip().lower().split("x")
-    if len(parts) != 2 or not all(p.strip().isdigit() and len(p.strip()) <= 5 for p in parts):
+    if len(parts) != 2 or not all(p.strip().isascii() and p.strip().isdigit() and len(p.strip()) <= 5 for p in parts):
         return None   # the validator names what is wrong
     width, height = int(parts[0]), int(parts[1])
     canvas = snap_canvas(width, height)

@@ -132,7 +132,7 @@ async def _stream(request: Request):
 async def _capped_body(request: Request) -> bytes:
     """The body, refused with 413 once it passes MAX_JSON_BODY_BYTES (announced or while it streams in)."""
     length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > MAX_JSON_BODY_BYTES:
+    if length is not None and length.isascii() and length.isdigit() and int(length) > MAX_JSON_BODY_BYTES:
         raise TooLarge(f"body: {int(length):,} bytes; a JSON or form body is at most {MAX_JSON_BODY_BYTES:,} bytes "
                        "(send larger media as multipart uploads)")
     buf = bytearray()
@@ -260,7 +260,7 @@ async def read_body(request: Request) -> Any:
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype == "multipart/form-data":
         # parsed as it streams (files spooled), bounded by the bytes received; an announced excess is refused first
-        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        if length is not None and length.isascii() and length.isdigit() and int(length) > MAX_BODY_BYTES:
             raise TooLarge(f"body: {int(length):,} bytes; a multipart body is at most {MAX_BODY_BYTES:,} bytes")
     else:
         await _capped_body(request)

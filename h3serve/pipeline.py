@@ -22,7 +22,8 @@ from tqdm import tqdm
 
 from h3serve.config.levers import LeverError, Levers, check_combination, staging_conflict
 from h3serve.config.parallel import ParallelDegrees
-from h3serve.config.request import SAMPLE_RATE, GenerationRequest, media_source
+from h3serve.config.geometry import SAMPLE_RATE
+from h3serve.config.request import GenerationRequest, media_source
 from h3serve.config.vocab import DEFAULT_DTYPE, PROFILES
 from h3serve.distributed.proxies import DiTEngineProxy, EncoderProxy, VideoVAEProxy
 from h3serve.distributed.world import launch

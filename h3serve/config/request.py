@@ -5,11 +5,7 @@
 any model work, so a request that would fail later (bad canvas, wrong frame count, missing keyframe) is refused
 up front with a message that says what to change.
 
-Geometry (H3_REFERENCE §3.1, §5):
-  * 24 fps; the video VAE encodes 17n+5 pixel frames into 5n+2 latent frames, so the requested duration is
-    raised to the next 17n+5 frames: 5 / 10 / 15 s -> 124 / 243 / 362 frames, 4 s -> 107.
-  * Audio latents: A = round(F / 24 * 40) (the audio VAE hops 800 samples at 32 kHz, 40 latents/s).
-  * Canvas sides are multiples of 32 (VAE 16x times the DiT patch 2); latent sides are H/16, W/16.
+The frame / latent / canvas arithmetic it applies is `h3serve.config.geometry`'s.
 
 No torch, grpc or av imports here: every part of the system may import this module.
 """
@@ -22,30 +18,37 @@ import math
 import os
 import secrets
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, Mapping, Sequence
 
 from PIL import Image
 
+from h3serve.config.geometry import (
+    AUDIO_HOP,
+    CANVAS_MULTIPLE,
+    DEFAULT_CANVAS,
+    FPS,
+    MAX_ASPECT,
+    MAX_SECONDS,
+    MAX_SIDE,
+    MIN_ASPECT,
+    MIN_SECONDS,
+    MIN_SIDE,
+    VAE_SPATIAL,
+    Canvas,
+    audio_latents_for_frames,
+    canvas_for_ratio,
+    check_canvas,
+    frames_for_seconds,
+    num_frames_to_latents,
+    other_side,
+)
 from h3serve.config.levers import REQUEST_NAMES, lever_conflict
 from h3serve.config.vocab import DEFAULT_DTYPE, DEFAULT_QUALITY, DTYPES, PROFILES, QUALITIES, TASKS
 from h3serve.errors import RequestError
 
 # ---------------------------------------------------------------------------------------------------------------
-# Constants (the released model's geometry)
+# Bounds of a request beyond its geometry (config/geometry.py)
 
-FPS = 24
-FRAMES_PER_CLIP = 17            # video VAE clip length
-LATENTS_PER_CLIP = 5            # latent frames a clip keeps; 17n+5 frames -> 5n+2 latents
-AUDIO_LATENTS_PER_SECOND = 40   # 32 kHz / hop 800
-AUDIO_HOP = 800
-SAMPLE_RATE = 32000
-VAE_SPATIAL = 16
-CANVAS_MULTIPLE = 32            # VAE 16x times the DiT patch 2
-CANVAS_SHORT_EDGE = 768
-CANVAS_MAX_PIXELS = 768 * 1344  # 1,032,192
-MIN_SIDE, MAX_SIDE = 256, 2048
-MIN_ASPECT, MAX_ASPECT = 1 / 4, 4.0
-MIN_SECONDS, MAX_SECONDS = 4.0, 15.0
 MAX_PROMPT_CHARS = 20_000
 MAX_SEED = 2**63 - 1
 
@@ -76,44 +79,6 @@ RAW_FIELDS = ("prompt", "task", "profile", "seconds", "num_frames", "width", "he
               "steps", "fps", "first_image", "last_image", "references", "dtype", "quality")
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Frame / latent / canvas arithmetic
-
-def frames_for_seconds(seconds: float, fps: int = FPS) -> int:
-    """Pixel frames for a requested duration: the next 17n+5 >= round(seconds * fps). 5 s -> 124, 15 s -> 362."""
-    target = round(seconds * fps)
-    n = max(0, -(-(target - LATENTS_PER_CLIP) // FRAMES_PER_CLIP))   # ceil((target - 5) / 17)
-    return FRAMES_PER_CLIP * n + LATENTS_PER_CLIP
-
-
-def num_frames_to_latents(num_frames: int) -> int:
-    """Latent frames of the video VAE for F = 17n+5 pixel frames: 5n+2 (124 -> 37, 243 -> 72, 362 -> 107)."""
-    if isinstance(num_frames, bool) or not isinstance(num_frames, int) or num_frames < LATENTS_PER_CLIP \
-            or num_frames % FRAMES_PER_CLIP != LATENTS_PER_CLIP:
-        raise RequestError("num_frames", num_frames, "must be of the form 17n+5 (e.g. 124, 243, 362)")
-    return (num_frames - LATENTS_PER_CLIP) // FRAMES_PER_CLIP * LATENTS_PER_CLIP + 2
-
-
-def audio_latents_for_frames(num_frames: int, fps: int = FPS) -> int:
-    """Audio latents covering F video frames: A = round(F / fps * 40) (124 -> 207, 243 -> 405, 362 -> 603)."""
-    return int(round(num_frames / fps * AUDIO_LATENTS_PER_SECOND))
-
-
-# The reference pipeline (diffusers) refuses an *aligned* duration outside [5, 15] s: 124..345 frames. Requests of
-# 4..4.9 s (107 frames) and of 14.4..15 s (362 frames) are served by h3serve but cannot be compared against it.
-REFERENCE_DURATION = (5.0, 15.0)
-
-
-def within_reference_duration(num_frames: int, fps: int = FPS) -> bool:
-    """Whether the reference pipeline accepts this aligned frame count (5 s <= F/24 <= 15 s: 124..345 frames)."""
-    return REFERENCE_DURATION[0] <= num_frames / fps <= REFERENCE_DURATION[1]
-
-
-class Canvas(NamedTuple):
-    width: int
-    height: int
-
-
 def _parse_aspect(aspect: Any, field_name: str) -> float:
     allowed = "an aspect ratio W/H as a number, 'W:H' or (W, H), between 1:4 and 4:1"
     try:
@@ -140,27 +105,9 @@ def _parse_aspect(aspect: Any, field_name: str) -> float:
 
 
 def canvas_for_aspect(aspect: Any, *, field_name: str = "aspect") -> Canvas:
-    """The generation canvas for a display aspect ratio, as the reference's resolve_canvas_size computes it.
-
-    Short edge 768; if the area then exceeds 1,032,192 it is scaled down to that area; each side is rounded to the
-    nearest multiple of 32 (so the rounded area can end up slightly above the cap: 9:5 -> 1376x768).
-    16:9 -> 1344x768, 1:1 -> 768x768, 9:16 -> 768x1344, 4:1 -> 2016x512.
-    `aspect` is W/H as a number, a 'W:H' string or a (W, H) pair (e.g. an image's size).
-    """
-    ratio = _parse_aspect(aspect, field_name)
-    if ratio >= 1.0:
-        width, height = CANVAS_SHORT_EDGE * ratio, float(CANVAS_SHORT_EDGE)
-    else:
-        width, height = float(CANVAS_SHORT_EDGE), CANVAS_SHORT_EDGE / ratio
-    area = width * height
-    if area > CANVAS_MAX_PIXELS:
-        scale = (CANVAS_MAX_PIXELS / area) ** 0.5
-        width, height = width * scale, height * scale
-    m = CANVAS_MULTIPLE
-    return Canvas(max(m, round(width / m) * m), max(m, round(height / m) * m))
-
-
-DEFAULT_CANVAS = canvas_for_aspect((16, 9))   # 1344x768
+    """The generation canvas (`geometry.canvas_for_ratio`) for a display aspect ratio given as W/H, a 'W:H' string
+    or a (W, H) pair (e.g. an image's size). 16:9 -> 1344x768, 1:1 -> 768x768, 9:16 -> 768x1344."""
+    return canvas_for_ratio(_parse_aspect(aspect, field_name))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -381,44 +328,19 @@ def _parse_size(size: Any) -> tuple[int, int]:
     return _as_int("size", parts[0], allowed), _as_int("size", parts[1], allowed)
 
 
-def _check_canvas(width: int, height: int, source: str | None = None) -> None:
-    """Sides multiples of 32 within [256, 2048], aspect 1:4..4:1, area <= the canvas max (1,032,192 = 1344x768)."""
-    for name, side in (("width", width), ("height", height)):
-        if side % CANVAS_MULTIPLE or not MIN_SIDE <= side <= MAX_SIDE:
-            raise RequestError(source or name, side if source is None else f"{width}x{height}",
-                               f"{name} must be a multiple of {CANVAS_MULTIPLE} within [{MIN_SIDE}, {MAX_SIDE}]")
-    ratio = width / height
-    if not MIN_ASPECT <= ratio <= MAX_ASPECT:
-        raise RequestError(source or "size", f"{width}x{height}", "aspect ratio W:H between 1:4 and 4:1")
-    if width * height > CANVAS_MAX_PIXELS:
-        raise RequestError(source or "size", f"{width}x{height}",
-                           f"area W*H at most {CANVAS_MAX_PIXELS:,} pixels, the canvas max (1344x768); "
-                           f"got {width * height:,}")
-
-
 def snap_canvas(width: int, height: int) -> Canvas:
     """A requested WxH on H3's canvas: kept when it is a valid canvas (sides multiples of 32 in [256, 2048], aspect
     1:4..4:1, area <= 1,032,192), else the model's canvas for that aspect (`canvas_for_aspect`, the reference's
     resolve_canvas_size): OpenAI's 1280x720 -> 1344x768, 720x1280 -> 768x1344, 1792x1024 -> 1344x768,
     1024x1792 -> 768x1344. An aspect outside 1:4..4:1 raises RequestError naming `size`."""
     try:
-        _check_canvas(width, height)
+        check_canvas(width, height)
         return Canvas(width, height)
     except RequestError:
         pass
     if width <= 0 or height <= 0:
         raise RequestError("size", f"{width}x{height}", "positive sides")
     return canvas_for_aspect((width, height), field_name="size")
-
-
-def _other_side(given: int, exact: float) -> int:
-    """The side that follows from the given one and the aspect: the nearest multiple of 32, or the one below when
-    the nearest would push the area over the canvas max (height 768 at 16:9 -> 1344, not 1376)."""
-    m = CANVAS_MULTIPLE
-    side = max(m, round(exact / m) * m)
-    if given * side > CANVAS_MAX_PIXELS and side - m >= m and given * (side - m) <= CANVAS_MAX_PIXELS:
-        side -= m
-    return side
 
 
 def jpeg_header_segments(data: bytes, limit: int) -> int:
@@ -681,14 +603,14 @@ def validate_request(**raw: Any) -> GenerationRequest:
             width, height = canvas_for_aspect(aspect, field_name=aspect_field)
             source = "derived"
         elif width is None:
-            width, source = _other_side(height, height * ratio), "height"
+            width, source = other_side(height, height * ratio), "height"
         else:
-            height, source = _other_side(width, width / ratio), "width"
+            height, source = other_side(width, width / ratio), "width"
     elif get("aspect") is not None:
         raise RequestError("aspect", _brief(get("aspect")), "give aspect or both width and height, not both")
     if source != "derived":
         # A derived canvas follows the reference rule exactly; its rounding may exceed the area cap by a few percent.
-        _check_canvas(width, height, source)
+        check_canvas(width, height, source)
 
     return GenerationRequest(prompt=prompt, task=task, profile=profile, seconds=seconds, width=width, height=height,
                              seed=seed, steps=steps, fps=fps, first_image=first_image, last_image=last_image,

@@ -27,11 +27,10 @@ import grpc
 import torch
 
 from h3serve._proto import common_pb2, dit_pb2, encoder_pb2, gateway_pb2, muxer_pb2, muxer_pb2_grpc, vae_pb2
-from h3serve.config.request import SAMPLE_RATE
+from h3serve.config.geometry import AUDIO_CHANNELS, SAMPLE_RATE
 from h3serve.config.vocab import NIXL
 from h3serve.errors import H3Error, StageFailed, StageUnavailable
 from h3serve.errortable import from_grpc
-from h3serve.models.dit.layout import AUDIO_CHANNELS
 from h3serve.transport.grpc import collect_tensors, iter_tensor_chunks
 
 from .jobs import Job

@@ -12,16 +12,19 @@ No torch, grpc or av imports here: every part of the system may import this modu
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import math
 import os
 import secrets
+import typing
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Sequence
 
 from PIL import Image
 
+from h3serve.config.codec import f
 from h3serve.config.geometry import (
     AUDIO_HOP,
     CANVAS_MULTIPLE,
@@ -75,8 +78,89 @@ MIN_IMAGE_SIDE = 16
 MAX_AUDIO_SECONDS = 60.0
 MAX_JPEG_SEGMENTS = 1000   # marker segments before a JPEG's image data (jpeg_header_segments)
 
-RAW_FIELDS = ("prompt", "task", "profile", "seconds", "num_frames", "width", "height", "size", "aspect", "seed",
-              "steps", "fps", "first_image", "last_image", "references", "dtype", "quality")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The request's fields, one row each
+
+def _row(name: str, doc: str = "", *, request: bool = True, http: str | None = "body", media: str | None = None,
+         form: dict | None = None, cli: dict | None = None, required: bool = False, dit: bool = False,
+         **schema: Any) -> Any:
+    """One field as callers give it (codec metadata: `name` is the caller's spelling, `doc` and `schema` its
+    OpenAPI description and keywords), and where it goes:
+
+    request   a field of `validate_request`, named by the row's attribute (False: the gateway's alone)
+    http      "body": a top-level field of the videos API's body, documented in its OpenAPI; "refused": accepted
+              at the top level and refused by name, so left out of the document; None: not a top-level field
+    media     "one" | "many": files (a data URL or upload on HTTP, bytes on gRPC, paths on the CLI)
+    form      its multipart schema where that is not the JSON one (media fields: a file or a list of files)
+    cli       `h3serve generate`'s flag (argparse keywords; `flag` when it is not --NAME)
+    dit       sent to the DiT as is (DiTParams and DiTRequest name it as the request does)
+
+    gRPC's GenerateRequest and the SDK's keywords are its proto fields (read from the descriptor where they are
+    used); a field with no proto field and no `http` reaches the request from the CLI or Python only."""
+    meta = {"request": request, "http": http, "media": media, "form": form, "cli": cli, "required": required,
+            "dit": dit}
+    return f(name, doc, None, meta=meta, **schema)
+
+
+@dataclass(frozen=True)
+class RequestFields:
+    """The table of the request's fields (never instantiated), in the videos API's order. A field's Python type
+    is its type check and its JSON type; `services/gateway` (field lists, type checks, the OpenAPI body),
+    `cli.py` (`generate`'s flags) and the stages' DiT parameters are derived from it."""
+
+    prompt: str = _row("prompt", "What to generate", required=True, cli={}, maxLength=MAX_PROMPT_CHARS)
+    seconds: float = _row("seconds", "Requested duration, 4..15 s (raised to 17n+5 frames at 24 fps). Not with "
+                                     "num_frames.", type=["string", "number"],
+                          cli={"default": "5", "help": "requested duration, 4-15 s (raised to the next 17n+5 frames)"})
+    size: str = _row("size", "WxH, multiples of 32 in [256, 2048]", example="1344x768",
+                     cli={"help": "WxH, sides multiples of 32 (default: 16:9 canvas 1344x768)"})
+    width: int = _row("width")
+    height: int = _row("height")
+    aspect: object = _row("aspect", http=None)   # 'W:H', W/H or (W, H): Python callers only
+    num_frames: int = _row("num_frames", "Requested frames at 24 fps (raised to 17n+5)")
+    fps: int = _row("fps", enum=[FPS])
+    seed: int = _row("seed", minimum=0, maximum=MAX_SEED, cli={"default": "0"}, dit=True)
+    task: str = _row("task", http=None, cli={"default": "t2va", "help": " | ".join(TASKS)}, dit=True)
+    profile: str = _row("profile", http=None, cli={"default": "base", "help": " | ".join(PROFILES)}, dit=True)
+    steps: int = _row("num_inference_steps", "Sigma grid points incl. the terminal 0 (N -> N-1 steps); base "
+                                             "default 50, fasth3 5",
+                      cli={"help": "sigma grid points incl. the terminal 0 (base default 50)"}, dit=True)
+    quality: str = _row("quality", "lossless (default) | high: step reuse, profile base only", enum=list(QUALITIES),
+                        cli={"help": "lossless (default) | high: step reuse (profile base)"}, dit=True)
+    dtype: str = _row("dtype", http=None, cli={"default": DEFAULT_DTYPE, "help": " | ".join(DTYPES)})
+    model: str = _row("model", request=False)
+    extra_params: dict = _row("extra_params", request=False, form={"type": "string", "description": "a JSON object"},
+                              properties={"task": {"type": "string", "enum": list(TASKS)},
+                                          "duration": {"type": ["string", "number"]}})
+    video_params: dict = _row("video_params", "width, height, num_frames, fps (vLLM-Omni)", request=False)
+    user: str = _row("user", request=False)
+    input_reference: bytes = _row("input_reference", "the first frame (fl2va): a data URL here, a file in "
+                                                     "multipart; docs/api.md", request=False, media="one")
+    first_image: bytes = _row("first_image", "fl2va first keyframe (data URL)", media="one",
+                              cli={"help": "fl2va: first keyframe image"})
+    last_image: bytes = _row("last_image", "fl2va last keyframe (data URL)", media="one",
+                             cli={"help": "fl2va: last keyframe image"})
+    image_reference: list = _row("image_reference", "ref2va image reference(s), data URLs", request=False,
+                                 media="many", type=["string", "array"])
+    audio_reference: list = _row("audio_reference", "ref2va audio reference(s) at 32 kHz", request=False,
+                                 media="many", type=["string", "array"])
+    video_reference: list = _row("video_reference", request=False, http="refused", media="many")
+    references: list = _row("references", http=None, media="many",
+                            cli={"flag": "--reference", "action": "append", "default": [], "metavar": "KIND:PATH",
+                                 "help": "ref2va reference, repeatable: image:PATH or audio:PATH (wav)"})
+
+
+REQUEST_FIELDS = dataclasses.fields(RequestFields)
+FIELD_TYPES = typing.get_type_hints(RequestFields)   # row -> its Python type
+RAW_FIELDS = tuple(row.name for row in REQUEST_FIELDS if row.metadata["request"])
+DIT_FIELDS = tuple(row.name for row in REQUEST_FIELDS if row.metadata["dit"])
+
+
+def dit_fields(request: Any) -> dict[str, Any]:
+    """The fields the DiT takes as the request names them (DiTParams, DiTRequest), from a request or DiTParams."""
+    return {name: getattr(request, name) for name in DIT_FIELDS}
 
 
 def _parse_aspect(aspect: Any, field_name: str) -> float:

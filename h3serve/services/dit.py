@@ -14,7 +14,7 @@ import torch
 
 from h3serve._proto import common_pb2, dit_pb2, dit_pb2_grpc, vae_pb2, vae_pb2_grpc
 from h3serve.config.geometry import check_latents
-from h3serve.config.request import BASE_STEPS_RANGE, FASTH3_STEPS
+from h3serve.config.request import BASE_STEPS_RANGE, FASTH3_STEPS, dit_fields
 from h3serve.config.stage import StageConfig
 from h3serve.config.vocab import DEFAULT_QUALITY, NIXL, QUALITIES
 from h3serve.distributed.proxies import DiTEngineProxy
@@ -152,10 +152,10 @@ class DiTServicer(StageBase):
                 raise RequestError("condition", None, str(exc)) from None
             req = DiTRequest(
                 text_states=tensors["text_states"], text_tags=tensors["text_tags"], latent_frames=p.latent_frames,
-                latent_h=p.latent_height, latent_w=p.latent_width, audio_latents=p.audio_latents, seed=int(p.seed),
-                task=task, profile=p.profile, steps=p.steps or None, anchors=c.anchors,
+                latent_h=p.latent_height, latent_w=p.latent_width, audio_latents=p.audio_latents, anchors=c.anchors,
                 condition_latents=c.condition_latents, references=c.references,
-                reference_audio_rows=c.reference_audio_rows, quality=quality)
+                reference_audio_rows=c.reference_audio_rows,
+                **{**dit_fields(p), "task": task, "quality": quality, "steps": p.steps or None})   # "", 0: unset
             t0 = time.perf_counter()
 
             def work(emit):

@@ -18,8 +18,9 @@ import time
 
 from h3serve.config.levers import CLI_NAMES, LeverError, Levers, check_combination, staging_conflict
 from h3serve.config.parallel import ParallelDegrees
+from h3serve.config.request import FIELD_TYPES, REQUEST_FIELDS
 from h3serve.config.stage import API_KEY_ENV, API_KEYS_ENV, StageConfig
-from h3serve.config.vocab import (DEFAULT_DTYPE, DIT_LAYERS, DTYPES, ENCODER_LAYERS, EXIT_USER_ERROR, GRPC_PORT,
+from h3serve.config.vocab import (DEFAULT_DTYPE, DIT_LAYERS, ENCODER_LAYERS, EXIT_USER_ERROR, GRPC_PORT,
                                   HTTP_PORT, MIN_RESIDENT_BLOCKS,
                                   MODEL_STAGES, OFFLOAD_MODES, TRANSPORTS)
 from h3serve.errors import H3Error
@@ -39,15 +40,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="with --server: verify the gateway's TLS certificate against this CA (default: plaintext)")
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                    help=f"with --server: the caller's API key (default ${API_KEY_ENV})")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--seconds", default="5", help="requested duration, 4-15 s (raised to the next 17n+5 frames)")
-    p.add_argument("--size", default=None, help="WxH, sides multiples of 32 (default: 16:9 canvas 1344x768)")
-    p.add_argument("--seed", default="0")
-    p.add_argument("--task", default="t2va", help="t2va | fl2va | ref2va")
-    p.add_argument("--profile", default="base", help="base | fasth3")
-    p.add_argument("--steps", default=None, help="sigma grid points incl. the terminal 0 (base default 50)")
-    p.add_argument("--quality", default=None, help="lossless (default) | high: step reuse (profile base)")
-    p.add_argument("--dtype", default=DEFAULT_DTYPE, help=" | ".join(DTYPES))
+    _add_request_flags(p, media=False)
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when present)")
     for flag, what in (("--encoder-tp", "text encoder tensor-parallel degree"),
                        ("--ulysses", "DiT Ulysses degree (divides the DiT's heads)"),
@@ -58,10 +51,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--adapter-sha256", default=None, help="expected sha256 of --adapter (required with it)")
     p.add_argument("--checkpoint-manifest-sha256", default=None, metavar="HEX",
                    help="pin: the sha256 of the checkpoint's h3serve-manifest.json; every file is checked first")
-    p.add_argument("--first-image", default=None, help="fl2va: first keyframe image")
-    p.add_argument("--last-image", default=None, help="fl2va: last keyframe image")
-    p.add_argument("--reference", action="append", default=[], metavar="KIND:PATH",
-                   help="ref2va reference, repeatable: image:PATH or audio:PATH (wav)")
+    _add_request_flags(p, media=True)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the result as one JSON line")
     p.add_argument("-o", "--output", required=True, help="MP4 path to write")
@@ -69,14 +59,33 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_generate)
 
 
+# `generate`'s request flags: the rows of the request's field table that have one (config/request.py)
+CLI_FIELDS = [row for row in REQUEST_FIELDS if row.metadata["cli"] is not None]
+
+
+def _flag(row) -> str:
+    return row.metadata["cli"].get("flag", "--" + row.name.replace("_", "-"))
+
+
+def _add_request_flags(p: argparse.ArgumentParser, *, media: bool) -> None:
+    """The request's flags, its media files (`media`) after the pipeline's own flags."""
+    for row in CLI_FIELDS:
+        if bool(row.metadata["media"]) == media:
+            kwargs = {k: v for k, v in row.metadata["cli"].items() if k != "flag"}
+            p.add_argument(_flag(row), **({"required": True} if row.metadata["required"] else {}), **kwargs)
+
+
+def _request_flags(args: argparse.Namespace) -> dict:
+    """request field -> the value its flag was given (flags left unset, and an empty list, left out)."""
+    values = {row.name: getattr(args, _flag(row).lstrip("-").replace("-", "_")) for row in CLI_FIELDS}
+    return {name: value for name, value in values.items() if value is not None and value != []}
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from h3serve.config.request import validate_request
 
     t0 = time.perf_counter()
-    raw = dict(prompt=args.prompt, seconds=args.seconds, size=args.size, seed=args.seed, task=args.task,
-               profile=args.profile, steps=args.steps, dtype=args.dtype, first_image=args.first_image,
-               last_image=args.last_image, references=args.reference or None, quality=args.quality)
-    request = validate_request(**{k: v for k, v in raw.items() if v is not None})
+    request = validate_request(**_request_flags(args))
     _check_output(args.output)
     levers = _levers(args)
     if args.server:
@@ -160,7 +169,7 @@ def _check_output(path: str) -> None:
 
 def _generate_remote(args: argparse.Namespace, t0: float) -> int:
     """`generate --server`: the same request through the SDK; the server's profile, dtype and device apply."""
-    from h3serve.client import Client
+    from h3serve.client import FIELDS as SDK_FIELDS, Client
 
     server_side = {"--device": args.device, "--adapter": args.adapter, "--adapter-sha256": args.adapter_sha256,
                    "--checkpoint": args.checkpoint,
@@ -170,11 +179,10 @@ def _generate_remote(args: argparse.Namespace, t0: float) -> int:
     given = [flag for flag, value in server_side.items() if value is not None]
     if given:
         raise H3Error(f"{', '.join(given)}: set on the server (h3serve serve), not with --server")
-    fields = dict(seconds=float(args.seconds) if args.seconds is not None else None, size=args.size,
-                  seed=int(args.seed) if args.seed is not None else None, task=args.task,
-                  num_inference_steps=int(args.steps) if args.steps is not None else None,
-                  first_image=args.first_image, last_image=args.last_image,   # the files' bytes go to the server
-                  references=args.reference or None, quality=args.quality)
+    # the SDK's keywords (the files' bytes go to the server), numbers as their type (validated above)
+    types = {row.name: (FIELD_TYPES[row.name], row.metadata["json"]) for row in CLI_FIELDS}
+    fields = {types[name][1]: types[name][0](value) if types[name][0] in (int, float) else value
+              for name, value in _request_flags(args).items() if types[name][1] in SDK_FIELDS}
     bar = None
     if not args.no_progress:
         from tqdm import tqdm
@@ -195,7 +203,7 @@ def _generate_remote(args: argparse.Namespace, t0: float) -> int:
                 credentials = grpc.ssl_channel_credentials(f.read())
         with Client(args.server, api_key=args.api_key, credentials=credentials) as client:
             result = client.generate(args.prompt, output=args.output, timeout=args.timeout, on_progress=on_progress,
-                                     **{k: v for k, v in fields.items() if v is not None})
+                                     **fields)
     finally:
         if bar is not None:
             bar.close()

@@ -59,9 +59,12 @@ __all__ = ["Client", "AsyncClient", "Generation", "AsyncGeneration", "Generation
            "Cancelled", "NotFound", "TooLarge", "StageFailed", "Unauthenticated", "PermissionDenied"]
 
 MAX_RECEIVE = 256 << 20   # the largest GenerateSync response this client accepts
-MEDIA = ("first_image", "last_image", "references")
-_FIELDS = ("seconds", "size", "width", "height", "num_frames", "fps", "seed", "num_inference_steps", "task",
-           "quality", "model", "request_id", *MEDIA)
+# The request's keywords are GenerateRequest's fields (prompt and validate_only are arguments of their own); its
+# media are its bytes fields (files) and the references.
+_REQUEST = gateway_pb2.GenerateRequest.DESCRIPTOR.fields
+_FILES = tuple(fd.name for fd in _REQUEST if fd.type == fd.TYPE_BYTES)
+MEDIA = (*_FILES, "references")
+FIELDS = tuple(fd.name for fd in _REQUEST if fd.name not in ("prompt", "validate_only"))
 
 
 def _media_bytes(name: str, value: Any) -> tuple[bytes, str]:
@@ -160,12 +163,12 @@ def build_request(prompt: str, *, validate_only: bool = False, **fields: Any):
         if fields.get("num_inference_steps") is not None:
             raise TypeError("give steps or num_inference_steps, not both")
         fields["num_inference_steps"] = fields.pop("steps")
-    unknown = sorted(set(fields) - set(_FIELDS))
+    unknown = sorted(set(fields) - set(FIELDS))
     if unknown:
-        raise TypeError(f"unknown request fields {unknown}; allowed: {', '.join(_FIELDS)}")
+        raise TypeError(f"unknown request fields {unknown}; allowed: {', '.join(FIELDS)}")
     media = {k: fields.pop(k) for k in MEDIA if k in fields}
     msg = gateway_pb2.GenerateRequest(prompt=prompt, validate_only=validate_only)
-    for name in ("first_image", "last_image"):
+    for name in _FILES:
         if media.get(name) is not None:
             setattr(msg, name, _media_bytes(name, media[name])[0])
     for i, ref in enumerate(media.get("references") or ()):

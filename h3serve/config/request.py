@@ -5,47 +5,53 @@
 any model work, so a request that would fail later (bad canvas, wrong frame count, missing keyframe) is refused
 up front with a message that says what to change.
 
-Geometry (H3_REFERENCE §3.1, §5):
-  * 24 fps; the video VAE encodes 17n+5 pixel frames into 5n+2 latent frames, so the requested duration is
-    raised to the next 17n+5 frames: 5 / 10 / 15 s -> 124 / 243 / 362 frames, 4 s -> 107.
-  * Audio latents: A = round(F / 24 * 40) (the audio VAE hops 800 samples at 32 kHz, 40 latents/s).
-  * Canvas sides are multiples of 32 (VAE 16x times the DiT patch 2); latent sides are H/16, W/16.
+The frame / latent / canvas arithmetic it applies is `h3serve.config.geometry`'s.
 
 No torch, grpc or av imports here: every part of the system may import this module.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import math
 import os
 import secrets
+import typing
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, Mapping, Sequence
 
 from PIL import Image
 
+from h3serve.config.codec import f
+from h3serve.config.geometry import (
+    AUDIO_HOP,
+    CANVAS_MULTIPLE,
+    DEFAULT_CANVAS,
+    FPS,
+    MAX_ASPECT,
+    MAX_SECONDS,
+    MAX_SIDE,
+    MIN_ASPECT,
+    MIN_SECONDS,
+    MIN_SIDE,
+    VAE_SPATIAL,
+    Canvas,
+    audio_latents_for_frames,
+    canvas_for_ratio,
+    check_canvas,
+    frames_for_seconds,
+    num_frames_to_latents,
+    other_side,
+)
 from h3serve.config.levers import REQUEST_NAMES, lever_conflict
 from h3serve.config.vocab import DEFAULT_DTYPE, DEFAULT_QUALITY, DTYPES, PROFILES, QUALITIES, TASKS
 from h3serve.errors import RequestError
 
 # ---------------------------------------------------------------------------------------------------------------
-# Constants (the released model's geometry)
+# Bounds of a request beyond its geometry (config/geometry.py)
 
-FPS = 24
-FRAMES_PER_CLIP = 17            # video VAE clip length
-LATENTS_PER_CLIP = 5            # latent frames a clip keeps; 17n+5 frames -> 5n+2 latents
-AUDIO_LATENTS_PER_SECOND = 40   # 32 kHz / hop 800
-AUDIO_HOP = 800
-SAMPLE_RATE = 32000
-VAE_SPATIAL = 16
-CANVAS_MULTIPLE = 32            # VAE 16x times the DiT patch 2
-CANVAS_SHORT_EDGE = 768
-CANVAS_MAX_PIXELS = 768 * 1344  # 1,032,192
-MIN_SIDE, MAX_SIDE = 256, 2048
-MIN_ASPECT, MAX_ASPECT = 1 / 4, 4.0
-MIN_SECONDS, MAX_SECONDS = 4.0, 15.0
 MAX_PROMPT_CHARS = 20_000
 MAX_SEED = 2**63 - 1
 
@@ -72,46 +78,89 @@ MIN_IMAGE_SIDE = 16
 MAX_AUDIO_SECONDS = 60.0
 MAX_JPEG_SEGMENTS = 1000   # marker segments before a JPEG's image data (jpeg_header_segments)
 
-RAW_FIELDS = ("prompt", "task", "profile", "seconds", "num_frames", "width", "height", "size", "aspect", "seed",
-              "steps", "fps", "first_image", "last_image", "references", "dtype", "quality")
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Frame / latent / canvas arithmetic
+# The request's fields, one row each
 
-def frames_for_seconds(seconds: float, fps: int = FPS) -> int:
-    """Pixel frames for a requested duration: the next 17n+5 >= round(seconds * fps). 5 s -> 124, 15 s -> 362."""
-    target = round(seconds * fps)
-    n = max(0, -(-(target - LATENTS_PER_CLIP) // FRAMES_PER_CLIP))   # ceil((target - 5) / 17)
-    return FRAMES_PER_CLIP * n + LATENTS_PER_CLIP
+def _row(name: str, doc: str = "", *, request: bool = True, http: str | None = "body", media: str | None = None,
+         form: dict | None = None, cli: dict | None = None, required: bool = False, dit: bool = False,
+         **schema: Any) -> Any:
+    """One field as callers give it (codec metadata: `name` is the caller's spelling, `doc` and `schema` its
+    OpenAPI description and keywords), and where it goes:
 
+    request   a field of `validate_request`, named by the row's attribute (False: the gateway's alone)
+    http      "body": a top-level field of the videos API's body, documented in its OpenAPI; "refused": accepted
+              at the top level and refused by name, so left out of the document; None: not a top-level field
+    media     "one" | "many": files (a data URL or upload on HTTP, bytes on gRPC, paths on the CLI)
+    form      its multipart schema where that is not the JSON one (media fields: a file or a list of files)
+    cli       `h3serve generate`'s flag (argparse keywords; `flag` when it is not --NAME)
+    dit       sent to the DiT as is (DiTParams and DiTRequest name it as the request does)
 
-def num_frames_to_latents(num_frames: int) -> int:
-    """Latent frames of the video VAE for F = 17n+5 pixel frames: 5n+2 (124 -> 37, 243 -> 72, 362 -> 107)."""
-    if isinstance(num_frames, bool) or not isinstance(num_frames, int) or num_frames < LATENTS_PER_CLIP \
-            or num_frames % FRAMES_PER_CLIP != LATENTS_PER_CLIP:
-        raise RequestError("num_frames", num_frames, "must be of the form 17n+5 (e.g. 124, 243, 362)")
-    return (num_frames - LATENTS_PER_CLIP) // FRAMES_PER_CLIP * LATENTS_PER_CLIP + 2
-
-
-def audio_latents_for_frames(num_frames: int, fps: int = FPS) -> int:
-    """Audio latents covering F video frames: A = round(F / fps * 40) (124 -> 207, 243 -> 405, 362 -> 603)."""
-    return int(round(num_frames / fps * AUDIO_LATENTS_PER_SECOND))
-
-
-# The reference pipeline (diffusers) refuses an *aligned* duration outside [5, 15] s: 124..345 frames. Requests of
-# 4..4.9 s (107 frames) and of 14.4..15 s (362 frames) are served by h3serve but cannot be compared against it.
-REFERENCE_DURATION = (5.0, 15.0)
+    gRPC's GenerateRequest and the SDK's keywords are its proto fields (read from the descriptor where they are
+    used); a field with no proto field and no `http` reaches the request from the CLI or Python only."""
+    meta = {"request": request, "http": http, "media": media, "form": form, "cli": cli, "required": required,
+            "dit": dit}
+    return f(name, doc, None, meta=meta, **schema)
 
 
-def within_reference_duration(num_frames: int, fps: int = FPS) -> bool:
-    """Whether the reference pipeline accepts this aligned frame count (5 s <= F/24 <= 15 s: 124..345 frames)."""
-    return REFERENCE_DURATION[0] <= num_frames / fps <= REFERENCE_DURATION[1]
+@dataclass(frozen=True)
+class RequestFields:
+    """The table of the request's fields (never instantiated), in the videos API's order. A field's Python type
+    is its type check and its JSON type; `services/gateway` (field lists, type checks, the OpenAPI body),
+    `cli.py` (`generate`'s flags) and the stages' DiT parameters are derived from it."""
+
+    prompt: str = _row("prompt", "What to generate", required=True, cli={}, maxLength=MAX_PROMPT_CHARS)
+    seconds: float = _row("seconds", "Requested duration, 4..15 s (raised to 17n+5 frames at 24 fps). Not with "
+                                     "num_frames.", type=["string", "number"],
+                          cli={"default": "5", "help": "requested duration, 4-15 s (raised to the next 17n+5 frames)"})
+    size: str = _row("size", "WxH, multiples of 32 in [256, 2048]", example="1344x768",
+                     cli={"help": "WxH, sides multiples of 32 (default: 16:9 canvas 1344x768)"})
+    width: int = _row("width")
+    height: int = _row("height")
+    aspect: object = _row("aspect", http=None)   # 'W:H', W/H or (W, H): Python callers only
+    num_frames: int = _row("num_frames", "Requested frames at 24 fps (raised to 17n+5)")
+    fps: int = _row("fps", enum=[FPS])
+    seed: int = _row("seed", minimum=0, maximum=MAX_SEED, cli={"default": "0"}, dit=True)
+    task: str = _row("task", http=None, cli={"default": "t2va", "help": " | ".join(TASKS)}, dit=True)
+    profile: str = _row("profile", http=None, cli={"default": "base", "help": " | ".join(PROFILES)}, dit=True)
+    steps: int = _row("num_inference_steps", "Sigma grid points incl. the terminal 0 (N -> N-1 steps); base "
+                                             "default 50, fasth3 5",
+                      cli={"help": "sigma grid points incl. the terminal 0 (base default 50)"}, dit=True)
+    quality: str = _row("quality", "lossless (default) | high: step reuse, profile base only", enum=list(QUALITIES),
+                        cli={"help": "lossless (default) | high: step reuse (profile base)"}, dit=True)
+    dtype: str = _row("dtype", http=None, cli={"default": DEFAULT_DTYPE, "help": " | ".join(DTYPES)})
+    model: str = _row("model", request=False)
+    extra_params: dict = _row("extra_params", request=False, form={"type": "string", "description": "a JSON object"},
+                              properties={"task": {"type": "string", "enum": list(TASKS)},
+                                          "duration": {"type": ["string", "number"]}})
+    video_params: dict = _row("video_params", "width, height, num_frames, fps (vLLM-Omni)", request=False)
+    user: str = _row("user", request=False)
+    input_reference: bytes = _row("input_reference", "the first frame (fl2va): a data URL here, a file in "
+                                                     "multipart; docs/api.md", request=False, media="one")
+    first_image: bytes = _row("first_image", "fl2va first keyframe (data URL)", media="one",
+                              cli={"help": "fl2va: first keyframe image"})
+    last_image: bytes = _row("last_image", "fl2va last keyframe (data URL)", media="one",
+                             cli={"help": "fl2va: last keyframe image"})
+    image_reference: list = _row("image_reference", "ref2va image reference(s), data URLs", request=False,
+                                 media="many", type=["string", "array"])
+    audio_reference: list = _row("audio_reference", "ref2va audio reference(s) at 32 kHz", request=False,
+                                 media="many", type=["string", "array"])
+    video_reference: list = _row("video_reference", request=False, http="refused", media="many")
+    references: list = _row("references", http=None, media="many",
+                            cli={"flag": "--reference", "action": "append", "default": [], "metavar": "KIND:PATH",
+                                 "help": "ref2va reference, repeatable: image:PATH or audio:PATH (wav)"})
 
 
-class Canvas(NamedTuple):
-    width: int
-    height: int
+REQUEST_FIELDS = dataclasses.fields(RequestFields)
+FIELD_TYPES = typing.get_type_hints(RequestFields)   # row -> its Python type
+RAW_FIELDS = tuple(row.name for row in REQUEST_FIELDS if row.metadata["request"])
+DIT_FIELDS = tuple(row.name for row in REQUEST_FIELDS if row.metadata["dit"])
+
+
+def dit_fields(request: Any) -> dict[str, Any]:
+    """The fields the DiT takes as the request names them (DiTParams, DiTRequest), from a request or DiTParams."""
+    return {name: getattr(request, name) for name in DIT_FIELDS}
 
 
 def _parse_aspect(aspect: Any, field_name: str) -> float:
@@ -140,27 +189,9 @@ def _parse_aspect(aspect: Any, field_name: str) -> float:
 
 
 def canvas_for_aspect(aspect: Any, *, field_name: str = "aspect") -> Canvas:
-    """The generation canvas for a display aspect ratio, as the reference's resolve_canvas_size computes it.
-
-    Short edge 768; if the area then exceeds 1,032,192 it is scaled down to that area; each side is rounded to the
-    nearest multiple of 32 (so the rounded area can end up slightly above the cap: 9:5 -> 1376x768).
-    16:9 -> 1344x768, 1:1 -> 768x768, 9:16 -> 768x1344, 4:1 -> 2016x512.
-    `aspect` is W/H as a number, a 'W:H' string or a (W, H) pair (e.g. an image's size).
-    """
-    ratio = _parse_aspect(aspect, field_name)
-    if ratio >= 1.0:
-        width, height = CANVAS_SHORT_EDGE * ratio, float(CANVAS_SHORT_EDGE)
-    else:
-        width, height = float(CANVAS_SHORT_EDGE), CANVAS_SHORT_EDGE / ratio
-    area = width * height
-    if area > CANVAS_MAX_PIXELS:
-        scale = (CANVAS_MAX_PIXELS / area) ** 0.5
-        width, height = width * scale, height * scale
-    m = CANVAS_MULTIPLE
-    return Canvas(max(m, round(width / m) * m), max(m, round(height / m) * m))
-
-
-DEFAULT_CANVAS = canvas_for_aspect((16, 9))   # 1344x768
+    """The generation canvas (`geometry.canvas_for_ratio`) for a display aspect ratio given as W/H, a 'W:H' string
+    or a (W, H) pair (e.g. an image's size). 16:9 -> 1344x768, 1:1 -> 768x768, 9:16 -> 768x1344."""
+    return canvas_for_ratio(_parse_aspect(aspect, field_name))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -294,7 +325,7 @@ def _as_int(name: str, value: Any, allowed: str) -> int:
         return int(value)
     if isinstance(value, str):
         text = value.strip()
-        if text and (text.isdigit() or (text[0] in "+-" and text[1:].isdigit())) and len(text) <= 40:
+        if text.isascii() and (text.isdigit() or (text[:1] in ("+", "-") and text[1:].isdigit())) and len(text) <= 40:
             return int(text)
     raise RequestError(name, _brief(value), allowed)
 
@@ -381,44 +412,19 @@ def _parse_size(size: Any) -> tuple[int, int]:
     return _as_int("size", parts[0], allowed), _as_int("size", parts[1], allowed)
 
 
-def _check_canvas(width: int, height: int, source: str | None = None) -> None:
-    """Sides multiples of 32 within [256, 2048], aspect 1:4..4:1, area <= the canvas max (1,032,192 = 1344x768)."""
-    for name, side in (("width", width), ("height", height)):
-        if side % CANVAS_MULTIPLE or not MIN_SIDE <= side <= MAX_SIDE:
-            raise RequestError(source or name, side if source is None else f"{width}x{height}",
-                               f"{name} must be a multiple of {CANVAS_MULTIPLE} within [{MIN_SIDE}, {MAX_SIDE}]")
-    ratio = width / height
-    if not MIN_ASPECT <= ratio <= MAX_ASPECT:
-        raise RequestError(source or "size", f"{width}x{height}", "aspect ratio W:H between 1:4 and 4:1")
-    if width * height > CANVAS_MAX_PIXELS:
-        raise RequestError(source or "size", f"{width}x{height}",
-                           f"area W*H at most {CANVAS_MAX_PIXELS:,} pixels, the canvas max (1344x768); "
-                           f"got {width * height:,}")
-
-
 def snap_canvas(width: int, height: int) -> Canvas:
     """A requested WxH on H3's canvas: kept when it is a valid canvas (sides multiples of 32 in [256, 2048], aspect
     1:4..4:1, area <= 1,032,192), else the model's canvas for that aspect (`canvas_for_aspect`, the reference's
     resolve_canvas_size): OpenAI's 1280x720 -> 1344x768, 720x1280 -> 768x1344, 1792x1024 -> 1344x768,
     1024x1792 -> 768x1344. An aspect outside 1:4..4:1 raises RequestError naming `size`."""
     try:
-        _check_canvas(width, height)
+        check_canvas(width, height)
         return Canvas(width, height)
     except RequestError:
         pass
     if width <= 0 or height <= 0:
         raise RequestError("size", f"{width}x{height}", "positive sides")
     return canvas_for_aspect((width, height), field_name="size")
-
-
-def _other_side(given: int, exact: float) -> int:
-    """The side that follows from the given one and the aspect: the nearest multiple of 32, or the one below when
-    the nearest would push the area over the canvas max (height 768 at 16:9 -> 1344, not 1376)."""
-    m = CANVAS_MULTIPLE
-    side = max(m, round(exact / m) * m)
-    if given * side > CANVAS_MAX_PIXELS and side - m >= m and given * (side - m) <= CANVAS_MAX_PIXELS:
-        side -= m
-    return side
 
 
 def jpeg_header_segments(data: bytes, limit: int) -> int:
@@ -681,14 +687,14 @@ def validate_request(**raw: Any) -> GenerationRequest:
             width, height = canvas_for_aspect(aspect, field_name=aspect_field)
             source = "derived"
         elif width is None:
-            width, source = _other_side(height, height * ratio), "height"
+            width, source = other_side(height, height * ratio), "height"
         else:
-            height, source = _other_side(width, width / ratio), "width"
+            height, source = other_side(width, width / ratio), "width"
     elif get("aspect") is not None:
         raise RequestError("aspect", _brief(get("aspect")), "give aspect or both width and height, not both")
     if source != "derived":
         # A derived canvas follows the reference rule exactly; its rounding may exceed the area cap by a few percent.
-        _check_canvas(width, height, source)
+        check_canvas(width, height, source)
 
     return GenerationRequest(prompt=prompt, task=task, profile=profile, seconds=seconds, width=width, height=height,
                              seed=seed, steps=steps, fps=fps, first_image=first_image, last_image=last_image,

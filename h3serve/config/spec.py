@@ -5,7 +5,8 @@ dataclasses with snake_case attributes, and validated in one place (`validate`).
 field, the value and what to change.
 
 The field table below is also the source of the CRD's OpenAPI schema (`h3serve.operator.crd`): each field's
-JSON name, documentation, default and bounds live in its `dataclasses.field(metadata=...)`. The cross-field
+JSON name, documentation, default and bounds live in its `dataclasses.field(metadata=...)` (`codec.f`; the
+camelCase codec is `h3serve.config.codec`). The cross-field
 rules live in `h3serve.config.rules`, once: `validate` runs them here and the CRD carries them as CEL (tests
 compare their messages against a real API server).
 
@@ -14,15 +15,13 @@ No kopf, grpc, av or torch imports here.
 
 from __future__ import annotations
 
-import dataclasses
 import ipaddress
 import math
 import re
-import types
-import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
+from h3serve.config.codec import dump, f, parse
 from h3serve.config.rules import RULES
 from h3serve.config.vocab import (
     DEFAULT_TASKS,
@@ -73,14 +72,6 @@ class SpecError(H3Error, ValueError):
     def __init__(self, issues: list[tuple[str, str]]):
         self.issues = list(issues)
         super().__init__("; ".join(f"{f}: {m}" for f, m in self.issues))
-
-
-def f(name: str, doc: str, default: Any = dataclasses.MISSING, *, factory: Any = None, **schema: Any) -> Any:
-    """A spec field: its camelCase JSON name, its documentation and extra OpenAPI keywords (bounds, enum, ...)."""
-    md = {"json": name, "doc": doc, "schema": schema}
-    if factory is not None:
-        return field(default_factory=factory, metadata=md)
-    return field(default=default, metadata=md)
 
 
 # Shared OpenAPI fragments for Kubernetes core types we pass through untouched.
@@ -464,14 +455,14 @@ class H3DeploymentSpec:
     def from_dict(cls, d: dict) -> "H3DeploymentSpec":
         """Parse a custom resource's `.spec` (camelCase). Raises SpecError for unknown fields or wrong types."""
         issues: list[tuple[str, str]] = []
-        obj = _parse(cls, d, "spec", issues)
+        obj = parse(cls, d, "spec", issues)
         if issues:
             raise SpecError(issues)
         return obj
 
     def to_dict(self) -> dict:
         """camelCase dict with defaults filled in and unset optionals left out (round-trips through from_dict)."""
-        return _dump(self)
+        return dump(self)
 
 
 # ---- the service config the operator renders into each deployment's ConfigMap -----------------------------------
@@ -609,93 +600,3 @@ def parse_and_validate(d: dict, name: str | None = None) -> H3DeploymentSpec:
     if issues:
         raise SpecError(issues)
     return spec
-
-
-# ---- generic dataclass <-> camelCase dict -----------------------------------------------------------------------
-
-def _hints(cls) -> dict:
-    return typing.get_type_hints(cls)
-
-
-def _unwrap_optional(tp):
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return args[0], True
-    return tp, False
-
-
-def _parse(cls, d: Any, where: str, issues: list) -> Any:
-    if not isinstance(d, dict):
-        issues.append((where, f"{where} must be a mapping, got {type(d).__name__}"))
-        return None
-    hints = _hints(cls)
-    by_json = {fl.metadata["json"]: fl for fl in dataclasses.fields(cls)}
-    for k in d:
-        if k not in by_json:
-            close = [j for j in by_json if j.lower() == str(k).lower() or j.lower().startswith(str(k).lower()[:4])]
-            hint = f" (did you mean {close[0]}?)" if close else f"; known fields: {', '.join(sorted(by_json))}"
-            issues.append((f"{where}.{k}", f"unknown field {where}.{k}{hint}"))
-    kwargs = {}
-    for j, fl in by_json.items():
-        here = f"{where}.{j}"
-        if j not in d or d[j] is None:
-            if fl.default is dataclasses.MISSING and fl.default_factory is dataclasses.MISSING:
-                issues.append((here, f"{here} is required"))
-            continue
-        tp, _ = _unwrap_optional(hints[fl.name])
-        v = d[j]
-        if dataclasses.is_dataclass(tp):
-            v = _parse(tp, v, here, issues)
-        elif tp is bool:
-            if not isinstance(v, bool):
-                issues.append((here, f"{here} must be true or false, got {v!r}"))
-        elif tp is int:
-            if isinstance(v, bool) or not isinstance(v, int):
-                issues.append((here, f"{here} must be an integer, got {v!r}"))
-            else:
-                lo, hi = fl.metadata["schema"].get("minimum"), fl.metadata["schema"].get("maximum")
-                if (lo is not None and v < lo) or (hi is not None and v > hi):
-                    issues.append((here, f"{here}={v} must be between {lo} and {hi}"))
-        elif tp is str:
-            if not isinstance(v, str):
-                issues.append((here, f"{here} must be a string, got {v!r}"))
-            else:
-                enum = fl.metadata["schema"].get("enum")
-                if enum and v not in enum:
-                    issues.append((here, f"{here}={v!r} must be one of {', '.join(enum)}"))
-                pat = fl.metadata["schema"].get("pattern")
-                if pat and not re.match(pat, v):
-                    issues.append((here, f"{here}={v!r} must match {pat}"))
-                ml = fl.metadata["schema"].get("minLength")
-                if ml and len(v) < ml:
-                    issues.append((here, f"{here} must not be empty"))
-        elif tp is dict or typing.get_origin(tp) is dict:
-            if not isinstance(v, dict):
-                issues.append((here, f"{here} must be a mapping"))
-        elif tp is list or typing.get_origin(tp) is list:
-            if not isinstance(v, list):
-                issues.append((here, f"{here} must be a list"))
-        kwargs[fl.name] = v
-    if any(i[0].startswith(where) for i in issues):
-        try:
-            return cls(**kwargs)
-        except TypeError:
-            return None
-    return cls(**kwargs)
-
-
-def _dump(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj):
-        out = {}
-        for fl in dataclasses.fields(obj):
-            v = getattr(obj, fl.name)
-            if v is None:
-                continue
-            out[fl.metadata["json"]] = _dump(v)
-        return out
-    if isinstance(obj, dict):
-        return {k: _dump(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_dump(v) for v in obj]
-    return obj

@@ -30,7 +30,7 @@ import av
 import numpy as np
 from av.codec.context import Flags, ThreadType
 
-from h3serve.config.request import SAMPLE_RATE
+from h3serve.config.geometry import SAMPLE_RATE
 
 from .mux import _create_temp, _planes
 

@@ -19,6 +19,7 @@ import yaml
 
 from h3serve import __version__
 from h3serve.config import spec as S
+from h3serve.config.codec import dump, unwrap_optional
 from h3serve.config.rules import RULES
 
 # which h3serve generated a stored CRD: named when an older operator refuses to apply its CRD over a newer one
@@ -26,13 +27,13 @@ VERSION_ANNOTATION = f"{S.GROUP}/generated-by"
 
 def _field_schema(tp, fl: dataclasses.Field) -> dict:
     md = fl.metadata
-    tp, _ = S._unwrap_optional(tp)
+    tp, _ = unwrap_optional(tp)
     extra = dict(md["schema"])
     if dataclasses.is_dataclass(tp):
         out = _object_schema(tp)
         if fl.default_factory is not dataclasses.MISSING:
             # the nested defaults spelled out: CEL rules on the object see them even when the user omits it
-            out["default"] = S._dump(fl.default_factory())
+            out["default"] = dump(fl.default_factory())
     elif tp is bool:
         out = {"type": "boolean"}
     elif tp is int:

@@ -13,18 +13,8 @@ import time
 import torch
 
 from h3serve._proto import common_pb2, dit_pb2, dit_pb2_grpc, vae_pb2, vae_pb2_grpc
-from h3serve.config.request import (
-    BASE_STEPS_RANGE,
-    FASTH3_STEPS,
-    MAX_SECONDS,
-    MAX_SIDE,
-    MIN_SECONDS,
-    MIN_SIDE,
-    VAE_SPATIAL,
-    audio_latents_for_frames,
-    frames_for_seconds,
-    num_frames_to_latents,
-)
+from h3serve.config.geometry import check_latents
+from h3serve.config.request import BASE_STEPS_RANGE, FASTH3_STEPS, dit_fields
 from h3serve.config.stage import StageConfig
 from h3serve.config.vocab import DEFAULT_QUALITY, NIXL, QUALITIES
 from h3serve.distributed.proxies import DiTEngineProxy
@@ -54,19 +44,9 @@ def _unwrap(msg):
 
 
 def check_geometry(p) -> None:
-    """The request geometry the gateway's validation produces, checked again for a direct caller: latent frames
-    5n+2 of a 4..15 s video, the audio latents of those frames, latent sides of a canvas side in range."""
-    lo, hi = (num_frames_to_latents(frames_for_seconds(s)) for s in (MIN_SECONDS, MAX_SECONDS))
-    if not (lo <= p.latent_frames <= hi and (p.latent_frames - 2) % 5 == 0):
-        raise RequestError("latent_frames", p.latent_frames, f"5n+2 in [{lo}, {hi}] (a 4..15 s video)")
-    frames = (p.latent_frames - 2) // 5 * 17 + 5
-    if p.audio_latents != audio_latents_for_frames(frames):
-        raise RequestError("audio_latents", p.audio_latents,
-                           f"{audio_latents_for_frames(frames)} (the audio of {frames} frames)")
-    for name in ("latent_height", "latent_width"):
-        value = getattr(p, name)
-        if not MIN_SIDE // VAE_SPATIAL <= value <= MAX_SIDE // VAE_SPATIAL:
-            raise RequestError(name, value, f"an integer in [{MIN_SIDE // VAE_SPATIAL}, {MAX_SIDE // VAE_SPATIAL}]")
+    """The request geometry the gateway's validation produces, checked again for a direct caller (the geometry
+    module's rule), and the steps of its profile."""
+    check_latents(p.latent_frames, p.audio_latents, p.latent_height, p.latent_width)
     lo, hi = BASE_STEPS_RANGE
     if p.steps and not (p.steps == FASTH3_STEPS if p.profile == "fasth3" else lo <= p.steps <= hi):
         raise RequestError("steps", p.steps, f"{FASTH3_STEPS} (fasth3)" if p.profile == "fasth3" else
@@ -172,10 +152,10 @@ class DiTServicer(StageBase):
                 raise RequestError("condition", None, str(exc)) from None
             req = DiTRequest(
                 text_states=tensors["text_states"], text_tags=tensors["text_tags"], latent_frames=p.latent_frames,
-                latent_h=p.latent_height, latent_w=p.latent_width, audio_latents=p.audio_latents, seed=int(p.seed),
-                task=task, profile=p.profile, steps=p.steps or None, anchors=c.anchors,
+                latent_h=p.latent_height, latent_w=p.latent_width, audio_latents=p.audio_latents, anchors=c.anchors,
                 condition_latents=c.condition_latents, references=c.references,
-                reference_audio_rows=c.reference_audio_rows, quality=quality)
+                reference_audio_rows=c.reference_audio_rows,
+                **{**dit_fields(p), "task": task, "quality": quality, "steps": p.steps or None})   # "", 0: unset
             t0 = time.perf_counter()
 
             def work(emit):

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from h3serve._proto import muxer_pb2, muxer_pb2_grpc
-from h3serve.config.request import FRAMES_PER_CLIP, MAX_SECONDS
+from h3serve.config.geometry import FRAMES_PER_CLIP, MAX_SECONDS
 from h3serve.config.stage import StageConfig
 from h3serve.config.vocab import GRPC, NIXL, TRANSPORTS
 from h3serve.errors import (

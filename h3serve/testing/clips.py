@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from h3serve.config.request import FPS, SAMPLE_RATE
+from h3serve.config.geometry import FPS, SAMPLE_RATE
 from h3serve.media.mux import Mp4Writer
 from h3serve.models.vae.yuv import rgb_to_yuv420p
 

@@ -20,7 +20,7 @@ from typing import Any
 import av
 import numpy as np
 
-from h3serve.config.request import SAMPLE_RATE
+from h3serve.config.geometry import SAMPLE_RATE
 from h3serve.errors import MediaError
 
 AAC_FRAME = 1024        # samples per AAC-LC frame

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from h3serve.config import spec as S
+from h3serve.config.codec import unwrap_optional
 from h3serve.config.rules import RULES, Expr
 from h3serve.operator import crd
 
@@ -51,7 +52,7 @@ def _walk(cls, schema, path=""):
         assert sub["description"], path + f.name
         if f.default not in (dataclasses.MISSING, None):
             assert sub["default"] == f.default, path + f.name
-        tp, _ = S._unwrap_optional(hints[f.name])
+        tp, _ = unwrap_optional(hints[f.name])
         if dataclasses.is_dataclass(tp):
             _walk(tp, sub, f"{path}{f.metadata['json']}.")
 

@@ -10,18 +10,17 @@ from hypothesis import strategies as st
 
 from h3serve.config.vocab import DEFAULT_DTYPE
 from h3serve.errors import ProfileError, RequestError
-from h3serve.config.request import (
+from h3serve.config.geometry import (
     CANVAS_MAX_PIXELS,
     Canvas,
-    GenerationRequest,
-    ReferenceSpec,
     audio_latents_for_frames,
-    canvas_for_aspect,
-    within_reference_duration,
+    check_latents,
     frames_for_seconds,
+    latents_to_num_frames,
     num_frames_to_latents,
-    validate_request,
+    within_reference_duration,
 )
+from h3serve.config.request import GenerationRequest, ReferenceSpec, canvas_for_aspect, validate_request
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +96,19 @@ def test_num_frames_to_latents_rejects_unaligned():
     with pytest.raises(RequestError) as info:
         num_frames_to_latents(120)
     assert info.value.field == "num_frames"
+
+
+def test_latent_geometry_is_checked_by_the_geometry_module():
+    for seconds in (4, 5, 10, 15):
+        frames = frames_for_seconds(seconds)
+        latents = num_frames_to_latents(frames)
+        assert latents_to_num_frames(latents) == frames
+        check_latents(latents, audio_latents_for_frames(frames), 48, 84)
+    for args, field in (((36, 207, 48, 84), "latent_frames"), ((37, 206, 48, 84), "audio_latents"),
+                        ((37, 207, 15, 84), "latent_height"), ((37, 207, 48, 129), "latent_width")):
+        with pytest.raises(RequestError) as info:
+            check_latents(*args)
+        assert info.value.field == field
 
 
 @pytest.mark.parametrize(

@@ -20,13 +20,15 @@ from dataclasses import dataclass, field, replace
 from typing import Literal, Sequence
 
 import numpy as np
+
+from h3serve.config.geometry import AUDIO_CHANNELS
 import torch
 
 # Modality tags. A vision token inside the text stream is tagged video.
 TAG_VIDEO, TAG_TEXT, TAG_AUDIO = 0, 1, 2
 NUM_TAGS = 3
 
-AUDIO_CHANNELS = 2  # stereo, packed channel-major: all left-channel rows, then all right-channel rows
+# AUDIO_CHANNELS (stereo) rows are packed channel-major: all left-channel rows, then all right-channel rows
 PATCH_SIZE = (1, 2, 2)
 
 # Rotary clock: one unit = one audio latent (1/40 s). A latent frame spans 5/3 * (1, 4, 4, 4, 4)[i % 5] units,

@@ -13,7 +13,16 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from h3serve.config.request import FASTH3_STEPS, GenerationRequest, Upload, snap_canvas, validate_request
+from h3serve._proto import gateway_pb2
+from h3serve.config.request import (
+    FASTH3_STEPS,
+    FIELD_TYPES,
+    REQUEST_FIELDS,
+    GenerationRequest,
+    Upload,
+    snap_canvas,
+    validate_request,
+)
 from h3serve.config.stage import StageConfig
 from h3serve.config.vocab import TASKS
 from h3serve.errors import RequestError
@@ -24,33 +33,37 @@ from .uploads import VIDEO_REFUSED, Conditions, decode_conditions, from_data_url
 MODEL_IDS = {"base": ("MiniMax-H3", "h3", "base"), "fasth3": ("FastH3", "fasth3")}
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
-# Fields of the APIs and the request field each one feeds (h3serve.config.request names).
-API_FIELDS = {"prompt": "prompt", "seconds": "seconds", "size": "size", "width": "width", "height": "height",
-              "num_frames": "num_frames", "fps": "fps", "seed": "seed", "num_inference_steps": "steps",
-              "task": "task", "first_image": "first_image", "last_image": "last_image",
-              "references": "references", "quality": "quality"}
-NUMERIC_FIELDS = ("seconds", "width", "height", "num_frames", "fps", "seed", "num_inference_steps")
-PROTO_FIELDS = ("seconds", "size", "width", "height", "num_frames", "fps", "seed", "num_inference_steps", "task",
-                "quality", "model")
+# The gateway's fields, from the request's field table (config/request.py) and gRPC's GenerateRequest.
+_PROTO = gateway_pb2.GenerateRequest.DESCRIPTOR.fields
+_PROTO_NAMES = {fd.name for fd in _PROTO}
+_HTTP = [row for row in REQUEST_FIELDS if row.metadata["http"] is not None]
+# caller's name -> the request field it feeds, for every request field of the videos API or GenerateRequest
+API_FIELDS = {row.metadata["json"]: row.name for row in REQUEST_FIELDS if row.metadata["request"]
+              and (row.metadata["http"] is not None or row.metadata["json"] in _PROTO_NAMES)}
+TYPES = {row.metadata["json"]: FIELD_TYPES[row.name] for row in REQUEST_FIELDS}   # caller's name -> type
+MAX_LENGTH = {row.metadata["json"]: row.metadata["schema"]["maxLength"] for row in REQUEST_FIELDS
+              if "maxLength" in row.metadata["schema"]}
+NUMERIC_FIELDS = tuple(name for name, tp in TYPES.items() if tp in (int, float))
+# GenerateRequest's optional scalars that are request fields, and its files (prompt and the references are read
+# by name; request_id and validate_only are the call's, not the request's)
+PROTO_FIELDS = tuple(fd.name for fd in _PROTO if fd.has_presence and fd.type != fd.TYPE_BYTES and fd.name in TYPES)
+PROTO_FILES = tuple(fd.name for fd in _PROTO if fd.has_presence and fd.type == fd.TYPE_BYTES)
 
 # The videos API (HTTP): top-level fields, fields refused with the reason, and extra_params.
 # Media fields (a file upload, a data URL, or a list of them where repeatable): input_reference is OpenAI's (the
 # first frame: fl2va; an image reference when the task is ref2va); the *_reference fields are vLLM-Omni's (ref2va,
 # in the order given); first_image / last_image are H3's keyframes (fl2va).
-MEDIA_FIELDS = ("input_reference", "first_image", "last_image", "image_reference", "audio_reference",
-                "video_reference")
-REPEATABLE = ("image_reference", "audio_reference", "video_reference")
+MEDIA_FIELDS = tuple(row.metadata["json"] for row in _HTTP if row.metadata["media"])
+REPEATABLE = tuple(row.metadata["json"] for row in _HTTP if row.metadata["media"] == "many")
 # what the videos API calls a missing keyframe / missing references (errors name these)
 HTTP_NAMES = {"first_image": "input_reference", "references": "image_reference"}
 REFERENCE_KIND = {"image_reference": "image", "audio_reference": "audio", "video_reference": "video"}
-TOP_LEVEL = ("prompt", "seconds", "size", "width", "height", "num_frames", "fps", "seed", "num_inference_steps",
-             "quality", "model", "extra_params", "video_params", "user", "guidance_scale", "generate_sound",
-             "enable_frame_interpolation", *MEDIA_FIELDS)
 VIDEO_PARAMS = ("width", "height", "num_frames", "fps")   # vLLM-Omni's video_params block
 # Fields other APIs define whose only value H3 can honour is the one it always runs (anything else is refused).
 FIXED = {"guidance_scale": (1.0, "H3 is guidance-distilled (one forward per step, no CFG): only 1.0"),
          "generate_sound": (True, "H3 always generates the soundtrack with the video: only true"),
          "enable_frame_interpolation": (False, "the MP4 holds the model's 24 fps frames: only false")}
+TOP_LEVEL = (*(row.metadata["json"] for row in _HTTP if not row.metadata["media"]), *FIXED, *MEDIA_FIELDS)
 GUIDANCE_FREE = "H3 is guidance-distilled (no negative branch, no CFG)"
 UNSUPPORTED = {
     "negative_prompt": f"{GUIDANCE_FREE}, so a negative prompt has nothing to steer",
@@ -122,7 +135,7 @@ def fields_from_proto(msg) -> dict[str, Any]:
     for name in PROTO_FIELDS:
         if msg.HasField(name):
             out[name] = getattr(msg, name)
-    for name in ("first_image", "last_image"):
+    for name in PROTO_FILES:
         if msg.HasField(name):
             out[name] = Upload(getattr(msg, name), name)
     if msg.references:
@@ -270,10 +283,10 @@ def check_types(fields: dict[str, Any]) -> None:
     for name, value in fields.items():
         if value is None:
             continue
-        if name == "prompt" and not isinstance(value, str):
-            raise RequestError(name, short(value), "a string of 1..20,000 characters")
-        if name in ("size", "task", "quality", "model") and not isinstance(value, str):
-            raise RequestError(name, short(value), "a string")
+        tp = TYPES.get(name)
+        if tp is str and not isinstance(value, str):
+            limit = MAX_LENGTH.get(name)
+            raise RequestError(name, short(value), f"a string of 1..{limit:,} characters" if limit else "a string")
         if name in NUMERIC_FIELDS and (isinstance(value, bool) or not isinstance(value, (int, float, str))):
             raise RequestError(name, short(value), "a number")
 
@@ -343,7 +356,7 @@ def _snap_size(raw: dict[str, Any]) -> str | None:
     if not isinstance(size, str):
         return None
     parts = size.strip().lower().split("x")
-    if len(parts) != 2 or not all(p.strip().isdigit() and len(p.strip()) <= 5 for p in parts):
+    if len(parts) != 2 or not all(p.strip().isascii() and p.strip().isdigit() and len(p.strip()) <= 5 for p in parts):
         return None   # the validator names what is wrong
     width, height = int(parts[0]), int(parts[1])
     canvas = snap_canvas(width, height)

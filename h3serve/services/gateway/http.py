@@ -43,8 +43,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 from starlette.routing import Match
 
-from h3serve.config.request import MAX_MEDIA_BYTES, MAX_REFERENCES, Upload
-from h3serve.config.vocab import QUALITIES
+from h3serve.config.request import FIELD_TYPES, MAX_MEDIA_BYTES, MAX_REFERENCES, REQUEST_FIELDS, Upload
 from h3serve.errors import H3Error, NotFound, NotReady, RequestError, TooLarge, Unauthenticated
 from h3serve.errortable import error_object, http_error
 from h3serve.media.thumbnail import first_frame_jpeg
@@ -56,43 +55,37 @@ from .gateway import Gateway
 from .sinks import FileSink
 from .uploads import VIDEO_REFUSED, decode_caller
 
+FILE = {"type": "string", "format": "binary"}
+JSON_TYPES = {str: "string", int: "integer", float: "number", dict: "object", bytes: "string", list: "array"}
+
+
+def _property(row) -> dict:
+    """A request field's JSON schema: its type (the table's keyword, else its Python type's), its keywords, its
+    description."""
+    schema = dict(row.metadata["schema"])
+    out = {"type": schema.pop("type", JSON_TYPES[FIELD_TYPES[row.name]]), **schema}
+    if row.metadata["doc"]:
+        out["description"] = row.metadata["doc"]
+    return out
+
+
+def _form_property(row) -> dict:
+    """Its multipart schema: a file, a list of files, or the field's own `form`."""
+    return row.metadata["form"] or (FILE if row.metadata["media"] == "one" else {"type": "array", "items": FILE})
+
+
+# The request body of POST /v1/videos and /v1/videos/sync, generated from the request's field table
+_BODY = [row for row in REQUEST_FIELDS if row.metadata["http"] == "body"]
 JSON_BODY = {
     "type": "object",
-    "required": ["prompt"],
-    "properties": {
-        "prompt": {"type": "string", "maxLength": 20000, "description": "What to generate"},
-        "seconds": {"type": ["string", "number"], "description": "Requested duration, 4..15 s (raised to 17n+5 "
-                                                                  "frames at 24 fps). Not with num_frames."},
-        "size": {"type": "string", "example": "1344x768", "description": "WxH, multiples of 32 in [256, 2048]"},
-        "width": {"type": "integer"}, "height": {"type": "integer"},
-        "num_frames": {"type": "integer", "description": "Requested frames at 24 fps (raised to 17n+5)"},
-        "fps": {"type": "integer", "enum": [24]},
-        "seed": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1},
-        "num_inference_steps": {"type": "integer", "description": "Sigma grid points incl. the terminal 0 "
-                                                                  "(N -> N-1 steps); base default 50, fasth3 5"},
-        "quality": {"type": "string", "enum": list(QUALITIES), "description": "lossless (default) | high: step "
-                                                                         "reuse, profile base only"},
-        "model": {"type": "string"},
-        "extra_params": {"type": "object", "properties": {"task": {"type": "string",
-                                                                   "enum": ["t2va", "fl2va", "ref2va"]},
-                                                          "duration": {"type": ["string", "number"]}}},
-        "video_params": {"type": "object", "description": "width, height, num_frames, fps (vLLM-Omni)"},
-        "user": {"type": "string"},
-        "input_reference": {"type": "string", "description": "the first frame (fl2va): a data URL here, a file "
-                                                             "in multipart; docs/api.md"},
-        "first_image": {"type": "string", "description": "fl2va first keyframe (data URL)"},
-        "last_image": {"type": "string", "description": "fl2va last keyframe (data URL)"},
-        "image_reference": {"type": ["string", "array"], "description": "ref2va image reference(s), data URLs"},
-        "audio_reference": {"type": ["string", "array"], "description": "ref2va audio reference(s) at 32 kHz"},
-    },
+    "required": [row.metadata["json"] for row in _BODY if row.metadata["required"]],
+    "properties": {row.metadata["json"]: _property(row) for row in _BODY},
 }
-FILE = {"type": "string", "format": "binary"}
 REQUEST_BODY = {"requestBody": {"required": True, "content": {
     "application/json": {"schema": JSON_BODY},
     "multipart/form-data": {"schema": {**JSON_BODY, "properties": {
-        **JSON_BODY["properties"], "extra_params": {"type": "string", "description": "a JSON object"},
-        "input_reference": FILE, "first_image": FILE, "last_image": FILE,
-        "image_reference": {"type": "array", "items": FILE}, "audio_reference": {"type": "array", "items": FILE}}}},
+        **JSON_BODY["properties"], **{row.metadata["json"]: _form_property(row) for row in _BODY
+                                      if row.metadata["form"] or row.metadata["media"]}}}},
 }}}
 
 # Every 4xx / 5xx answer is this error object (errortable.error_object + `type`), declared so clients can rely on it.
@@ -132,7 +125,7 @@ async def _stream(request: Request):
 async def _capped_body(request: Request) -> bytes:
     """The body, refused with 413 once it passes MAX_JSON_BODY_BYTES (announced or while it streams in)."""
     length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > MAX_JSON_BODY_BYTES:
+    if length is not None and length.isascii() and length.isdigit() and int(length) > MAX_JSON_BODY_BYTES:
         raise TooLarge(f"body: {int(length):,} bytes; a JSON or form body is at most {MAX_JSON_BODY_BYTES:,} bytes "
                        "(send larger media as multipart uploads)")
     buf = bytearray()
@@ -260,7 +253,7 @@ async def read_body(request: Request) -> Any:
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype == "multipart/form-data":
         # parsed as it streams (files spooled), bounded by the bytes received; an announced excess is refused first
-        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        if length is not None and length.isascii() and length.isdigit() and int(length) > MAX_BODY_BYTES:
             raise TooLarge(f"body: {int(length):,} bytes; a multipart body is at most {MAX_BODY_BYTES:,} bytes")
     else:
         await _capped_body(request)

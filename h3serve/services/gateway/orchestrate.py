@@ -27,11 +27,11 @@ import grpc
 import torch
 
 from h3serve._proto import common_pb2, dit_pb2, encoder_pb2, gateway_pb2, muxer_pb2, muxer_pb2_grpc, vae_pb2
-from h3serve.config.request import SAMPLE_RATE
+from h3serve.config.geometry import AUDIO_CHANNELS, SAMPLE_RATE
+from h3serve.config.request import dit_fields
 from h3serve.config.vocab import NIXL
 from h3serve.errors import H3Error, StageFailed, StageUnavailable
 from h3serve.errortable import from_grpc
-from h3serve.models.dit.layout import AUDIO_CHANNELS
 from h3serve.transport.grpc import collect_tensors, iter_tensor_chunks
 
 from .jobs import Job
@@ -150,9 +150,8 @@ class StageCalls:
         job, req, conds = self.job, self.job.request, self.job.validated.conditions
         params = dit_pb2.DiTParams(
             request_id=job.id, latent_frames=req.latent_frames, latent_height=req.latent_height,
-            latent_width=req.latent_width, audio_latents=req.audio_latents, seed=req.seed, task=req.task,
-            profile=req.profile, steps=req.steps, latents_sink=latents_sink, quality=req.quality,
-            condition_kinds=list(conds.kinds) if conds is not None else [])
+            latent_width=req.latent_width, audio_latents=req.audio_latents, latents_sink=latents_sink,
+            condition_kinds=list(conds.kinds) if conds is not None else [], **dit_fields(req))
         inputs = itertools.chain(
             [dit_pb2.DiTInput(params=params)],
             (dit_pb2.DiTInput(chunk=c) for c in iter_tensor_chunks("text_states", text["text_states"])),

@@ -26,14 +26,8 @@ from typing import Any, Callable
 
 import torch
 
-from h3serve.config.request import (
-    MAX_AUDIO_SECONDS,
-    MAX_MEDIA_BYTES,
-    SAMPLE_RATE,
-    GenerationRequest,
-    Upload,
-    media_source,
-)
+from h3serve.config.geometry import SAMPLE_RATE
+from h3serve.config.request import MAX_AUDIO_SECONDS, MAX_MEDIA_BYTES, GenerationRequest, Upload, media_source
 from h3serve.errors import Draining, H3Error, QueueFull, RequestError
 from h3serve.media.audio import AudioTooLong, audio_seconds, read_audio_reference
 from h3serve.media.image import CorruptImage, decode_rgb

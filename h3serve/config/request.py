@@ -34,8 +34,10 @@ from h3serve.errors import RequestError
 # Constants (the released model's geometry)
 
 FPS = 24
-FRAMES_PER_CLIP = 17            # video VAE clip length
+FRAMES_PER_CLIP = 17            # video VAE clip_length
 LATENTS_PER_CLIP = 5            # latent frames a clip keeps; 17n+5 frames -> 5n+2 latents
+TOKEN_DROP = 3                  # video VAE token_drop: latents dropped after the clips (5n+5 -> 5n+2)
+TEMPORAL_RATIO = 4              # video VAE temporal compression
 AUDIO_LATENTS_PER_SECOND = 40   # 32 kHz / hop 800
 AUDIO_HOP = 800
 SAMPLE_RATE = 32000

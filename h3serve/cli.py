@@ -40,7 +40,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                    help=f"with --server: the caller's API key (default ${API_KEY_ENV})")
     p.add_argument("--prompt", required=True)
-    p.add_argument("--seconds", default="5", help="requested duration, 4-15 s (raised to the next 17n+5 frames)")
+    p.add_argument("--seconds", default="5", help="requested duration, 4.5-14.375 s (raised to the next 17n+5 frames, 124..345)")
     p.add_argument("--size", default=None, help="WxH, sides multiples of 32 (default: 16:9 canvas 1344x768)")
     p.add_argument("--seed", default="0")
     p.add_argument("--task", default="t2va", help="t2va | fl2va | ref2va")

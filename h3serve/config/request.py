@@ -7,7 +7,12 @@ up front with a message that says what to change.
 
 Geometry (H3_REFERENCE §3.1, §5):
   * 24 fps; the video VAE encodes 17n+5 pixel frames into 5n+2 latent frames, so the requested duration is
-    raised to the next 17n+5 frames: 5 / 10 / 15 s -> 124 / 243 / 362 frames, 4 s -> 107.
+    raised to the next 17n+5 frames: 5 / 10 / 14 s -> 124 / 243 / 345 frames.
+  * Durations are the reference's (diffusers' setup block): the frame count *after* that rounding must lie in
+    [120, 360] (5..15 s at 24 fps), so 124..345 frames are generated, for 108..345 requested frames (4.5..14.375 s).
+  * Canvas: the reference's rule, sides multiples of 32 (and at least 32); h3serve adds an area cap, the checkpoint's
+    canvas_max_pixels (1,032,192 = 1344x768: the model's pixel budget, which bounds a request's work), and a side
+    cap of 8192 (the MP4 writer's). A canvas derived from an aspect ratio follows the reference exactly.
   * Audio latents: A = round(F / 24 * 40) (the audio VAE hops 800 samples at 32 kHz, 40 latents/s).
   * Canvas sides are multiples of 32 (VAE 16x times the DiT patch 2); latent sides are H/16, W/16.
 
@@ -45,9 +50,9 @@ VAE_SPATIAL = 16
 CANVAS_MULTIPLE = 32            # VAE 16x times the DiT patch 2
 CANVAS_SHORT_EDGE = 768
 CANVAS_MAX_PIXELS = 768 * 1344  # 1,032,192
-MIN_SIDE, MAX_SIDE = 256, 2048
-MIN_ASPECT, MAX_ASPECT = 1 / 4, 4.0
-MIN_SECONDS, MAX_SECONDS = 4.0, 15.0
+MIN_SIDE, MAX_SIDE = CANVAS_MULTIPLE, 8192   # the reference's smallest side; the MP4 writer's largest
+MIN_ASPECT, MAX_ASPECT = 1 / 4, 4.0        # of an aspect ratio a canvas is derived from (resolve_canvas_size)
+MIN_DURATION, MAX_DURATION = 5.0, 15.0     # seconds of the frame count after rounding up to 17n+5 (the reference)
 MAX_PROMPT_CHARS = 20_000
 MAX_SEED = 2**63 - 1
 
@@ -101,14 +106,17 @@ def audio_latents_for_frames(num_frames: int, fps: int = FPS) -> int:
     return int(round(num_frames / fps * AUDIO_LATENTS_PER_SECOND))
 
 
-# The reference pipeline (diffusers) refuses an *aligned* duration outside [5, 15] s: 124..345 frames. Requests of
-# 4..4.9 s (107 frames) and of 14.4..15 s (362 frames) are served by h3serve but cannot be compared against it.
-REFERENCE_DURATION = (5.0, 15.0)
-
-
 def within_reference_duration(num_frames: int, fps: int = FPS) -> bool:
-    """Whether the reference pipeline accepts this aligned frame count (5 s <= F/24 <= 15 s: 124..345 frames)."""
-    return REFERENCE_DURATION[0] <= num_frames / fps <= REFERENCE_DURATION[1]
+    """Whether an aligned (17n+5) frame count is a duration we generate: 5 s <= F/24 <= 15 s, i.e. 120..360
+    frames, as the reference checks it after rounding (so 124..345 frames)."""
+    return MIN_DURATION <= num_frames / fps <= MAX_DURATION
+
+
+# Requested frame counts whose rounding lands within the durations (108..345): messages say them.
+REQUESTED_FRAMES = (min(f for f in range(1, 400) if within_reference_duration(frames_for_seconds(f / FPS))),
+                    max(f for f in range(1, 400) if within_reference_duration(frames_for_seconds(f / FPS))))
+# The aligned frame counts generated (124..345) and their latent frames (37..102).
+FRAMES_RANGE = tuple(frames_for_seconds(f / FPS) for f in REQUESTED_FRAMES)
 
 
 class Canvas(NamedTuple):
@@ -371,7 +379,7 @@ def _check_prompt(prompt: Any) -> str:
 
 
 def _parse_size(size: Any) -> tuple[int, int]:
-    allowed = "'WxH', e.g. '1344x768' (sides multiples of 32 within [256, 2048])"
+    allowed = f"'WxH', e.g. '1344x768' ({CANVAS_RULE})"
     if isinstance(size, (tuple, list)) and len(size) == 2:
         return _as_int("size", size[0], allowed), _as_int("size", size[1], allowed)
     if not isinstance(size, str):
@@ -383,15 +391,18 @@ def _parse_size(size: Any) -> tuple[int, int]:
     return _as_int("size", parts[0], allowed), _as_int("size", parts[1], allowed)
 
 
+CANVAS_RULE = (f"sides multiples of {CANVAS_MULTIPLE} within [{MIN_SIDE}, {MAX_SIDE}], area W*H at most "
+               f"{CANVAS_MAX_PIXELS:,} pixels (the canvas max, 1344x768)")
+
+
 def _check_canvas(width: int, height: int, source: str | None = None) -> None:
-    """Sides multiples of 32 within [256, 2048], aspect 1:4..4:1, area <= the canvas max (1,032,192 = 1344x768)."""
+    """An explicit canvas: CANVAS_RULE. The reference asks only multiples of 32; the area cap is the checkpoint's
+    canvas_max_pixels (it bounds a request's work), the side cap the MP4 writer's."""
     for name, side in (("width", width), ("height", height)):
         if side % CANVAS_MULTIPLE or not MIN_SIDE <= side <= MAX_SIDE:
             raise RequestError(source or name, side if source is None else f"{width}x{height}",
-                               f"{name} must be a multiple of {CANVAS_MULTIPLE} within [{MIN_SIDE}, {MAX_SIDE}]")
-    ratio = width / height
-    if not MIN_ASPECT <= ratio <= MAX_ASPECT:
-        raise RequestError(source or "size", f"{width}x{height}", "aspect ratio W:H between 1:4 and 4:1")
+                               f"{name} must be a multiple of {CANVAS_MULTIPLE} within [{MIN_SIDE}, {MAX_SIDE}] "
+                               f"({CANVAS_RULE})")
     if width * height > CANVAS_MAX_PIXELS:
         raise RequestError(source or "size", f"{width}x{height}",
                            f"area W*H at most {CANVAS_MAX_PIXELS:,} pixels, the canvas max (1344x768); "
@@ -399,9 +410,8 @@ def _check_canvas(width: int, height: int, source: str | None = None) -> None:
 
 
 def snap_canvas(width: int, height: int) -> Canvas:
-    """A requested WxH on H3's canvas: kept when it is a valid canvas (sides multiples of 32 in [256, 2048], aspect
-    1:4..4:1, area <= 1,032,192), else the model's canvas for that aspect (`canvas_for_aspect`, the reference's
-    resolve_canvas_size): OpenAI's 1280x720 -> 1344x768, 720x1280 -> 768x1344, 1792x1024 -> 1344x768,
+    """A requested WxH on H3's canvas: kept when it is a valid canvas (CANVAS_RULE), else the model's canvas for
+    that aspect (`canvas_for_aspect`, the reference's resolve_canvas_size): OpenAI's 1280x720 -> 1344x768, 720x1280 -> 768x1344, 1792x1024 -> 1344x768,
     1024x1792 -> 768x1344. An aspect outside 1:4..4:1 raises RequestError naming `size`."""
     try:
         _check_canvas(width, height)
@@ -556,15 +566,16 @@ def validate_request(**raw: Any) -> GenerationRequest:
 
     Accepted fields (None means "not given"):
       prompt (str, required), task (t2va | fl2va | ref2va; inferred from references / images when absent),
-      profile (base | fasth3), seconds (4..15, requested; or num_frames: requested frames at 24 fps),
+      profile (base | fasth3), seconds (4.5..14.375 requested: 124..345 frames after rounding, the
+      reference's 5..15 s; or num_frames: requested frames at 24 fps, 108..345),
       width / height (ints) or size ('WxH') or aspect ('16:9', W/H, (W, H)), seed (0..2**63-1; drawn at random
       when absent), steps (grid points incl. terminal 0; base 2..1000, default 50; fasth3 only 5),
       fps (24 only), first_image / last_image (fl2va), references (ref2va), dtype (fp32 | bf16),
       quality (lossless | high: step reuse, profile base only).
 
-    Canvas: explicit sizes must be multiples of 32 within [256, 2048], aspect 1:4..4:1, area <= 1,032,192 (the
-    canvas max). With neither side given, the canvas is canvas_for_aspect(aspect), where aspect is the `aspect`
-    field, else the first keyframe's (fl2va), else 16:9. With one side given, the other follows that aspect,
+    Canvas: explicit sizes follow CANVAS_RULE (multiples of 32 within [32, 8192], area <= 1,032,192, the canvas
+    max; no aspect bound, as the reference). With neither side given, the canvas is canvas_for_aspect(aspect),
+    where aspect is the `aspect` field, else the first keyframe's (fl2va), else 16:9. With one side given, the other follows that aspect,
     rounded to the nearest multiple of 32 (down if the nearest would exceed the area cap), and the pair is checked
     like an explicit size.
     """
@@ -590,20 +601,23 @@ def validate_request(**raw: Any) -> GenerationRequest:
     if conflict is not None:
         raise RequestError("quality", quality, conflict)
 
-    # duration
-    seconds_allowed = f"requested duration between {MIN_SECONDS:g} and {MAX_SECONDS:g} seconds"
+    # duration: the reference's bounds, on the frame count after rounding up to 17n+5 (as it checks them)
+    (lo, hi), (alo, ahi) = REQUESTED_FRAMES, FRAMES_RANGE
+    duration_rule = (f"a duration whose frame count, raised to the next 17n+5 at {FPS} fps, lies in "
+                     f"[{MIN_DURATION * FPS:g}, {MAX_DURATION * FPS:g}] ({MIN_DURATION:g}..{MAX_DURATION:g} s): "
+                     f"{lo}..{hi} requested frames ({lo / FPS:g}..{hi / FPS:g} s) -> {alo}..{ahi} frames")
     if get("seconds") is not None and get("num_frames") is not None:
         raise RequestError("num_frames", get("num_frames"), "give seconds or num_frames, not both")
     if get("num_frames") is not None:
-        lo, hi = round(MIN_SECONDS * FPS), round(MAX_SECONDS * FPS)
-        frames = _as_int("num_frames", get("num_frames"), f"an integer number of frames in [{lo}, {hi}] at 24 fps")
-        if not lo <= frames <= hi:
-            raise RequestError("num_frames", frames, f"frames in [{lo}, {hi}] at 24 fps ({seconds_allowed})")
+        name = "num_frames"
+        frames = _as_int(name, get(name), f"an integer number of frames at {FPS} fps, {duration_rule}")
         seconds = frames / FPS
     else:
-        seconds = DEFAULT_SECONDS if get("seconds") is None else _as_float("seconds", get("seconds"), seconds_allowed)
-        if not MIN_SECONDS <= seconds <= MAX_SECONDS:
-            raise RequestError("seconds", get("seconds"), seconds_allowed)
+        name = "seconds"
+        seconds = DEFAULT_SECONDS if get(name) is None else _as_float(name, get(name), duration_rule)
+    aligned = frames_for_seconds(seconds)
+    if not within_reference_duration(aligned):
+        raise RequestError(name, get(name), f"{duration_rule}; got {aligned} frames")
 
     fps = FPS if get("fps") is None else _as_int("fps", get("fps"), "24 (the model's only frame rate)")
     if fps != FPS:
@@ -667,7 +681,7 @@ def validate_request(**raw: Any) -> GenerationRequest:
         source = "size"
     else:
         source = None
-        side_allowed = f"an integer multiple of {CANVAS_MULTIPLE} within [{MIN_SIDE}, {MAX_SIDE}]"
+        side_allowed = f"an integer multiple of {CANVAS_MULTIPLE} within [{MIN_SIDE}, {MAX_SIDE}] ({CANVAS_RULE})"
         width = None if width is None else _as_int("width", width, side_allowed)
         height = None if height is None else _as_int("height", height, side_allowed)
     if width is None or height is None:

@@ -16,13 +16,11 @@ from h3serve._proto import common_pb2, dit_pb2, dit_pb2_grpc, vae_pb2, vae_pb2_g
 from h3serve.config.request import (
     BASE_STEPS_RANGE,
     FASTH3_STEPS,
-    MAX_SECONDS,
     MAX_SIDE,
-    MIN_SECONDS,
     MIN_SIDE,
+    FRAMES_RANGE,
     VAE_SPATIAL,
     audio_latents_for_frames,
-    frames_for_seconds,
     num_frames_to_latents,
 )
 from h3serve.config.stage import StageConfig
@@ -55,10 +53,11 @@ def _unwrap(msg):
 
 def check_geometry(p) -> None:
     """The request geometry the gateway's validation produces, checked again for a direct caller: latent frames
-    5n+2 of a 4..15 s video, the audio latents of those frames, latent sides of a canvas side in range."""
-    lo, hi = (num_frames_to_latents(frames_for_seconds(s)) for s in (MIN_SECONDS, MAX_SECONDS))
+    5n+2 of a video of FRAMES_RANGE frames, the audio latents of those frames, latent sides of a canvas side in range."""
+    lo, hi = (num_frames_to_latents(f) for f in FRAMES_RANGE)
     if not (lo <= p.latent_frames <= hi and (p.latent_frames - 2) % 5 == 0):
-        raise RequestError("latent_frames", p.latent_frames, f"5n+2 in [{lo}, {hi}] (a 4..15 s video)")
+        raise RequestError("latent_frames", p.latent_frames,
+                           f"5n+2 in [{lo}, {hi}] (a video of {FRAMES_RANGE[0]}..{FRAMES_RANGE[1]} frames)")
     frames = (p.latent_frames - 2) // 5 * 17 + 5
     if p.audio_latents != audio_latents_for_frames(frames):
         raise RequestError("audio_latents", p.audio_latents,

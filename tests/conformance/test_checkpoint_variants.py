@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -34,14 +35,15 @@ def variant(tiny_checkpoint, tmp_path, name, **overrides) -> Path:
     return write_checkpoint_variant(tiny_checkpoint, tmp_path / name, **overrides)
 
 
-def reference_latents(ckpt, dtype=torch.float32):
+def reference_outputs(ckpt, dtype=torch.float32, decode=False):
+    """diffusers' final (video latents, audio latents), and with `decode` its (frames, PCM) too."""
     from h3serve.testing.tiny import reference_pipeline
 
     pipe = reference_pipeline(ckpt, workflow="t2va", dtype=dtype)
+    names = ["latents", "audio_latents"] + (["videos", "audio"] if decode else [])
     out = pipe(prompt=PROMPT, num_frames=124, height=H, width=W, num_inference_steps=STEPS,
-               generator=torch.Generator("cpu").manual_seed(SEED), output_type="np",
-               output=["latents", "audio_latents"])
-    return out["latents"], out["audio_latents"]
+               generator=torch.Generator("cpu").manual_seed(SEED), output_type="np", output=names)
+    return [out[n] for n in names]
 
 
 def our_pipeline(ckpt, dtype="fp32"):
@@ -64,6 +66,11 @@ MATCHES = {
     # latent channels other than 24 / 32, the same on both sides of the DiT / VAE boundary
     "latent channels 16 / 16": dict(transformer=dict(in_channels=16, audio_in_channels=16),
                                     vae=dict(latent_channels=16), audio_vae=dict(latent_channels=16)),
+    # the VAEs' geometry (diffusers' own classes decode; our clip-by-clip and tiled decode around them)
+    "VAE geometry": dict(vae=dict(block_out_channels=(8, 16, 16, 8), decoder_num_layers=2,
+                                  decoder_num_attention_heads=4, decoder_attention_head_dim=16,
+                                  decoder_num_register_tokens=2, decoder_rope_theta=50.0, decoder_ffn_mult=2),
+                         audio_vae=dict(decoder_dim=8, num_attention_heads=1, latent_dim=32)),
     # the DiT's geometry: odd freq_dim (a zero column), other heads, layers, rope, widths, eps
     "DiT geometry, odd freq_dim": dict(transformer=dict(
         num_attention_heads=4, attention_head_dim=16, num_layers=3, num_refiner_layers=1, ffn_dim=96, freq_dim=15,
@@ -76,15 +83,19 @@ MATCHES = {
 @pytest.mark.parametrize("case", list(MATCHES))
 def test_variant_matches_diffusers(tiny_checkpoint, tmp_path, case):
     ckpt = variant(tiny_checkpoint, tmp_path, "v", **MATCHES[case])
-    ref_video, ref_audio = reference_latents(ckpt)
+    decode = "vae" in MATCHES[case]   # the VAEs change: decode on both sides too
+    ref = reference_outputs(ckpt, decode=decode)
     pipe = our_pipeline(ckpt)
     video, audio = our_latents(pipe)
-    assert video.shape == ref_video.shape and audio.shape == ref_audio.shape
-    torch.testing.assert_close(video, ref_video, atol=1e-4, rtol=0)
-    torch.testing.assert_close(audio, ref_audio, atol=1e-4, rtol=0)
-    if "vae" in MATCHES[case]:   # the latents decode to the whole clip
-        assert pipe.decode_video_float(video).shape == (124, H, W, 3)
-        assert pipe.decode_audio(audio).shape == (2, audio.shape[-1] * 800)
+    assert video.shape == ref[0].shape and audio.shape == ref[1].shape
+    torch.testing.assert_close(video, ref[0], atol=1e-4, rtol=0)
+    torch.testing.assert_close(audio, ref[1], atol=1e-4, rtol=0)
+    if decode:
+        frames = pipe.decode_video_float(video)                     # (F, H, W, 3) in [0, 1]
+        ref_frames = torch.as_tensor(np.asarray(ref[2][0]))
+        assert frames.shape == ref_frames.shape == (124, H, W, 3)
+        assert (frames - ref_frames).abs().max().item() <= 1e-4
+        torch.testing.assert_close(pipe.decode_audio(audio), ref[3][0].float(), atol=1e-4, rtol=0)
 
 
 def test_shifts_are_the_checkpoints(tiny_checkpoint, tmp_path):
@@ -101,7 +112,7 @@ def test_shifts_are_the_checkpoints(tiny_checkpoint, tmp_path):
 @pytest.mark.diffusers
 def test_bf16_eager_is_bitwise_diffusers(tiny_checkpoint):
     """bf16 on CPU (the eager path: no fused kernels there): the final latents equal diffusers' bit for bit."""
-    ref_video, ref_audio = reference_latents(tiny_checkpoint, dtype=torch.bfloat16)
+    ref_video, ref_audio = reference_outputs(tiny_checkpoint, dtype=torch.bfloat16)
     video, audio = our_latents(our_pipeline(tiny_checkpoint, "bf16"), "bf16")
     assert video.dtype == ref_video.dtype and audio.dtype == ref_audio.dtype
     assert torch.equal(video, ref_video), (video - ref_video).abs().max()

@@ -15,6 +15,7 @@ Geometry (H3_REFERENCE §3.1, §5):
     cap of 8192 (the MP4 writer's). A canvas derived from an aspect ratio follows the reference exactly.
   * Audio latents: A = round(F / 24 * 40) (the audio VAE hops 800 samples at 32 kHz, 40 latents/s).
   * Canvas sides are multiples of 32 (VAE 16x times the DiT patch 2); latent sides are H/16, W/16.
+  * A checkpoint whose VAEs or DiT would change this arithmetic is refused at load (models/checkpoint.py).
 
 No torch, grpc or av imports here: every part of the system may import this module.
 """
@@ -411,8 +412,9 @@ def _check_canvas(width: int, height: int, source: str | None = None) -> None:
 
 def snap_canvas(width: int, height: int) -> Canvas:
     """A requested WxH on H3's canvas: kept when it is a valid canvas (CANVAS_RULE), else the model's canvas for
-    that aspect (`canvas_for_aspect`, the reference's resolve_canvas_size): OpenAI's 1280x720 -> 1344x768, 720x1280 -> 768x1344, 1792x1024 -> 1344x768,
-    1024x1792 -> 768x1344. An aspect outside 1:4..4:1 raises RequestError naming `size`."""
+    that aspect (`canvas_for_aspect`, the reference's resolve_canvas_size): OpenAI's 1280x720 -> 1344x768,
+    720x1280 -> 768x1344, 1792x1024 -> 1344x768, 1024x1792 -> 768x1344. An aspect outside 1:4..4:1 raises
+    RequestError naming `size`."""
     try:
         _check_canvas(width, height)
         return Canvas(width, height)
@@ -575,9 +577,9 @@ def validate_request(**raw: Any) -> GenerationRequest:
 
     Canvas: explicit sizes follow CANVAS_RULE (multiples of 32 within [32, 8192], area <= 1,032,192, the canvas
     max; no aspect bound, as the reference). With neither side given, the canvas is canvas_for_aspect(aspect),
-    where aspect is the `aspect` field, else the first keyframe's (fl2va), else 16:9. With one side given, the other follows that aspect,
-    rounded to the nearest multiple of 32 (down if the nearest would exceed the area cap), and the pair is checked
-    like an explicit size.
+    where aspect is the `aspect` field, else the first keyframe's (fl2va), else 16:9. With one side given, the
+    other follows that aspect, rounded to the nearest multiple of 32 (down if the nearest would exceed the area
+    cap), and the pair is checked like an explicit size.
     """
     unknown = sorted(str(k) for k in raw if k not in RAW_FIELDS)
     if unknown:

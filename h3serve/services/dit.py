@@ -53,7 +53,8 @@ def _unwrap(msg):
 
 def check_geometry(p) -> None:
     """The request geometry the gateway's validation produces, checked again for a direct caller: latent frames
-    5n+2 of a video of FRAMES_RANGE frames, the audio latents of those frames, latent sides of a canvas side in range."""
+    5n+2 of a video of FRAMES_RANGE frames, the audio latents of those frames, latent sides of a canvas side in
+    range."""
     lo, hi = (num_frames_to_latents(f) for f in FRAMES_RANGE)
     if not (lo <= p.latent_frames <= hi and (p.latent_frames - 2) % 5 == 0):
         raise RequestError("latent_frames", p.latent_frames,

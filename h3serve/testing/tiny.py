@@ -504,8 +504,8 @@ def write_checkpoint_variant(src: str | os.PathLike, dst: str | os.PathLike, *, 
                 _perturb(model, torch.Generator().manual_seed(seed * 10 + offset), 0.02)
                 shutil.rmtree(dst / name)
                 model.save_pretrained(str(dst / name))
-        for name, cls, base, override in (("vae", AutoencoderKLMiniMaxH3, presets.TINY_VIDEO_VAE, vae),
-                                          ("audio_vae", AutoencoderKLMiniMaxH3Audio, presets.TINY_AUDIO_VAE, audio_vae)):
+        for name, base, override in (("vae", presets.TINY_VIDEO_VAE, vae),
+                                     ("audio_vae", presets.TINY_AUDIO_VAE, audio_vae)):
             if override is None:
                 continue
             config = dict(base, **override)

@@ -64,8 +64,8 @@ JSON_BODY = {
         "seconds": {"type": ["string", "number"], "description": "Requested duration, 4.5..14.375 s (raised to "
                                                                   "17n+5 frames at 24 fps, which must lie in "
                                                                   "[120, 360]). Not with num_frames."},
-        "size": {"type": "string", "example": "1344x768", "description": "WxH, multiples of 32 in [32, 8192], area <= "
-                                                                             "1,032,192"},
+        "size": {"type": "string", "example": "1344x768",
+                 "description": "WxH, multiples of 32 in [32, 8192], area <= 1,032,192"},
         "width": {"type": "integer"}, "height": {"type": "integer"},
         "num_frames": {"type": "integer", "description": "Requested frames at 24 fps (raised to 17n+5)"},
         "fps": {"type": "integer", "enum": [24]},

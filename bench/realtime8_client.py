@@ -2,7 +2,7 @@
 excluded warm-up, then N timed requests; median end-to-end seconds, T_media, RTF_client, the per-stage timings the
 gateway reports, media checks of every MP4, and (with --gpus) the peak HBM per GPU sampled by nvidia-smi.
 
-    python bench/realtime8_client.py --server 127.0.0.1:50051 --seconds 5 10 15 --size 1344x768 --repeats 3 \
+    python bench/realtime8_client.py --server 127.0.0.1:50051 --seconds 5 10 14 --size 1344x768 --repeats 3 \
         --out results/ [--gpus]
 
 Prints one JSON line per clip length, then a summary line.
@@ -48,7 +48,7 @@ class HbmSampler:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--server", required=True)
-    ap.add_argument("--seconds", nargs="+", default=["5", "10", "15"])
+    ap.add_argument("--seconds", nargs="+", default=["5", "10", "14"])   # 14 s = 345 frames, the longest
     ap.add_argument("--size", default="1344x768")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)

@@ -2,7 +2,7 @@
 staged, one process, one GPU. Prints one JSON line per run and a summary.
 
     python bench/staged_pipeline.py --device cuda                    # 10 s 1344x768, cap 48 GiB, DiT r = 20
-    python bench/staged_pipeline.py --device cpu --preset tiny --seconds 4 --size 256x256   # smoke (no cap)
+    python bench/staged_pipeline.py --device cpu --preset tiny --seconds 5 --size 256x256   # smoke (no cap)
 
 Every model is built in memory with random weights at the released geometry (no checkpoint on disk: the full one
 is ~143 GB): the 50 Qwen3-VL decoder layers H3 reads + vision tower, the 50-block DiT, the video and audio VAEs.
@@ -166,7 +166,7 @@ def main() -> None:
     meta["build_s"] = pipe.load_seconds
     log("built", meta)
     prompt = "A red kite dances over a windy beach at golden hour; the waves roll in, gulls cry."
-    small = validate_request(prompt=prompt, seconds=4, size="256x256", steps=2, seed=1)
+    small = validate_request(prompt=prompt, seconds=5, size="256x256", steps=2, seed=1)
     req = validate_request(prompt=prompt, seconds=a.seconds, size=a.size, steps=a.steps, seed=a.seed)
     pipe.generate(small, out / "warmup.mp4")  # kernels compiled, autotuned once
     resident = run(pipe, req, out / "resident.mp4", device, "resident")

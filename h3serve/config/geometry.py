@@ -1,9 +1,15 @@
 """Canvas, frame and latent arithmetic of the released model (H3_REFERENCE §3.1, §5), in one place.
 
   * 24 fps; the video VAE encodes 17n+5 pixel frames into 5n+2 latent frames, so a requested duration is raised
-    to the next 17n+5 frames: 5 / 10 / 15 s -> 124 / 243 / 362 frames, 4 s -> 107.
+    to the next 17n+5 frames: 5 / 10 / 14 s -> 124 / 243 / 345 frames.
+  * Durations are the reference's (diffusers' setup block): the frame count *after* that rounding must lie in
+    [120, 360] (5..15 s at 24 fps), so 124..345 frames are generated, for 108..345 requested frames (4.5..14.375 s).
   * Audio latents: A = round(F / 24 * 40) (the audio VAE hops 800 samples at 32 kHz, 40 latents/s), stereo.
-  * Canvas sides are multiples of 32 (VAE 16x times the DiT patch 2); latent sides are H/16, W/16.
+  * Canvas: the reference's rule, sides multiples of 32 (VAE 16x times the DiT patch 2, and at least 32); h3serve
+    adds an area cap, the checkpoint's canvas_max_pixels (1,032,192 = 1344x768: the model's pixel budget, which
+    bounds a request's work), and a side cap of 8192 (the MP4 writer's). A canvas derived from an aspect ratio
+    follows the reference exactly. Latent sides are H/16, W/16.
+  * A checkpoint whose VAEs or DiT would change this arithmetic is refused at load (models/checkpoint.py).
 
 The request validator (`config/request.py`) turns a caller's values into this geometry; the DiT checks a direct
 caller's latent geometry with `check_latents`. No torch, grpc or av imports here.
@@ -16,8 +22,10 @@ from typing import NamedTuple
 from h3serve.errors import RequestError
 
 FPS = 24
-FRAMES_PER_CLIP = 17            # video VAE clip length
+FRAMES_PER_CLIP = 17            # video VAE clip_length
 LATENTS_PER_CLIP = 5            # latent frames a clip keeps; 17n+5 frames -> 5n+2 latents
+TOKEN_DROP = 3                  # video VAE token_drop: latents dropped after the clips (5n+5 -> 5n+2)
+TEMPORAL_RATIO = 4              # video VAE temporal compression
 AUDIO_LATENTS_PER_SECOND = 40   # 32 kHz / hop 800
 AUDIO_HOP = 800
 AUDIO_CHANNELS = 2              # stereo
@@ -26,9 +34,9 @@ VAE_SPATIAL = 16
 CANVAS_MULTIPLE = 32            # VAE 16x times the DiT patch 2
 CANVAS_SHORT_EDGE = 768
 CANVAS_MAX_PIXELS = 768 * 1344  # 1,032,192
-MIN_SIDE, MAX_SIDE = 256, 2048
-MIN_ASPECT, MAX_ASPECT = 1 / 4, 4.0
-MIN_SECONDS, MAX_SECONDS = 4.0, 15.0
+MIN_SIDE, MAX_SIDE = CANVAS_MULTIPLE, 8192   # the reference's smallest side; the MP4 writer's largest
+MIN_ASPECT, MAX_ASPECT = 1 / 4, 4.0        # of an aspect ratio a canvas is derived from (resolve_canvas_size)
+MIN_DURATION, MAX_DURATION = 5.0, 15.0     # seconds of the frame count after rounding up to 17n+5 (the reference)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -59,22 +67,26 @@ def audio_latents_for_frames(num_frames: int, fps: int = FPS) -> int:
     return int(round(num_frames / fps * AUDIO_LATENTS_PER_SECOND))
 
 
-# The reference pipeline (diffusers) refuses an *aligned* duration outside [5, 15] s: 124..345 frames. Requests of
-# 4..4.9 s (107 frames) and of 14.4..15 s (362 frames) are served by h3serve but cannot be compared against it.
-REFERENCE_DURATION = (5.0, 15.0)
-
-
 def within_reference_duration(num_frames: int, fps: int = FPS) -> bool:
-    """Whether the reference pipeline accepts this aligned frame count (5 s <= F/24 <= 15 s: 124..345 frames)."""
-    return REFERENCE_DURATION[0] <= num_frames / fps <= REFERENCE_DURATION[1]
+    """Whether an aligned (17n+5) frame count is a duration we generate: 5 s <= F/24 <= 15 s, i.e. 120..360
+    frames, as the reference checks it after rounding (so 124..345 frames)."""
+    return MIN_DURATION <= num_frames / fps <= MAX_DURATION
+
+
+# Requested frame counts whose rounding lands within the durations (108..345): messages say them.
+REQUESTED_FRAMES = (min(f for f in range(1, 400) if within_reference_duration(frames_for_seconds(f / FPS))),
+                    max(f for f in range(1, 400) if within_reference_duration(frames_for_seconds(f / FPS))))
+# The aligned frame counts generated (124..345).
+FRAMES_RANGE = tuple(frames_for_seconds(f / FPS) for f in REQUESTED_FRAMES)
 
 
 def check_latents(latent_frames: int, audio_latents: int, latent_height: int, latent_width: int) -> None:
-    """The latent geometry a validated request produces: latent frames 5n+2 of a 4..15 s video, the audio latents
-    of those frames, latent sides of a canvas side in range. Raises RequestError naming the field."""
-    lo, hi = (num_frames_to_latents(frames_for_seconds(s)) for s in (MIN_SECONDS, MAX_SECONDS))
+    """The latent geometry a validated request produces: latent frames 5n+2 of a video of FRAMES_RANGE frames, the
+    audio latents of those frames, latent sides of a canvas side in range. Raises RequestError naming the field."""
+    lo, hi = (num_frames_to_latents(f) for f in FRAMES_RANGE)
     if not (lo <= latent_frames <= hi and (latent_frames - 2) % LATENTS_PER_CLIP == 0):
-        raise RequestError("latent_frames", latent_frames, f"5n+2 in [{lo}, {hi}] (a 4..15 s video)")
+        raise RequestError("latent_frames", latent_frames,
+                           f"5n+2 in [{lo}, {hi}] (a video of {FRAMES_RANGE[0]}..{FRAMES_RANGE[1]} frames)")
     frames = latents_to_num_frames(latent_frames)
     if audio_latents != audio_latents_for_frames(frames):
         raise RequestError("audio_latents", audio_latents,
@@ -114,16 +126,19 @@ def canvas_for_ratio(ratio: float) -> Canvas:
 DEFAULT_CANVAS = canvas_for_ratio(16 / 9)   # 1344x768
 
 
+CANVAS_RULE = (f"sides multiples of {CANVAS_MULTIPLE} within [{MIN_SIDE}, {MAX_SIDE}], area W*H at most "
+               f"{CANVAS_MAX_PIXELS:,} pixels (the canvas max, 1344x768)")
+
+
 def check_canvas(width: int, height: int, source: str | None = None) -> None:
-    """Sides multiples of 32 within [256, 2048], aspect 1:4..4:1, area <= the canvas max (1,032,192 = 1344x768).
-    `source` names the caller's field the sides came from (size, or the side given); None: width / height."""
+    """An explicit canvas: CANVAS_RULE. The reference asks only multiples of 32; the area cap is the checkpoint's
+    canvas_max_pixels (it bounds a request's work), the side cap the MP4 writer's. `source` names the caller's
+    field the sides came from (size, or the side given); None: width / height."""
     for name, side in (("width", width), ("height", height)):
         if side % CANVAS_MULTIPLE or not MIN_SIDE <= side <= MAX_SIDE:
             raise RequestError(source or name, side if source is None else f"{width}x{height}",
-                               f"{name} must be a multiple of {CANVAS_MULTIPLE} within [{MIN_SIDE}, {MAX_SIDE}]")
-    ratio = width / height
-    if not MIN_ASPECT <= ratio <= MAX_ASPECT:
-        raise RequestError(source or "size", f"{width}x{height}", "aspect ratio W:H between 1:4 and 4:1")
+                               f"{name} must be a multiple of {CANVAS_MULTIPLE} within [{MIN_SIDE}, {MAX_SIDE}] "
+                               f"({CANVAS_RULE})")
     if width * height > CANVAS_MAX_PIXELS:
         raise RequestError(source or "size", f"{width}x{height}",
                            f"area W*H at most {CANVAS_MAX_PIXELS:,} pixels, the canvas max (1344x768); "

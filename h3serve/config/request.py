@@ -29,13 +29,16 @@ from h3serve.config.geometry import (
     AUDIO_HOP,
     CANVAS_MULTIPLE,
     DEFAULT_CANVAS,
+    CANVAS_RULE,
     FPS,
+    FRAMES_RANGE,
     MAX_ASPECT,
-    MAX_SECONDS,
+    MAX_DURATION,
     MAX_SIDE,
     MIN_ASPECT,
-    MIN_SECONDS,
+    MIN_DURATION,
     MIN_SIDE,
+    REQUESTED_FRAMES,
     VAE_SPATIAL,
     Canvas,
     audio_latents_for_frames,
@@ -44,6 +47,7 @@ from h3serve.config.geometry import (
     frames_for_seconds,
     num_frames_to_latents,
     other_side,
+    within_reference_duration,
 )
 from h3serve.config.levers import REQUEST_NAMES, lever_conflict
 from h3serve.config.vocab import DEFAULT_DTYPE, DEFAULT_QUALITY, DTYPES, PROFILES, QUALITIES, TASKS
@@ -111,10 +115,11 @@ class RequestFields:
     `cli.py` (`generate`'s flags) and the stages' DiT parameters are derived from it."""
 
     prompt: str = _row("prompt", "What to generate", required=True, cli={}, maxLength=MAX_PROMPT_CHARS)
-    seconds: float = _row("seconds", "Requested duration, 4..15 s (raised to 17n+5 frames at 24 fps). Not with "
-                                     "num_frames.", type=["string", "number"],
-                          cli={"default": "5", "help": "requested duration, 4-15 s (raised to the next 17n+5 frames)"})
-    size: str = _row("size", "WxH, multiples of 32 in [256, 2048]", example="1344x768",
+    seconds: float = _row("seconds", "Requested duration, 4.5..14.375 s (raised to 17n+5 frames at 24 fps, which "
+                                     "must lie in [120, 360]). Not with num_frames.", type=["string", "number"],
+                          cli={"default": "5", "help": "requested duration, 4.5-14.375 s (raised to the next 17n+5 "
+                                                       "frames, 124..345)"})
+    size: str = _row("size", "WxH, multiples of 32 in [32, 8192], area <= 1,032,192", example="1344x768",
                      cli={"help": "WxH, sides multiples of 32 (default: 16:9 canvas 1344x768)"})
     width: int = _row("width")
     height: int = _row("height")
@@ -400,7 +405,7 @@ def _check_prompt(prompt: Any) -> str:
 
 
 def _parse_size(size: Any) -> tuple[int, int]:
-    allowed = "'WxH', e.g. '1344x768' (sides multiples of 32 within [256, 2048])"
+    allowed = f"'WxH', e.g. '1344x768' ({CANVAS_RULE})"
     if isinstance(size, (tuple, list)) and len(size) == 2:
         return _as_int("size", size[0], allowed), _as_int("size", size[1], allowed)
     if not isinstance(size, str):
@@ -413,10 +418,10 @@ def _parse_size(size: Any) -> tuple[int, int]:
 
 
 def snap_canvas(width: int, height: int) -> Canvas:
-    """A requested WxH on H3's canvas: kept when it is a valid canvas (sides multiples of 32 in [256, 2048], aspect
-    1:4..4:1, area <= 1,032,192), else the model's canvas for that aspect (`canvas_for_aspect`, the reference's
-    resolve_canvas_size): OpenAI's 1280x720 -> 1344x768, 720x1280 -> 768x1344, 1792x1024 -> 1344x768,
-    1024x1792 -> 768x1344. An aspect outside 1:4..4:1 raises RequestError naming `size`."""
+    """A requested WxH on H3's canvas: kept when it is a valid canvas (CANVAS_RULE), else the model's canvas for
+    that aspect (`canvas_for_aspect`, the reference's resolve_canvas_size): OpenAI's 1280x720 -> 1344x768,
+    720x1280 -> 768x1344, 1792x1024 -> 1344x768, 1024x1792 -> 768x1344. An aspect outside 1:4..4:1 raises
+    RequestError naming `size`."""
     try:
         check_canvas(width, height)
         return Canvas(width, height)
@@ -560,17 +565,18 @@ def validate_request(**raw: Any) -> GenerationRequest:
 
     Accepted fields (None means "not given"):
       prompt (str, required), task (t2va | fl2va | ref2va; inferred from references / images when absent),
-      profile (base | fasth3), seconds (4..15, requested; or num_frames: requested frames at 24 fps),
+      profile (base | fasth3), seconds (4.5..14.375 requested: 124..345 frames after rounding, the
+      reference's 5..15 s; or num_frames: requested frames at 24 fps, 108..345),
       width / height (ints) or size ('WxH') or aspect ('16:9', W/H, (W, H)), seed (0..2**63-1; drawn at random
       when absent), steps (grid points incl. terminal 0; base 2..1000, default 50; fasth3 only 5),
       fps (24 only), first_image / last_image (fl2va), references (ref2va), dtype (fp32 | bf16),
       quality (lossless | high: step reuse, profile base only).
 
-    Canvas: explicit sizes must be multiples of 32 within [256, 2048], aspect 1:4..4:1, area <= 1,032,192 (the
-    canvas max). With neither side given, the canvas is canvas_for_aspect(aspect), where aspect is the `aspect`
-    field, else the first keyframe's (fl2va), else 16:9. With one side given, the other follows that aspect,
-    rounded to the nearest multiple of 32 (down if the nearest would exceed the area cap), and the pair is checked
-    like an explicit size.
+    Canvas: explicit sizes follow CANVAS_RULE (multiples of 32 within [32, 8192], area <= 1,032,192, the canvas
+    max; no aspect bound, as the reference). With neither side given, the canvas is canvas_for_aspect(aspect),
+    where aspect is the `aspect` field, else the first keyframe's (fl2va), else 16:9. With one side given, the
+    other follows that aspect, rounded to the nearest multiple of 32 (down if the nearest would exceed the area
+    cap), and the pair is checked like an explicit size.
     """
     unknown = sorted(str(k) for k in raw if k not in RAW_FIELDS)
     if unknown:
@@ -594,20 +600,23 @@ def validate_request(**raw: Any) -> GenerationRequest:
     if conflict is not None:
         raise RequestError("quality", quality, conflict)
 
-    # duration
-    seconds_allowed = f"requested duration between {MIN_SECONDS:g} and {MAX_SECONDS:g} seconds"
+    # duration: the reference's bounds, on the frame count after rounding up to 17n+5 (as it checks them)
+    (lo, hi), (alo, ahi) = REQUESTED_FRAMES, FRAMES_RANGE
+    duration_rule = (f"a duration whose frame count, raised to the next 17n+5 at {FPS} fps, lies in "
+                     f"[{MIN_DURATION * FPS:g}, {MAX_DURATION * FPS:g}] ({MIN_DURATION:g}..{MAX_DURATION:g} s): "
+                     f"{lo}..{hi} requested frames ({lo / FPS:g}..{hi / FPS:g} s) -> {alo}..{ahi} frames")
     if get("seconds") is not None and get("num_frames") is not None:
         raise RequestError("num_frames", get("num_frames"), "give seconds or num_frames, not both")
     if get("num_frames") is not None:
-        lo, hi = round(MIN_SECONDS * FPS), round(MAX_SECONDS * FPS)
-        frames = _as_int("num_frames", get("num_frames"), f"an integer number of frames in [{lo}, {hi}] at 24 fps")
-        if not lo <= frames <= hi:
-            raise RequestError("num_frames", frames, f"frames in [{lo}, {hi}] at 24 fps ({seconds_allowed})")
+        name = "num_frames"
+        frames = _as_int(name, get(name), f"an integer number of frames at {FPS} fps, {duration_rule}")
         seconds = frames / FPS
     else:
-        seconds = DEFAULT_SECONDS if get("seconds") is None else _as_float("seconds", get("seconds"), seconds_allowed)
-        if not MIN_SECONDS <= seconds <= MAX_SECONDS:
-            raise RequestError("seconds", get("seconds"), seconds_allowed)
+        name = "seconds"
+        seconds = DEFAULT_SECONDS if get(name) is None else _as_float(name, get(name), duration_rule)
+    aligned = frames_for_seconds(seconds)
+    if not within_reference_duration(aligned):
+        raise RequestError(name, get(name), f"{duration_rule}; got {aligned} frames")
 
     fps = FPS if get("fps") is None else _as_int("fps", get("fps"), "24 (the model's only frame rate)")
     if fps != FPS:
@@ -671,7 +680,7 @@ def validate_request(**raw: Any) -> GenerationRequest:
         source = "size"
     else:
         source = None
-        side_allowed = f"an integer multiple of {CANVAS_MULTIPLE} within [{MIN_SIDE}, {MAX_SIDE}]"
+        side_allowed = f"an integer multiple of {CANVAS_MULTIPLE} within [{MIN_SIDE}, {MAX_SIDE}] ({CANVAS_RULE})"
         width = None if width is None else _as_int("width", width, side_allowed)
         height = None if height is None else _as_int("height", height, side_allowed)
     if width is None or height is None:

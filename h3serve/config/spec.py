@@ -18,7 +18,7 @@ from __future__ import annotations
 import ipaddress
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from h3serve.config.codec import dump, f, parse

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from h3serve._proto import muxer_pb2, muxer_pb2_grpc
-from h3serve.config.geometry import FRAMES_PER_CLIP, MAX_SECONDS
+from h3serve.config.geometry import FRAMES_PER_CLIP, MAX_DURATION, MAX_SIDE
 from h3serve.config.stage import StageConfig
 from h3serve.config.vocab import GRPC, NIXL, TRANSPORTS
 from h3serve.errors import (
@@ -156,7 +156,7 @@ class MuxerServicer(StageBase):
     @grpc_method("muxer")
     def OpenSession(self, request, context):
         r = request
-        for name, value, lo, hi in (("width", r.width, 2, 8192), ("height", r.height, 2, 8192),
+        for name, value, lo, hi in (("width", r.width, 2, MAX_SIDE), ("height", r.height, 2, MAX_SIDE),
                                     ("fps", r.fps, 1, 240), ("sample_rate", r.sample_rate, 8000, 192000),
                                     ("channels", r.channels, 1, 2)):
             if not lo <= value <= hi:
@@ -164,10 +164,10 @@ class MuxerServicer(StageBase):
         if r.width % 2 or r.height % 2:
             raise RequestError("width" if r.width % 2 else "height", r.width if r.width % 2 else r.height,
                                "even (yuv420p)")
-        most = math.ceil(MAX_SECONDS * r.fps) + FRAMES_PER_CLIP
+        most = math.ceil(MAX_DURATION * r.fps) + FRAMES_PER_CLIP
         if not 0 <= r.expected_frames <= most:
             raise RequestError("expected_frames", r.expected_frames, f"frames in [0, {most}] (0: not checked; "
-                                                                     f"{MAX_SECONDS:g} s at {r.fps} fps at most)")
+                                                                     f"{MAX_DURATION:g} s at {r.fps} fps at most)")
         _transport("transport", r.transport)
         limit = self.config.max_session_ttl_s
         if not (r.ttl_s == 0 or (math.isfinite(r.ttl_s) and 0 < r.ttl_s <= limit)):

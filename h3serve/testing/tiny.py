@@ -234,10 +234,10 @@ def build_transformer(seed: int, preset: str = "tiny"):
     return model
 
 
-def build_video_vae(seed: int):
+def build_video_vae(seed: int, config: dict | None = None):
     """The tiny video VAE; the zero-initialised layer scales and register tokens set to N(0, 0.1)."""
     torch.manual_seed(seed)
-    model = AutoencoderKLMiniMaxH3(**presets.TINY_VIDEO_VAE).eval()
+    model = AutoencoderKLMiniMaxH3(**(config or presets.TINY_VIDEO_VAE)).eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -246,11 +246,11 @@ def build_video_vae(seed: int):
     return model
 
 
-def build_audio_vae(seed: int):
+def build_audio_vae(seed: int, config: dict | None = None):
     torch.manual_seed(seed)
     with warnings.catch_warnings():  # torch's deprecation notice for the weight_norm diffusers uses
         warnings.filterwarnings("ignore", message=".*weight_norm.*", category=FutureWarning)
-        return AutoencoderKLMiniMaxH3Audio(**presets.TINY_AUDIO_VAE).eval()
+        return AutoencoderKLMiniMaxH3Audio(**(config or presets.TINY_AUDIO_VAE)).eval()
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -479,3 +479,48 @@ def reference_pipeline(path: str | os.PathLike, workflow: str = "t2va", dtype: t
     if missing:
         raise CheckpointError(f"{path}: diffusers could not load {', '.join(missing)}")
     return pipe
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Checkpoint variants (values a diffusers H3 checkpoint may legally vary)
+
+
+def write_checkpoint_variant(src: str | os.PathLike, dst: str | os.PathLike, *, seed: int = 0,
+                             transformer: dict | None = None, vae: dict | None = None, audio_vae: dict | None = None,
+                             shifts: dict | None = None, index: dict | None = None) -> Path:
+    """A copy of the tiny checkpoint `src` with some components rebuilt by diffusers' own classes at the tiny
+    geometry updated by the given config values (random weights, perturbed as `init_tiny_checkpoint` does).
+
+    transformer: both partitions; vae / audio_vae: their configs (`latent_channels` resizes latents_mean / std);
+    shifts: {"scheduler": s, "audio_scheduler": s}; index: pipeline config values of modular_model_index.json.
+    """
+    dst = Path(dst)
+    shutil.copytree(src, dst)
+    with quiet(), torch.no_grad():
+        if transformer is not None:
+            for offset, name in ((2, "transformer"), (3, "transformer_ref")):
+                torch.manual_seed(seed * 10 + offset)
+                model = MiniMaxH3Transformer3DModel(**dict(presets.transformer_config("tiny"), **transformer)).eval()
+                _perturb(model, torch.Generator().manual_seed(seed * 10 + offset), 0.02)
+                shutil.rmtree(dst / name)
+                model.save_pretrained(str(dst / name))
+        for name, base, override in (("vae", presets.TINY_VIDEO_VAE, vae),
+                                     ("audio_vae", presets.TINY_AUDIO_VAE, audio_vae)):
+            if override is None:
+                continue
+            config = dict(base, **override)
+            c = config["latent_channels"]
+            if c != base["latent_channels"]:
+                config.update(latents_mean=[config["latents_mean"][i % len(config["latents_mean"])] for i in range(c)],
+                              latents_std=[config["latents_std"][i % len(config["latents_std"])] for i in range(c)])
+            model = build_video_vae(seed * 10 + 4, config) if name == "vae" else build_audio_vae(seed * 10 + 5, config)
+            shutil.rmtree(dst / name)
+            model.save_pretrained(str(dst / name))
+        for name, shift in (shifts or {}).items():
+            shutil.rmtree(dst / name)
+            MiniMaxH3Scheduler(shift=shift).save_pretrained(str(dst / name))
+    if index:
+        path = dst / INDEX_FILE
+        write_json(path, dict(json.loads(path.read_text()), **index))
+    (dst / STAMP_FILE).unlink(missing_ok=True)   # not the tiny recipe any more
+    return dst

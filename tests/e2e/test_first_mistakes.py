@@ -145,7 +145,7 @@ def test_generate_output_that_cannot_be_written_is_refused_first(tiny_checkpoint
     # before: /proc passed os.access and failed after the whole generation
     path = output if output.startswith("/") else str(tmp_path / output)
     r, took = run_cli("generate", "--checkpoint", str(tiny_checkpoint), "--prompt", "x", "--size", "256x256",
-                      "--steps", "4", "--seconds", "4", "-o", path)
+                      "--steps", "4", "--seconds", "5", "-o", path)
     line = one_line(r)
     assert f"--output {path}" in line, line
     print(f"generate -o {output}: exit 2 in {took:.2f} s: {line}")

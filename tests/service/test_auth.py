@@ -111,7 +111,7 @@ def test_grpc_matrix(keyed):
         assert client.validate("a kite", seconds=5).num_frames == 124
         client.wait_ready(10)          # gRPC health needs no key
     # bob cannot cancel alice's live request; alice can
-    fields = {k: v for k, v in REQUEST.items() if k != "prompt"} | {"seconds": 15}
+    fields = {k: v for k, v in REQUEST.items() if k != "prompt"} | {"seconds": 14}
     with Client(keyed.grpc, api_key=ALICE2) as alice, Client(keyed.grpc, api_key=BOB) as bob:
         gen = alice.stream("a kite", **fields)
         events = iter(gen)

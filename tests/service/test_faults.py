@@ -52,7 +52,7 @@ def test_a_hung_stage_fails_its_callers_fast_and_is_restarted(stack, tmp_path, s
     prompt = HUGE_PROMPT if during == "encoder" else REQUEST["prompt"]
     figures = {}
     with Client(stack.grpc) as client:
-        gen = client.stream(prompt, output=out, timeout=300, **dict(FIELDS, seconds=15))
+        gen = client.stream(prompt, output=out, timeout=300, **dict(FIELDS, seconds=14))
         stopped_at = None
         with pytest.raises(StageUnavailable) as info:
             for event in gen:

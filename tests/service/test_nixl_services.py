@@ -91,8 +91,8 @@ def test_mp4_over_nixl_is_byte_identical_to_grpc(nixl_stack, grpc_mp4):
 
 def test_vae_killed_mid_stream_under_nixl_fails_unavailable_and_the_next_request_works(nixl_stack, grpc_mp4):
     pid = nixl_stack.status("vae").pid
-    with Client(nixl_stack.grpc, timeout=60) as client:   # 15 s, 22 clips: time to kill between two
-        err, killed_at = kill_mid_request(client, dict(REQUEST, seconds=15), "vae", pid)
+    with Client(nixl_stack.grpc, timeout=60) as client:   # 14 s, 21 clips: time to kill between two
+        err, killed_at = kill_mid_request(client, dict(REQUEST, seconds=14), "vae", pid)
     assert time.monotonic() - killed_at < 10.0       # well within the 60 s deadline
     assert err.stage == "vae" and "vae" in str(err)
     muxer = nixl_stack.wait_idle("muxer")

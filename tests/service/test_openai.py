@@ -51,10 +51,10 @@ def test_sdk_create_and_poll_download_list_retrieve_delete(stack, embedded, sdk)
 @pytest.mark.parametrize("size,used", [("1280x720", "1344x768"), ("720x1280", "768x1344"),
                                        ("1792x1024", "1344x768"), ("1024x1792", "768x1344")])
 def test_openai_sizes_map_onto_the_canvas_and_the_job_says_so(sdk, size, used):
-    video = sdk.videos.create(prompt="a kite", size=size, seconds="4", extra_query={"validate_only": "true"})
+    video = sdk.videos.create(prompt="a kite", size=size, seconds="8", extra_query={"validate_only": "true"})
     job = video.model_dump()
     assert job["size"] == used and job["requested_size"] == size
-    assert job["num_frames"] == 107   # 4 s -> 17n+5
+    assert job["num_frames"] == 192   # 8 s = 192 frames, already 17n+5
 
 
 def test_sdk_errors_are_openai_shaped(sdk):

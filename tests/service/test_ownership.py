@@ -46,7 +46,7 @@ def _validated():
     from h3serve.config.request import validate_request
     from h3serve.services.gateway.fields import Validated
 
-    return Validated(validate_request(prompt="p", seconds=4, width=320, height=256, steps=4), {}, "m")
+    return Validated(validate_request(prompt="p", seconds=5, width=320, height=256, steps=4), {}, "m")
 
 
 def _completed(table: JobTable, owner: str):

@@ -112,7 +112,7 @@ def test_overload_refuses_the_k_plus_2th_at_once_and_the_admitted_complete(stack
 HUGE_PROMPT = "a kite over the dead sea " * 800
 KILLED_MID_JOB = {"encoder": dict(REQUEST, prompt=HUGE_PROMPT),   # killed inside its one long forward
                   "dit": LONG,                                    # killed while it denoises
-                  "vae": dict(REQUEST, seconds=15)}               # 362 frames: 22 clips, killed between two
+                  "vae": dict(REQUEST, seconds=14)}               # 345 frames: 21 clips, killed between two
 
 
 def _wait_restarted(stack, stage: str, pid: int, timeout: float = 120.0) -> None:
@@ -160,7 +160,7 @@ def test_a_stage_killed_mid_job_fails_it_unavailable_naming_it(stack, embedded, 
 def test_muxer_killed_while_the_vae_streams_fails_unavailable_naming_it(stack, embedded):
     pid = stack.status("muxer").pid
     with Client(stack.grpc, timeout=60) as client:
-        err, killed_at = kill_mid_request(client, dict(REQUEST, seconds=15), "vae", pid)
+        err, killed_at = kill_mid_request(client, dict(REQUEST, seconds=14), "vae", pid)
     assert time.monotonic() - killed_at < 10.0
     assert err.stage == "muxer" and "muxer" in str(err)
     vae = stack.wait_idle("vae")

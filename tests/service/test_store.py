@@ -67,7 +67,7 @@ def test_s3_jobs_survive_gateway_kill9_and_graceful_restart(tiny_checkpoint, s3,
 
         # a long job in flight, then kill -9 of the gateway: the launcher restarts it on the same ports
         pid = stack.events[0]["stages"]["gateway"]["pid"]
-        running = httpx.post(f"{stack.http}/v1/videos", json=dict(REQUEST, seconds=15), timeout=30).json()
+        running = httpx.post(f"{stack.http}/v1/videos", json=dict(REQUEST, seconds=14), timeout=30).json()
         wait_status(stack.http, running["id"], {"in_progress"})
         os.kill(pid, signal.SIGKILL)
         end = time.monotonic() + 60
@@ -144,7 +144,7 @@ def test_s3_server_restart_gives_503_naming_the_store_then_recovers(tiny_checkpo
 def _finished_record(jid: str, completed_at: float) -> dict:
     from h3serve.config.request import validate_request
 
-    req = validate_request(prompt="p", seconds=4, width=320, height=256, steps=4)
+    req = validate_request(prompt="p", seconds=5, width=320, height=256, steps=4)
     return {"id": jid, "owner": None, "status": "completed", "progress": 100.0, "stage": "", "created_at": 1.0,
             "started_at": 1.0, "completed_at": completed_at, "request": req.to_dict(), "names": {}, "model": "m",
             "timings": {}, "error": None, "mp4_bytes": 3, "sha256": "", "gateway": "h:1", "boot": "b",
@@ -198,7 +198,7 @@ def _validated():
     from h3serve.config.request import validate_request
     from h3serve.services.gateway.fields import Validated
 
-    return Validated(validate_request(prompt="p", seconds=4, width=320, height=256, steps=4), {}, "m")
+    return Validated(validate_request(prompt="p", seconds=5, width=320, height=256, steps=4), {}, "m")
 
 
 def test_replicas_share_the_store_see_and_cancel_each_others_jobs(s3, tmp_path):
@@ -271,7 +271,7 @@ def test_a_hung_gateway_is_restarted_and_its_jobs_end_failed_not_lost(tiny_check
         done = httpx.post(f"{stack.http}/v1/videos", json=REQUEST, timeout=30).json()
         first = wait_status(stack.http, done["id"], {"completed"})
         pid = stack.events[0]["stages"]["gateway"]["pid"]
-        running = httpx.post(f"{stack.http}/v1/videos", json=dict(REQUEST, seconds=15), timeout=30).json()
+        running = httpx.post(f"{stack.http}/v1/videos", json=dict(REQUEST, seconds=14), timeout=30).json()
         wait_status(stack.http, running["id"], {"in_progress"})
         os.kill(pid, signal.SIGSTOP)
         t0 = time.monotonic()

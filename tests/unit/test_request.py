@@ -46,9 +46,9 @@ def media_files(tmp_path_factory):
     [
         (5, 124, 37, 207),      # 124/24*40 = 206.67
         (10, 243, 72, 405),     # 243/24*40 = 405.00
-        (15, 362, 107, 603),    # 362/24*40 = 603.33
-        (4, 107, 32, 178),      # 107/24*40 = 178.33
-        (4.5, 124, 37, 207),    # 108 -> next 17n+5 is 124
+        (14, 345, 102, 575),    # 336 -> 345; 345/24*40 = 575.00
+        (14.375, 345, 102, 575),  # 345 frames: the longest the reference generates
+        (4.5, 124, 37, 207),    # 108 -> next 17n+5 is 124: the shortest request
         (7.1, 175, 52, 292),    # round(170.4) = 170 -> 175; 175/24*40 = 291.67
     ],
 )
@@ -99,13 +99,14 @@ def test_num_frames_to_latents_rejects_unaligned():
 
 
 def test_latent_geometry_is_checked_by_the_geometry_module():
-    for seconds in (4, 5, 10, 15):
+    for seconds in (5, 10, 14):
         frames = frames_for_seconds(seconds)
         latents = num_frames_to_latents(frames)
         assert latents_to_num_frames(latents) == frames
         check_latents(latents, audio_latents_for_frames(frames), 48, 84)
-    for args, field in (((36, 207, 48, 84), "latent_frames"), ((37, 206, 48, 84), "audio_latents"),
-                        ((37, 207, 15, 84), "latent_height"), ((37, 207, 48, 129), "latent_width")):
+    for args, field in (((36, 207, 48, 84), "latent_frames"), ((32, 178, 48, 84), "latent_frames"),
+                        ((37, 206, 48, 84), "audio_latents"), ((37, 207, 1, 84), "latent_height"),
+                        ((37, 207, 48, 513), "latent_width")):
         with pytest.raises(RequestError) as info:
             check_latents(*args)
         assert info.value.field == field
@@ -134,6 +135,15 @@ def test_canvas_matches_reference_resolve_canvas_size():
     for frames in (107, 124, 243, 345, 362):
         assert within_reference_duration(frames) == (low <= frames / 24 <= high), frames
     assert [within_reference_duration(f) for f in (107, 124, 345, 362)] == [False, True, True, False]
+    for requested in range(1, 400):
+        aligned = reference.align_num_frames(requested, 17, 5)
+        accepted = low <= aligned / 24 <= high   # the reference's check, on the rounded count
+        try:
+            validate_request(prompt="p", num_frames=requested, seed=0)
+            ours = True
+        except RequestError:
+            ours = False
+        assert ours == accepted, requested
     for requested in range(96, 361):
         assert frames_for_seconds(requested / 24) == reference.align_num_frames(requested, 17, 5)
         frames = reference.align_num_frames(requested, 17, 5)
@@ -200,7 +210,13 @@ def test_ref2va(media_files):
 
 BAD = [
     ("seconds 3.9", dict(seconds=3.9), "seconds"),
+    ("seconds 4 (107 frames)", dict(seconds=4), "seconds"),
+    ("seconds 15 (362 frames)", dict(seconds=15), "seconds"),
     ("seconds 15.1", dict(seconds=15.1), "seconds"),
+    ("seconds 0", dict(seconds=0), "seconds"),
+    ("seconds -5", dict(seconds=-5), "seconds"),
+    ("num_frames 107", dict(num_frames=107), "num_frames"),
+    ("num_frames 346", dict(num_frames=346), "num_frames"),
     ("seconds abc", dict(seconds="abc"), "seconds"),
     ("seconds nan", dict(seconds=float("nan")), "seconds"),
     ("seconds bool", dict(seconds=True), "seconds"),
@@ -209,13 +225,13 @@ BAD = [
     ("size 250x256", dict(size="250x256"), "size"),
     ("size 256x250", dict(size="256x250"), "size"),
     ("size 4096x256", dict(size="4096x256"), "size"),
-    ("size 224x224", dict(size="224x224"), "size"),
-    ("size aspect 8:1", dict(size="2048x256"), "size"),
+    ("size 0x256", dict(size="0x256"), "size"),
+    ("size 8224x32", dict(size="8224x32"), "size"),
     ("size area", dict(size="1376x768"), "size"),
     ("size garbage", dict(size="1344by768"), "size"),
     ("size and width", dict(size="768x768", width=768), "size"),
     ("width 250", dict(width=250, height=256), "width"),
-    ("height 2080", dict(width=512, height=2080), "height"),
+    ("height 8224", dict(width=32, height=8224), "height"),
     ("width float", dict(width=512.5, height=512), "width"),
     ("one side too big", dict(width=2048), "width"),
     ("prompt empty", dict(prompt=""), "prompt"),
@@ -277,6 +293,17 @@ def test_bad_requests(raw, field, media_files):
     assert info.value.field == field
     message = str(info.value)
     assert message.startswith(f"{field}=") and "\n" not in message and len(message) < 400
+
+
+def test_canvas_is_the_references_multiple_of_32():
+    """The reference accepts any multiple of 32 (320x192, 2048x256, 32x32); we add only the area and side caps."""
+    for size in ("320x192", "2048x256", "32x32", "192x320", "8192x96"):
+        w, h = map(int, size.split("x"))
+        r = validate_request(prompt="p", size=size, seed=0)
+        assert (r.width, r.height) == (w, h)
+        assert (r.latent_width, r.latent_height) == (w // 16, h // 16)
+    with pytest.raises(RequestError, match="multiple of 32"):
+        validate_request(prompt="p", size="336x192")
 
 
 def test_area_message_names_the_canvas_max():
@@ -357,12 +384,12 @@ def test_any_dict_is_a_request_or_a_request_error(raw, media_files):
         return
     event(f"valid: {request.task}")
     assert isinstance(request, GenerationRequest)
-    assert request.num_frames % 17 == 5 and 107 <= request.num_frames <= 362
+    assert request.num_frames % 17 == 5 and 124 <= request.num_frames <= 345
     assert request.latent_frames == num_frames_to_latents(request.num_frames)
     assert request.audio_latents == round(request.num_frames / 24 * 40)
     assert request.width % 32 == 0 and request.height % 32 == 0
-    assert 256 <= request.width <= 2048 and 256 <= request.height <= 2048
-    assert 0.25 <= request.width / request.height <= 4
+    assert 32 <= request.width <= 8192 and 32 <= request.height <= 8192
+    assert request.width * request.height <= 1.1 * CANVAS_MAX_PIXELS   # a derived canvas rounds a little over
     assert 0 <= request.seed <= 2**63 - 1 and math.isfinite(request.seconds)
     assert request.task in ("t2va", "fl2va", "ref2va") and request.profile in ("base", "fasth3")
     if request.profile == "fasth3":

@@ -72,7 +72,7 @@ def test_embedded_pipeline_with_every_lossless_lever_writes_the_same_mp4(tiny_ch
     """`h3serve generate` with DiT offload, encoder offload and VAE staging: the MP4 bytes of the plain path."""
     from h3serve.cli import main
 
-    base = ["generate", "--checkpoint", str(tiny_checkpoint), "--prompt", "a red kite", "--seconds", "4",
+    base = ["generate", "--checkpoint", str(tiny_checkpoint), "--prompt", "a red kite", "--seconds", "5",
             "--size", "256x256", "--seed", "5", "--steps", "2", "--no-progress", "--json"]
     assert main([*base, "-o", str(tmp_path / "plain.mp4")]) == 0
     assert main([*base, "-o", str(tmp_path / "levers.mp4"), "--dit-resident-blocks", "2",

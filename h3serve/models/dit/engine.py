@@ -28,12 +28,12 @@ from h3serve.models.dit.layout import (
 )
 from h3serve.models.dit.loop import denoise, noise_condition_rows, prepare_noise
 from h3serve.models.dit import kernels
-from h3serve.models.dit.model import FP32_MODULES, H3DiT, H3DiTConfig
+from h3serve.models.dit.model import FP32_MODULES, H3DiT
 from h3serve.models.dit.quant import quantize_dit
 from h3serve.models.dit.reuse import ReuseConfig, StepReuse
-from h3serve.models.dit.scheduler import schedules_for
+from h3serve.models.dit.scheduler import FlowShifts, schedules_for
+from h3serve.models.checkpoint import checked_folder, flow_shifts, transformer_config
 from h3serve.models.offload import attach_offload
-from h3serve.weights.folder import CheckpointFolder
 from h3serve.weights.load import load_module_weights
 
 log = logging.getLogger("h3serve.dit")
@@ -84,10 +84,11 @@ class DiTEngine:
     """One DiT partition (or two: t2va/fl2va and ref2va) on one device."""
 
     def __init__(self, models: dict[str, H3DiT], *, device: torch.device, profile: str,
-                 reuse: ReuseConfig = ReuseConfig()):
+                 reuse: ReuseConfig = ReuseConfig(), shifts: FlowShifts = FlowShifts()):
         self.models = models
         self.device = device
         self.profile = profile
+        self.shifts = shifts  # the checkpoint's scheduler/ and audio_scheduler/ shifts
         self.reuse = reuse
         self.levers = Levers()
 
@@ -111,10 +112,11 @@ class DiTEngine:
         if conflict is not None:
             raise ProfileError(conflict)
         levers.check()
-        folder = CheckpointFolder(Path(checkpoint), components=list(components))
+        folder = checked_folder(checkpoint, components)  # refuses what we cannot serve, before any weight
+        shifts = flow_shifts(folder)
         models = {}
         for component in components:
-            config = H3DiTConfig.from_dict(folder.config(component))
+            config = transformer_config(folder, component)
             with torch.device("meta"):
                 model = H3DiT(config)
             report = load_module_weights(
@@ -128,7 +130,7 @@ class DiTEngine:
             models[component] = model
         if levers.fp8_attention:
             kernels.choose_attention(device, "fp8", "the fp8_attention lever is on")
-        engine = cls(models, device=device, profile=profile)
+        engine = cls(models, device=device, profile=profile, shifts=shifts)
         engine.levers = levers
         return engine
 
@@ -166,13 +168,17 @@ class DiTEngine:
         model = self.models[component]
         t0 = time.perf_counter()
         layout = self.layout_for(req)
-        video_schedule, audio_schedule = schedules_for(req.profile, req.steps)
+        video_schedule, audio_schedule = schedules_for(req.profile, req.steps, self.shifts)
 
         # Draw order is part of what a seed reproduces: each visual condition, then video noise, then audio noise.
         generator = torch.Generator("cpu").manual_seed(req.seed)
-        condition_rows = noise_condition_rows(generator, list(req.condition_latents), device=self.device)
+        config = getattr(model, "model", model).config  # the H3DiT's, under a sequence-parallel wrapper too
+        condition_rows = noise_condition_rows(generator, list(req.condition_latents), device=self.device,
+                                              latent_channels=config.in_channels)
         video_noise, audio_noise = prepare_noise(generator, req.latent_frames, req.latent_h, req.latent_w,
-                                                 req.audio_latents, device=self.device)
+                                                 req.audio_latents, device=self.device,
+                                                 latent_channels=config.in_channels,
+                                                 audio_latent_channels=config.audio_in_channels)
         video_rows = torch.cat([condition_rows, video_noise])
         ref_audio = [r.to(self.device, torch.float32) for r in req.reference_audio_rows]
         audio_rows = torch.cat([*ref_audio, audio_noise]) if ref_audio else audio_noise

@@ -61,9 +61,10 @@ def noise_condition_rows(
     *,
     t: float = CONDITION_ROW_TIMESTEP,
     device: torch.device | str | None = None,
+    latent_channels: int = 24,
     patch_size: tuple[int, int, int] = PATCH_SIZE,
 ) -> torch.Tensor:
-    """Visual conditions (each (1, 24, T_i, h_i, w_i), normalized latents) noised to clean-time t and packed.
+    """Visual conditions (each (1, C, T_i, h_i, w_i), normalized latents) noised to clean-time t and packed.
 
     One randn draw of each condition's shape, in order, then x = t*z + (1-t)*noise; returns (sum rows_i, 96).
     """
@@ -73,7 +74,7 @@ def noise_condition_rows(
         noised = FlowSchedule.add_noise(z.to(device=noise.device, dtype=torch.float32), noise, t)
         rows.append(patchify(noised, patch_size))  # mixing before patchify is the same: patchify only permutes
     if not rows:
-        return torch.zeros(0, 24 * patch_size[0] * patch_size[1] * patch_size[2], device=device)
+        return torch.zeros(0, latent_channels * patch_size[0] * patch_size[1] * patch_size[2], device=device)
     return torch.cat(rows)
 
 

@@ -70,8 +70,6 @@ class H3DiTConfig:
                 f"rope rotates 6*rope_freq_dim = {self.rotary_dim} channels per head, more than "
                 f"attention_head_dim = {self.attention_head_dim}"
             )
-        if self.freq_dim % 2:
-            raise ValueError(f"freq_dim must be even ([cos | sin] halves), got {self.freq_dim}")
 
     @property
     def patch_dim(self) -> int:  # 96 = 24 channels * (1*2*2)
@@ -141,24 +139,47 @@ class BlockContext:
         return replace(self, cos=cos, sin=sin, runs=runs, adaln_rows=table_rows)
 
 
+# Eager modulation, two roundings or one. In bf16 / fp16 it multiplies, rounds, then adds, as the reference does
+# (`h * (1 + scale) + shift`, `x + gate * y`): a fused addcmul rounds once and lands one bf16 step off in about a
+# quarter of the elements, so only the reference's order makes a bf16 run on CPU bitwise the reference's. In fp32 the
+# fused addcmul stays (one rounding, within 1e-7 of the reference; fp32 outputs stay what they were). The fused GPU
+# kernels (kernels.py) round once in every dtype: they are held to a tolerance, not to bitwise equality.
+
+
+def _two_roundings(t: torch.Tensor) -> bool:
+    return t.dtype != torch.float32
+
+
+def _scale_shift(h: torch.Tensor, scale1: torch.Tensor, shift: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out <- h * scale1 + shift (out may be h): the reference's rounding in bf16, one addcmul in fp32."""
+    if _two_roundings(out):
+        return torch.mul(h, scale1, out=out).add_(shift)
+    return torch.addcmul(shift, h, scale1, out=out)
+
+
 def _modulate_(h: torch.Tensor, shift: torch.Tensor, scale1: torch.Tensor, ctx: BlockContext) -> torch.Tensor:
     """h <- h * scale1[row] + shift[row], in place; h (B, S, D), shift / scale1 (R, D) with scale1 = 1 + scale."""
     if ctx.runs is not None:
         for a, b, r in ctx.runs:
             seg = h[:, a:b]  # (B, n, D) view
-            torch.addcmul(shift[r], seg, scale1[r], out=seg)
+            _scale_shift(seg, scale1[r], shift[r], out=seg)
         return h
     rows = ctx.adaln_rows
-    return torch.addcmul(shift.index_select(0, rows), h, scale1.index_select(0, rows), out=h)
+    return _scale_shift(h, scale1.index_select(0, rows), shift.index_select(0, rows), out=h)
+
+
+def _gated_add_(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x <- x + gate * y in place: the reference's rounding in bf16, one addcmul in fp32."""
+    return x.add_(gate * y) if _two_roundings(x) else x.addcmul_(y, gate)
 
 
 def _add_gated_(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, ctx: BlockContext) -> torch.Tensor:
     """Residual update x <- x + gate[row] * y, in place; x, y (B, S, D), gate (R, D)."""
     if ctx.runs is not None:
         for a, b, r in ctx.runs:
-            x[:, a:b].addcmul_(y[:, a:b], gate[r])
+            _gated_add_(x[:, a:b], y[:, a:b], gate[r])
         return x
-    return x.addcmul_(y, gate.index_select(0, ctx.adaln_rows))
+    return _gated_add_(x, y, gate.index_select(0, ctx.adaln_rows))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -166,11 +187,14 @@ def _add_gated_(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, ctx: Block
 
 
 def timestep_sinusoid(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
-    """(n_t,) clean times in [0, 1], unscaled -> (n_t, dim) [cos | sin] with omega_k = max_period^(-k/(dim/2))."""
+    """(n_t,) clean times in [0, 1], unscaled -> (n_t, dim) [cos | sin] with omega_k = max_period^(-k/(dim//2)).
+
+    An odd `dim` ends with one zero column, as the reference's sinusoid pads it.
+    """
     half = dim // 2
-    exponent = -math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half
+    exponent = -math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / max(half, 1)
     angles = t[:, None].float() * torch.exp(exponent)[None, :]  # (n_t, half)
-    return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
+    return F.pad(torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1), (0, dim % 2))
 
 
 def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -593,12 +617,12 @@ class H3DiT(nn.Module):
                     if a >= b:
                         continue
                     seg = h[:, o : o + b - a]
-                    torch.addcmul(shift[t], self.norm_out.norm(x[:, a - start : b - start]), scale1[t], out=seg)
+                    _scale_shift(self.norm_out.norm(x[:, a - start : b - start]), scale1[t], shift[t], out=seg)
                     o += b - a
             else:
                 mine = indices[j0:j1]
                 t_rows = timestep_indices.to(x.device, torch.long).index_select(0, mine)
                 h = self.norm_out.norm(x.index_select(1, mine - start))
-                h = torch.addcmul(shift.index_select(0, t_rows), h, scale1.index_select(0, t_rows))
+                h = _scale_shift(h, scale1.index_select(0, t_rows), shift.index_select(0, t_rows), out=h)
             outs.append(proj(h.to(proj.weight.dtype)))
         return outs[0], outs[1]

@@ -5,7 +5,8 @@ predicts a data-ward velocity, so x0_hat = x + sigma * v with sigma taken as 1 -
 while the Euler ratio uses the sigma grid itself; the two differ in float32 for sigma < 0.5 and the reference keeps
 them apart, so we do too.
 
-Video and audio each have a schedule (shift 12 and 3) of the same length; the loop takes step i of both.
+Video and audio each have a schedule of the same length; the loop takes step i of both. Their shifts are the
+checkpoint's (`scheduler/` and `audio_scheduler/` configs, read by `models/checkpoint.py`): 12 and 3 released.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import torch
 from h3serve.config.request import FASTH3_STEPS
 from h3serve.errors import ProfileError
 
-VIDEO_SHIFT = 12.0
-AUDIO_SHIFT = 3.0
+VIDEO_SHIFT = 12.0   # the released scheduler/ config
+AUDIO_SHIFT = 3.0    # the released audio_scheduler/ config
+DEFAULT_SHIFT = 12.0  # diffusers' MiniMaxH3Scheduler default, for a config without `shift`
 # FastH3's DMD2 rungs [999, 749, 500, 250] on a 1000-step clock plus the terminal 0, as pre-shift positions
 # (H3_REFERENCE §4.2, convention (a)): FASTH3_STEPS points, the count the request validator enforces.
 FASTH3_POSITIONS = (0.999, 0.749, 0.5, 0.25, 0.0)
@@ -99,8 +101,17 @@ class FlowSchedule:
         return t * x0 + (1.0 - t) * noise
 
 
-def schedules_for(profile: Profile, num_points: int | None = None) -> tuple[FlowSchedule, FlowSchedule]:
-    """(video, audio) schedules, shifts 12 and 3.
+@dataclass(frozen=True)
+class FlowShifts:
+    """The exponential shifts of the video and the audio schedule."""
+
+    video: float = VIDEO_SHIFT
+    audio: float = AUDIO_SHIFT
+
+
+def schedules_for(profile: Profile, num_points: int | None = None,
+                  shifts: FlowShifts = FlowShifts()) -> tuple[FlowSchedule, FlowSchedule]:
+    """(video, audio) schedules with the checkpoint's `shifts` (12 and 3 released).
 
     "base": `num_points` grid points (terminal 0 included; the released default is 50, i.e. 49 forwards).
     "fasth3": the fixed FASTH3_STEPS-point rung grid (5 points, 4 forwards); `num_points` must be None or that.
@@ -109,12 +120,12 @@ def schedules_for(profile: Profile, num_points: int | None = None) -> tuple[Flow
     if profile == "base":
         if num_points is None:
             raise ValueError("the base profile needs num_points (grid points including the terminal 0, e.g. 50)")
-        return FlowSchedule(sigma_grid(num_points, VIDEO_SHIFT)), FlowSchedule(sigma_grid(num_points, AUDIO_SHIFT))
+        return FlowSchedule(sigma_grid(num_points, shifts.video)), FlowSchedule(sigma_grid(num_points, shifts.audio))
     if profile == "fasth3":
         if num_points not in (None, FASTH3_STEPS):
             raise ProfileError(
                 f"fasth3 runs a fixed {FASTH3_STEPS}-point grid ({FASTH3_STEPS - 1} forwards); "
                 f"num_points={num_points} cannot be honoured: leave it unset or pass {FASTH3_STEPS}"
             )
-        return FlowSchedule(fasth3_grid(VIDEO_SHIFT)), FlowSchedule(fasth3_grid(AUDIO_SHIFT))
+        return FlowSchedule(fasth3_grid(shifts.video)), FlowSchedule(fasth3_grid(shifts.audio))
     raise ProfileError(f"profile must be 'base' or 'fasth3', got {profile!r}")

@@ -24,8 +24,8 @@ from torch import nn
 
 from h3serve.config.vocab import ENCODER_LAYERS, TASKS
 from h3serve.errors import CheckpointError
+from h3serve.models.checkpoint import checked_folder
 from h3serve.models.offload import offload_layers
-from h3serve.weights.folder import CheckpointFolder
 from h3serve.weights.load import iter_tensors
 
 from . import presentation as pres
@@ -97,7 +97,7 @@ class TextEncoder:
         from transformers import Qwen2TokenizerFast, Qwen3VLConfig, Qwen3VLModel
 
         root = Path(checkpoint_dir)
-        ck = CheckpointFolder(root, components=["text_encoder", "tokenizer"])
+        ck = checked_folder(root, ["text_encoder", "tokenizer"])  # refuses what we cannot serve, before any weight
         te_dir = ck.component_path("text_encoder")
         config = Qwen3VLConfig.from_pretrained(te_dir)
         total = int(config.text_config.num_hidden_layers)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from h3serve.models.offload import StagedModule, on_device
-from h3serve.weights.folder import CheckpointFolder
+from h3serve.models.checkpoint import checked_folder
 from h3serve.weights.load import load_module_weights
 
 __all__ = ["AudioVAE"]
@@ -46,7 +46,7 @@ class AudioVAE:
         from accelerate import init_empty_weights
         from diffusers import AutoencoderKLMiniMaxH3Audio
 
-        ck = CheckpointFolder(checkpoint_dir, components=[component])
+        ck = checked_folder(checkpoint_dir, [component])  # refuses what we cannot serve, before any weight
         with init_empty_weights(include_buffers=False), warnings.catch_warnings():
             # the network is built with torch's legacy weight_norm; its deprecation notice says nothing to a user
             warnings.filterwarnings("ignore", message=".*weight_norm.*", category=FutureWarning)

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from h3serve.models.offload import StagedModule, on_device
-from h3serve.weights.folder import CheckpointFolder
+from h3serve.models.checkpoint import checked_folder
 from h3serve.weights.load import KEEP_FP32, load_module_weights
 
 from .tiling import Tile, blend, plan_tiles, stitch_tiles
@@ -158,7 +158,7 @@ class VideoVAE:
         from accelerate import init_empty_weights
         from diffusers import AutoencoderKLMiniMaxH3
 
-        ck = CheckpointFolder(checkpoint_dir, components=[component])
+        ck = checked_folder(checkpoint_dir, [component])  # refuses what we cannot serve, before any weight
         with init_empty_weights(include_buffers=False):
             model = AutoencoderKLMiniMaxH3.from_config(ck.config(component))
         report = load_module_weights(model, ck, component, dtype=dtype, keep_fp32=KEEP_FP32["vae"], device=device)

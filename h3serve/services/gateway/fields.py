@@ -70,7 +70,7 @@ UNSUPPORTED = {
     "true_cfg_scale": GUIDANCE_FREE,
     "guidance_scale_2": GUIDANCE_FREE,
     "boundary_ratio": "H3 has one DiT (no high/low-noise split)",
-    "flow_shift": "the flow shift is the checkpoint's (12 video / 3 audio), part of the trained schedule",
+    "flow_shift": "the flow shift is the checkpoint's (scheduler/ config; 12 video / 3 audio released), part of the trained schedule",
     "sound_duration": "the soundtrack always spans the video (A = round(F / 24 * 40) latents)",
     "frame_interpolation_exp": "no frame interpolation: the MP4 holds the model's 24 fps frames",
     "frame_interpolation_scale": "no frame interpolation: the MP4 holds the model's 24 fps frames",

@@ -26,6 +26,8 @@ import threading
 from dataclasses import dataclass, field
 
 import kopf
+import urllib3
+from kubernetes.client.exceptions import ApiException
 
 from h3serve.config.spec import (
     GROUP,
@@ -292,6 +294,12 @@ async def _worker(namespace: str, name: str) -> None:
         except kopf.TemporaryError as e:
             logger.warning("%s; retrying", e)
             await asyncio.sleep(e.delay or 10)
+            trigger.set()
+        except (ApiException, urllib3.exceptions.HTTPError) as e:
+            # the API server's answer (a conflict, a race with a deletion, a timeout under load): an operational
+            # fact, said in one line; the next pass retries
+            logger.warning("reconcile failed: %s %s; retrying in 5 s", type(e).__name__, _short(e))
+            await asyncio.sleep(5)
             trigger.set()
         except Exception as e:  # noqa: BLE001 - keep the worker alive; the next pass retries
             logger.exception("reconcile failed: %s", e)

@@ -5,7 +5,7 @@ Read, as the reference reads them: the schedulers' shifts (`scheduler/`, `audio_
 `audio_in_channels`), the VAEs' own configs (diffusers' classes build them), the reference image short edge.
 
 Refused at load, naming the file, the key, the value and what is supported: the values that the request geometry of
-`config/request.py` fixes for every stage (the gateway validates requests without a checkpoint): the video VAE's
+`config/geometry.py` fixes for every stage (the gateway validates requests without a checkpoint): the video VAE's
 `clip_length` 17 / `token_drop` 3 and its 16x spatial / 4x temporal compression, the DiT's patch (1, 2, 2), the
 audio VAE's hop 800 at 32 kHz, the canvas values of `modular_model_index.json`; and components that disagree with one
 another (the DiT's channels against the VAEs', its text width against the text encoder's). A refusal is a
@@ -36,7 +36,7 @@ from h3serve.models.dit.scheduler import DEFAULT_SHIFT, FlowShifts
 from h3serve.weights.folder import INDEX_FILE, CheckpointFolder
 
 TRANSFORMERS = ("transformer", "transformer_ref")
-FIXED_BY_REQUEST = "the request geometry (config/request.py) is the released model's"
+FIXED_BY_REQUEST = "the request geometry (config/geometry.py) is the released model's"
 
 
 def refusal(where: str, key: str, value, supported: str) -> CheckpointError:

@@ -28,7 +28,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "h3serve-operator"
 SYSTEM_NS, APPS_NS, RELEASE = "h3-system", "apps", "h3op"
 KEY_A = "h3k-realcluster-caller-a"
-REQUEST = {"prompt": "a kite over the sea", "seconds": 4, "size": "256x256", "seed": 0, "num_inference_steps": 3}
+REQUEST = {"prompt": "a kite over the sea", "seconds": 5, "size": "256x256", "seed": 0, "num_inference_steps": 3}
 FIGURES: dict = {}
 
 

@@ -15,6 +15,7 @@ No kopf, grpc, av or torch imports here.
 
 from __future__ import annotations
 
+import fnmatch
 import ipaddress
 import math
 import re
@@ -501,14 +502,85 @@ class ServiceConfig:
 DEFAULT_VOLUME_KINDS = ("persistentVolumeClaim", "csi", "ephemeral", "image")
 
 
+# Taint and label keys of control-plane nodes: no H3Deployment pod tolerates or selects them unless allowed.
+CONTROL_PLANE_KEYS = ("node-role.kubernetes.io/control-plane", "node-role.kubernetes.io/master")
+# PriorityClasses Kubernetes reserves for the node's and cluster's own pods (they preempt everything else).
+SYSTEM_PRIORITY_CLASSES = ("system-node-critical", "system-cluster-critical")
+SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
+_BINARY = {"Ki": 2 ** 10, "Mi": 2 ** 20, "Gi": 2 ** 30, "Ti": 2 ** 40, "Pi": 2 ** 50, "Ei": 2 ** 60}
+_DECIMAL = {"k": 10 ** 3, "K": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9, "T": 10 ** 12, "P": 10 ** 15, "E": 10 ** 18}
+_BYTES_RE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|K|M|G|T|P|E)?$")
+
+
+def quantity_bytes(q) -> int | None:
+    """Bytes of a Kubernetes storage quantity such as 200Gi or 1T; None when it is not one."""
+    m = _BYTES_RE.match(str(q).strip())
+    if not m:
+        return None
+    return int(float(m.group(1)) * (_BINARY.get(m.group(2)) or _DECIMAL.get(m.group(2)) or 1))
+
+
 @dataclass(frozen=True)
 class AdmissionPolicy:
-    """Limits the custom resource cannot widen: a user who may create H3Deployments gets no more than this."""
+    """Limits the custom resource cannot widen: a user who may create H3Deployments gets no more than this.
+
+    Built from the chart's `policy` values (`from_values`, the same camelCase keys); the defaults are the chart's.
+    """
 
     volume_kinds: tuple[str, ...] = DEFAULT_VOLUME_KINDS
-    # Image references allowed: "repo" allows repo:tag and repo@digest; an entry ending in "/" allows everything
-    # below it; "*" allows any image. Empty: any image (the chart always sets one).
+    # Image references allowed, for spec.image and image volumes: "repo" allows repo:tag and repo@digest; an entry
+    # ending in "/" allows everything below it; "*" allows any image. Empty: any image (the chart always sets one).
     images: tuple[str, ...] = ()
+    # CSI drivers a csi or ephemeral volume may use; "*" any. Empty: none (a driver can expose anything on a node).
+    csi_drivers: tuple[str, ...] = ()
+    # The largest ephemeral volume (a PVC created per pod) an H3Deployment may ask for.
+    max_volume_size: str = "1Ti"
+    # Secrets an H3Deployment may name (API keys, S3 credentials, TLS, image pull), as glob patterns; "*" any.
+    secret_names: tuple[str, ...] = ("*",)
+    # PriorityClasses allowed; empty: any but the system ones.
+    priority_classes: tuple[str, ...] = ()
+    # Node label / taint keys no nodeSelector or toleration may name (nor may a toleration with no key, which
+    # tolerates every taint).
+    denied_node_keys: tuple[str, ...] = CONTROL_PLANE_KEYS
+    service_types: tuple[str, ...] = SERVICE_TYPES
+    # A NodePort or LoadBalancer front door with gateway.auth.disabled serves anyone who reaches the node or the
+    # load balancer: refused unless the administrator allows it.
+    allow_unauthenticated_external: bool = False
+
+    _KEYS = {"allowedVolumeKinds": "volume_kinds", "allowedImages": "images", "allowedCsiDrivers": "csi_drivers",
+             "maxVolumeSize": "max_volume_size", "allowedSecretNames": "secret_names",
+             "allowedPriorityClasses": "priority_classes", "deniedNodeKeys": "denied_node_keys",
+             "allowedServiceTypes": "service_types", "allowUnauthenticatedExternal": "allow_unauthenticated_external"}
+
+    @classmethod
+    def from_values(cls, values: dict) -> "AdmissionPolicy":
+        """The chart's `policy` values (camelCase, as in values.yaml); a key left out keeps its default. Raises
+        H3Error naming an unknown key or a bad value."""
+        unknown = sorted(set(values) - set(cls._KEYS))
+        if unknown:
+            raise H3Error(f"policy: unknown key(s) {', '.join(unknown)} (known: {', '.join(cls._KEYS)})")
+        kw = {}
+        for key, attr in cls._KEYS.items():
+            if key not in values or values[key] is None:
+                continue
+            v = values[key]
+            if attr == "allow_unauthenticated_external":
+                if not isinstance(v, bool):
+                    raise H3Error(f"policy.{key} must be true or false, not {v!r}")
+            elif attr == "max_volume_size":
+                if quantity_bytes(v) is None:
+                    raise H3Error(f"policy.{key} {v!r} is not a size such as 500Gi or 2Ti")
+                v = str(v)
+            else:
+                if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+                    raise H3Error(f"policy.{key} must be a list of strings, not {v!r}")
+                v = tuple(x.strip() for x in v if x.strip())
+            kw[attr] = v
+        bad = sorted(set(kw.get("service_types", ())) - set(SERVICE_TYPES))
+        if bad:
+            raise H3Error(f"policy.allowedServiceTypes: {', '.join(bad)} is not a Service type "
+                          f"({', '.join(SERVICE_TYPES)})")
+        return cls(**kw)
 
     def image_allowed(self, image: str) -> bool:
         if not self.images or "*" in self.images:
@@ -516,19 +588,87 @@ class AdmissionPolicy:
         return any(image == p or (p.endswith("/") and image.startswith(p)) or
                    image.startswith(p + ":") or image.startswith(p + "@") for p in self.images)
 
+    def secret_allowed(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, p) for p in self.secret_names)
+
+
+def _ask_admin(key: str) -> str:
+    return f"an administrator can change the chart's policy.{key}"
+
+
+def _placements(s: H3DeploymentSpec):
+    """(field, nodeSelector, tolerations) of every place a pod's placement is written."""
+    yield "spec", s.node_selector, s.tolerations
+    for st in (*PIPELINE_STAGES, "gateway"):
+        yield f"spec.{st}", getattr(s, st).node_selector, getattr(s, st).tolerations
+
 
 def policy_issues(spec: H3DeploymentSpec, policy: AdmissionPolicy) -> list[tuple[str, str]]:
     """What `policy` forbids in `spec`, as (field, message)."""
     issues = []
-    for kind in sorted(spec.model.volume or {}):
+    volume = spec.model.volume or {}
+    for kind in sorted(volume):
         if kind not in policy.volume_kinds:
             issues.append(("spec.model.volume", f"model.volume kind {kind} is not allowed by this operator (allowed: "
-                                                f"{', '.join(sorted(policy.volume_kinds)) or 'none'}); an "
-                                                f"administrator can add it to the chart's policy.allowedVolumeKinds"))
-    if not policy.image_allowed(spec.image):
-        issues.append(("spec.image", f"image {spec.image!r} is not allowed by this operator (allowed: "
-                                     f"{', '.join(policy.images)}); an administrator can add it to the chart's "
-                                     f"policy.allowedImages"))
+                                                f"{', '.join(sorted(policy.volume_kinds)) or 'none'}); "
+                                                + _ask_admin("allowedVolumeKinds")))
+    src = volume.get("csi") if isinstance(volume.get("csi"), dict) else None
+    claim = ((volume.get("ephemeral") or {}).get("volumeClaimTemplate") or {}).get("spec") or {} \
+        if isinstance(volume.get("ephemeral"), dict) else {}
+    driver = (src or {}).get("driver")
+    if src is not None and "*" not in policy.csi_drivers and driver not in policy.csi_drivers:
+        issues.append(("spec.model.volume.csi.driver", f"CSI driver {driver!r} is not allowed by this operator "
+                                                       f"(allowed: {', '.join(policy.csi_drivers) or 'none'}); "
+                                                       + _ask_admin("allowedCsiDrivers")))
+    size = ((claim.get("resources") or {}).get("requests") or {}).get("storage") if isinstance(claim, dict) else None
+    if size is not None and (quantity_bytes(size) is None or
+                             quantity_bytes(size) > quantity_bytes(policy.max_volume_size)):
+        issues.append(("spec.model.volume.ephemeral.volumeClaimTemplate.spec.resources.requests.storage",
+                       f"an ephemeral volume of {size} is more than this operator allows "
+                       f"({policy.max_volume_size}); " + _ask_admin("maxVolumeSize")))
+    ref = (volume.get("image") or {}).get("reference") if isinstance(volume.get("image"), dict) else None
+    for field, image in (("spec.image", spec.image), ("spec.model.volume.image.reference", ref)):
+        if image is not None and not policy.image_allowed(str(image)):
+            issues.append((field, f"image {image!r} is not allowed by this operator (allowed: "
+                                  f"{', '.join(policy.images)}); " + _ask_admin("allowedImages")))
+    secrets = [("spec.gateway.auth.apiKeysSecret", spec.gateway.auth.api_keys_secret),
+               ("spec.tls.secretName", spec.tls.secret_name if spec.tls else None),
+               ("spec.gateway.jobStore.s3.credentialsSecret",
+                spec.gateway.job_store.s3.credentials_secret if spec.gateway.job_store else None)]
+    secrets += [(f"spec.imagePullSecrets[{i}]", n if isinstance(n, str) else (n or {}).get("name"))
+                for i, n in enumerate(spec.image_pull_secrets or [])]
+    for field, name in secrets:
+        if name is not None and not policy.secret_allowed(str(name)):
+            issues.append((field, f"Secret {name!r} is not one this operator may use (allowed: "
+                                  f"{', '.join(policy.secret_names) or 'none'}); " + _ask_admin("allowedSecretNames")))
+    pc = spec.priority_class_name
+    if pc is not None and (pc not in policy.priority_classes if policy.priority_classes
+                           else pc in SYSTEM_PRIORITY_CLASSES):
+        issues.append(("spec.priorityClassName", f"priorityClassName {pc!r} is not allowed by this operator (allowed: "
+                                                 + (", ".join(policy.priority_classes) if policy.priority_classes else
+                                                    f"any but {', '.join(SYSTEM_PRIORITY_CLASSES)}")
+                                                 + "); " + _ask_admin("allowedPriorityClasses")))
+    denied = set(policy.denied_node_keys)
+    for field, selector, tolerations in _placements(spec):
+        for key in sorted(set(selector or {}) & denied):
+            issues.append((f"{field}.nodeSelector", f"nodeSelector {key} places pods on nodes this operator keeps "
+                                                    f"them off; " + _ask_admin("deniedNodeKeys")))
+        for i, t in enumerate(tolerations or []):
+            key = (t or {}).get("key") if isinstance(t, dict) else None
+            if key in denied or (not key and denied):
+                what = f"the taint {key}" if key else "every taint (a toleration without a key)"
+                issues.append((f"{field}.tolerations[{i}]", f"a toleration of {what} places pods on nodes this "
+                                                            f"operator keeps them off; " + _ask_admin("deniedNodeKeys")))
+    st = spec.gateway.service_type
+    if st not in policy.service_types:
+        issues.append(("spec.gateway.serviceType", f"gateway.serviceType {st} is not allowed by this operator "
+                                                   f"(allowed: {', '.join(policy.service_types) or 'none'}); "
+                                                   + _ask_admin("allowedServiceTypes")))
+    elif st != "ClusterIP" and spec.gateway.auth.disabled and not policy.allow_unauthenticated_external:
+        issues.append(("spec.gateway.auth.disabled", f"a {st} front door with auth disabled serves anyone who reaches "
+                                                     f"it from outside the cluster: set gateway.auth.apiKeysSecret or "
+                                                     f"serviceType ClusterIP; "
+                                                     + _ask_admin("allowUnauthenticatedExternal")))
     return issues
 
 

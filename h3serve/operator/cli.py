@@ -2,7 +2,7 @@
 
     h3serve render -f my-h3deployment.yaml [-n NAMESPACE] [--crd]   # manifests YAML on stdout, nothing applied
     h3serve operator [--namespace NS ...| --all-namespaces] [--liveness URL] [--leader-election-namespace NS]
-                     [--allowed-volume-kinds K,K] [--allowed-images REF,REF] [--apply-crd]
+                     [--policy JSON] [--apply-crd]
 
 `python -m h3serve.operator.cli ...` works the same without the top-level CLI.
 """
@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import sys
 
 import yaml
 
-from h3serve.config.spec import DEFAULT_VOLUME_KINDS, KIND, AdmissionPolicy, parse_and_validate
+from h3serve.config.spec import KIND, AdmissionPolicy, parse_and_validate
 from h3serve.errors import H3Error
 from h3serve.operator import crd, manifests
 
@@ -49,13 +50,11 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                    help="reconcile without holding the Lease (only when a single operator can run)")
     o.add_argument("--lease-seconds", type=float, default=float(os.environ.get("H3SERVE_LEASE_SECONDS", "15")),
                    help="how long a leader's Lease lasts without renewal (default 15)")
-    o.add_argument("--allowed-volume-kinds", default=os.environ.get("H3SERVE_ALLOWED_VOLUME_KINDS",
-                                                                    ",".join(DEFAULT_VOLUME_KINDS)),
-                   help="comma-separated volume source kinds an H3Deployment's model.volume may use "
-                        f"(default {','.join(DEFAULT_VOLUME_KINDS)})")
-    o.add_argument("--allowed-images", default=os.environ.get("H3SERVE_ALLOWED_IMAGES", ""),
-                   help="comma-separated image repositories (repo, or a prefix ending in '/', or '*') an "
-                        "H3Deployment may run (default: any)")
+    o.add_argument("--policy", default=os.environ.get("H3SERVE_POLICY", "{}"),
+                   help="what an H3Deployment may use, as JSON with the chart's policy keys (allowedVolumeKinds, "
+                        "allowedImages, allowedCsiDrivers, maxVolumeSize, allowedSecretNames, allowedPriorityClasses, "
+                        "deniedNodeKeys, allowedServiceTypes, allowUnauthenticatedExternal); a key left out keeps "
+                        "its default (values.yaml)")
     o.add_argument("--apply-crd", action="store_true",
                    help="server-side apply the H3Deployment CRD this operator was built with, at start (how "
                         "`helm upgrade` upgrades it)")
@@ -112,9 +111,13 @@ def _cmd_operator(args: argparse.Namespace) -> int:
     logging.getLogger("h3serve").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     from h3serve.operator import handlers, kube
 
-    split = lambda v: tuple(x.strip() for x in (v or "").split(",") if x.strip())  # noqa: E731
-    handlers.SETTINGS.policy = AdmissionPolicy(volume_kinds=split(args.allowed_volume_kinds),
-                                               images=split(args.allowed_images))
+    try:
+        values = json.loads(args.policy)
+    except ValueError as e:
+        raise H3Error(f"operator: --policy is not JSON ({e})") from None
+    if not isinstance(values, dict):
+        raise H3Error(f"operator: --policy must be a JSON object of the chart's policy keys, not {args.policy!r}")
+    handlers.SETTINGS.policy = AdmissionPolicy.from_values(values)
     if args.apply_crd:
         kube.load_config()
         ours = crd.crd()

@@ -10,6 +10,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from h3serve.config.spec import AdmissionPolicy
 from h3serve.operator import crd
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -107,18 +108,39 @@ def test_operator_deployment(helm):
     assert sc["readOnlyRootFilesystem"] is True
     assert c["image"] == "registry.example/h3serve:0.1.0"
     assert "--leader-election-namespace=ops" in c["args"] and "--apply-crd" in c["args"]
-    assert "--allowed-volume-kinds=persistentVolumeClaim,csi,ephemeral,image" in c["args"]
-    assert "--allowed-images=registry.example/h3serve" in c["args"]  # the chart's own image, and nothing else
+    policy = chart_policy(c["args"])
+    assert policy["allowedVolumeKinds"] == ["persistentVolumeClaim", "csi", "ephemeral", "image"]
+    assert policy["allowedImages"] == ["registry.example/h3serve"]  # the chart's own image, and nothing else
+    assert AdmissionPolicy.from_values(policy) == AdmissionPolicy(images=("registry.example/h3serve",))
     env = {e["name"] for e in c["env"]}
     assert "POD_NAME" in env
 
 
+def chart_policy(args: list[str]) -> dict:
+    """The --policy JSON the chart passes the operator."""
+    [arg] = [a for a in args if a.startswith("--policy=")]
+    return json.loads(arg.removeprefix("--policy="))
+
+
 def test_policy_values_reach_the_operator(helm):
     c = by_kind(template(helm, "--set", "policy.allowedImages={mirror.example/h3/,other/h3}",
-                         "--set", "policy.allowedVolumeKinds={persistentVolumeClaim,hostPath}"))["Deployment"][0]
-    args = c["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert "--allowed-images=registry.example/h3serve,mirror.example/h3/,other/h3" in args
-    assert "--allowed-volume-kinds=persistentVolumeClaim,hostPath" in args
+                         "--set", "policy.allowedVolumeKinds={persistentVolumeClaim,hostPath}",
+                         "--set", "policy.allowedCsiDrivers={csi.example.com}", "--set", "policy.maxVolumeSize=300Gi",
+                         "--set", "policy.allowedSecretNames={h3-*}", "--set", "policy.allowedPriorityClasses={h3}",
+                         "--set", "policy.deniedNodeKeys={gpu-reserved}", "--set", "policy.allowedServiceTypes={ClusterIP}",
+                         "--set", "policy.allowUnauthenticatedExternal=true"))["Deployment"][0]
+    policy = AdmissionPolicy.from_values(chart_policy(c["spec"]["template"]["spec"]["containers"][0]["args"]))
+    assert policy == AdmissionPolicy(
+        volume_kinds=("persistentVolumeClaim", "hostPath"), images=("registry.example/h3serve", "mirror.example/h3/",
+                                                                    "other/h3"),
+        csi_drivers=("csi.example.com",), max_volume_size="300Gi", secret_names=("h3-*",), priority_classes=("h3",),
+        denied_node_keys=("gpu-reserved",), service_types=("ClusterIP",), allow_unauthenticated_external=True)
+
+
+def test_every_policy_key_of_the_chart_is_one_the_operator_reads(helm):
+    values = yaml.safe_load((CHART / "values.yaml").read_text())["policy"]
+    assert sorted(values) == sorted(AdmissionPolicy._KEYS)
+    assert AdmissionPolicy.from_values(values) == AdmissionPolicy()  # the chart's defaults are the operator's
 
 
 def test_leader_election_and_crd_rbac(helm):

@@ -176,9 +176,14 @@ def service_config_values(service_config: dict, stage: str) -> dict[str, Any]:
     out: dict[str, Any] = {"stage": stage, "host": "0.0.0.0", "port": port, "profile": spec.profile,
                            "grace_s": float(spec.drain_seconds)}
     if colocated or stage in MODEL_STAGES:
-        out.update(checkpoint=spec.model.path, dtype=sc.dtype, device=sc.device,
-                   encoder_tp=spec.encoder.tensor_parallel, ulysses=spec.dit.ulysses, ring=spec.dit.ring,
-                   vae_pp=spec.vae.patch_parallel)
+        out.update(checkpoint=spec.model.path, dtype=sc.dtype, device=sc.device)
+        # A stage reads only its own degrees, so changing one stage's restarts no other: the encoder its TP, the DiT
+        # ulysses x ring, the VAE its patch parallel plus the DiT group it is checked against (1 or the whole group).
+        # A colocated pod runs every stage.
+        degrees = {"encoder_tp": spec.encoder.tensor_parallel, "ulysses": spec.dit.ulysses, "ring": spec.dit.ring,
+                   "vae_pp": spec.vae.patch_parallel}
+        own = {"encoder": ("encoder_tp",), "dit": ("ulysses", "ring"), "vae": ("vae_pp", "ulysses", "ring")}
+        out.update({k: v for k, v in degrees.items() if colocated or k in own.get(stage, ())})
         if spec.model.manifest_sha256 is not None:
             out["checkpoint_manifest_sha256"] = spec.model.manifest_sha256
     if spec.tls is not None:  # every process: its servers, and the channels to its peers

@@ -219,15 +219,26 @@ def _report_change(cr: dict, key: tuple[str, str], before: dict | None, after: d
         _event(cr, "Normal", "Scaled", f"{kind}/{name}: {comp} replicas {b.get('replicas')} -> {a.get('replicas')}")
 
 
+# Degraded reasons whose finding the reconcile already posted as its own Warning (with the details).
+_POSTED_DIRECTLY = ("ForeignObject", "ApplyFailed", "InvalidSpec")
+
+
 def _report_conditions(cr: dict, old: dict, new: dict) -> None:
-    """An Event when Ready or Degraded changes (status changes that a person acts on)."""
+    """An Event when Ready or Degraded changes (status changes that a person acts on). A Warning is for a problem:
+    Degraded=True, or Ready lost; a new H3Deployment that is not Ready yet is Normal. Each condition dedups on its
+    own key, so one finding is one Warning."""
     def c(st, t):
         return next(((x.get("status"), x.get("reason")) for x in st.get("conditions") or [] if x["type"] == t), None)
     for t in ("Ready", "Degraded"):
-        if c(old, t) != c(new, t):
-            x = next(x for x in new["conditions"] if x["type"] == t)
-            bad = (t == "Ready") != (x["status"] == "True")
-            _event(cr, "Warning" if bad else "Normal", x["reason"], f"{t}={x['status']}: {x['message']}")
+        was, now = c(old, t), c(new, t)
+        if was == now:
+            continue
+        x = next(x for x in new["conditions"] if x["type"] == t)
+        if t == "Degraded" and x["status"] == "True" and x["reason"] in _POSTED_DIRECTLY:
+            continue
+        bad = x["status"] == "True" if t == "Degraded" else (x["status"] == "False" and (was or ("",))[0] == "True")
+        _event(cr, "Warning" if bad else "Normal", x["reason"], f"{t}={x['status']}: {x['message']}", subject=t,
+               once=True)
 
 
 def _restart_gangs(cr: dict, workloads: list[dict], logger) -> None:

@@ -243,8 +243,13 @@ def test_pods_read_their_stage_config_from_the_mounted_service_config(path, tmp_
             elif colocated or stage in ("encoder", "dit", "vae"):
                 assert (sc.checkpoint, sc.dtype, sc.device) == (spec.model.path, M.DEVICE_DTYPES[spec.device],
                                                                  spec.device)
-                assert (sc.encoder_tp, sc.ulysses, sc.ring, sc.vae_pp) == (
-                    spec.encoder.tensor_parallel, spec.dit.ulysses, spec.dit.ring, spec.vae.patch_parallel)
+                # each stage reads its own degrees (the VAE also the DiT group its patch parallel is checked
+                # against); the others keep their defaults of 1
+                own = {"encoder": ("encoder_tp",), "dit": ("ulysses", "ring"), "vae": ("vae_pp", "ulysses", "ring")}
+                spec_degrees = {"encoder_tp": spec.encoder.tensor_parallel, "ulysses": spec.dit.ulysses,
+                                "ring": spec.dit.ring, "vae_pp": spec.vae.patch_parallel}
+                for k, v in spec_degrees.items():
+                    assert getattr(sc, k) == (v if colocated or k in own[stage] else 1), (stage, k)
             if (colocated or stage == "dit") and spec.profile == "fasth3" and pool is None:
                 assert (sc.adapter, sc.adapter_sha256) == (spec.model.adapter.path, spec.model.adapter.sha256)
             if colocated or stage == "muxer":
@@ -270,13 +275,14 @@ def test_stage_config_is_a_slice_of_the_rendered_service_config():
     d = M.service_config(spec, "f", "ns").to_dict()
     common = dict(host="0.0.0.0", port=50051, profile="fasth3", grace_s=900.0)
     fenced = dict(common, no_peer_auth=True)   # no spec.tls: the NetworkPolicies fence the stages' ports
-    model = dict(checkpoint="/models/MiniMax-H3", dtype="bf16", device="cuda", encoder_tp=4, ulysses=4, ring=2,
-                 vae_pp=1)
-    assert StageConfig.from_service_config(d, "encoder") == StageConfig(stage="encoder", **fenced, **model)
+    model = dict(checkpoint="/models/MiniMax-H3", dtype="bf16", device="cuda")
+    assert StageConfig.from_service_config(d, "encoder") == StageConfig(stage="encoder", **fenced, **model,
+                                                                        encoder_tp=4)
     assert StageConfig.from_service_config(d, "dit") == StageConfig(
-        stage="dit", **fenced, **model, adapter=spec.model.adapter.path, adapter_sha256=spec.model.adapter.sha256,
-        transport="nixl")
-    assert StageConfig.from_service_config(d, "vae") == StageConfig(stage="vae", **fenced, **model, transport="nixl")
+        stage="dit", **fenced, **model, ulysses=4, ring=2, adapter=spec.model.adapter.path,
+        adapter_sha256=spec.model.adapter.sha256, transport="nixl")
+    assert StageConfig.from_service_config(d, "vae") == StageConfig(stage="vae", **fenced, **model, ulysses=4, ring=2,
+                                                                    vae_pp=1, transport="nixl")
     assert StageConfig.from_service_config(d, "muxer") == StageConfig(stage="muxer", **fenced, mux_threads=8,
                                                                        transport="nixl")
     assert StageConfig.from_service_config(d, "gateway") == StageConfig(
@@ -369,9 +375,9 @@ ROLLOUT_CASES = {  # spec change on the disaggregated example -> the workloads w
     "muxer-workers": ({"muxer": {"workers": 4}}, {"h3-split-muxer"}),
     "gateway-queue": ({"gateway": {"queueSize": 64}}, {"h3-split-gateway"}),
     "dit-tolerations": ({"dit": {"tolerations": []}}, {"h3-split-dit"}),
-    # the degrees are validated together in every model stage's process, so each of them reads all four
-    "ulysses": ({"dit": {"ulysses": 2}, "vae": {"patchParallel": 4}}, {"h3-split-encoder", "h3-split-dit",
-                                                                     "h3-split-vae"}),
+    # a stage reads its own degrees; the VAE also the DiT group (its patch parallel is 1 or the whole group)
+    "ulysses": ({"dit": {"ulysses": 2}, "vae": {"patchParallel": 4}}, {"h3-split-dit", "h3-split-vae"}),
+    "encoder-tp": ({"encoder": {"tensorParallel": 4}}, {"h3-split-encoder"}),  # no DiT weight reload
     "transport": ({"transport": "nixl"}, {"h3-split-dit", "h3-split-vae", "h3-split-muxer", "h3-split-gateway"}),
     "image": ({"image": "registry.example/h3serve:0.2.0"}, {"h3-split-encoder", "h3-split-dit", "h3-split-vae",
                                                             "h3-split-muxer", "h3-split-gateway"}),

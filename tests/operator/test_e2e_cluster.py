@@ -380,6 +380,8 @@ def test_example_reconciles_to_ready(operator, dyn, example):
     st = cr["status"]
     assert condition(cr, "SpecValid")["status"] == "True" and condition(cr, "Degraded")["status"] == "False"
     assert condition(cr, "Ready")["reason"] == "AllStagesReady"
+    # a new H3Deployment coming up is not a problem: no Warning on the way to Ready
+    assert not [(e["reason"], e["message"]) for e in events(dyn, name) if e["type"] == "Warning"]
     assert set(st["stages"]) == {"encoder", "dit", "vae", "muxer", "gateway"}
     assert all(v["ready"] == v["desired"] > 0 for v in st["stages"].values())
     assert st["endpoint"]["grpc"] == f"{name}-gateway.{APPS_NS}.svc:50051"
@@ -790,6 +792,8 @@ def test_foreign_objects_are_never_adopted(operator, dyn):
     ev = [e for e in events(dyn, name) if e["reason"] == "ForeignObject"]
     assert ev and ev[0]["type"] == "Warning" and all(f"{k}/{n}" in ev[0]["message"] for k, n in names.items())
     time.sleep(2)  # a few more passes: still untouched
+    warnings = [(e["reason"], e["message"]) for e in events(dyn, name) if e["type"] == "Warning"]
+    assert len(warnings) == 1 and warnings[0][0] == "ForeignObject", warnings  # one finding, one Warning
     for k, n in names.items():
         now = R(dyn, k).get(name=n, namespace=APPS_NS).to_dict()
         assert now["metadata"]["resourceVersion"] == before[k]["metadata"]["resourceVersion"], k
@@ -853,6 +857,45 @@ def test_policy_refuses_host_path_volumes_and_foreign_images(operator, dyn):
     assert any(e["reason"] == "InvalidSpec" and e["type"] == "Warning" for e in events(dyn, name))
     delete_cr(dyn, name)
     wait_gone(dyn, name)
+
+
+def test_policy_keeps_a_cr_author_inside_the_admins_limits(operator, dyn):
+    """Issue 25 finding 7, each way a CR author went beyond the chart's policy (installed with its defaults)."""
+    cases = {
+        "csi": ({"model": {"path": "/models/H3", "volume": {"csi": {"driver": "hostpath.csi.k8s.io"}}}},
+                "spec.model.volume.csi.driver: CSI driver 'hostpath.csi.k8s.io' is not allowed by this operator"),
+        "eph": ({"model": {"path": "/models/H3", "volume": {"ephemeral": {"volumeClaimTemplate": {"spec": {
+            "accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "500Ti"}}}}}}}},
+                "an ephemeral volume of 500Ti is more than this operator allows (1Ti)"),
+        "imgvol": ({"model": {"path": "/models/H3", "volume": {"image": {"reference": "docker.io/attacker/w:1"}}}},
+                   "spec.model.volume.image.reference: image 'docker.io/attacker/w:1' is not allowed"),
+        "prio": ({"priorityClassName": "system-node-critical"},
+                 "spec.priorityClassName: priorityClassName 'system-node-critical' is not allowed by this operator"),
+        "cp": ({"tolerations": [{"key": "node-role.kubernetes.io/control-plane", "operator": "Exists"}]},
+               "spec.tolerations[0]: a toleration of the taint node-role.kubernetes.io/control-plane places pods on "
+               "nodes this operator keeps them off"),
+        "lb": ({"gateway": {"auth": {"disabled": True}, "serviceType": "LoadBalancer"}},
+               "spec.gateway.auth.disabled: a LoadBalancer front door with auth disabled serves anyone"),
+    }
+    for key, (over, _) in cases.items():
+        doc = good_doc(f"widen-{key}")
+        doc["spec"].update(over)
+        create(dyn, doc)  # the schema accepts each; the operator's policy does not
+    try:
+        for key, (_, want) in cases.items():
+            name = f"widen-{key}"
+
+            def refused():
+                cr = get_cr(dyn, name)
+                return cr if condition(cr, "SpecValid").get("status") == "False" else None
+            msg = condition(wait_for(f"{name} SpecValid=False", refused, timeout=60), "SpecValid")["message"]
+            assert want in msg, (key, msg)
+            assert not children(dyn, name), key
+    finally:
+        for key in cases:
+            delete_cr(dyn, f"widen-{key}")
+        for key in cases:
+            wait_gone(dyn, f"widen-{key}")
 
 
 def test_bad_credentials_fail_fast(control_plane, tmp_path):

@@ -242,8 +242,8 @@ def _report_conditions(cr: dict, old: dict, new: dict) -> None:
 
 
 def _restart_gangs(cr: dict, workloads: list[dict], logger) -> None:
-    """A gang is one torch.distributed world: restart it whole when a member was replaced, and never run two configs
-    in it (S.stale_gang_members decides; the StatefulSet recreates the pods deleted here)."""
+    """A gang is one torch.distributed world: restart it whole when a member left it, and never run two configs in
+    it (S.gang_verdict decides from pod and container state; the StatefulSet recreates the pods deleted here)."""
     gangs = [w for w in workloads if w["kind"] == "StatefulSet"]
     if not gangs:
         return
@@ -252,8 +252,10 @@ def _restart_gangs(cr: dict, workloads: list[dict], logger) -> None:
     for sts in gangs:
         gname = sts["metadata"]["name"]
         members = [p for p in pods if (p["metadata"].get("labels") or {}).get("h3serve.io/gang") == gname]
-        stale = S.stale_gang_members(sts, members)
-        for pod, why in stale:
+        stale, world = S.gang_verdict(sts, members)
+        if world is not None:  # first, so that a restart is never decided twice from the old record
+            kube.annotate(sts, M.ANN_WORLD, world)
+        for pod, _ in stale:
             kube.delete("Pod", md["namespace"], pod)
         if stale:
             msg = f"StatefulSet/{gname}: deleted {', '.join(p for p, _ in stale)} ({stale[0][1]})"

@@ -93,6 +93,18 @@ def hand_over_replicas(obj: dict, live: dict) -> None:
                           name=md["name"], namespace=md["namespace"], field_manager=HANDOVER_MANAGER)
 
 
+WORLD_MANAGER = "h3serve-gang-world"
+
+
+def annotate(obj: dict, key: str, value: str) -> None:
+    """Set one annotation of a live object as its own field manager, so the operator's next apply (which does not
+    carry it) keeps it."""
+    md = obj["metadata"]
+    _resource(obj["apiVersion"], obj["kind"]).patch(
+        body={"metadata": {"annotations": {key: value}}}, name=md["name"], namespace=md["namespace"],
+        content_type="application/merge-patch+json", field_manager=WORLD_MANAGER)
+
+
 _served: dict[str, bool] = {}
 _served_lock = threading.Lock()
 
@@ -236,6 +248,6 @@ def apply_crd(crd: dict) -> None:
     res.server_side_apply(body=crd, name=crd["metadata"]["name"], field_manager=FIELD_MANAGER, force_conflicts=True)
 
 
-__all__ = ["FIELD_MANAGER", "PLURAL", "apply", "apply_crd", "check_access", "delete", "dynamic", "get", "get_crd",
-           "get_h3deployment", "hand_over_replicas", "list_children", "list_pods", "load_config", "owned_by",
+__all__ = ["FIELD_MANAGER", "PLURAL", "annotate", "apply", "apply_crd", "check_access", "delete", "dynamic", "get",
+           "get_crd", "get_h3deployment", "hand_over_replicas", "list_children", "list_pods", "load_config", "owned_by",
            "patch_status", "post_event", "served"]

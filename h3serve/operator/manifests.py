@@ -60,6 +60,7 @@ LABEL_POD_INDEX = "apps.kubernetes.io/pod-index"  # set by the StatefulSet contr
 ANN_CONFIG_HASH = "h3serve.io/config-hash"
 ANN_GANG = "h3serve.io/gang-size"
 ANN_TEMPLATE_HASH = "h3serve.io/template-hash"  # on a gang's StatefulSet: its pod template, rendered
+ANN_WORLD = "h3serve.io/world"  # on a gang's StatefulSet, by the operator: the UIDs of the members that run together
 CONFIG_PATH = "/etc/h3serve/h3serve.yaml"
 RUN_AS = 65532
 GATEWAY = "gateway"

@@ -16,6 +16,7 @@ Conditions (reasons are CamelCase):
 
 from __future__ import annotations
 
+import datetime as _dt
 from dataclasses import dataclass
 
 from h3serve.config.spec import H3DeploymentSpec
@@ -254,31 +255,64 @@ def gangs_held_back(desired: list[dict], live: dict[tuple[str, str], dict]) -> s
     return held
 
 
-GROUP_SKEW_SECONDS = 5.0  # members of one gang start within this of each other; a later one replaced a member
+def _restarts(pod: dict) -> int:
+    return sum(int(c.get("restartCount") or 0) for c in (pod.get("status") or {}).get("containerStatuses") or [])
 
 
-def stale_gang_members(statefulset: dict, pods: list[dict]) -> list[tuple[str, str]]:
-    """(pod, why) of a gang's pods that must go so that the gang restarts as one: a gang runs one world, so one
-    config (every member at the StatefulSet's update revision) and one start (a member recreated after a failure
-    means the others' world is gone). The StatefulSet recreates what is deleted. Pure: the caller deletes."""
-    import datetime as _dt
+def _running(pod: dict) -> bool:
+    cs = (pod.get("status") or {}).get("containerStatuses") or []
+    return bool(cs) and all((c.get("state") or {}).get("running") for c in cs)
 
+
+def _time(t) -> _dt.datetime:
+    return _dt.datetime.fromisoformat(str(t).replace("Z", "+00:00"))
+
+
+def gang_verdict(statefulset: dict, pods: list[dict]) -> tuple[list[tuple[str, str]], str | None]:
+    """(pods to delete with why, the world to record or None to leave the record) for one gang.
+
+    A gang runs one torch.distributed world, so it restarts whole, as a LeaderWorkerSet group does, and runs one
+    config. Decided from pod and container state, not timing, so it holds for a member lost in the gang's first
+    seconds and for what happened while the operator was down:
+    - a member at another revision than the StatefulSet's update revision: the old ones go (one config per gang);
+    - a container restarted in place (restartCount > 0): its rank left the world; every member goes (their new
+      pods start at 0, so one failure is one restart);
+    - the world record (ANN_WORLD on the StatefulSet: the member pod UIDs whose containers all ran together; "" right
+      after a restart) names members no longer there: the members still from that world go, the new ones stay;
+    - no record (the gang formed while no operator ran): a member whose container started before another member's
+      pod was created lived in a world without that pod; every member goes, once.
+    When every member runs and nothing goes, their UIDs are the world to record. Pure: the caller deletes and
+    records."""
     want = (statefulset.get("status") or {}).get("updateRevision")
+    replicas = int((statefulset.get("spec") or {}).get("replicas") or 0)
+    record = ((statefulset.get("metadata") or {}).get("annotations") or {}).get(M.ANN_WORLD)
     live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
-    if len(live) < 2:
-        return []
-    out = []
+    name = lambda p: p["metadata"]["name"]  # noqa: E731
     revs = {(p["metadata"].get("labels") or {}).get("controller-revision-hash") for p in live}
     if want and len(revs) > 1:
-        for p in live:
-            if (p["metadata"].get("labels") or {}).get("controller-revision-hash") != want:
-                out.append((p["metadata"]["name"], "one config per gang: a member already runs the new revision"))
-        return sorted(out)
-
-    def created(p):
-        return _dt.datetime.fromisoformat(str(p["metadata"]["creationTimestamp"]).replace("Z", "+00:00"))
-    newest = max(created(p) for p in live)
-    for p in live:
-        if (newest - created(p)).total_seconds() > GROUP_SKEW_SECONDS:
-            out.append((p["metadata"]["name"], "group restart: another member of the gang was recreated"))
-    return sorted(out)
+        return sorted((name(p), "one config per gang: a member already runs the new revision") for p in live
+                      if (p["metadata"].get("labels") or {}).get("controller-revision-hash") != want), None
+    restarted = sorted(name(p) for p in live if _restarts(p))
+    if restarted:
+        why = f"group restart: the container of {restarted[0]} restarted in place"
+        return sorted((name(p), why) for p in live), ""
+    if record:
+        world = set(record.split(","))
+        old = [p for p in live if p["metadata"]["uid"] in world]
+        new = sorted(name(p) for p in live if p["metadata"]["uid"] not in world)
+        if old and (new or len(old) < len(world)):
+            why = (f"group restart: {new[0]} replaced a member of the gang" if new
+                   else "group restart: a member of the gang is gone")
+            return sorted((name(p), why) for p in old), ""
+    elif record is None and len(live) > 1:
+        newest = max(_time(p["metadata"]["creationTimestamp"]) for p in live)
+        started = [c["state"]["running"]["startedAt"] for p in live
+                   for c in (p.get("status") or {}).get("containerStatuses") or []
+                   if ((c.get("state") or {}).get("running") or {}).get("startedAt")]
+        if any(_time(t) < newest for t in started):
+            return sorted((name(p), "group restart: a member was recreated after the others started")
+                          for p in live), ""
+    if len(live) == replicas and all(_running(p) for p in live):
+        world = ",".join(sorted(p["metadata"]["uid"] for p in live))
+        return [], (world if world != record else None)
+    return [], None

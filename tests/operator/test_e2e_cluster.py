@@ -1152,25 +1152,55 @@ def test_two_gangs_on_two_nodes_never_half_place(operator, dyn, control_plane):
                 pass
 
 
-def test_killing_a_gang_worker_restarts_the_whole_gang(operator, dyn):
+def test_a_gang_restarts_whole_from_pod_and_container_state(operator, dyn):
+    """A worker lost right as the gang became Ready (no settling time), a container restarted in place, and a
+    worker replaced while no operator ran: each time every member of the gang is recreated."""
     name = "gang-restart"
     doc = good_doc(name)
     doc["spec"].update(placement="disaggregated", gpusPerNode=4, dit={"ulysses": 8})
     create(dyn, doc)
-    ready_cr(dyn, name, timeout=90)
     dit = lambda: {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods(dyn, name)  # noqa: E731
                    if p["metadata"]["labels"][M.LABEL_COMPONENT] == "dit" and not p["metadata"].get("deletionTimestamp")}
-    before = dit()
-    assert sorted(before) == [f"{name}-dit-0-0", f"{name}-dit-0-1"]
-    time.sleep(6)  # older than the gang's start skew
-    R(dyn, "Pod").delete(name=f"{name}-dit-0-1", namespace=APPS_NS)  # a worker dies
-    wait_for("the leader restarted too", lambda: (lambda now: len(now) == 2 and not set(now.values()) & set(
-        before.values()))(dit()), timeout=60)
-    cr = ready_cr(dyn, name, timeout=60)
-    assert cr["status"]["stages"]["dit"] == {"ready": 1, "desired": 1}
-    ev = [e["message"] for e in events(dyn, name) if e["reason"] == "GroupRestart"]
-    assert ev and f"deleted {name}-dit-0-0" in ev[0], ev
-    delete_cr(dyn, name)
+    sts = lambda: R(dyn, "StatefulSet").get(name=f"{name}-dit-0", namespace=APPS_NS).to_dict()  # noqa: E731
+
+    def whole_gang_replaced(before: dict, why: str) -> None:
+        wait_for("the whole gang recreated", lambda: (lambda now: len(now) == 2 and not set(now.values()) & set(
+            before.values()))(dit()), timeout=60)
+        wait_for("the new world recorded", lambda: sts()["metadata"]["annotations"].get(M.ANN_WORLD) == ",".join(
+            sorted(dit().values())), timeout=60)
+        cr = ready_cr(dyn, name, timeout=60)
+        assert cr["status"]["stages"]["dit"] == {"ready": 1, "desired": 1}
+        ev = [e["message"] for e in events(dyn, name) if e["reason"] == "GroupRestart" and why in e["message"]]
+        assert ev and f"deleted {name}-dit-0-0" in ev[-1], [e["message"] for e in events(dyn, name)]
+
+    try:
+        ready_cr(dyn, name, timeout=90)
+        before = dit()
+        assert sorted(before) == [f"{name}-dit-0-0", f"{name}-dit-0-1"]
+        R(dyn, "Pod").delete(name=f"{name}-dit-0-1", namespace=APPS_NS)  # a worker dies at once
+        whole_gang_replaced(before, "replaced a member")
+
+        before = dit()
+        pod = R(dyn, "Pod").get(name=f"{name}-dit-0-1", namespace=APPS_NS).to_dict()
+        cs = pod["status"]["containerStatuses"]
+        cs[0]["restartCount"] = 1  # what the kubelet reports after restarting the container in place
+        R(dyn, "Pod").subresources["status"].patch(
+            body={"status": {"containerStatuses": cs}}, name=pod["metadata"]["name"], namespace=APPS_NS,
+            content_type="application/merge-patch+json")
+        whole_gang_replaced(before, "restarted in place")
+
+        before = dit()
+        operator.kill()
+        try:
+            R(dyn, "Pod").delete(name=f"{name}-dit-0-1", namespace=APPS_NS)
+            wait_for("the StatefulSet recreated the worker", lambda: (lambda now: len(now) == 2 and now[
+                f"{name}-dit-0-1"] != before[f"{name}-dit-0-1"])(dit()), timeout=60)
+            assert dit()[f"{name}-dit-0-0"] == before[f"{name}-dit-0-0"]  # nobody restarts the leader meanwhile
+        finally:
+            operator.start()
+        whole_gang_replaced(before, "replaced a member")
+    finally:
+        delete_cr(dyn, name)
     wait_gone(dyn, name)
 
 

@@ -200,25 +200,64 @@ def test_pods_refused_at_creation_are_degraded_naming_the_refusal():
     assert S.create_failures(live(spec, name)) == []
 
 
-def _pod(name, created, rev="r1", deleting=False):
-    md = {"name": name, "creationTimestamp": created, "labels": {"controller-revision-hash": rev}}
+def _pod(name, created, rev="r1", deleting=False, started=None, restarts=0):
+    md = {"name": name, "uid": f"uid-{name}-{created[-3:-1]}", "creationTimestamp": created,
+          "labels": {"controller-revision-hash": rev}}
     if deleting:
         md["deletionTimestamp"] = created
-    return {"metadata": md}
+    state = {"running": {"startedAt": started}} if started else {"waiting": {"reason": "ContainerCreating"}}
+    return {"metadata": md, "status": {"containerStatuses": [{"name": "h3serve", "restartCount": restarts,
+                                                              "state": state}]}}
 
 
-def test_a_gang_restarts_whole_and_runs_one_config():
-    sts = {"status": {"updateRevision": "r2"}}
-    fresh = [_pod("g-0", "2026-01-01T00:00:00Z", "r2"), _pod("g-1", "2026-01-01T00:00:01Z", "r2")]
-    assert S.stale_gang_members(sts, fresh) == []
-    # the worker was recreated a minute later: the leader's world is gone
-    replaced = [_pod("g-0", "2026-01-01T00:00:00Z", "r2"), _pod("g-1", "2026-01-01T00:01:00Z", "r2")]
-    assert S.stale_gang_members(sts, replaced) == [("g-0", "group restart: another member of the gang was recreated")]
-    # a rolling update reached one member: the others go too (one config per gang)
-    rolling = [_pod("g-0", "2026-01-01T00:00:00Z", "r1"), _pod("g-1", "2026-01-01T00:02:00Z", "r2")]
-    assert [p for p, _ in S.stale_gang_members(sts, rolling)] == ["g-0"]
-    assert S.stale_gang_members(sts, [_pod("g-0", "2026-01-01T00:00:00Z"), _pod("g-1", "2026-01-01T00:05:00Z",
-                                                                                deleting=True)]) == []
+def _gang(record=None, rev="r2", replicas=2):
+    ann = {} if record is None else {M.ANN_WORLD: record}
+    return {"metadata": {"name": "g", "annotations": ann}, "spec": {"replicas": replicas},
+            "status": {"updateRevision": rev}}
+
+
+T0, T1, T5, T60 = "2026-01-01T00:00:00Z", "2026-01-01T00:00:01Z", "2026-01-01T00:00:05Z", "2026-01-01T00:01:00Z"
+
+
+def test_a_gang_that_runs_together_is_recorded_once():
+    fresh = [_pod("g-0", T0, "r2", started=T1), _pod("g-1", T0, "r2", started=T1)]
+    assert S.gang_verdict(_gang(), fresh) == ([], "uid-g-0-00,uid-g-1-00")
+    assert S.gang_verdict(_gang("uid-g-0-00,uid-g-1-00"), fresh) == ([], None)  # nothing to write again
+    starting = [_pod("g-0", T0, "r2", started=T1), _pod("g-1", T0, "r2")]
+    assert S.gang_verdict(_gang(), starting) == ([], None)  # not a world yet
+
+
+def test_a_member_replaced_restarts_the_rest_of_its_world_at_any_age():
+    world = "uid-g-0-00,uid-g-1-00"
+    # the worker was lost a second after the gang formed (no timing window misses it) ...
+    replaced = [_pod("g-0", T0, "r2", started=T1), _pod("g-1", T1, "r2")]
+    assert S.gang_verdict(_gang(world), replaced) == (
+        [("g-0", "group restart: g-1 replaced a member of the gang")], "")
+    # ... or is gone and not recreated yet
+    gone = [_pod("g-0", T0, "r2", started=T1), _pod("g-1", T0, "r2", deleting=True, started=T1)]
+    assert S.gang_verdict(_gang(world), gone) == ([("g-0", "group restart: a member of the gang is gone")], "")
+    # right after the restart ("" recorded) the new members are left to form their world, in any order
+    after = [_pod("g-0", T60, "r2", started="2026-01-01T00:01:02Z"), _pod("g-1", T5, "r2", started=T5)]
+    assert S.gang_verdict(_gang(""), after) == ([], "uid-g-0-00,uid-g-1-05")
+
+
+def test_a_container_restarted_in_place_restarts_every_member():
+    pods = [_pod("g-0", T0, "r2", started=T1), _pod("g-1", T0, "r2", started=T60, restarts=1)]
+    why = "group restart: the container of g-1 restarted in place"
+    assert S.gang_verdict(_gang("uid-g-0-00,uid-g-1-00"), pods) == ([("g-0", why), ("g-1", why)], "")
+
+
+def test_without_a_record_a_member_created_after_the_others_started_restarts_the_gang():
+    """The gang formed while no operator ran: the state still tells a replaced member."""
+    pods = [_pod("g-0", T0, "r2", started=T1), _pod("g-1", T60, "r2", started=T60)]
+    why = "group restart: a member was recreated after the others started"
+    assert S.gang_verdict(_gang(), pods) == ([("g-0", why), ("g-1", why)], "")
+
+
+def test_a_gang_runs_one_config():
+    rolling = [_pod("g-0", T0, "r1", started=T1), _pod("g-1", T60, "r2")]
+    assert S.gang_verdict(_gang("uid-g-0-00,uid-g-1-00"), rolling) == (
+        [("g-0", "one config per gang: a member already runs the new revision")], None)
 
 
 def test_gangs_roll_one_at_a_time():

@@ -42,6 +42,7 @@ from h3serve.config.spec import (
 from h3serve.operator import kube
 from h3serve.operator import manifests as M
 from h3serve.operator import status as S
+from h3serve.operator.leader import LostLease
 
 RESYNC_SECONDS = float(os.environ.get("H3SERVE_RESYNC_SECONDS", "60"))
 DEBOUNCE_SECONDS = float(os.environ.get("H3SERVE_DEBOUNCE_SECONDS", "0.5"))
@@ -85,6 +86,8 @@ def _event(cr: dict, etype: str, reason: str, message: str, subject: str = "", o
     _posted[key] = message
     try:
         kube.post_event(cr, etype, reason, message)
+    except LostLease:
+        raise
     except Exception as e:  # noqa: BLE001 - an Event is best effort; the status says the same
         log.warning("could not post Event %s: %s", reason, _short(e))
 
@@ -94,113 +97,123 @@ def _leading() -> bool:
 
 
 def reconcile(namespace: str, name: str, logger: logging.Logger) -> dict | None:
-    """One pass: desired objects from the current spec, applied; extras pruned; status written."""
+    """One pass: desired objects from the current spec, applied; extras pruned; status written. Every write is
+    fenced by the leader's term the pass began in (a replica deposed mid-pass writes nothing more)."""
     with _lock((namespace, name)):
         if not _leading():
             return None
-        cr = kube.get_h3deployment(namespace, name)
-        if cr is None or cr["metadata"].get("deletionTimestamp"):
-            return None
-        md = cr["metadata"]
-        uid, generation = md["uid"], int(md.get("generation") or 0)
-        spec: H3DeploymentSpec | None = None
-        try:
-            spec = H3DeploymentSpec.from_dict(cr.get("spec") or {})
-            issues = validate(spec, name) + policy_issues(spec, SETTINGS.policy)
-        except SpecError as e:
-            issues = e.issues
-        if issues:
-            logger.warning("invalid spec (generation %s): %s", generation, "; ".join(m for _, m in issues))
-            _event(cr, "Warning", "InvalidSpec", f"generation {generation} not rolled out: "
-                   + "; ".join(f"{f}: {m}" for f, m in issues), once=True)
+        leader = SETTINGS.leader
+        if leader is None:
+            return _reconcile(namespace, name, logger)
+        term = leader.term
+        with kube.fenced(lambda: leader.check(term)):
+            return _reconcile(namespace, name, logger)
 
-        apply_error = None
-        foreign: list[str] = []
-        held: set[str] = set()
-        workloads: list[dict] = []
-        kinds = [k for k in M.KINDS if k not in M.OPTIONAL_KINDS or kube.served(k)]
-        owned = {(kind, o["metadata"]["name"]): o for kind in kinds
-                 for o in kube.list_children(namespace, name, kind) if kube.owned_by(o, uid)}
-        if spec is not None and not issues:
-            gangs = kube.served("PodGroup")
-            monitors = kube.served("ServiceMonitor")
-            desired = M.render(spec, name, namespace, owner={"name": name, "uid": uid}, gang_scheduling=gangs,
-                               service_monitors=monitors)
-            if spec.metrics.service_monitor and not monitors:
-                _event(cr, "Warning", "NoServiceMonitor", "spec.metrics.serviceMonitor is skipped: the API server "
-                       "serves no monitoring.coreos.com/v1 ServiceMonitor (install the Prometheus Operator's CRDs, "
-                       "then restart the operator); the pods keep their prometheus.io scrape annotations", once=True)
-            if not gangs and any(M.gang_size(spec, c) > 1 for c in M.components(spec)):
-                _event(cr, "Warning", "NoGangScheduling", "the API server serves no scheduling.k8s.io/v1beta1 "
-                       "PodGroup (feature gate GenericWorkload): multi-node replicas are placed pod by pod, and a "
-                       "partly placed one holds its GPUs", once=True)
-            keep = {(o["kind"], o["metadata"]["name"]) for o in desired}
-            held = S.gangs_held_back(desired, owned)
-            for obj in desired:  # first the objects in the way: a pod would mount or run as them
-                key = (obj["kind"], obj["metadata"]["name"])
-                if key not in owned and not (obj["kind"] in M.OPTIONAL_KINDS and not kube.served(obj["kind"])):
-                    other = kube.get(key[0], namespace, key[1])
-                    if other is not None and not kube.owned_by(other, uid):
-                        foreign.append("/".join(key))
-            for obj in desired:
-                key = (obj["kind"], obj["metadata"]["name"])
-                if obj["kind"] in M.OPTIONAL_KINDS and not kube.served(obj["kind"]):  # asked for, not installed
-                    apply_error = (f"{obj['kind']}/{key[1]}: the API server does not serve {obj['apiVersion']} "
-                                   f"{obj['kind']} (spec.tls.certManager needs cert-manager installed)")
-                    logger.error("apply failed: %s", apply_error)
-                    break
-                before = owned.get(key)
-                if "/".join(key) in foreign:
-                    continue
-                if key[1] in held and obj["kind"] == "StatefulSet":  # rolls after the gang rolling now
+
+def _reconcile(namespace: str, name: str, logger: logging.Logger) -> dict | None:
+    cr = kube.get_h3deployment(namespace, name)
+    if cr is None or cr["metadata"].get("deletionTimestamp"):
+        return None
+    md = cr["metadata"]
+    uid, generation = md["uid"], int(md.get("generation") or 0)
+    spec: H3DeploymentSpec | None = None
+    try:
+        spec = H3DeploymentSpec.from_dict(cr.get("spec") or {})
+        issues = validate(spec, name) + policy_issues(spec, SETTINGS.policy)
+    except SpecError as e:
+        issues = e.issues
+    if issues:
+        logger.warning("invalid spec (generation %s): %s", generation, "; ".join(m for _, m in issues))
+        _event(cr, "Warning", "InvalidSpec", f"generation {generation} not rolled out: "
+               + "; ".join(f"{f}: {m}" for f, m in issues), once=True)
+
+    apply_error = None
+    foreign: list[str] = []
+    held: set[str] = set()
+    workloads: list[dict] = []
+    kinds = [k for k in M.KINDS if k not in M.OPTIONAL_KINDS or kube.served(k)]
+    owned = {(kind, o["metadata"]["name"]): o for kind in kinds
+             for o in kube.list_children(namespace, name, kind) if kube.owned_by(o, uid)}
+    if spec is not None and not issues:
+        gangs = kube.served("PodGroup")
+        monitors = kube.served("ServiceMonitor")
+        desired = M.render(spec, name, namespace, owner={"name": name, "uid": uid}, gang_scheduling=gangs,
+                           service_monitors=monitors)
+        if spec.metrics.service_monitor and not monitors:
+            _event(cr, "Warning", "NoServiceMonitor", "spec.metrics.serviceMonitor is skipped: the API server "
+                   "serves no monitoring.coreos.com/v1 ServiceMonitor (install the Prometheus Operator's CRDs, "
+                   "then restart the operator); the pods keep their prometheus.io scrape annotations", once=True)
+        if not gangs and any(M.gang_size(spec, c) > 1 for c in M.components(spec)):
+            _event(cr, "Warning", "NoGangScheduling", "the API server serves no scheduling.k8s.io/v1beta1 "
+                   "PodGroup (feature gate GenericWorkload): multi-node replicas are placed pod by pod, and a "
+                   "partly placed one holds its GPUs", once=True)
+        keep = {(o["kind"], o["metadata"]["name"]) for o in desired}
+        held = S.gangs_held_back(desired, owned)
+        for obj in desired:  # first the objects in the way: a pod would mount or run as them
+            key = (obj["kind"], obj["metadata"]["name"])
+            if key not in owned and not (obj["kind"] in M.OPTIONAL_KINDS and not kube.served(obj["kind"])):
+                other = kube.get(key[0], namespace, key[1])
+                if other is not None and not kube.owned_by(other, uid):
+                    foreign.append("/".join(key))
+        for obj in desired:
+            key = (obj["kind"], obj["metadata"]["name"])
+            if obj["kind"] in M.OPTIONAL_KINDS and not kube.served(obj["kind"]):  # asked for, not installed
+                apply_error = (f"{obj['kind']}/{key[1]}: the API server does not serve {obj['apiVersion']} "
+                               f"{obj['kind']} (spec.tls.certManager needs cert-manager installed)")
+                logger.error("apply failed: %s", apply_error)
+                break
+            before = owned.get(key)
+            if "/".join(key) in foreign:
+                continue
+            if key[1] in held and obj["kind"] == "StatefulSet":  # rolls after the gang rolling now
+                workloads.append(before)
+                continue
+            if foreign and obj["kind"] in WORKLOAD_KINDS:
+                # No pod is created or replaced while a foreign object stands in a child's place: it would
+                # mount that ConfigMap, run as that ServiceAccount or serve behind that Service.
+                if before is not None:
                     workloads.append(before)
-                    continue
-                if foreign and obj["kind"] in WORKLOAD_KINDS:
-                    # No pod is created or replaced while a foreign object stands in a child's place: it would
-                    # mount that ConfigMap, run as that ServiceAccount or serve behind that Service.
-                    if before is not None:
-                        workloads.append(before)
-                    continue
-                try:
-                    if before is not None and obj["kind"] == "Deployment" and "replicas" not in obj["spec"]:
-                        kube.hand_over_replicas(obj, before)
-                    out = kube.apply(obj)
-                except Exception as e:  # noqa: BLE001 - reported in status, retried by the caller
-                    apply_error = f"{obj['kind']}/{obj['metadata']['name']}: {_short(e)}"
-                    logger.error("apply failed: %s", apply_error)
-                    break
-                _report_change(cr, key, before, out)
-                if obj["kind"] in WORKLOAD_KINDS:
-                    workloads.append(out)
-            if foreign:
-                msg = (f"not adopted: {', '.join(foreign)} exist(s) and were not created by this H3Deployment; "
-                       f"left untouched (delete or rename them); no pod is created or replaced until then")
-                logger.warning(msg)
-                _event(cr, "Warning", "ForeignObject", msg, once=True)
-            if apply_error is None:
-                _prune(cr, owned, keep, logger)
-            else:
-                _event(cr, "Warning", "ApplyFailed", apply_error, once=True)
-        else:  # keep what runs; describe it
-            workloads = [o for (kind, _), o in owned.items() if kind in WORKLOAD_KINDS]
+                continue
+            try:
+                if before is not None and obj["kind"] == "Deployment" and "replicas" not in obj["spec"]:
+                    kube.hand_over_replicas(obj, before)
+                out = kube.apply(obj)
+            except Exception as e:  # noqa: BLE001 - reported in status, retried by the caller
+                apply_error = f"{obj['kind']}/{obj['metadata']['name']}: {_short(e)}"
+                logger.error("apply failed: %s", apply_error)
+                break
+            _report_change(cr, key, before, out)
+            if obj["kind"] in WORKLOAD_KINDS:
+                workloads.append(out)
+        if foreign:
+            msg = (f"not adopted: {', '.join(foreign)} exist(s) and were not created by this H3Deployment; "
+                   f"left untouched (delete or rename them); no pod is created or replaced until then")
+            logger.warning(msg)
+            _event(cr, "Warning", "ForeignObject", msg, once=True)
+        if apply_error is None:
+            _prune(cr, owned, keep, logger)
+        else:
+            _event(cr, "Warning", "ApplyFailed", apply_error, once=True)
+    else:  # keep what runs; describe it
+        workloads = [o for (kind, _), o in owned.items() if kind in WORKLOAD_KINDS]
 
-        _restart_gangs(cr, workloads, logger)
-        pods = _pods_if_unready(namespace, name, workloads, logger)
-        new = S.compute(name=name, namespace=namespace, generation=generation,
-                        spec=spec if not issues else None, issues=issues, workloads=workloads,
-                        previous=cr.get("status"), now=_now(), apply_error=apply_error, pods=pods, foreign=foreign,
-                        held=held)
-        old = cr.get("status") or {}
-        _report_conditions(cr, old, new)
-        if not S.same(old, new):
-            patch = dict(new)
-            gone = {k: None for k in (old.get("stages") or {}) if k not in new["stages"]}
-            if gone:
-                patch["stages"] = {**new["stages"], **gone}
-            kube.patch_status(namespace, name, patch)
-        if apply_error:
-            raise kopf.TemporaryError(f"apply failed: {apply_error}", delay=10)
-        return new
+    _restart_gangs(cr, workloads, logger)
+    pods = _pods_if_unready(namespace, name, workloads, logger)
+    new = S.compute(name=name, namespace=namespace, generation=generation,
+                    spec=spec if not issues else None, issues=issues, workloads=workloads,
+                    previous=cr.get("status"), now=_now(), apply_error=apply_error, pods=pods, foreign=foreign,
+                    held=held)
+    old = cr.get("status") or {}
+    _report_conditions(cr, old, new)
+    if not S.same(old, new):
+        patch = dict(new)
+        gone = {k: None for k in (old.get("stages") or {}) if k not in new["stages"]}
+        if gone:
+            patch["stages"] = {**new["stages"], **gone}
+        kube.patch_status(namespace, name, patch)
+    if apply_error:
+        raise kopf.TemporaryError(f"apply failed: {apply_error}", delay=10)
+    return new
 
 
 def _report_change(cr: dict, key: tuple[str, str], before: dict | None, after: dict) -> None:
@@ -234,9 +247,10 @@ def _report_conditions(cr: dict, old: dict, new: dict) -> None:
         if was == now:
             continue
         x = next(x for x in new["conditions"] if x["type"] == t)
-        if t == "Degraded" and x["status"] == "True" and x["reason"] in _POSTED_DIRECTLY:
+        down = x["status"] == ("True" if t == "Degraded" else "False")
+        if down and x["reason"] in _POSTED_DIRECTLY:  # Ready=False and Degraded=True say the same finding
             continue
-        bad = x["status"] == "True" if t == "Degraded" else (x["status"] == "False" and (was or ("",))[0] == "True")
+        bad = down if t == "Degraded" else (down and (was or ("",))[0] == "True")
         _event(cr, "Warning" if bad else "Normal", x["reason"], f"{t}={x['status']}: {x['message']}", subject=t,
                once=True)
 
@@ -304,6 +318,8 @@ async def _worker(namespace: str, name: str) -> None:
         trigger.clear()
         try:
             await asyncio.to_thread(reconcile, namespace, name, logger)
+        except LostLease as e:  # the leader loop exits the process; nothing more is written meanwhile
+            logger.warning("%s", e)
         except kopf.TemporaryError as e:
             logger.warning("%s; retrying", e)
             await asyncio.sleep(e.delay or 10)

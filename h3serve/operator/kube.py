@@ -2,18 +2,21 @@
 
 Built on the official `kubernetes` client's dynamic client. Every write carries the field manager
 `h3serve-operator`; applies force ownership of the fields the renderer sets (drift is repaired, fields
-owned by others, e.g. an HPA's replicas on a stage we do not render, are left alone).
+owned by others, e.g. an HPA's replicas on a stage we do not render, are left alone). Every write of a reconcile
+first passes its fence (`fenced`): a replica that lost the leader's term mid-pass writes nothing more.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import datetime as dt
 import logging
 import os
 import socket
 import threading
 import uuid
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from kubernetes import client, config
 from kubernetes import dynamic as kdyn
@@ -25,6 +28,23 @@ from h3serve.operator import manifests as M
 
 FIELD_MANAGER = "h3serve-operator"
 log = logging.getLogger("h3serve.operator")
+
+_fence: contextvars.ContextVar[Callable[[], None]] = contextvars.ContextVar("fence", default=lambda: None)
+
+
+@contextlib.contextmanager
+def fenced(check: Callable[[], None]) -> Iterator[None]:
+    """Within: `check` runs before every write and raises to refuse it (leader.Leader.check of the pass's term)."""
+    token = _fence.set(check)
+    try:
+        yield
+    finally:
+        _fence.reset(token)
+
+
+def _write() -> None:
+    _fence.get()()
+
 
 _client_lock = threading.Lock()
 _dyn = None
@@ -66,6 +86,7 @@ def get_h3deployment(namespace: str, name: str) -> dict | None:
 
 
 def apply(obj: dict) -> dict:
+    _write()
     res = _resource(obj["apiVersion"], obj["kind"])
     out = res.server_side_apply(body=obj, name=obj["metadata"]["name"], namespace=obj["metadata"]["namespace"],
                                 field_manager=FIELD_MANAGER, force_conflicts=True)
@@ -80,6 +101,7 @@ def hand_over_replicas(obj: dict, live: dict) -> None:
     live value under a second manager: server-side apply then keeps the field instead of removing it, which would
     default it to 1 and delete running pods before the autoscaler scales back up (the hand-over the Kubernetes
     server-side apply docs give for an HPA)."""
+    _write()
     fields = [m for m in live["metadata"].get("managedFields") or []
               if m.get("manager") == FIELD_MANAGER and "f:replicas" in ((m.get("fieldsV1") or {}).get("f:spec") or {})]
     replicas = (live.get("spec") or {}).get("replicas")
@@ -99,6 +121,7 @@ WORLD_MANAGER = "h3serve-gang-world"
 def annotate(obj: dict, key: str, value: str) -> None:
     """Set one annotation of a live object as its own field manager, so the operator's next apply (which does not
     carry it) keeps it."""
+    _write()
     md = obj["metadata"]
     _resource(obj["apiVersion"], obj["kind"]).patch(
         body={"metadata": {"annotations": {key: value}}}, name=md["name"], namespace=md["namespace"],
@@ -155,6 +178,7 @@ def list_pods(namespace: str, name: str) -> list[dict]:
 
 
 def delete(kind: str, namespace: str, name: str) -> None:
+    _write()
     api_version, _ = M.KINDS[kind] if kind in M.KINDS else ("v1", "pods")
     try:
         _resource(api_version, kind).delete(name=name, namespace=namespace,
@@ -164,6 +188,7 @@ def delete(kind: str, namespace: str, name: str) -> None:
 
 
 def patch_status(namespace: str, name: str, status: dict) -> None:
+    _write()
     res = _resource(f"{GROUP}/{VERSION}", "H3Deployment")
     res.status.patch(body={"status": status}, name=name, namespace=namespace,
                      content_type="application/merge-patch+json", field_manager=FIELD_MANAGER)
@@ -184,6 +209,7 @@ def _now() -> str:
 
 def post_event(cr: dict, etype: str, reason: str, message: str) -> None:
     """A core/v1 Event on the H3Deployment (what `kubectl describe h3d` and `kubectl get events` show)."""
+    _write()
     md = cr["metadata"]
     now = _now()
     body = {
@@ -248,6 +274,6 @@ def apply_crd(crd: dict) -> None:
     res.server_side_apply(body=crd, name=crd["metadata"]["name"], field_manager=FIELD_MANAGER, force_conflicts=True)
 
 
-__all__ = ["FIELD_MANAGER", "PLURAL", "annotate", "apply", "apply_crd", "check_access", "delete", "dynamic", "get",
-           "get_crd", "get_h3deployment", "hand_over_replicas", "list_children", "list_pods", "load_config", "owned_by",
-           "patch_status", "post_event", "served"]
+__all__ = ["FIELD_MANAGER", "PLURAL", "annotate", "apply", "apply_crd", "check_access", "delete", "dynamic",
+           "fenced", "get", "get_crd", "get_h3deployment", "hand_over_replicas", "list_children", "list_pods",
+           "load_config", "owned_by", "patch_status", "post_event", "served"]

@@ -8,6 +8,11 @@ expires exits the process: another replica may already hold the Lease, and two n
 Expiry is judged by the waiting replica's own monotonic clock, from when it last saw the Lease record change (as
 client-go's `observedTime`), never by comparing the holder's `renewTime` with the local wall clock: a stand-by
 whose clock runs ahead would otherwise take a live leader's Lease.
+
+Writes are fenced by the term: `term` is the Lease's leaseTransitions when this replica took it, and `check(term)`
+(called before every write of a reconcile that began in that term) refuses once the replica saw another holder in
+the Lease, could not renew for `duration - renew` seconds (measured from when the renewal was sent), or holds a
+later term than the pass began in.
 """
 
 from __future__ import annotations
@@ -23,6 +28,10 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 log = logging.getLogger("h3serve.operator")
+
+
+class LostLease(RuntimeError):
+    """A write refused: this replica no longer holds the term the pass began in."""
 
 LEASE_NAME = "h3serve-operator"
 
@@ -45,7 +54,8 @@ class Leader:
         self.elected = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._last_renew = 0.0
+        self._last_renew = 0.0  # time.monotonic() when the last successful renewal was sent
+        self.term: int | None = None  # the Lease's leaseTransitions when this replica took it
 
     # -- public ---------------------------------------------------------------------------------------------------
     def start(self) -> "Leader":
@@ -54,7 +64,14 @@ class Leader:
         return self
 
     def is_leader(self) -> bool:
-        return self.elected.is_set() and time.monotonic() - self._last_renew < self.duration
+        # a stand-by may take over `duration` after it saw the last renewal; stop well before that
+        return self.elected.is_set() and time.monotonic() - self._last_renew < self.duration - self.renew
+
+    def check(self, term: int | None) -> None:
+        """Raise LostLease unless this replica leads, in `term`."""
+        if not self.is_leader() or self.term != term:
+            raise LostLease(f"leader election: {self.identity} no longer holds Lease {self.namespace}/{self.name} "
+                            f"in term {term} (now {self.term if self.is_leader() else 'none'}); write refused")
 
     def stop(self) -> None:
         """Stop renewing and hand the Lease back (a clean shutdown: the next replica needs not wait it out)."""
@@ -73,6 +90,7 @@ class Leader:
             except ApiException as e:
                 log.warning("leader election: could not release the Lease: %s", e.reason)
             self.elected.clear()
+            self.term = None
 
     # -- the loop -------------------------------------------------------------------------------------------------
     def _api(self) -> client.CoordinationV1Api:
@@ -81,13 +99,17 @@ class Leader:
     def _run(self) -> None:
         log.info("leader election: %s waits for Lease %s/%s", self.identity, self.namespace, self.name)
         while not self._stop.is_set():
+            sent = time.monotonic()
             try:
                 ok = self._try_acquire_or_renew()
             except Exception as e:  # noqa: BLE001 - the API server may be briefly away; the expiry check decides
                 log.warning("leader election: %s", e)
                 ok = False
+            if ok is None:  # another replica holds the Lease though this one led: deposed, stop at once
+                self._lose("Lease %s/%s is held by another replica")
+                return
             if ok:
-                self._last_renew = time.monotonic()
+                self._last_renew = sent
                 if not self.elected.is_set():
                     log.info("leader election: %s is the leader (Lease %s/%s)", self.identity, self.namespace,
                              self.name)
@@ -96,14 +118,20 @@ class Leader:
                         self.on_elected()
             elif self.elected.is_set() and time.monotonic() - self._last_renew >= self.duration - self.renew:
                 # cannot prove the Lease is still ours before another replica may take it: stop now
-                log.error("leader election: lost Lease %s/%s; exiting so that a single replica reconciles",
-                          self.namespace, self.name)
-                self.elected.clear()
-                self.on_lost()
+                self._lose("lost Lease %s/%s")
                 return
             self._stop.wait(self.renew if self.elected.is_set() else min(self.renew, 2.0))
 
-    def _try_acquire_or_renew(self) -> bool:
+    def _lose(self, what: str) -> None:
+        log.error("leader election: " + what + "; exiting so that a single replica reconciles", self.namespace,
+                  self.name)
+        self.elected.clear()
+        self.term = None
+        self.on_lost()
+
+    def _try_acquire_or_renew(self) -> bool | None:
+        """True: this replica holds the Lease now; False: another does (or a race); None: another took it from this
+        leader."""
         api, now = self._api(), self._clock()
         try:
             lease = api.read_namespaced_lease(self.name, self.namespace)
@@ -116,6 +144,7 @@ class Leader:
                                                           acquire_time=now, renew_time=now, lease_transitions=0))
             try:
                 api.create_namespaced_lease(self.namespace, body)
+                self.term = 0
                 return True
             except ApiException as e2:
                 if e2.status == 409:  # another replica created it first
@@ -129,7 +158,7 @@ class Leader:
         expired = (not holder or
                    time.monotonic() - self._observed_at > (spec.lease_duration_seconds or self.duration))
         if holder != self.identity and not expired:
-            return False
+            return None if self.elected.is_set() else False
         if holder != self.identity:
             spec.lease_transitions = (spec.lease_transitions or 0) + 1
             spec.acquire_time = now
@@ -138,6 +167,7 @@ class Leader:
         spec.renew_time = now
         try:
             api.replace_namespaced_lease(self.name, self.namespace, lease)  # resourceVersion: optimistic lock
+            self.term = spec.lease_transitions or 0
             return True
         except ApiException as e:
             if e.status == 409:

@@ -230,6 +230,13 @@ class ControlPlane:
         self.timings["etcd"] = time.monotonic() - t
 
         t = time.monotonic()
+        # what ServiceAccounts (the operator's) do, for the least-privilege test: one JSON line per request
+        self.audit_log = self.run / "audit.log"
+        policy = self.run / "audit-policy.yaml"
+        policy.write_text(yaml.safe_dump({"apiVersion": "audit.k8s.io/v1", "kind": "Policy",
+                                      "omitStages": ["RequestReceived"], "rules": [
+                                          {"level": "Metadata", "userGroups": ["system:serviceaccounts"]},
+                                          {"level": "None"}]}))
         api = self._spawn("kube-apiserver", [
             B("kube-apiserver"), f"--etcd-servers=http://127.0.0.1:{P['etcd']}",
             "--bind-address=127.0.0.1", f"--secure-port={P['api']}",
@@ -240,6 +247,8 @@ class ControlPlane:
             f"--service-account-key-file={D / 'sa.pub'}", f"--service-account-signing-key-file={D / 'sa.key'}",
             "--service-cluster-ip-range=10.96.0.0/16", "--authorization-mode=Node,RBAC",
             "--allow-privileged=false", "--profiling=false", "--v=0",
+            f"--audit-policy-file={policy}", f"--audit-log-path={self.audit_log}", "--audit-log-format=json",
+            "--audit-log-maxsize=200",
             # gang scheduling (PodGroup, all or nothing): beta in 1.37, off by default
             "--feature-gates=GenericWorkload=true", "--runtime-config=scheduling.k8s.io/v1beta1=true",
             # the aggregation layer (custom.metrics.k8s.io is served by an aggregated API server)

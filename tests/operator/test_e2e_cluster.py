@@ -790,7 +790,7 @@ def test_foreign_objects_are_never_adopted(operator, dyn):
     for k, n in names.items():
         assert f"{k}/{n}" in msg, msg
     ev = [e for e in events(dyn, name) if e["reason"] == "ForeignObject"]
-    assert ev and ev[0]["type"] == "Warning" and all(f"{k}/{n}" in ev[0]["message"] for k, n in names.items())
+    assert len(ev) == 1 and ev[0]["type"] == "Warning" and all(f"{k}/{n}" in ev[0]["message"] for k, n in names.items())
     time.sleep(2)  # a few more passes: still untouched
     warnings = [(e["reason"], e["message"]) for e in events(dyn, name) if e["type"] == "Warning"]
     assert len(warnings) == 1 and warnings[0][0] == "ForeignObject", warnings  # one finding, one Warning
@@ -1367,6 +1367,45 @@ def test_a_stand_by_whose_clock_runs_20_s_ahead_never_takes_a_live_leaders_lease
         R(dyn, "Lease", "coordination.k8s.io/v1").delete(name=lease, namespace=APPS_NS)
 
 
+def test_a_deposed_leader_writes_nothing_more_in_its_term(control_plane, dyn, monkeypatch):
+    """Fencing: a pass's writes go through the leader's term; once another replica holds the Lease (here written
+    into it, as a stand-by with a bad clock or a partitioned leader's successor would), the old leader refuses the
+    next write of the pass, and a pass begun in an earlier term is refused even by the same leader."""
+    from h3serve.operator import kube
+    from h3serve.operator.leader import Leader, LostLease
+
+    lease, lost = "fence-test", []
+    leader = Leader(APPS_NS, "old", duration=6, renew=1, name=lease, api_client=dyn.client,
+                    on_lost=lambda: lost.append(1)).start()
+    cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "fence-test", "namespace": APPS_NS},
+          "data": {"writer": "old"}}
+    leases = R(dyn, "Lease", "coordination.k8s.io/v1")
+    monkeypatch.setattr(kube, "_dyn", dyn)  # the operator's writes, through the test's client
+    try:
+        wait_for("the leader", leader.elected.is_set, timeout=20)
+        term = leader.term
+        with kube.fenced(lambda: leader.check(term)):
+            kube.apply(cm)  # in its term: written
+            body = leases.get(name=lease, namespace=APPS_NS).to_dict()
+            body["spec"].update(holderIdentity="new", leaseTransitions=body["spec"]["leaseTransitions"] + 1)
+            leases.replace(body=body, name=lease, namespace=APPS_NS)
+            wait_for("the old leader sees the new holder", lambda: bool(lost), timeout=10)
+            with pytest.raises(LostLease, match="no longer holds Lease"):
+                kube.apply({**cm, "data": {"writer": "old, deposed"}})
+        assert R(dyn, "ConfigMap").get(name="fence-test", namespace=APPS_NS).to_dict()["data"] == {"writer": "old"}
+        assert not leader.is_leader() and leader.term is None
+        with pytest.raises(LostLease):  # a pass begun in the old term, even were this replica elected again
+            leader.term = term + 1
+            leader.check(term)
+    finally:
+        leader.stop()
+        try:
+            R(dyn, "ConfigMap").delete(name="fence-test", namespace=APPS_NS)
+        except NotFoundError:
+            pass
+        leases.delete(name=lease, namespace=APPS_NS)
+
+
 def test_dit_gangs_roll_one_at_a_time_and_one_always_serves(operator, dyn):
     """A template change of two DiT gangs: one gang rolls while the other serves whole, then the other; never 0 of 2
     gangs whole, never a gang of two revisions left standing."""
@@ -1411,3 +1450,73 @@ def test_dit_gangs_roll_one_at_a_time_and_one_always_serves(operator, dyn):
     finally:
         delete_cr(dyn, name)
     wait_gone(dyn, name)
+
+
+def test_what_the_spec_stops_rendering_is_pruned(operator, dyn):
+    """A gang DiT back to one pod (its StatefulSet and PodGroup go), then the split stages back into one engine (their
+    Deployments, Services and budget go): after each change the children are exactly what the spec renders."""
+    name = "prune"
+    doc = good_doc(name)
+    doc["spec"].update(placement="disaggregated", gpusPerNode=4, dit={"ulysses": 8})
+    create(dyn, doc)
+    try:
+        for patch in (None, {"dit": {"ulysses": 1}, "gpusPerNode": None},
+                      {"placement": "colocated", "dit": None}):
+            if patch is not None:
+                R(dyn, "H3Deployment").patch(body={"spec": patch}, name=name, namespace=APPS_NS,
+                                             content_type="application/merge-patch+json")
+            cr = ready_cr(dyn, name, timeout=120)
+            want = expected_names(cr)
+            wait_for("only what the spec renders", lambda: set(children(dyn, name)) == want, timeout=60)
+        assert ("Deployment", f"{name}-engine") in want and not any(k == "StatefulSet" for k, _ in want)
+    finally:
+        delete_cr(dyn, name)
+    wait_gone(dyn, name)
+
+
+# ---- least privilege, from the API server's audit log ---------------------------------------------------------------
+
+# Granted but not exercised by this module, each for a reason a test here cannot reach.
+UNEXERCISED = {
+    # kube-apiserver's OwnerReferencesPermissionEnforcement admission (off by default, on in e.g. OpenShift) checks
+    # it when a child's ownerReference sets blockOwnerDeletion; it is an authorization check, not a request
+    ("h3serve.io", "h3deployments/finalizers", "update"): "checked by an admission plugin this server does not run",
+    **{("cert-manager.io", "certificates", v): "cert-manager is not installed here (its absence is tested)"
+       for v in ("get", "list", "watch", "create", "patch", "delete")},
+    **{("monitoring.coreos.com", "servicemonitors", v): "the Prometheus Operator's CRDs are not installed here"
+       for v in ("get", "list", "watch", "create", "patch", "delete")},
+}
+
+
+def granted_rules(dyn) -> set[tuple[str, str, str]]:
+    """(apiGroup, resource[/subresource], verb) the chart grants the operator's ServiceAccount."""
+    out = set()
+    roles = [R(dyn, "Role", "rbac.authorization.k8s.io/v1").get(name=f"{RELEASE}-h3serve-operator",
+                                                                namespace=APPS_NS),
+             R(dyn, "Role", "rbac.authorization.k8s.io/v1").get(name=f"{RELEASE}-h3serve-operator-leader",
+                                                                namespace=SYSTEM_NS),
+             R(dyn, "ClusterRole", "rbac.authorization.k8s.io/v1").get(name=f"{RELEASE}-h3serve-operator-crd")]
+    for role in roles:
+        for rule in role.to_dict()["rules"]:
+            out |= {(g, r, v) for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+    return out
+
+
+def test_every_verb_the_chart_grants_is_one_the_operator_uses(request, control_plane, dyn, operator):
+    """Least privilege: run after the rest of this module (it reads what the operator did in all of them)."""
+    mine = [i for i in request.session.items if i.module is request.module]
+    if len(mine) < len([n for n in dir(request.module) if n.startswith("test_")]):
+        pytest.skip("reads the audit log of the whole module's run; run the module whole")
+    user = f"system:serviceaccount:{SYSTEM_NS}:{RELEASE}-h3serve-operator"
+    used = set()
+    for line in control_plane.audit_log.read_text().splitlines():
+        ev = json.loads(line)
+        ref = ev.get("objectRef") or {}
+        if ev["user"]["username"] != user or not ref.get("resource"):
+            continue
+        res = ref["resource"] + (f"/{ref['subresource']}" if ref.get("subresource") else "")
+        used.add((ref.get("apiGroup") or "", res, ev["verb"]))
+        if ev["verb"] == "patch" and (ev.get("responseStatus") or {}).get("code") == 201:
+            used.add((ref.get("apiGroup") or "", res, "create"))  # an apply that created: RBAC checks create too
+    unused = granted_rules(dyn) - used - set(UNEXERCISED)
+    assert not unused, "granted, never used: " + ", ".join(map(str, sorted(unused)))

@@ -146,6 +146,21 @@ def test_every_policy_key_of_the_chart_is_one_the_operator_reads(helm):
     assert AdmissionPolicy.from_values(values) == AdmissionPolicy()  # the chart's defaults are the operator's
 
 
+def test_the_admission_policy_carries_the_policy_values_and_can_be_turned_off(helm):
+    k = by_kind(template(helm, "--set", "policy.allowedCsiDrivers={csi.example.com}", "--set",
+                         "policy.maxVolumeSize=300Gi", "--set", "policy.allowedServiceTypes={ClusterIP}"))
+    vap, binding = k["ValidatingAdmissionPolicy"][0], k["ValidatingAdmissionPolicyBinding"][0]
+    text = "\n".join(v["expression"] for v in vap["spec"]["validations"])
+    assert '["csi.example.com"]' in text and 'quantity("300Gi")' in text and '["ClusterIP"]' in text, text
+    assert binding["spec"]["policyName"] == vap["metadata"]["name"] and binding["spec"]["validationActions"] == ["Deny"]
+    # namespaced: only the watched namespaces' H3Deployments
+    assert binding["spec"]["matchResources"]["namespaceSelector"]["matchExpressions"][0]["values"] == ["ops"]
+    # "*" lets any CSI driver through: no rule for it
+    k = by_kind(template(helm, "--set", "policy.allowedCsiDrivers={*}"))
+    assert "CSI driver" not in json.dumps(k["ValidatingAdmissionPolicy"][0])
+    assert "ValidatingAdmissionPolicy" not in by_kind(template(helm, "--set", "admissionPolicy.enabled=false"))
+
+
 def test_leader_election_and_crd_rbac(helm):
     k = by_kind(template(helm))
     lease_role = next(r for r in k["Role"] if r["metadata"]["name"].endswith("-leader"))

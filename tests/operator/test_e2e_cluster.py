@@ -65,6 +65,16 @@ def installed(control_plane, dyn):
                         "--set", "policy.allowedImages={img}", "--set", "operator.leaseSeconds=5",
                         "--wait", "--timeout", "120s"], capture_output=True, text=True, env=control_plane.env)
     assert r.returncode == 0, r.stdout + r.stderr
+
+    def in_force():  # the ValidatingAdmissionPolicy compiles asynchronously: a dry run tells when it refuses
+        doc = good_doc("policy-probe")
+        doc["spec"]["priorityClassName"] = "system-node-critical"
+        try:
+            R(dyn, "H3Deployment").create(body=doc, namespace=APPS_NS, query_params=[("dryRun", "All")])
+        except ApiException as e:
+            return e.status == 403
+        return False
+    wait_for("the chart's admission policy in force", in_force, timeout=60)
     return r.stdout
 
 
@@ -838,19 +848,32 @@ def test_a_finalizer_left_by_an_older_operator_is_removed(operator, dyn):
     wait_gone(dyn, name)
 
 
+def refused_at_admission(dyn, doc) -> str:
+    """The API server's refusal of a create (the chart's ValidatingAdmissionPolicy); fails if it is accepted."""
+    try:
+        create(dyn, doc)
+    except ApiException as e:
+        assert e.status == 403, (e.status, e.body)  # the policy's reason: Forbidden
+        return json.loads(e.body)["message"]
+    delete_cr(dyn, doc["metadata"]["name"])
+    raise AssertionError(f"{doc['metadata']['name']} was admitted")
+
+
 def test_policy_refuses_host_path_volumes_and_foreign_images(operator, dyn):
     name = "widen"
     doc = good_doc(name)
     doc["spec"]["model"]["volume"] = {"hostPath": {"path": "/"}}
+    msg = refused_at_admission(dyn, doc)  # the schema accepts any volume source; the policy does not
+    assert ("model.volume kind hostPath is not allowed by this operator (allowed: csi, ephemeral, image, "
+            "persistentVolumeClaim); an administrator can change the chart's policy.allowedVolumeKinds") in msg, msg
+    doc = good_doc(name)
     doc["spec"]["image"] = "docker.io/attacker/h3:1"
-    create(dyn, doc)  # the schema accepts any volume source; the operator's policy does not
+    create(dyn, doc)  # image patterns are the operator's to check
 
     def refused():
         cr = get_cr(dyn, name)
         return cr if condition(cr, "SpecValid").get("status") == "False" else None
     msg = condition(wait_for("SpecValid=False", refused, timeout=60), "SpecValid")["message"]
-    assert ("model.volume kind hostPath is not allowed by this operator (allowed: csi, ephemeral, image, "
-            "persistentVolumeClaim)") in msg, msg
     assert "image 'docker.io/attacker/h3:1' is not allowed by this operator (allowed: registry.example/h3serve, img)" \
         in msg, msg
     assert not children(dyn, name)
@@ -860,42 +883,48 @@ def test_policy_refuses_host_path_volumes_and_foreign_images(operator, dyn):
 
 
 def test_policy_keeps_a_cr_author_inside_the_admins_limits(operator, dyn):
-    """Issue 25 finding 7, each way a CR author went beyond the chart's policy (installed with its defaults)."""
-    cases = {
+    """Issue 25 finding 7, each way a CR author went beyond the chart's policy (installed with its defaults): what
+    CEL can say the API server refuses at create; the image allow-list the operator refuses (SpecValid=False)."""
+    admission = {
         "csi": ({"model": {"path": "/models/H3", "volume": {"csi": {"driver": "hostpath.csi.k8s.io"}}}},
-                "spec.model.volume.csi.driver: CSI driver 'hostpath.csi.k8s.io' is not allowed by this operator"),
+                "CSI driver 'hostpath.csi.k8s.io' is not allowed by this operator (allowed: none)"),
         "eph": ({"model": {"path": "/models/H3", "volume": {"ephemeral": {"volumeClaimTemplate": {"spec": {
             "accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "500Ti"}}}}}}}},
                 "an ephemeral volume of 500Ti is more than this operator allows (1Ti)"),
-        "imgvol": ({"model": {"path": "/models/H3", "volume": {"image": {"reference": "docker.io/attacker/w:1"}}}},
-                   "spec.model.volume.image.reference: image 'docker.io/attacker/w:1' is not allowed"),
         "prio": ({"priorityClassName": "system-node-critical"},
-                 "spec.priorityClassName: priorityClassName 'system-node-critical' is not allowed by this operator"),
+                 "priorityClassName 'system-node-critical' is not allowed by this operator"),
         "cp": ({"tolerations": [{"key": "node-role.kubernetes.io/control-plane", "operator": "Exists"}]},
-               "spec.tolerations[0]: a toleration of the taint node-role.kubernetes.io/control-plane places pods on "
-               "nodes this operator keeps them off"),
+               "spec: a nodeSelector or toleration names a node key this operator keeps pods off"),
+        "cp-dit": ({"dit": {"nodeSelector": {"node-role.kubernetes.io/control-plane": ""}}},
+                   "spec.dit: a nodeSelector or toleration names a node key this operator keeps pods off"),
         "lb": ({"gateway": {"auth": {"disabled": True}, "serviceType": "LoadBalancer"}},
-               "spec.gateway.auth.disabled: a LoadBalancer front door with auth disabled serves anyone"),
+               "a LoadBalancer front door with auth disabled serves anyone"),
     }
-    for key, (over, _) in cases.items():
+    for key, (over, want) in admission.items():
         doc = good_doc(f"widen-{key}")
         doc["spec"].update(over)
-        create(dyn, doc)  # the schema accepts each; the operator's policy does not
+        msg = refused_at_admission(dyn, doc)
+        assert want in msg and "an administrator can change the chart's policy." in msg, (key, msg)
+    ok = good_doc("within")  # inside every limit: admitted
+    ok["spec"]["model"]["volume"] = {"ephemeral": {"volumeClaimTemplate": {"spec": {
+        "accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Ti"}}}}}}
+    create(dyn, ok)
+    delete_cr(dyn, "within")
+    name = "widen-imgvol"
+    doc = good_doc(name)
+    doc["spec"]["model"] = {"path": "/models/H3", "volume": {"image": {"reference": "docker.io/attacker/w:1"}}}
+    create(dyn, doc)
     try:
-        for key, (_, want) in cases.items():
-            name = f"widen-{key}"
-
-            def refused():
-                cr = get_cr(dyn, name)
-                return cr if condition(cr, "SpecValid").get("status") == "False" else None
-            msg = condition(wait_for(f"{name} SpecValid=False", refused, timeout=60), "SpecValid")["message"]
-            assert want in msg, (key, msg)
-            assert not children(dyn, name), key
+        def refused():
+            cr = get_cr(dyn, name)
+            return cr if condition(cr, "SpecValid").get("status") == "False" else None
+        msg = condition(wait_for(f"{name} SpecValid=False", refused, timeout=60), "SpecValid")["message"]
+        assert "spec.model.volume.image.reference: image 'docker.io/attacker/w:1' is not allowed" in msg, msg
+        assert not children(dyn, name)
     finally:
-        for key in cases:
-            delete_cr(dyn, f"widen-{key}")
-        for key in cases:
-            wait_gone(dyn, f"widen-{key}")
+        delete_cr(dyn, name)
+    wait_gone(dyn, name)
+    wait_gone(dyn, "within")
 
 
 def test_bad_credentials_fail_fast(control_plane, tmp_path):

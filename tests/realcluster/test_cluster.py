@@ -539,6 +539,39 @@ def test_dit_scaled_to_two_serves_and_restarts_no_other_pod(cluster, disaggregat
         wait_pods_ready(cluster, APPS_NS, f"{sel},app.kubernetes.io/component=dit", 1, timeout=300)
 
 
+def test_a_quota_that_refuses_a_new_dit_pod_is_degraded_naming_it_while_the_rest_serves(cluster, disaggregated,
+                                                                                         embedded):
+    """A ResourceQuota with room for the pods that run and no more: the DiT scaled to two asks for one more pod, which
+    the quota refuses; the H3Deployment says so (Degraded=PodCreationFailed, the API server's words) while the
+    running pods serve the embedded bytes; with the quota gone the second DiT comes."""
+    name, quota = disaggregated["name"], "h3-room-for-what-runs"
+    sel = f"app.kubernetes.io/instance={name},app.kubernetes.io/component=dit"
+    every = json.loads(cluster.kubectl("get", "pods", "-n", APPS_NS, "-o", "json").stdout)["items"]
+    running = [p for p in every if p["status"].get("phase") not in ("Succeeded", "Failed")]
+    apply(cluster, [{"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": quota, "namespace": APPS_NS},
+                     "spec": {"hard": {"pods": str(len(running))}}}])
+    try:
+        cluster.kubectl("scale", "h3d", name, "-n", APPS_NS, "--replicas=2")
+        deadline, degraded = time.monotonic() + 120, {}
+        while time.monotonic() < deadline and degraded.get("reason") != "PodCreationFailed":
+            conds = json.loads(cluster.kubectl("get", "h3d", name, "-n", APPS_NS, "-o", "json").stdout).get(
+                "status", {}).get("conditions", [])
+            degraded = next((c for c in conds if c["type"] == "Degraded"), {})
+            time.sleep(1)
+        assert degraded.get("reason") == "PodCreationFailed", degraded
+        assert "exceeded quota" in degraded["message"] and quota in degraded["message"], degraded
+        out = cluster.run / "under-quota.mp4"
+        code, so, se = finish(tls_generate(cluster, disaggregated, out))
+        assert code == 0 and sha(out.read_bytes()) == sha(embedded), se[-3000:]
+        cluster.kubectl("delete", "resourcequota", quota, "-n", APPS_NS)
+        wait_pods_ready(cluster, APPS_NS, sel, 2, timeout=600)
+    finally:
+        cluster.kubectl("delete", "resourcequota", quota, "-n", APPS_NS, "--ignore-not-found")
+        cluster.kubectl("scale", "h3d", name, "-n", APPS_NS, "--replicas=1")
+        wait_pods_ready(cluster, APPS_NS, sel, 1, timeout=300)
+    wait_all_ready(cluster, disaggregated)
+
+
 def test_a_rolling_update_of_the_dit_drains_its_job_and_loses_none(cluster, disaggregated, embedded):
     """A DiT-only spec change mid-job: the operator rolls the DiT Deployment, a new pod first (CPU pods surge: the
     capacity never drops), then the old pod is deleted while it holds the job and drains it to the end; no other

@@ -178,6 +178,8 @@ def _reconcile(namespace: str, name: str, logger: logging.Logger) -> dict | None
                 if before is not None and obj["kind"] == "Deployment" and "replicas" not in obj["spec"]:
                     kube.hand_over_replicas(obj, before)
                 out = kube.apply(obj)
+            except LostLease:  # not an apply failure: this replica must not write its status either
+                raise
             except Exception as e:  # noqa: BLE001 - reported in status, retried by the caller
                 apply_error = f"{obj['kind']}/{obj['metadata']['name']}: {_short(e)}"
                 logger.error("apply failed: %s", apply_error)

@@ -193,7 +193,7 @@ def _reconcile(namespace: str, name: str, logger: logging.Logger) -> dict | None
             logger.warning(msg)
             _event(cr, "Warning", "ForeignObject", msg, once=True)
         if apply_error is None:
-            _prune(cr, owned, keep, logger)
+            _prune(cr, owned, keep | S.podgroups_in_use(workloads), logger)
         else:
             _event(cr, "Warning", "ApplyFailed", apply_error, once=True)
     else:  # keep what runs; describe it
@@ -204,7 +204,7 @@ def _reconcile(namespace: str, name: str, logger: logging.Logger) -> dict | None
     new = S.compute(name=name, namespace=namespace, generation=generation,
                     spec=spec if not issues else None, issues=issues, workloads=workloads,
                     previous=cr.get("status"), now=_now(), apply_error=apply_error, pods=pods, foreign=foreign,
-                    held=held)
+                    held=held, gangs_refused=_gangs_refused(namespace, workloads, logger))
     old = cr.get("status") or {}
     _report_conditions(cr, old, new)
     if not S.same(old, new):
@@ -271,12 +271,36 @@ def _restart_gangs(cr: dict, workloads: list[dict], logger) -> None:
         stale, world = S.gang_verdict(sts, members)
         if world is not None:  # first, so that a restart is never decided twice from the old record
             kube.annotate(sts, M.ANN_WORLD, world)
+        record = world if world is not None else (sts["metadata"].get("annotations") or {}).get(M.ANN_WORLD)
+        for pod, value in S.gang_gates(members, record, {p for p, _ in stale}):  # before the deletes: see gang_gates
+            kube.set_pod_condition(md["namespace"], pod, M.GATE_WORLD, value,
+                                   "InGangWorld" if value else "GroupRestart",
+                                   f"in the recorded world of StatefulSet/{gname}" if value
+                                   else f"StatefulSet/{gname} restarts whole ({stale[0][1]})")
         for pod, _ in stale:
             kube.delete("Pod", md["namespace"], pod)
         if stale:
             msg = f"StatefulSet/{gname}: deleted {', '.join(p for p, _ in stale)} ({stale[0][1]})"
             logger.info(msg)
             _event(cr, "Normal", "GroupRestart", msg)
+
+
+def _gangs_refused(namespace: str, workloads: list[dict], logger) -> list[str]:
+    """What refuses the pods of the gangs that lack some (their StatefulSets' Events: S.gang_create_failure); read
+    only for such a gang, so a healthy reconcile costs no request."""
+    out = []
+    for w in workloads:
+        if w["kind"] != "StatefulSet" or not S.gang_short(w):
+            continue
+        try:
+            events = kube.list_events(namespace, "StatefulSet", w["metadata"]["name"])
+        except Exception as e:  # noqa: BLE001 - e.g. RBAC without events: list; the status just says less
+            logger.warning("cannot list the events of StatefulSet/%s: %s", w["metadata"]["name"], _short(e))
+            continue
+        found = S.gang_create_failure(w, events)
+        if found:
+            out.append(found)
+    return out
 
 
 def _pods_if_unready(namespace: str, name: str, workloads: list[dict], logger) -> list[dict]:

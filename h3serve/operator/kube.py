@@ -177,12 +177,31 @@ def list_pods(namespace: str, name: str) -> list[dict]:
     return _plain(_resource("v1", "Pod").get(namespace=namespace, label_selector=sel)).get("items") or []
 
 
+def list_events(namespace: str, kind: str, name: str) -> list[dict]:
+    """The core/v1 Events about one object (what its controller reported: e.g. a StatefulSet's FailedCreate)."""
+    sel = f"involvedObject.kind={kind},involvedObject.name={name}"
+    return _plain(_resource("v1", "Event").get(namespace=namespace, field_selector=sel)).get("items") or []
+
+
 def delete(kind: str, namespace: str, name: str) -> None:
     _write()
     api_version, _ = M.KINDS[kind] if kind in M.KINDS else ("v1", "pods")
     try:
         _resource(api_version, kind).delete(name=name, namespace=namespace,
                                             body={"propagationPolicy": "Background"})
+    except NotFoundError:
+        pass
+
+
+def set_pod_condition(namespace: str, name: str, ctype: str, value: bool, reason: str, message: str) -> None:
+    """One condition of a pod's status (a readiness gate's): a strategic merge keyed by type keeps the kubelet's."""
+    _write()
+    cond = {"type": ctype, "status": "True" if value else "False", "reason": reason, "message": message[:1024],
+            "lastTransitionTime": _now()}
+    try:
+        _resource("v1", "Pod").status.patch(body={"status": {"conditions": [cond]}}, name=name, namespace=namespace,
+                                            content_type="application/strategic-merge-patch+json",
+                                            field_manager=FIELD_MANAGER)
     except NotFoundError:
         pass
 

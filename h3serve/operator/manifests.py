@@ -61,6 +61,9 @@ ANN_CONFIG_HASH = "h3serve.io/config-hash"
 ANN_GANG = "h3serve.io/gang-size"
 ANN_TEMPLATE_HASH = "h3serve.io/template-hash"  # on a gang's StatefulSet: its pod template, rendered
 ANN_WORLD = "h3serve.io/world"  # on a gang's StatefulSet, by the operator: the UIDs of the members that run together
+# A gang member's readiness gate: the operator sets it True once the member is in its gang's recorded world, False
+# before it restarts the gang, so a member counts for the disruption budget and the Services only while its world holds.
+GATE_WORLD = "h3serve.io/in-gang-world"
 CONFIG_PATH = "/etc/h3serve/h3serve.yaml"
 RUN_AS = 65532
 GATEWAY = "gateway"
@@ -274,11 +277,17 @@ def _component(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, cfg
                 "clusterIP": "None", "publishNotReadyAddresses": True, "selector": gsel,
                 "ports": [{"name": "dist", "port": DIST_PORT, "targetPort": "dist", "protocol": "TCP"}]}},
                 gname, name, namespace, comp))
+            group = None
             if gang_scheduling:  # before its pods: the scheduler holds them until the whole gang fits
-                objs.append(_meta({"apiVersion": "scheduling.k8s.io/v1beta1", "kind": "PodGroup", "spec": {
-                    "schedulingPolicy": {"gang": {"minCount": gang}}}}, gname, name, namespace, comp))
-            objs.append(_statefulset(spec, name, namespace, comp, gname, gang, per_pod, gpus, cfg_hash,
-                                     gang_scheduling))
+                pg = {"schedulingPolicy": {"gang": {"minCount": gang}}}
+                if spec.priority_class_name:  # the scheduler places a group only at its pods' priority
+                    pg["priorityClassName"] = spec.priority_class_name
+                # A PodGroup's spec is immutable, and one its pods still use cannot go: a new spec is a new
+                # PodGroup (named by its spec) that the gang's new pods join as it rolls; the old one is pruned.
+                group = f"{gname}-{_digest(pg)[:8]}"
+                objs.append(_meta({"apiVersion": "scheduling.k8s.io/v1beta1", "kind": "PodGroup", "spec": pg},
+                                  group, name, namespace, comp))
+            objs.append(_statefulset(spec, name, namespace, comp, gname, gang, per_pod, gpus, cfg_hash, group))
 
     if replicas > 1:
         # One replica may go; a single replica gets no PDB, which could only block node drains without keeping
@@ -587,13 +596,14 @@ def _hpa(spec: H3DeploymentSpec, name: str, namespace: str, comp: str) -> dict:
 
 
 def _statefulset(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, gname: str, gang: int,
-                 per_pod: int, gpus: int, cfg_hash: str, gang_scheduling: bool = True) -> dict:
+                 per_pod: int, gpus: int, cfg_hash: str, group: str | None) -> dict:
     master = f"{gname}-0.{gname}.{namespace}.svc"
     dist = _dist_env(gpus, per_pod, gang, master, True)
     tmpl = _pod_template(spec, name, namespace, comp, per_pod, cfg_hash, {"h3serve.io/gang": gname}, dist, True)
     tmpl["metadata"]["annotations"][ANN_GANG] = str(gang)
-    if gang_scheduling:
-        tmpl["spec"]["schedulingGroup"] = {"podGroupName": gname}
+    if group:
+        tmpl["spec"]["schedulingGroup"] = {"podGroupName": group}
+    tmpl["spec"]["readinessGates"] = [{"conditionType": GATE_WORLD}]
     sts = {"apiVersion": "apps/v1", "kind": "StatefulSet", "spec": {
         "replicas": gang, "serviceName": gname, "podManagementPolicy": "Parallel", "revisionHistoryLimit": 5,
         "updateStrategy": {"type": "RollingUpdate"},

@@ -101,10 +101,13 @@ def _condition(ctype: str, ok: bool, reason: str, message: str, generation: int,
 def compute(*, name: str, namespace: str, generation: int, spec: H3DeploymentSpec | None,
             issues: list[tuple[str, str]], workloads: list[dict], previous: dict | None, now: str,
             apply_error: str | None = None, pods: list[dict] | None = None,
-            foreign: list[str] | None = None, held: set[str] | frozenset = frozenset()) -> dict:
+            foreign: list[str] | None = None, held: set[str] | frozenset = frozenset(),
+            gangs_refused: list[str] | tuple = ()) -> dict:
     """`foreign`: "Kind/name" of objects in the way: they have a child's name but this H3Deployment did not create
-    them, so the operator leaves them alone (never adopts, changes or deletes them)."""
+    them, so the operator leaves them alone (never adopts, changes or deletes them). `gangs_refused`: what refuses
+    gangs' pods at creation (`gang_create_failure`, from their StatefulSets' Events)."""
     previous = previous or {}
+    refused = [*create_failures(workloads), *gangs_refused]
     live = {(w["kind"], w["metadata"]["name"]): w for w in workloads}
     expected = expected_workloads(spec, name) if spec is not None else expected_from_live(workloads)
 
@@ -156,7 +159,7 @@ def compute(*, name: str, namespace: str, generation: int, spec: H3DeploymentSpe
         ready = (False, "ScaledToZero", f"scaled to zero: {', '.join(zero)}")
     elif not_ready:
         problems = pod_problems(pods or [])
-        why = "; ".join([*create_failures(workloads)[:1], *(t for _, t in problems[:3])])
+        why = "; ".join([*refused[:1], *(t for _, t in problems[:3])])
         ready = (False, "StagesNotReady", "waiting for " + ", ".join(not_ready) + (f" ({why})" if why else ""))
     else:
         ready = (True, "AllStagesReady", all_counts)
@@ -172,7 +175,6 @@ def compute(*, name: str, namespace: str, generation: int, spec: H3DeploymentSpe
     conds.append(_condition("Progressing", prog[0], prog[1], prog[2], generation, previous, now))
 
     problems = pod_problems(pods or []) if not_ready else []
-    refused = create_failures(workloads)
     if foreign:
         deg = (True, "ForeignObject", in_the_way)
     elif apply_error:
@@ -206,13 +208,60 @@ def compute(*, name: str, namespace: str, generation: int, spec: H3DeploymentSpe
 
 def create_failures(workloads: list[dict]) -> list[str]:
     """What refused a workload's pods at creation (a ResourceQuota, an admission webhook or policy), from the
-    Deployment's ReplicaFailure condition, which the Deployment controller copies from its ReplicaSet."""
+    Deployment's ReplicaFailure condition, which the Deployment controller copies from its ReplicaSet. (A gang's
+    StatefulSet has no such condition: `gang_create_failure`.)"""
     out = []
     for w in workloads:
         for c in (w.get("status") or {}).get("conditions") or []:
             if c.get("type") == "ReplicaFailure" and c.get("status") == "True":
                 out.append(f"{w['kind']}/{w['metadata']['name']}: {c.get('message') or c.get('reason')}")
     return out
+
+
+def _gate(pod: dict) -> bool:
+    return any(c.get("type") == M.GATE_WORLD and c.get("status") == "True"
+               for c in (pod.get("status") or {}).get("conditions") or [])
+
+
+def gang_gates(pods: list[dict], record: str | None, stale: set[str]) -> list[tuple[str, bool]]:
+    """(pod, value) of the members whose readiness gate (M.GATE_WORLD) must change: False for a member about to be
+    deleted for a restart (its gang is broken: it must not count for the disruption budget meanwhile), True for each
+    member of the recorded world once that world runs whole. A member outside the record (a replacement not yet
+    restarted with the rest) never turns True, so a broken gang is never Ready whatever its containers say."""
+    name = lambda p: p["metadata"]["name"]  # noqa: E731
+    live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+    if stale:
+        return [(name(p), False) for p in pods if name(p) in stale and _gate(p)]
+    world = set(filter(None, (record or "").split(",")))
+    if not world or {p["metadata"]["uid"] for p in live} != world:
+        return []
+    return [(name(p), True) for p in live if not _gate(p)]
+
+
+def gang_short(statefulset: dict) -> bool:
+    """Fewer member pods exist than the gang asks for (status.replicas counts the pods its controller created)."""
+    return int((statefulset.get("status") or {}).get("replicas") or 0) < int(
+        (statefulset.get("spec") or {}).get("replicas") or 0)
+
+
+def _event_time(e: dict) -> _dt.datetime:
+    t = ((e.get("series") or {}).get("lastObservedTime") or e.get("lastTimestamp") or e.get("eventTime")
+         or (e.get("metadata") or {}).get("creationTimestamp"))
+    return _time(t) if t else _dt.datetime.min.replace(tzinfo=_dt.timezone.utc)
+
+
+def gang_create_failure(statefulset: dict, events: list[dict]) -> str | None:
+    """What refuses a gang's pods at creation now, or None. A StatefulSet has no ReplicaFailure condition; its
+    controller posts a FailedCreate Warning at each refused try (quoting the API server: "exceeded quota: ...") and a
+    SuccessfulCreate for each pod made. Refused now: pods are missing and no pod was made since the newest refusal."""
+    if not gang_short(statefulset):
+        return None
+    newest = lambda reason: max((_event_time(e) for e in events if e.get("reason") == reason), default=None)  # noqa: E731
+    failed, made = newest("FailedCreate"), newest("SuccessfulCreate")
+    if failed is None or (made is not None and made > failed):
+        return None
+    last = max((e for e in events if e.get("reason") == "FailedCreate"), key=_event_time)
+    return f"StatefulSet/{statefulset['metadata']['name']}: {last.get('message') or 'FailedCreate'}"
 
 
 def _order(comp: str) -> int:
@@ -227,6 +276,13 @@ def same(a: dict | None, b: dict | None) -> bool:
         s["conditions"] = [{k: v for k, v in c.items() if k != "lastTransitionTime"} for c in s.get("conditions") or []]
         return s
     return strip(a) == strip(b)
+
+
+def podgroups_in_use(workloads: list[dict]) -> set[tuple[str, str]]:
+    """The PodGroups the live gang StatefulSets' pod templates name: a gang held back from its roll keeps its old
+    one (its spec cannot change, and a pod it recreates must find it), so pruning spares them."""
+    return {("PodGroup", g) for w in workloads if w is not None and w.get("kind") == "StatefulSet"
+            for g in [((w["spec"]["template"]["spec"].get("schedulingGroup") or {}).get("podGroupName"))] if g}
 
 
 def gangs_held_back(desired: list[dict], live: dict[tuple[str, str], dict]) -> set[str]:

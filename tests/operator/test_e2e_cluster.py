@@ -1335,10 +1335,12 @@ def test_kubectl_scale_works_on_every_shipped_example(installed, dyn, example):
         delete_cr(dyn, name)
 
 
-def test_pods_a_quota_refuses_are_degraded_naming_the_quota(operator, dyn):
+@pytest.mark.parametrize("gang", [False, True], ids=["deployment", "gang"])
+def test_pods_a_quota_refuses_are_degraded_naming_the_quota(operator, dyn, gang):
     """A ResourceQuota admits none of the pods: Degraded=PodCreationFailed with the API server's words, not
-    "no problem detected"; with the quota gone the pods come."""
-    name, prio = "quota", "h3-quota-test"
+    "no problem detected"; with the quota gone the pods come. A gang's StatefulSet has no ReplicaFailure condition:
+    its controller's FailedCreate Events say it."""
+    name, prio = ("quota-gang" if gang else "quota"), "h3-quota-test"
     R(dyn, "PriorityClass", "scheduling.k8s.io/v1").create(body={
         "apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": prio}, "value": 10})
     R(dyn, "ResourceQuota", "v1").create(namespace=APPS_NS, body={
@@ -1348,15 +1350,18 @@ def test_pods_a_quota_refuses_are_degraded_naming_the_quota(operator, dyn):
     try:
         doc = good_doc(name)
         doc["spec"]["priorityClassName"] = prio
+        if gang:  # a colocated replica of 2 GPUs on 1-GPU nodes: one StatefulSet of 2 pods
+            doc["spec"].update(gpusPerNode=1, dit={"ulysses": 2})
         create(dyn, doc)
         cr = wait_for("Degraded=PodCreationFailed", lambda: (lambda cr: cr if condition(cr, "Degraded").get(
             "reason") == "PodCreationFailed" else None)(get_cr(dyn, name)), timeout=90)
         msg = condition(cr, "Degraded")["message"]
-        assert f"Deployment/{name}-engine" in msg and "exceeded quota" in msg and prio in msg, msg
+        refused = f"StatefulSet/{name}-engine-0" if gang else f"Deployment/{name}-engine"
+        assert msg.startswith(refused) and "exceeded quota" in msg and prio in msg, msg
         assert condition(cr, "Ready")["status"] == "False" and "exceeded quota" in condition(cr, "Ready")["message"]
         assert any(e["reason"] == "PodCreationFailed" and e["type"] == "Warning" for e in events(dyn, name))
         R(dyn, "ResourceQuota", "v1").delete(name=prio, namespace=APPS_NS)
-        ready_cr(dyn, name, timeout=120)
+        ready_cr(dyn, name, timeout=120)  # a gang's pods at their priority: its PodGroup carries the same class
     finally:
         delete_cr(dyn, name)
         for res, ns in ((R(dyn, "ResourceQuota", "v1"), APPS_NS),
@@ -1365,6 +1370,43 @@ def test_pods_a_quota_refuses_are_degraded_naming_the_quota(operator, dyn):
                 res.delete(name=prio, namespace=ns)
             except NotFoundError:
                 pass
+    wait_gone(dyn, name)
+
+
+def test_a_gang_whose_size_and_priority_change_rolls_onto_a_new_podgroup(operator, dyn):
+    """A PodGroup's spec is immutable: a gang growing from 2 to 4 pods at a new priority class gets a new PodGroup
+    (minCount 4, the class) that its new pods join, the old one is pruned, and the CR is Ready at the new generation,
+    never ApplyFailed."""
+    name, prio = "gang-pg", "h3-gang-pg-test"
+    R(dyn, "PriorityClass", "scheduling.k8s.io/v1").create(body={
+        "apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": prio}, "value": 7})
+    groups = lambda: {p["metadata"]["name"]: p["spec"] for p in R(  # noqa: E731
+        dyn, "PodGroup", "scheduling.k8s.io/v1beta1").get(
+        namespace=APPS_NS, label_selector=f"{M.LABEL_INSTANCE}={name}").to_dict()["items"]}
+    try:
+        doc = good_doc(name)
+        doc["spec"].update(placement="disaggregated", gpusPerNode=4, dit={"ulysses": 8})
+        create(dyn, doc)
+        ready_cr(dyn, name)
+        (old, old_spec), = groups().items()
+        assert old_spec["schedulingPolicy"]["gang"]["minCount"] == 2 and "priorityClassName" not in old_spec
+        gen = get_cr(dyn, name)["metadata"]["generation"]
+        R(dyn, "H3Deployment").patch(body={"spec": {"gpusPerNode": 2, "priorityClassName": prio}}, name=name,
+                                     namespace=APPS_NS, content_type="application/merge-patch+json")
+        cr = ready_cr(dyn, name, generation=gen + 1, timeout=120)
+        assert condition(cr, "Degraded")["status"] == "False", condition(cr, "Degraded")
+        new = wait_for("the old PodGroup pruned", lambda: (lambda g: g if old not in g else None)(groups()), timeout=60)
+        (group, spec), = new.items()
+        assert spec["schedulingPolicy"]["gang"]["minCount"] == 4 and spec["priorityClassName"] == prio, spec
+        dit = [p for p in pods(dyn, name) if p["metadata"]["labels"][M.LABEL_COMPONENT] == "dit"]
+        assert len(dit) == 4 and {p["spec"]["schedulingGroup"]["podGroupName"] for p in dit} == {group}
+        assert {p["spec"]["priority"] for p in dit} == {7}
+    finally:
+        delete_cr(dyn, name)
+        try:
+            R(dyn, "PriorityClass", "scheduling.k8s.io/v1").delete(name=prio)
+        except NotFoundError:
+            pass
     wait_gone(dyn, name)
 
 

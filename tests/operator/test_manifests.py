@@ -200,6 +200,30 @@ def test_scaling_gangs_adds_statefulsets():
     assert [o["metadata"]["name"] for o in objs if o["kind"] == "StatefulSet"] == ["f-dit-0", "f-dit-1", "f-dit-2"]
 
 
+
+
+def test_a_gangs_podgroup_carries_its_size_and_priority_and_a_new_spec_is_a_new_podgroup():
+    """The scheduler places a group only at its pods' priority, and a PodGroup's spec is immutable: each gang's pods
+    name a PodGroup of their priority class, and a new gang size or class is a PodGroup of another name."""
+    d = yaml.safe_load((ROOT / "examples" / "fasth3-disaggregated.yaml").read_text())
+
+    def groups(**spec):
+        objs = M.render(parse_and_validate({**d["spec"], **spec}, "f"), "f", "ns")
+        dit = [o for o in objs if o["metadata"]["labels"].get(M.LABEL_COMPONENT) == "dit"]
+        sts = [o for o in dit if o["kind"] == "StatefulSet"]
+        pgs = {o["metadata"]["name"]: o["spec"] for o in dit if o["kind"] == "PodGroup"}
+        assert [s["spec"]["template"]["spec"]["schedulingGroup"]["podGroupName"] for s in sts] == list(pgs)
+        assert all(g.startswith(f"{s['metadata']['name']}-") for g, s in zip(pgs, sts))
+        return pgs
+
+    plain, prio, smaller = groups(), groups(priorityClassName="batch"), groups(gpusPerNode=2)
+    assert [g["schedulingPolicy"]["gang"]["minCount"] for g in plain.values()] == [2]
+    assert [g.get("priorityClassName") for g in (*plain.values(), *prio.values())] == [None, "batch"]
+    assert [g["schedulingPolicy"]["gang"]["minCount"] for g in smaller.values()] == [4]
+    assert len(set(plain) | set(prio) | set(smaller)) == 3
+    assert groups() == plain  # named by its spec alone
+
+
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
 def test_pods_read_their_stage_config_from_the_mounted_service_config(path, tmp_path):
     """Every container's argv parses with the real CLI; with the rendered ServiceConfig mounted, each process it
@@ -794,7 +818,9 @@ def test_fasth3_pool_is_a_second_dit_workload_with_services_and_the_gateways_tar
     else:  # 4 GPUs over 2-GPU nodes: one StatefulSet (a gang of 2 pods) per replica, like the DiT's
         assert [(w["kind"], w["metadata"]["name"], w["spec"]["replicas"]) for w in workloads] == [
             ("StatefulSet", f"h3-dit-fasth3-{r}", 2) for r in range(3)]
-        assert {o["metadata"]["name"] for o in fast if o["kind"] == "PodGroup"} == {f"h3-dit-fasth3-{r}" for r in range(3)}
+        groups = sorted(o["metadata"]["name"] for o in fast if o["kind"] == "PodGroup")  # <gang>-<hash of its spec>
+        assert [g.rsplit("-", 1)[0] for g in groups] == [f"h3-dit-fasth3-{r}" for r in range(3)]
+        assert [w["spec"]["template"]["spec"]["schedulingGroup"]["podGroupName"] for w in workloads] == groups
     for w in workloads:
         c = w["spec"]["template"]["spec"]["containers"][0]
         argv = c.get("args") or c["command"]

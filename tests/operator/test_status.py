@@ -41,9 +41,9 @@ def cond(status, t):
     return next(c for c in status["conditions"] if c["type"] == t)
 
 
-def compute(name, spec, workloads, previous=None, issues=(), now=T0, generation=1, apply_error=None):
+def compute(name, spec, workloads, previous=None, issues=(), now=T0, generation=1, apply_error=None, **kw):
     return S.compute(name=name, namespace="ns", generation=generation, spec=spec, issues=list(issues),
-                     workloads=workloads, previous=previous, now=now, apply_error=apply_error)
+                     workloads=workloads, previous=previous, now=now, apply_error=apply_error, **kw)
 
 
 def test_all_ready():
@@ -200,6 +200,24 @@ def test_pods_refused_at_creation_are_degraded_naming_the_refusal():
     assert S.create_failures(live(spec, name)) == []
 
 
+
+def test_a_gang_refused_at_creation_is_degraded_naming_the_refusal_from_its_events():
+    """A gang's StatefulSet has no ReplicaFailure condition; its FailedCreate Events say it, while pods are missing
+    and none was made since."""
+    name, spec = spec_of("base-disaggregated")
+    quota = ('create Pod g-1 in StatefulSet g failed error: pods "g-1" is forbidden: exceeded quota: gpus, '
+             'requested: requests.nvidia.com/gpu=8, used: requests.nvidia.com/gpu=8, limited: requests.nvidia.com/gpu=8')
+    event = lambda reason, t, msg="": {"reason": reason, "lastTimestamp": t, "message": msg}  # noqa: E731
+    short = {"metadata": {"name": "g"}, "spec": {"replicas": 2}, "status": {"replicas": 1}}
+    refused = [event("SuccessfulCreate", T0), event("FailedCreate", T1, quota)]
+    assert S.gang_create_failure(short, refused) == f"StatefulSet/g: {quota}"
+    assert S.gang_create_failure(short, [*refused, event("SuccessfulCreate", T5)]) is None  # made since: not now
+    assert S.gang_create_failure({**short, "status": {"replicas": 2}}, refused) is None  # nothing missing
+    assert S.gang_create_failure(short, [event("SuccessfulCreate", T0)]) is None
+    st = compute(name, spec, live(spec, name), gangs_refused=[f"StatefulSet/g: {quota}"])
+    c = cond(st, "Degraded")
+    assert (c["status"], c["reason"], c["message"]) == ("True", "PodCreationFailed", f"StatefulSet/g: {quota}")
+
 def _pod(name, created, rev="r1", deleting=False, started=None, restarts=0):
     md = {"name": name, "uid": f"uid-{name}-{created[-3:-1]}", "creationTimestamp": created,
           "labels": {"controller-revision-hash": rev}}
@@ -253,6 +271,37 @@ def test_without_a_record_a_member_created_after_the_others_started_restarts_the
     why = "group restart: a member was recreated after the others started"
     assert S.gang_verdict(_gang(), pods) == ([("g-0", why), ("g-1", why)], "")
 
+
+def test_pruning_spares_the_podgroups_live_gangs_still_name():
+    sts = lambda group: {"kind": "StatefulSet", "spec": {"template": {"spec": (  # noqa: E731
+        {"schedulingGroup": {"podGroupName": group}} if group else {})}}}
+    held, rolled, plain = sts("g-0-aaaa"), sts("g-1-bbbb"), sts(None)
+    assert S.podgroups_in_use([held, rolled, plain, {"kind": "Deployment", "spec": {}}, None]) == {
+        ("PodGroup", "g-0-aaaa"), ("PodGroup", "g-1-bbbb")}
+
+
+def test_a_members_gate_opens_only_inside_its_recorded_world_and_closes_before_a_restart():
+    gated = lambda p, v: {**p, "status": {**p["status"], "conditions": [  # noqa: E731
+        {"type": M.GATE_WORLD, "status": "True" if v else "False"}]}}
+    a, b = _pod("g-0", T0, started=T1), _pod("g-1", T0, started=T1)
+    record = "uid-g-0-00,uid-g-1-00"
+    assert S.gang_gates([a, b], record, set()) == [("g-0", True), ("g-1", True)]
+    assert S.gang_gates([gated(a, True), b], record, set()) == [("g-1", True)]
+    assert S.gang_gates([gated(a, True), gated(b, True)], record, set()) == []
+    # a replacement outside the record, or a record right after a restart: no gate opens
+    c = _pod("g-1", T5, started=T5)
+    assert S.gang_gates([gated(a, True), c], record, set()) == []
+    assert S.gang_gates([a, b], "", set()) == [] and S.gang_gates([a, b], None, set()) == []
+    # a restart closes the open gates of the members it deletes, first
+    assert S.gang_gates([gated(a, True), c], record, {"g-0", "g-1"}) == [("g-0", False)]
+    # the renderer gives every gang member the gate, and no single-pod replica one
+    name, spec = spec_of("fasth3-disaggregated")  # its DiT replica is a gang
+    kinds = [o["kind"] for o in M.render(spec, name, "ns")]
+    assert "StatefulSet" in kinds and "Deployment" in kinds
+    for o in M.render(spec, name, "ns"):
+        if o["kind"] in ("StatefulSet", "Deployment"):
+            gates = o["spec"]["template"]["spec"].get("readinessGates")
+            assert gates == ([{"conditionType": M.GATE_WORLD}] if o["kind"] == "StatefulSet" else None), o["kind"]
 
 def test_a_gang_runs_one_config():
     rolling = [_pod("g-0", T0, "r1", started=T1), _pod("g-1", T60, "r2")]

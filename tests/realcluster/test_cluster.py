@@ -201,12 +201,15 @@ def svc(name: str) -> str:
     return f"{name}-gateway.{APPS_NS}.svc.cluster.local"
 
 
+def sdk_argv(name: str, out: pathlib.Path, key: str = KEY_A, extra: tuple = ()) -> list[str]:
+    return [sys.executable, "-m", "h3serve.cli", "generate", "--server", f"{svc(name)}:50051", "--api-key", key,
+            "--prompt", REQUEST["prompt"], "--seconds", str(REQUEST["seconds"]), "--size", REQUEST["size"],
+            "--seed", str(REQUEST["seed"]), "--steps", str(REQUEST["num_inference_steps"]), "--no-progress", "--json",
+            *extra, "-o", str(out)]
+
+
 def sdk_generate(cluster, name: str, out: pathlib.Path, key: str = KEY_A, extra: tuple = ()) -> subprocess.CompletedProcess:
-    return in_node(cluster, [sys.executable, "-m", "h3serve.cli", "generate", "--server", f"{svc(name)}:50051",
-                             "--api-key", key, "--prompt", REQUEST["prompt"], "--seconds", str(REQUEST["seconds"]),
-                             "--size", REQUEST["size"], "--seed", str(REQUEST["seed"]),
-                             "--steps", str(REQUEST["num_inference_steps"]), "--no-progress", "--json", *extra,
-                             "-o", str(out)])
+    return in_node(cluster, sdk_argv(name, out, key, extra))
 
 
 def curl_job(cluster, name: str, out: pathlib.Path, key: str = KEY_A, ca: pathlib.Path | None = None,
@@ -717,6 +720,187 @@ def test_a_stopped_stage_container_is_restarted_by_its_liveness_probe(cluster, d
     out = cluster.run / "after-sigstop.mp4"
     code, so, se = finish(tls_generate(cluster, disaggregated, out))
     assert code == 0 and sha(out.read_bytes()) == sha(embedded), se[-3000:]
+
+
+# ---- DiT gangs on real pods -----------------------------------------------------------------------------------
+# A CPU "node" of one core: gpusPerNode 1 with ulysses 2 makes each DiT replica a gang of two pods, one rank each,
+# one torch.distributed (gloo) world across them over the pod network, found through the gang's headless Service.
+# Two replicas are two gangs; the tiny checkpoint's bytes are those of degree 1 (tests/parallel shows it).
+
+GANG = "h3-tiny-g"
+
+
+@pytest.fixture(scope="module")
+def gangs(cluster, operator, api_keys):
+    d = deploy(cluster, operator, GANG, {"placement": "disaggregated", "gpusPerNode": 1, "drainSeconds": 20,
+                                         "dit": {"ulysses": 2, "replicas": 2}})
+    log_figure("gangs_ready_s", d["ready_s"])
+    yield {"name": GANG}
+    cluster.kubectl("delete", "h3d", GANG, "-n", APPS_NS, "--wait=true", "--timeout=300s")
+    deadline = time.monotonic() + 300
+    while pods(cluster, APPS_NS, f"app.kubernetes.io/instance={GANG}") and time.monotonic() < deadline:
+        time.sleep(1)
+
+
+def gang_members(cluster) -> dict[str, list[dict]]:
+    """gang StatefulSet name -> its member pods (deleting ones too)."""
+    out: dict[str, list[dict]] = {}
+    for p in pods(cluster, APPS_NS, f"app.kubernetes.io/instance={GANG},app.kubernetes.io/component=dit"):
+        out.setdefault(p["metadata"]["labels"]["h3serve.io/gang"], []).append(p)
+    return out
+
+
+def whole(members: list[dict], size: int = 2) -> bool:
+    return len(members) == size and all(is_ready(p) for p in members)
+
+
+def recorded_world(cluster, gang: str) -> set[str]:
+    sts = json.loads(cluster.kubectl("get", "statefulset", gang, "-n", APPS_NS, "-o", "json").stdout)
+    return set(filter(None, sts["metadata"].get("annotations", {}).get("h3serve.io/world", "").split(",")))
+
+
+def wait_gangs_whole(cluster, timeout: float = 600) -> dict[str, list[dict]]:
+    """Both gangs whole and each one's recorded world its live members."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        g = gang_members(cluster)
+        if len(g) == 2 and all(whole(m) and recorded_world(cluster, n) == {p["metadata"]["uid"] for p in m}
+                               for n, m in g.items()):
+            return g
+        time.sleep(1)
+    raise AssertionError(f"the gangs were not whole again in {timeout}s: "
+                         f"{ {n: [(p['metadata']['name'], is_ready(p)) for p in m] for n, m in gang_members(cluster).items()} }")
+
+
+def evict(cluster, pod: dict) -> subprocess.CompletedProcess:
+    """The Eviction API, as `kubectl drain` calls it: 201, or 429 while the disruption budget allows none."""
+    body = {"apiVersion": "policy/v1", "kind": "Eviction",
+            "metadata": {"name": pod["metadata"]["name"], "namespace": APPS_NS}}
+    return cluster.kubectl("create", "--raw", f"/api/v1/namespaces/{APPS_NS}/pods/{pod['metadata']['name']}/eviction",
+                           "-f", "-", input=json.dumps(body), check=False)
+
+
+def test_two_cpu_gangs_of_two_pods_each_serve_the_embedded_bytes(cluster, gangs, embedded):
+    g = wait_gangs_whole(cluster)
+    assert sorted(g) == [f"{GANG}-dit-0", f"{GANG}-dit-1"]
+    for members in g.values():
+        ranks = sorted(int(p["metadata"]["labels"]["apps.kubernetes.io/pod-index"]) for p in members)
+        assert ranks == [0, 1]
+        for p in members:  # Ready through the operator's gate: each is in its gang's recorded world
+            assert p["spec"]["readinessGates"] == [{"conditionType": "h3serve.io/in-gang-world"}]
+            assert any(c["type"] == "h3serve.io/in-gang-world" and c["status"] == "True"
+                       for c in p["status"]["conditions"]), p["status"]["conditions"]
+    for i in range(2):  # the gateway balances per call over the gangs' leaders
+        out = cluster.run / f"gang-{i}.mp4"
+        r = sdk_generate(cluster, GANG, out)
+        assert r.returncode == 0 and sha(out.read_bytes()) == sha(embedded), r.stderr[-3000:]
+    served = {n: metric(cluster, next(p for p in m if p["metadata"]["labels"]["apps.kubernetes.io/pod-index"] == "0"),
+                        9402, 'h3serve_stage_requests_total{stage="dit"}') for n, m in g.items()}
+    log_figure("gang_leader_calls", served)
+    assert sum(served.values()) >= 2, served
+
+
+def test_a_drain_evicts_one_gang_pod_and_no_other_until_that_gang_is_whole_again(cluster, gangs, embedded):
+    """`kubectl drain` through the Eviction API: one pod of gang 0 goes; every eviction of a gang-1 pod is refused
+    (429) until gang 0 has restarted whole, its new world recorded; meanwhile gang 1 serves."""
+    g = wait_gangs_whole(cluster)
+    first, other = g[f"{GANG}-dit-0"], g[f"{GANG}-dit-1"]
+    old = {p["metadata"]["uid"] for p in first}
+    worker = next(p for p in first if p["metadata"]["labels"]["apps.kubernetes.io/pod-index"] == "1")
+    t0 = time.monotonic()
+    r = evict(cluster, worker)
+    assert r.returncode == 0, r.stderr
+    out = cluster.run / "during-drain.mp4"
+    job = subprocess.Popen(cluster.in_node(*sdk_argv(GANG, out)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "NO_PROXY": "*", "no_proxy": "*"})
+    refused, deadline = 0, t0 + 600
+    while True:
+        assert time.monotonic() < deadline, f"no eviction of gang 1 was allowed in 600 s ({refused} refused)"
+        r = evict(cluster, other[refused % 2])
+        if r.returncode == 0:
+            break
+        assert "disruption budget" in r.stderr, r.stderr
+        refused += 1
+        time.sleep(0.5)
+    allowed_after = round(time.monotonic() - t0, 1)
+    # the eviction that was allowed came after gang 0 was whole again: new members only, running together
+    now = gang_members(cluster)[f"{GANG}-dit-0"]
+    assert whole(now) and not old & {p["metadata"]["uid"] for p in now}, [
+        (p["metadata"]["name"], p["metadata"]["uid"] in old, is_ready(p)) for p in now]
+    assert recorded_world(cluster, f"{GANG}-dit-0") == {p["metadata"]["uid"] for p in now}
+    log_figure("gang_drain", {"refused": refused, "next_eviction_allowed_after_s": allowed_after})
+    assert refused >= 1
+    code, so, se = finish(job)
+    assert code == 0 and sha(out.read_bytes()) == sha(embedded), se[-3000:]
+    wait_gangs_whole(cluster)
+    out = cluster.run / "after-gang-drain.mp4"
+    r = sdk_generate(cluster, GANG, out)
+    assert r.returncode == 0 and sha(out.read_bytes()) == sha(embedded), r.stderr[-3000:]
+
+
+def test_dit_gangs_roll_one_at_a_time_on_real_pods_and_one_always_serves(cluster, gangs, embedded):
+    """A DiT spec change: gang 1 waits while gang 0 takes the new template, then rolls; polled every 0.5 s, never 0
+    whole gangs; every member at the new template after."""
+    wait_gangs_whole(cluster)
+    t0 = time.monotonic()
+    cluster.kubectl("patch", "h3d", GANG, "-n", APPS_NS, "--type=merge", "-p",
+                    json.dumps({"spec": {"dit": {"resources": {"requests": {"cpu": "110m", "memory": "1Gi"},
+                                                                "limits": {"memory": "6Gi"}}}}}))
+    fewest, polls, deadline = 2, 0, t0 + 900
+    new = lambda p: p["spec"]["containers"][0]["resources"]["requests"]["cpu"] == "110m"  # noqa: E731
+    while time.monotonic() < deadline:
+        g = gang_members(cluster)
+        n_whole = sum(whole([p for p in m if not p["metadata"].get("deletionTimestamp")]) for m in g.values())
+        fewest, polls = min(fewest, n_whole), polls + 1
+        assert n_whole >= 1, f"0 whole gangs {round(time.monotonic() - t0, 1)} s after the patch"
+        if len(g) == 2 and all(whole(m) and all(new(p) for p in m) for m in g.values()):
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError("the gangs did not both take the new template in 900 s")
+    log_figure("gang_roll", {"done_s": round(time.monotonic() - t0, 1), "polls": polls, "fewest_whole": fewest})
+    assert fewest == 1  # they did roll, one at a time
+    wait_gangs_whole(cluster)
+    out = cluster.run / "after-gang-roll.mp4"
+    r = sdk_generate(cluster, GANG, out)
+    assert r.returncode == 0 and sha(out.read_bytes()) == sha(embedded), r.stderr[-3000:]
+
+
+def test_a_quota_that_refuses_a_third_gang_is_degraded_naming_its_statefulset(cluster, gangs, embedded):
+    """dit.replicas 2 -> 3 under a ResourceQuota with room for the pods that run: the third gang's StatefulSet gets
+    no pod, which its FailedCreate Events say (a StatefulSet has no ReplicaFailure condition), so the H3Deployment is
+    Degraded=PodCreationFailed naming it while the two gangs serve; without the quota the third gang forms."""
+    quota, third = "h3-room-for-two-gangs", f"{GANG}-dit-2"
+    wait_gangs_whole(cluster)
+    every = json.loads(cluster.kubectl("get", "pods", "-n", APPS_NS, "-o", "json").stdout)["items"]
+    running = [p for p in every if p["status"].get("phase") not in ("Succeeded", "Failed")]
+    apply(cluster, [{"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": quota, "namespace": APPS_NS},
+                     "spec": {"hard": {"pods": str(len(running))}}}])
+    try:
+        cluster.kubectl("patch", "h3d", GANG, "-n", APPS_NS, "--type=merge", "-p",
+                        json.dumps({"spec": {"dit": {"replicas": 3}}}))
+        deadline, degraded = time.monotonic() + 120, {}
+        while time.monotonic() < deadline and degraded.get("reason") != "PodCreationFailed":
+            conds = json.loads(cluster.kubectl("get", "h3d", GANG, "-n", APPS_NS, "-o", "json").stdout).get(
+                "status", {}).get("conditions", [])
+            degraded = next((c for c in conds if c["type"] == "Degraded"), {})
+            time.sleep(1)
+        assert degraded.get("reason") == "PodCreationFailed", degraded
+        msg = degraded["message"]
+        assert msg.startswith(f"StatefulSet/{third}:") and "exceeded quota" in msg and quota in msg, msg
+        out = cluster.run / "gangs-under-quota.mp4"
+        r = sdk_generate(cluster, GANG, out)
+        assert r.returncode == 0 and sha(out.read_bytes()) == sha(embedded), r.stderr[-3000:]
+        cluster.kubectl("delete", "resourcequota", quota, "-n", APPS_NS)
+        deadline = time.monotonic() + 600
+        while not whole(gang_members(cluster).get(third, [])):
+            assert time.monotonic() < deadline, "the third gang did not form once the quota was gone"
+            time.sleep(1)
+    finally:
+        cluster.kubectl("delete", "resourcequota", quota, "-n", APPS_NS, "--ignore-not-found")
+        cluster.kubectl("patch", "h3d", GANG, "-n", APPS_NS, "--type=merge", "-p",
+                        json.dumps({"spec": {"dit": {"replicas": 2}}}))
+    wait_gangs_whole(cluster)
 
 
 def paths_that_differ(a, b, path: str = "") -> list[str]:

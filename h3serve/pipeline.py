@@ -33,14 +33,12 @@ from h3serve.media.mux import Mp4Writer
 from h3serve.models.dit.engine import COMPONENT_FOR_TASK, DiTEngine, DiTRequest
 from h3serve.models import conditions as cond
 from h3serve.models.dit.parallel import build_dit_rank
-from h3serve.models.encoder.fp8 import quantize_text_decoder
 from h3serve.models.encoder.model import TextEncoder
 from h3serve.models.encoder.parallel import build_encoder_rank
 from h3serve.models.vae.audio import AudioVAE
 from h3serve.models.vae.parallel import build_vae_rank
 from h3serve.models.vae.video import VideoVAE
 from h3serve.runtime.device import TORCH_DTYPES, PeakMemory, pick_device, process_memory
-from h3serve.weights.adapter import Adapter
 from h3serve.weights.folder import CheckpointFolder
 
 log = logging.getLogger("h3serve.pipeline")
@@ -202,12 +200,8 @@ class Pipeline:
                        encoder=EncoderProxy(handle), dit=DiTEngineProxy(handle), video_vae=VideoVAEProxy(handle),
                        audio_vae=audio_vae, load_seconds=time.perf_counter() - t0, stage=handle)
 
-        fused = Adapter.open(adapter, adapter_sha256) if profile == "fasth3" else None
         dit = DiTEngine.load(root, components=components, dtype=torch_dtype, device=dev, profile=profile,
-                             adapter=fused, levers=levers)
-        if fused is not None:
-            fused.close()
-        dit.apply_offload(levers)
+                             adapter=adapter, adapter_sha256=adapter_sha256, levers=levers)
         encoder = TextEncoder.load(root, dtype=torch_dtype, device=dev)
         video_vae = VideoVAE.load(root, dtype=torch_dtype, device=dev)
         audio_vae = AudioVAE.load(root, dtype=torch.float32, device=dev)
@@ -354,10 +348,7 @@ class Pipeline:
 
 def apply_stage_levers(levers: Levers, encoder, video_vae, audio_vae) -> None:
     """The encoder's and the VAEs' levers on loaded models (the DiT's are applied by DiTEngine)."""
-    if levers.fp8:
-        quantize_text_decoder(encoder.model)
-    if levers.encoder_resident_layers is not None:
-        encoder.offload(levers.encoder_resident_layers)
+    encoder.apply_levers(fp8=levers.fp8, resident_layers=levers.encoder_resident_layers)
     if levers.vae_staged:
         video_vae.stage()
         audio_vae.stage()
@@ -368,11 +359,12 @@ def _replica_rank(runtime, checkpoint: str, dtype: torch.dtype, components: Sequ
                   levers: Levers = Levers()) -> dict:
     """Every rank: the groups of the three models first (in the same order on every rank), then its part of each
     (DiT under USP, encoder shard, VAE tiles); returns the ops rank 0's stand-ins call, and "memory"."""
-    encoder = build_encoder_rank(runtime, checkpoint, dtype, degrees.encoder_tp, levers.fp8,
-                                 levers.encoder_resident_layers)
-    dit = build_dit_rank(runtime, checkpoint, dtype, components, profile, adapter, adapter_sha256, degrees.ulysses,
-                         degrees.ring, levers)
-    vae = build_vae_rank(runtime, checkpoint, dtype, degrees.vae_pp, levers.vae_staged)
+    encoder = build_encoder_rank(runtime, checkpoint=checkpoint, dtype=dtype, tp=degrees.encoder_tp, fp8=levers.fp8,
+                                 resident_layers=levers.encoder_resident_layers)
+    dit = build_dit_rank(runtime, checkpoint=checkpoint, dtype=dtype, components=components, profile=profile,
+                         adapter=adapter, adapter_sha256=adapter_sha256, ulysses=degrees.ulysses, ring=degrees.ring,
+                         levers=levers)
+    vae = build_vae_rank(runtime, checkpoint=checkpoint, dtype=dtype, pp=degrees.vae_pp, staged=levers.vae_staged)
 
     def memory(payload, local):
         """Every rank's `process_memory` (read-only), gathered on the control group; rank 0 gets the list by rank."""

@@ -26,6 +26,7 @@ from h3serve.config.vocab import (
 from h3serve.errors import H3Error
 
 CONFIG_ENV = "H3SERVE_CONFIG"  # path of the mounted ServiceConfig
+STAGE_CONFIG_ENV = "H3SERVE_STAGE_CONFIG"  # path of a launcher child's StageConfig (runtime/launcher.py)
 COMPONENT_ENV = "H3SERVE_COMPONENT"  # the pod's component; dit-fasth3: a DiT process of the FastH3 pool
 API_KEYS_ENV = "H3SERVE_API_KEYS_FILE"  # the gateway's API keys file (the default of --api-keys-file)
 API_KEY_ENV = "H3SERVE_API_KEY"         # a client's API key (the default of the SDK's and the CLI's key)

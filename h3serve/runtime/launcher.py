@@ -16,19 +16,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from dataclasses import fields, replace
+from dataclasses import asdict, fields, replace
 from typing import Callable, Mapping
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from h3serve._proto import common_pb2
-from h3serve.config.stage import COMPONENT_ENV, CONFIG_ENV, StageConfig, connect_host, service_config_values
+from h3serve.config.stage import (COMPONENT_ENV, CONFIG_ENV, STAGE_CONFIG_ENV, StageConfig, connect_host,
+                                  service_config_values)
 from h3serve.config.vocab import (EXIT_USER_ERROR, FASTH3_DIT, HTTP_PORT, MODEL_STAGES, PORT_OFFSETS, SERVICE_NAMES,
                                   STAGES, START_ORDER)
 from h3serve.distributed.world import free_port
@@ -58,43 +61,31 @@ def parse_stages(text: str) -> list[str]:
     return [s for s in STAGES if s in names]
 
 
-_PASS = ("checkpoint", "checkpoint_manifest_sha256", "profile", "adapter", "adapter_sha256", "dtype", "device",
-         "threads", "host", "grace_s", "queue_size", "max_inflight", "request_timeout_s", "jobs_dir", "job_store",
-         "job_ttl_s", "max_jobs", "max_sync_bytes", "api_keys_file", "tls_cert", "tls_key", "tls_ca", "tls_peer_name",
-         "transport",
-         "model_name", "frame_format", "mux_threads", "crf", "preset", "session_ttl_s", "max_session_ttl_s",
-         "max_sessions", "max_sessions_per_peer", "tmp_dir", "http_host", "http_max_connections",
-         "http_header_timeout_s", "http_body_timeout_s", "decode_workers", "decode_per_caller", "encoder_tp",
-         "ulysses", "ring", "vae_pp",
-         "dit_resident_blocks", "dit_offload_mode", "fp8", "fp8_attention", "encoder_resident_layers", "vae_staged",
-         "encoder_cache_bytes", "fasth3_dit", "tasks")
+def child_config(config: StageConfig, stage: str, port: int, addresses: dict[str, str],
+                 http_port: int | None) -> StageConfig:
+    """What a child of the launcher runs with: the launcher's config, as one stage on its port. It dials only the
+    stages started here and those given (a `dns:///` target: its name, by its addresses); the gateway also gets
+    their addresses and the HTTP port; the FastH3 pool beside a base DiT is the launcher's to start, not a child's."""
+    gateway = stage == "gateway"
+    return replace(config, stage=stage, port=port, advertise=None,
+                   peers=",".join(sorted({a.removeprefix("dns:///") for a in addresses.values()})),
+                   http_port=http_port if gateway else None, fasth3_adapter=None, fasth3_adapter_sha256=None,
+                   fasth3_dit=addresses.get(FASTH3_DIT, config.fasth3_dit) if gateway else config.fasth3_dit,
+                   **{s: addresses.get(s) if gateway else None for s in MODEL_STAGES + ("muxer",)})
 
 
-def child_argv(config: StageConfig, stage: str, port: int, addresses: dict[str, str], http_port: int | None,
-               log_level: str) -> list[str]:
-    argv = [sys.executable, "-m", "h3serve.cli", "--log-level", log_level, "serve", "--stages", stage,
-            "--port", str(port)]
-    if not config.warmup:
-        argv.append("--no-warmup")
-    if config.no_auth:
-        argv.append("--no-auth")
-    if config.no_peer_auth:
-        argv.append("--no-peer-auth")
-    # a stage dials only the stages started here and those given (a `dns:///` target: its name, by its addresses)
-    argv += ["--peers", ",".join(sorted({a.removeprefix("dns:///") for a in addresses.values()}))]
-    for name in _PASS:
-        value = getattr(config, name)
-        if value is not None and value != getattr(StageConfig, name, None):
-            argv += [f"--{name.replace('_', '-')}", str(value)]
-    if stage == "gateway":
-        for s in MODEL_STAGES + ("muxer",):
-            if s in addresses:
-                argv += [f"--{s}", addresses[s]]
-        if FASTH3_DIT in addresses:
-            argv += ["--fasth3-dit", addresses[FASTH3_DIT]]
-        if http_port is not None:
-            argv += ["--http-port", str(http_port)]
-    return argv
+def write_child_config(config: StageConfig, folder: str) -> str:
+    """`config` as the JSON file a child reads at `$H3SERVE_STAGE_CONFIG` (written whole, then renamed)."""
+    path = os.path.join(folder, f"{config.stage}-{config.port}.json")
+    with open(path + ".part", "w") as fh:
+        json.dump(asdict(config), fh, sort_keys=True)
+    os.replace(path + ".part", path)
+    return path
+
+
+def child_argv(stage: str, log_level: str) -> list[str]:
+    """A child's argv: its stage alone; every knob is in its config file."""
+    return [sys.executable, "-m", "h3serve.cli", "--log-level", log_level, "serve", "--stages", stage]
 
 
 class Launcher:
@@ -132,6 +123,7 @@ class Launcher:
         self.exit_code = 0   # a child's user error (EXIT_USER_ERROR) ends `serve` with it
         self.killed = False   # a second Ctrl-C killed the children
         self._threads: list[threading.Thread] = []
+        self.folder = tempfile.mkdtemp(prefix="h3serve-stages-", dir=config.tmp_dir)  # the children's config files
 
     def planned_ports(self) -> list[tuple[str, int, str]]:
         """(host, port, the flag that sets it) of every port the children will bind."""
@@ -147,13 +139,14 @@ class Launcher:
     def spawn(self, stage: str) -> subprocess.Popen:
         if stage == FASTH3_DIT:
             fast = replace(self.config, profile="fasth3", adapter=self.config.fasth3_adapter,
-                           adapter_sha256=self.config.fasth3_adapter_sha256, fasth3_adapter=None,
-                           fasth3_adapter_sha256=None)
-            argv = child_argv(fast, "dit", self.ports[stage], self.addresses, None, self.log_level)
+                           adapter_sha256=self.config.fasth3_adapter_sha256)
+            config = child_config(fast, "dit", self.ports[stage], self.addresses, None)
         else:
-            argv = child_argv(self.config, stage, self.ports[stage], self.addresses, self.http_port, self.log_level)
+            config = child_config(self.config, stage, self.ports[stage], self.addresses, self.http_port)
         env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"))
-        proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, start_new_session=True)
+        env[STAGE_CONFIG_ENV] = write_child_config(config, self.folder)
+        proc = subprocess.Popen(child_argv(config.stage, self.log_level), env=env, stdout=subprocess.DEVNULL,
+                                start_new_session=True)
         self.procs[stage] = proc
         return proc
 
@@ -341,6 +334,7 @@ class Launcher:
                     codes[s] = self.procs[s].wait()
         for t in self._threads:
             t.join(LIVENESS_INTERVAL_S * 2 + 1.0)
+        shutil.rmtree(self.folder, ignore_errors=True)
         bad = {s: c for s, c in codes.items() if c not in (0, None)}
         if bad:
             print(f"h3serve: stages exited with {bad}", file=sys.stderr, flush=True)
@@ -353,25 +347,42 @@ def config_from_args(args: argparse.Namespace, stage: str, environ: Mapping[str,
     """The StageConfig of `stage` from argv and, when `$H3SERVE_CONFIG` names one, the operator's service config.
 
     The file wins: what it sets (degrees, profile, adapter, dtype, ports, peer addresses) is the deployment's truth;
-    argv fills the knobs it does not carry (threads, warm-up, --advertise, ...).
+    argv fills the knobs it does not carry (threads, warm-up, --advertise, ...). A child of the launcher reads the
+    launcher's knobs from `$H3SERVE_STAGE_CONFIG` instead of argv (`child_config`), then the mounted file the same.
     """
-    values = {f.name: getattr(args, f.name) for f in fields(StageConfig)
-              if hasattr(args, f.name) and getattr(args, f.name) is not None}
+    child = environ.get(STAGE_CONFIG_ENV)
+    if child:
+        values = _read_config(child, STAGE_CONFIG_ENV, "the launcher's stage config")
+    else:
+        values = {f.name: getattr(args, f.name) for f in fields(StageConfig)
+                  if hasattr(args, f.name) and getattr(args, f.name) is not None}
+        values["warmup"] = not getattr(args, "no_warmup", False)
     values["stage"] = stage
-    values["warmup"] = not getattr(args, "no_warmup", False)
     path = environ.get(CONFIG_ENV)
     if path:
-        try:
-            with open(path) as fh:
-                doc = json.load(fh)  # the renderer writes JSON (which is YAML)
-        except (OSError, ValueError) as exc:
-            raise H3Error(f"{CONFIG_ENV}={path}: cannot read the mounted ServiceConfig: {exc}") from None
+        doc = _read_config(path, CONFIG_ENV, "the mounted ServiceConfig")
         try:
             pool = FASTH3_DIT if stage == "dit" and environ.get(COMPONENT_ENV) == FASTH3_DIT else stage
             values.update(service_config_values(doc, pool))
         except (KeyError, TypeError, ValueError) as exc:   # not a ServiceConfig the operator rendered
             raise H3Error(f"{CONFIG_ENV}={path}: not a ServiceConfig ({type(exc).__name__}: {exc})") from None
-    return StageConfig(**values)
+    try:
+        return StageConfig(**values)
+    except TypeError as exc:  # a key no StageConfig has: a file of another version
+        raise H3Error(f"{STAGE_CONFIG_ENV}={child}: not a StageConfig ({exc})") from None
+
+
+def _read_config(path: str, env: str, what: str) -> dict:
+    """A config file a process is pointed at by `env`: JSON (the renderer and the launcher write JSON, which is
+    YAML), one object."""
+    try:
+        with open(path) as fh:
+            doc = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise H3Error(f"{env}={path}: cannot read {what}: {exc}") from None
+    if not isinstance(doc, dict):
+        raise H3Error(f"{env}={path}: {what} is not one JSON object")
+    return doc
 
 
 # The checkpoint components each model stage cannot start without (the DiT's ref2va partition is optional: a

@@ -122,26 +122,26 @@ def check_joinable(stage: str, degrees: ParallelDegrees, env: dict[str, int]) ->
 RANK_BUILDERS = {"encoder": build_encoder_rank, "dit": build_dit_rank, "vae": build_vae_rank}
 
 
-def build_stage_rank(runtime, stage: str, threads: int, args: tuple) -> dict:
+def build_stage_rank(runtime, stage: str, threads: int, kwargs: dict) -> dict:
     """Every rank of a stage's world: the stage's torch threads, then its model's rank builder (groups, load)."""
     if threads:
         torch.set_num_threads(threads)
-    return RANK_BUILDERS[stage](runtime, *args)()
+    return RANK_BUILDERS[stage](runtime, **kwargs)()
 
 
 def _build_args(stage: str, c, degrees: ParallelDegrees) -> tuple:
-    """(build, build args) of the stage's world, from its StageConfig."""
-    dtype = TORCH_DTYPES[c.dtype]
+    """(build, build args) of the stage's world, from its StageConfig: the rank builder's keyword arguments."""
+    common = {"checkpoint": c.checkpoint, "dtype": TORCH_DTYPES[c.dtype]}
     if stage == "encoder":
-        args = (c.checkpoint, dtype, degrees.encoder_tp, c.fp8, c.encoder_resident_layers)
+        kwargs = dict(common, tp=degrees.encoder_tp, fp8=c.fp8, resident_layers=c.encoder_resident_layers)
     elif stage == "dit":
-        args = (c.checkpoint, dtype, ("transformer",), c.profile, c.adapter, c.adapter_sha256, degrees.ulysses,
-                degrees.ring, c.levers)
+        kwargs = dict(common, components=("transformer",), profile=c.profile, adapter=c.adapter,
+                      adapter_sha256=c.adapter_sha256, ulysses=degrees.ulysses, ring=degrees.ring, levers=c.levers)
     elif stage == "vae":
-        args = (c.checkpoint, dtype, degrees.vae_pp)
+        kwargs = dict(common, pp=degrees.vae_pp)
     else:
         raise H3Error(f"the {stage} stage has no parallel ranks")
-    return build_stage_rank, (stage, c.threads, args)
+    return build_stage_rank, (stage, c.threads, kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -27,7 +27,6 @@ from h3serve.runtime.device import TORCH_DTYPES, pick_device
 from h3serve.runtime.stage import StageBase, first_message
 from h3serve.transport.control import LATENTS_EDGE, ControlSender
 from h3serve.transport.grpc import GrpcStreamReceiver, iter_tensor_chunks
-from h3serve.weights.adapter import Adapter
 from h3serve.weights.folder import CheckpointFolder
 
 log = logging.getLogger("h3serve.dit")
@@ -89,12 +88,9 @@ class DiTServicer(StageBase):
             # the ranks load the t2va / fl2va partition only (runtime/ranks.py)
             self.tasks = tuple(t for t in self.tasks if COMPONENT_FOR_TASK[t] == "transformer")
         else:
-            adapter = Adapter.open(c.adapter, c.adapter_sha256) if c.profile == "fasth3" else None
             self.engine = DiTEngine.load(c.checkpoint, components=components, dtype=TORCH_DTYPES[c.dtype],
-                                         device=device, profile=c.profile, adapter=adapter, levers=c.levers)
-            self.engine.apply_offload(c.levers)
-            if adapter is not None:
-                adapter.close()
+                                         device=device, profile=c.profile, adapter=c.adapter,
+                                         adapter_sha256=c.adapter_sha256, levers=c.levers)
         if c.warmup:   # one forward at the smallest geometry: kernels, allocator, lazy init
             model = self.engine.models["transformer"]
             req = DiTRequest(text_states=torch.zeros(1, 4, model.config.text_dim), text_tags=torch.ones(4, dtype=torch.long),

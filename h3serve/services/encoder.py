@@ -14,7 +14,6 @@ from h3serve.errors import RequestError
 from h3serve.errortable import grpc_method
 from h3serve.models import conditions as cond
 from h3serve.models.encoder.cache import EncodeCache, cache_key, checkpoint_identity
-from h3serve.models.encoder.fp8 import quantize_text_decoder
 from h3serve.models.encoder.model import ATTENTION, DEFAULT_LAYER, TextEncoder
 from h3serve.runtime.device import TORCH_DTYPES, pick_device
 from h3serve.runtime.stage import StageBase, first_message
@@ -59,11 +58,8 @@ class EncoderServicer(StageBase):
                 device = self.encoder.device
             else:
                 self.encoder = TextEncoder.load(self.config.checkpoint, dtype=TORCH_DTYPES[self.config.dtype],
-                                                device=device)
-                if self.config.fp8:  # the text decoder's projections in FP8 (lever --fp8)
-                    quantize_text_decoder(self.encoder.model)
-                if self.config.encoder_resident_layers is not None:  # lever --encoder-resident-layers
-                    self.encoder.offload(self.config.encoder_resident_layers)
+                                                device=device).apply_levers(
+                    fp8=self.config.fp8, resident_layers=self.config.encoder_resident_layers)
             if self.config.warmup:
                 self.check_finite(text_states=self.encoder.encode("warm-up", task="t2va").states)
             if device.type == "cuda":

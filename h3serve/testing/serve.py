@@ -10,6 +10,11 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
+
+from h3serve.cli import build_parser
+from h3serve.config.stage import STAGE_CONFIG_ENV, StageConfig
+from h3serve.runtime.launcher import child_argv, child_config, config_from_args, write_child_config
 
 
 class ServeProcess:
@@ -71,3 +76,12 @@ class ServeProcess:
             if strict:
                 raise
             return code
+
+
+def launched_config(config: StageConfig, stage: str, port: int, addresses: dict[str, str], http_port: int | None,
+                    folder: str | Path) -> StageConfig:
+    """The StageConfig a launcher's child runs with: its file as the launcher writes it, its argv parsed by `serve`'s
+    own parser, both read by `serve`'s own path."""
+    path = write_child_config(child_config(config, stage, port, addresses, http_port), str(folder))
+    args = build_parser().parse_args(child_argv(stage, "info")[3:])
+    return config_from_args(args, stage, {STAGE_CONFIG_ENV: path})

@@ -666,7 +666,7 @@ def test_the_api_keys_secret_is_mounted_into_the_front_door_only_and_named_in_it
         assert all(v["name"] != "api-keys" for v in pod["volumes"])
 
 
-def test_auth_disabled_renders_no_auth_and_mounts_nothing():
+def test_auth_disabled_renders_no_auth_and_mounts_nothing(tmp_path):
     d = _spec_doc("fasth3-colocated")
     d["gateway"]["auth"] = {"disabled": True}
     spec = parse_and_validate(d, "h3")
@@ -674,9 +674,9 @@ def test_auth_disabled_renders_no_auth_and_mounts_nothing():
     assert cfg.no_auth is True and cfg.api_keys_file is None
     front, _ = _front_and_others(M.render(spec, "h3", "ns"))
     assert all(v["name"] != "api-keys" for pod in front for v in pod["volumes"])
-    # the gateway's own parser accepts what the launcher passes on
-    from h3serve.runtime.launcher import child_argv
-    assert "--no-auth" in child_argv(cfg, "gateway", 50051, {}, 8000, "info")
+    # and a launcher's gateway child runs with it
+    from h3serve.testing.serve import launched_config
+    assert launched_config(cfg, "gateway", 50051, {}, 8000, tmp_path).no_auth is True
 
 
 def test_the_job_store_is_the_gateways_config_and_its_credentials_come_from_the_secret():
@@ -766,9 +766,9 @@ def test_tls_secret_is_mounted_into_every_pod_and_every_process_reads_it():
                                            "dit").tls_cert is None
 
 
-def test_the_manifest_pin_reaches_every_model_stage_and_only_those():
+def test_the_manifest_pin_reaches_every_model_stage_and_only_those(tmp_path):
     from h3serve.config.stage import StageConfig
-    from h3serve.runtime.launcher import child_argv
+    from h3serve.testing.serve import launched_config
 
     d = _spec_doc("base-disaggregated")
     pin = d["model"]["manifestSha256"]
@@ -777,8 +777,7 @@ def test_the_manifest_pin_reaches_every_model_stage_and_only_those():
     for st in ("encoder", "dit", "vae"):
         sc = StageConfig.from_service_config(cfg, st)
         assert sc.checkpoint_manifest_sha256 == pin
-        argv = child_argv(sc, st, 50051, {}, None, "info")  # what a launcher passes its child
-        assert argv[argv.index("--checkpoint-manifest-sha256") + 1] == pin
+        assert launched_config(sc, st, 50051, {}, None, tmp_path).checkpoint_manifest_sha256 == pin  # a child too
     assert StageConfig.from_service_config(cfg, "muxer").checkpoint_manifest_sha256 is None
     # colocated: every process of the engine pod reads it
     c = _spec_doc("fasth3-colocated")
@@ -898,15 +897,16 @@ def test_a_name_too_long_for_the_fasth3_pools_gangs_is_refused_naming_the_limit(
 @pytest.mark.parametrize("example,gpus_per_node", [("base-disaggregated", 8), ("base-with-fasth3-disaggregated", 8),
                                                    ("base-disaggregated", 4), ("base-colocated", 8)],
                          ids=["base", "fasth3-pool", "gangs", "colocated"])
-def test_pods_that_dial_a_request_named_sink_declare_exactly_its_headless_service(example, gpus_per_node):
+def test_pods_that_dial_a_request_named_sink_declare_exactly_its_headless_service(example, gpus_per_node,
+                                                                                   tmp_path):
     """A DiT (either pool) streams latents to a VAE pod and the VAE frames to a muxer pod, at the pod IP a request
     names: their pods get `--peers` = the headless Service of that stage (the name the gateway dials, whose
     addresses are its ready leader pods) and nothing else; no other pod gets any. The colocated engine's launcher
     gives its stages the loopback addresses of the stages it started."""
     from h3serve.cli import build_parser
     from h3serve.config.stage import StageConfig
-    from h3serve.runtime.launcher import child_argv
     from h3serve.runtime.tls import PeerName, parse_peers
+    from h3serve.testing.serve import launched_config
 
     doc = yaml.safe_load((ROOT / "examples" / f"{example}.yaml").read_text())
     doc["spec"]["gpusPerNode"] = gpus_per_node
@@ -936,8 +936,8 @@ def test_pods_that_dial_a_request_named_sink_declare_exactly_its_headless_servic
         assert seen == set()
         engine = StageConfig.from_service_config(cfg, "vae")
         addresses = {st: f"127.0.0.1:{50051 + M.PORT_OFFSETS[st]}" for st in ("gateway", *M.PIPELINE_STAGES)}
-        argv = child_argv(engine, "vae", engine.port, addresses, None, "info")
-        assert argv[argv.index("--peers") + 1] == ",".join(sorted(addresses.values()))
+        child = launched_config(engine, "vae", engine.port, addresses, None, tmp_path)
+        assert child.peers == ",".join(sorted(addresses.values()))
     else:
         assert seen == {"dit", "vae"} | ({"dit-fasth3"} if "fasth3" in example else set())
 

@@ -79,9 +79,9 @@ def test_bad_lever_values_name_the_field_and_the_range(capsys):
 
 @pytest.mark.parametrize("placement,stage", [("colocated", "dit"), ("disaggregated", "dit"),
                                              ("disaggregated", "encoder")])
-def test_spec_levers_reach_the_dit_stage_and_its_children(placement, stage):
+def test_spec_levers_reach_the_dit_stage_and_its_children(placement, stage, tmp_path):
     from h3serve.cli import build_parser
-    from h3serve.runtime.launcher import child_argv
+    from h3serve.testing.serve import launched_config
 
     spec = H3DeploymentSpec.from_dict(spec_doc(placement=placement, dit={"levers": {
         "residentBlocks": 6, "offloadMode": "allgather", "fp8": True, "fp8Attention": True}}))
@@ -94,7 +94,4 @@ def test_spec_levers_reach_the_dit_stage_and_its_children(placement, stage):
     assert c.levers == Levers(6, "allgather", True, True)
     every = build_parser().parse_args(["serve", "--json", "--queue-size", "1", "--fp8", "on", "--fp8-attention", "off"])
     assert every.json and every.queue_size == 1 and every.fp8 and not every.fp8_attention  # the other flags stay
-    argv = child_argv(c, "dit", 1234, {}, None, "WARNING")
-    args = build_parser().parse_args(argv[3:])
-    assert (args.dit_resident_blocks, args.dit_offload_mode, args.fp8, args.fp8_attention) == (6, "allgather", True,
-                                                                                              True)
+    assert launched_config(c, "dit", 1234, {}, None, tmp_path).levers == Levers(6, "allgather", True, True)  # a child

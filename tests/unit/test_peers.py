@@ -114,12 +114,11 @@ def test_literal_items_networks_and_a_failing_name_beside_them():
         assert info.value.field == "peers"
 
 
-def test_the_launcher_declares_the_stages_it_started_and_those_it_was_given():
+def test_the_launcher_declares_the_stages_it_started_and_those_it_was_given(tmp_path):
     from h3serve.config.stage import StageConfig
-    from h3serve.runtime.launcher import child_argv
+    from h3serve.testing.serve import launched_config
 
     addresses = {"dit": "127.0.0.1:50053", "vae": "127.0.0.1:50054", "muxer": "dns:///h3-muxer-headless.ns.svc:50051"}
-    argv = child_argv(StageConfig(stage="vae"), "vae", 50054, addresses, None, "info")
-    text = argv[argv.index("--peers") + 1]
+    text = launched_config(StageConfig(stage="vae"), "vae", 50054, addresses, None, tmp_path).peers
     assert text == "127.0.0.1:50053,127.0.0.1:50054,h3-muxer-headless.ns.svc:50051"
     assert parse_peers(text).items[-1] == PeerName("h3-muxer-headless.ns.svc", 50051)

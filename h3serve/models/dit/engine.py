@@ -34,6 +34,7 @@ from h3serve.models.dit.reuse import ReuseConfig, StepReuse
 from h3serve.models.dit.scheduler import FlowShifts, schedules_for
 from h3serve.models.checkpoint import checked_folder, flow_shifts, transformer_config
 from h3serve.models.offload import attach_offload
+from h3serve.weights.adapter import Adapter
 from h3serve.weights.load import load_module_weights
 
 log = logging.getLogger("h3serve.dit")
@@ -101,17 +102,33 @@ class DiTEngine:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         profile: str = "base",
-        adapter=None,
+        adapter: str | Path | None = None,
+        adapter_sha256: str | None = None,
         levers: Levers = Levers(),
+        offload: bool = True,
     ) -> "DiTEngine":
-        """Build each partition on the meta device and stream its weights in; the adapter (FastH3) is fused tensor
-        by tensor before the cast, i.e. before any later sharding sees the weights. `levers`: FP8 linears are made
-        here, FP8 attention is chosen here; offload is `apply_offload` (after any cross-rank weight check)."""
+        """Build each partition on the meta device and stream its weights in; the adapter file (profile fasth3,
+        checked against its sha256) is fused tensor by tensor before the cast, i.e. before any later sharding sees
+        the weights, and closed on every path. `levers`: FP8 linears are made here, FP8 attention is chosen here,
+        offload applied here unless `offload=False` (USP: after the cross-rank weight check, `apply_offload`)."""
         device = torch.device(device)
         conflict = lever_conflict(profile, levers, names=CLI_NAMES)
         if conflict is not None:
             raise ProfileError(conflict)
         levers.check()
+        fused = Adapter.open(adapter, adapter_sha256) if profile == "fasth3" else None
+        try:
+            engine = cls._load(checkpoint, components, dtype, device, profile, fused, levers)
+        finally:
+            if fused is not None:
+                fused.close()
+        if offload:
+            engine.apply_offload(levers)
+        return engine
+
+    @classmethod
+    def _load(cls, checkpoint, components: Sequence[str], dtype: torch.dtype, device: torch.device, profile: str,
+              adapter: Adapter | None, levers: Levers) -> "DiTEngine":
         folder = checked_folder(checkpoint, components)  # refuses what we cannot serve, before any weight
         shifts = flow_shifts(folder)
         models = {}

@@ -35,7 +35,6 @@ from h3serve.config.levers import Levers
 from h3serve.config.parallel import ParallelDegrees
 from h3serve.distributed.proxies import DiTEngineProxy
 from h3serve.distributed.world import Runtime, check_identical, weights_digest
-from h3serve.weights.adapter import Adapter
 
 from .engine import DiTEngine
 from .kernels import HALF_DTYPES, chosen_attention, fa3_attention_with_lse, fp8_attention_with_lse
@@ -304,13 +303,8 @@ def load_usp_engine(runtime: Runtime, usp: USPGroups, checkpoint: str, *, compon
                     profile: str, adapter: str | None, adapter_sha256: str | None, levers: Levers = Levers()):
     """This DiT rank's engine: weights streamed (FastH3: the adapter fused into them, before any sharding), checked
     identical on every rank of the DiT group by digest, then each model wrapped in the USP plan."""
-    fused = Adapter.open(adapter, adapter_sha256) if profile == "fasth3" else None
-    try:
-        engine = DiTEngine.load(checkpoint, components=components, dtype=dtype, device=runtime.device,
-                                profile=profile, adapter=fused, levers=levers)
-    finally:
-        if fused is not None:
-            fused.close()
+    engine = DiTEngine.load(checkpoint, components=components, dtype=dtype, device=runtime.device, profile=profile,
+                            adapter=adapter, adapter_sha256=adapter_sha256, levers=levers, offload=False)
     for name, model in sorted(engine.models.items()):
         check_identical(runtime, weights_digest(model.state_dict().items()), f"DiT {name} weights",
                         control=usp.control)
@@ -323,7 +317,7 @@ def load_usp_engine(runtime: Runtime, usp: USPGroups, checkpoint: str, *, compon
 # What every rank of a world with a DiT stage runs
 
 
-def build_dit_rank(runtime: Runtime, checkpoint: str, dtype: torch.dtype, components: Sequence[str], profile: str,
+def build_dit_rank(runtime: Runtime, *, checkpoint: str, dtype: torch.dtype, components: Sequence[str], profile: str,
                    adapter: str | None, adapter_sha256: str | None, ulysses: int, ring: int,
                  levers: Levers = Levers()) -> Callable[[], dict]:
     """Create the USP groups over ranks [0, ulysses x ring) now (every rank of the world calls this, in the same

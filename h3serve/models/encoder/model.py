@@ -25,6 +25,7 @@ from torch import nn
 from h3serve.config.vocab import ENCODER_LAYERS, TASKS
 from h3serve.errors import CheckpointError
 from h3serve.models.checkpoint import checked_folder
+from h3serve.models.encoder.fp8 import quantize_text_decoder
 from h3serve.models.offload import offload_layers
 from h3serve.weights.load import iter_tensors
 
@@ -159,6 +160,17 @@ class TextEncoder:
         """Layerwise offload of the text decoder (lever --encoder-resident-layers): `resident_layers` slots on the
         device, the other layers streamed from pinned host memory one ahead; embeddings and vision tower stay."""
         return offload_layers(self.model.language_model.layers, resident_layers, self.device)
+
+    def apply_levers(self, *, fp8: bool = False, resident_layers: int | None = None,
+                     row_parallel: tuple[type, ...] = ()) -> "TextEncoder":
+        """The encoder's levers on the loaded (and, with TP, sharded: `row_parallel` names its row-shard class, each
+        rank quantizes and streams its own shards) model: the decoder's projections in FP8 (--fp8), then layerwise
+        offload (--encoder-resident-layers)."""
+        if fp8:
+            quantize_text_decoder(self.model, row_parallel=row_parallel)
+        if resident_layers is not None:
+            self.offload(resident_layers)
+        return self
 
     @property
     def num_layers(self) -> int:

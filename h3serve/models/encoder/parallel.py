@@ -30,7 +30,6 @@ from h3serve.config.parallel import ParallelDegrees
 from h3serve.distributed.proxies import EncoderProxy
 from h3serve.distributed.world import Runtime
 
-from .fp8 import quantize_text_decoder
 from .model import TextEncoder
 
 __all__ = ["ENCODER_TP_PLAN", "RowParallelLinear", "parallelize_text_decoder", "parallelize_encoder"]
@@ -115,7 +114,7 @@ def parallelize_encoder(encoder, group, rank: int, tp: int):
 # What every rank of a world with an encoder stage runs
 
 
-def build_encoder_rank(runtime: Runtime, checkpoint: str, dtype: torch.dtype, tp: int,
+def build_encoder_rank(runtime: Runtime, *, checkpoint: str, dtype: torch.dtype, tp: int,
                        fp8: bool = False, resident_layers: int | None = None) -> Callable[[], dict]:
     """Create the TP group over ranks [0, tp) now (every rank of the world calls this, in the same order) and return
     the load: the sharded encoder on the group's members, then the ops for `EncoderProxy`: ENCODE (prompt, images,
@@ -129,10 +128,7 @@ def build_encoder_rank(runtime: Runtime, checkpoint: str, dtype: torch.dtype, tp
         if runtime.rank < tp:
             encoder = parallelize_encoder(TextEncoder.load(checkpoint, dtype=dtype, device=runtime.device), group,
                                           runtime.rank, tp)
-            if fp8:  # after the sharding: each rank quantizes its own shards
-                quantize_text_decoder(encoder.model, row_parallel=(RowParallelLinear,))
-            if resident_layers is not None:  # each rank streams its own shards of the streamed layers
-                encoder.offload(resident_layers)
+            encoder.apply_levers(fp8=fp8, resident_layers=resident_layers, row_parallel=(RowParallelLinear,))
 
         def encode(payload, local):
             if encoder is None:

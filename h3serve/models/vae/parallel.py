@@ -107,7 +107,7 @@ class PatchParallelVAE:
 # What every rank of a world with a VAE stage runs
 
 
-def build_vae_rank(runtime: Runtime, checkpoint: str, dtype: torch.dtype, pp: int,
+def build_vae_rank(runtime: Runtime, *, checkpoint: str, dtype: torch.dtype, pp: int,
                    staged: bool = False) -> Callable[[], dict]:
     """Create the patch-parallel group over ranks [0, pp) now (every rank of the world calls this, in the same
     order) and return the load: the video VAE on the group's members (tile-parallel when pp > 1), then the ops for

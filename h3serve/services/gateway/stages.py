@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from typing import Callable
 
 import grpc
@@ -64,17 +65,16 @@ class StageClients:
         if config.fasth3_dit and config.profile != "fasth3":   # a FastH3 DiT pool beside the base one
             self.addresses[FASTH3_DIT] = config.fasth3_dit
         self.tls = Tls.of(config)   # mTLS to the stages when configured
-        self.channels = {s: balanced_channel(a, self.tls) for s, a in self.addresses.items()}
+        self.profile = config.profile
+        self.channels: dict[str, grpc.Channel] = {}
+        self.dits: dict[str, dit_pb2_grpc.DiTStub] = {}   # the DiT pool per profile (the FastH3 one when configured)
+        for s in self.addresses:
+            self._bind(s)
         # the health monitor's own channels: its Checks must not advance the request channels' round robin
         self._health_channels = {s: balanced_channel(a, self.tls) for s, a in self.addresses.items()}
-        self.encoder = encoder_pb2_grpc.EncoderStub(self.channels["encoder"])
-        self.dit = dit_pb2_grpc.DiTStub(self.channels["dit"])
-        # the DiT pool per profile: the deployment's own, and the FastH3 pool when configured
-        self.dits = {config.profile: self.dit}
-        if FASTH3_DIT in self.channels:
-            self.dits["fasth3"] = dit_pb2_grpc.DiTStub(self.channels[FASTH3_DIT])
-        self.vae = vae_pb2_grpc.VAEStub(self.channels["vae"])
-        self.muxer = muxer_pb2_grpc.MuxerStub(self.channels["muxer"])
+        # request channels replaced while calls may still run on them: closed once no call can (its deadline)
+        self._retired: list[tuple[float, grpc.Channel]] = []
+        self._retire_after_s = config.request_timeout_s + 60.0
         self._extra: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
         self.status = {s: "UNKNOWN" for s in self.addresses}
@@ -84,6 +84,38 @@ class StageClients:
 
     def start(self) -> None:
         self._thread.start()
+
+    def _bind(self, stage: str) -> None:
+        """A new request channel to `stage` and its stub (the calls read the stubs at call time)."""
+        channel = self.channels[stage] = balanced_channel(self.addresses[stage], self.tls)
+        if stage == "encoder":
+            self.encoder = encoder_pb2_grpc.EncoderStub(channel)
+        elif stage in ("dit", FASTH3_DIT):
+            stub = self.dits[self.profile if stage == "dit" else "fasth3"] = dit_pb2_grpc.DiTStub(channel)
+            if stage == "dit":
+                self.dit = stub
+        elif stage == "vae":
+            self.vae = vae_pb2_grpc.VAEStub(channel)
+        elif stage == "muxer":
+            self.muxer = muxer_pb2_grpc.MuxerStub(channel)
+
+    def _renew(self, stage: str) -> None:
+        """A stage that was not SERVING is again (its replicas replaced): a fresh request channel. The old one,
+        idle meanwhile, may still hold only the gone replicas' addresses (it re-resolves only once its connect to
+        them fails, and a vanished pod IP answers nothing), while the health channel already reaches the new ones;
+        found on the real cluster: the first job after a DiT pod was replaced failed. Calls still running on the
+        old one (a replica draining) keep it until their deadline."""
+        with self._lock:
+            self._retired.append((time.monotonic() + self._retire_after_s, self.channels[stage]))
+            self._bind(stage)
+
+    def _close_retired(self, everything: bool = False) -> None:
+        with self._lock:
+            now = time.monotonic()
+            done = [c for t, c in self._retired if everything or t <= now]
+            self._retired = [(t, c) for t, c in self._retired if not (everything or t <= now)]
+        for c in done:
+            c.close()
 
     def reachable(self, stage: str, address: str) -> str:
         """The address to give peers for a stage replica: the one it reported, else the configured one."""
@@ -120,16 +152,20 @@ class StageClients:
                     value = UNREACHABLE if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else UNAVAILABLE
                 if self.status[stage] != value:
                     log.info("stage %s: %s -> %s", stage, self.status[stage], value)
+                    if value == "SERVING" and self.status[stage] != "UNKNOWN":
+                        self._renew(stage)
                     self.status[stage] = value
                     changed = True
             if changed:
                 self.on_change()
+            self._close_retired()
             self._stop.wait(HEALTH_INTERVAL_S)
 
     def close(self) -> None:
         self._stop.set()
         if self._thread.is_alive():   # its Check (1 s deadline) ends before the channels close under it
             self._thread.join(HEALTH_INTERVAL_S + 2.0)
+        self._close_retired(everything=True)
         for c in [*self.channels.values(), *self._health_channels.values(), *self._extra.values()]:
             c.close()
 

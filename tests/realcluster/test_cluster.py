@@ -388,6 +388,18 @@ def wait_all_ready(cluster, dep, timeout: float = 600) -> None:
     raise AssertionError(f"{dep['name']} not Ready again after {timeout}s")
 
 
+def wait_degraded(cluster, name: str, reason: str, timeout: float = 120) -> dict:
+    """The H3Deployment's Degraded condition, once its reason is `reason` (asserted within `timeout`)."""
+    deadline, degraded = time.monotonic() + timeout, {}
+    while time.monotonic() < deadline and degraded.get("reason") != reason:
+        conds = json.loads(cluster.kubectl("get", "h3d", name, "-n", APPS_NS, "-o", "json").stdout).get(
+            "status", {}).get("conditions", [])
+        degraded = next((c for c in conds if c["type"] == "Degraded"), {})
+        time.sleep(1)
+    assert degraded.get("reason") == reason, degraded
+    return degraded
+
+
 def wait_busy(cluster, dep, stage: str = "dit", timeout: float = 120) -> None:
     """Until `stage` reports a job in flight (its /metrics, scraped inside the node as Prometheus would). The VAE and
     the muxer join a job only once the DiT is done (the gateway relays the latents)."""
@@ -555,13 +567,7 @@ def test_a_quota_that_refuses_a_new_dit_pod_is_degraded_naming_it_while_the_rest
                      "spec": {"hard": {"pods": str(len(running))}}}])
     try:
         cluster.kubectl("scale", "h3d", name, "-n", APPS_NS, "--replicas=2")
-        deadline, degraded = time.monotonic() + 120, {}
-        while time.monotonic() < deadline and degraded.get("reason") != "PodCreationFailed":
-            conds = json.loads(cluster.kubectl("get", "h3d", name, "-n", APPS_NS, "-o", "json").stdout).get(
-                "status", {}).get("conditions", [])
-            degraded = next((c for c in conds if c["type"] == "Degraded"), {})
-            time.sleep(1)
-        assert degraded.get("reason") == "PodCreationFailed", degraded
+        degraded = wait_degraded(cluster, name, "PodCreationFailed")
         assert "exceeded quota" in degraded["message"] and quota in degraded["message"], degraded
         out = cluster.run / "under-quota.mp4"
         code, so, se = finish(tls_generate(cluster, disaggregated, out))
@@ -879,13 +885,7 @@ def test_a_quota_that_refuses_a_third_gang_is_degraded_naming_its_statefulset(cl
     try:
         cluster.kubectl("patch", "h3d", GANG, "-n", APPS_NS, "--type=merge", "-p",
                         json.dumps({"spec": {"dit": {"replicas": 3}}}))
-        deadline, degraded = time.monotonic() + 120, {}
-        while time.monotonic() < deadline and degraded.get("reason") != "PodCreationFailed":
-            conds = json.loads(cluster.kubectl("get", "h3d", GANG, "-n", APPS_NS, "-o", "json").stdout).get(
-                "status", {}).get("conditions", [])
-            degraded = next((c for c in conds if c["type"] == "Degraded"), {})
-            time.sleep(1)
-        assert degraded.get("reason") == "PodCreationFailed", degraded
+        degraded = wait_degraded(cluster, GANG, "PodCreationFailed")
         msg = degraded["message"]
         assert msg.startswith(f"StatefulSet/{third}:") and "exceeded quota" in msg and quota in msg, msg
         out = cluster.run / "gangs-under-quota.mp4"

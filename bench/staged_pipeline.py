@@ -43,7 +43,7 @@ from h3serve.models.dit.engine import DiTEngine  # noqa: E402
 from h3serve.models.encoder.model import ATTENTION, ENCODER_LAYERS, TextEncoder  # noqa: E402
 from h3serve.models.vae.audio import AudioVAE  # noqa: E402
 from h3serve.models.vae.video import VideoVAE  # noqa: E402
-from h3serve.pipeline import Pipeline, apply_stage_levers  # noqa: E402
+from h3serve.pipeline import Pipeline  # noqa: E402
 from h3serve.testing import presets  # noqa: E402
 from h3serve.testing.modules import random_video_vae  # noqa: E402
 from h3serve.testing.tiny import build_tokenizer  # noqa: E402
@@ -176,7 +176,9 @@ def main() -> None:
     host_before = host_available_gib()
     t0 = time.perf_counter()
     pipe.dit.apply_offload(levers)
-    apply_stage_levers(levers, pipe.encoder, pipe.video_vae, pipe.audio_vae)
+    pipe.encoder.apply_levers(fp8=levers.fp8, resident_layers=levers.encoder_resident_layers)
+    pipe.video_vae.stage()   # the same models staged after the resident run (a fresh load would pass staged=True)
+    pipe.audio_vae.stage()
     staging_s = time.perf_counter() - t0
     cap = None
     if device.type == "cuda":

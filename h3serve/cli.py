@@ -10,19 +10,21 @@ of the faces; none of them dodges a cycle).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
 import sys
 import time
+import typing
 
+from h3serve.config.codec import unwrap_optional
 from h3serve.config.levers import CLI_NAMES, LeverError, Levers, check_combination, staging_conflict
+from h3serve.config.levers import add_flags as add_lever_flags, from_args as lever_flags
 from h3serve.config.parallel import ParallelDegrees
 from h3serve.config.request import FIELD_TYPES, REQUEST_FIELDS
-from h3serve.config.stage import API_KEY_ENV, API_KEYS_ENV, StageConfig
-from h3serve.config.vocab import (DEFAULT_DTYPE, DIT_LAYERS, ENCODER_LAYERS, EXIT_USER_ERROR, GRPC_PORT,
-                                  HTTP_PORT, MIN_RESIDENT_BLOCKS,
-                                  MODEL_STAGES, OFFLOAD_MODES, TRANSPORTS)
+from h3serve.config.stage import API_KEY_ENV, StageConfig
+from h3serve.config.vocab import DEFAULT_DTYPE, EXIT_USER_ERROR
 from h3serve.errors import H3Error
 
 EXIT_INTERNAL = 3
@@ -42,11 +44,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help=f"with --server: the caller's API key (default ${API_KEY_ENV})")
     _add_request_flags(p, media=False)
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when present)")
-    for flag, what in (("--encoder-tp", "text encoder tensor-parallel degree"),
-                       ("--ulysses", "DiT Ulysses degree (divides the DiT's heads)"),
-                       ("--ring", "DiT Ring degree (ulysses x ring = DiT ranks)"),
-                       ("--vae-pp", "VAE patch-parallel degree (1 or ulysses x ring)")):
-        p.add_argument(flag, type=int, default=1, help=f"{what}; >1 starts one process per rank (default 1)")
+    _degree_flags(p, "starts one process per rank")
     p.add_argument("--adapter", default=None, help="FastH3 adapter (fastvideo-lora-v2 safetensors)")
     p.add_argument("--adapter-sha256", default=None, help="expected sha256 of --adapter (required with it)")
     p.add_argument("--checkpoint-manifest-sha256", default=None, metavar="HEX",
@@ -55,7 +53,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the result as one JSON line")
     p.add_argument("-o", "--output", required=True, help="MP4 path to write")
-    _add_levers(p)
+    add_lever_flags(p)
     p.set_defaults(func=_cmd_generate)
 
 
@@ -227,146 +225,42 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_serve)
 
 
-def _on_off(text: str) -> bool:
-    value = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False}.get(str(text).lower())
-    if value is None:
-        raise argparse.ArgumentTypeError(f"{text!r} must be on or off")
-    return value
-
-
 def _serve_arguments(p: argparse.ArgumentParser) -> None:
-    """`h3serve serve`'s flags; each --NAME fills StageConfig.NAME (defaults shown are StageConfig's)."""
-    d = StageConfig()
-    p.add_argument("--checkpoint", default=None, help="diffusers-format H3 folder (encoder, dit, vae stages)")
+    """`h3serve serve`'s flags: one a StageConfig field (its `knob` metadata; --NAME fills StageConfig.NAME), the
+    degrees, the levers (their table), and the launcher's own."""
     p.add_argument("--stages", default="all", help="all, or a comma list of encoder,dit,vae,muxer,gateway")
-    p.add_argument("--port", type=int, default=GRPC_PORT,
-                   help="gRPC port: of the one stage, or of the gateway with stages at +1..+4 (0: free ports)")
-    p.add_argument("--http-port", type=int, default=None,
-                   help=f"HTTP API port of the gateway (0: a free port; default {HTTP_PORT} with the gateway, else none)")
-    p.add_argument("--host", default=d.host, help="bind address (default loopback)")
-    p.add_argument("--http-host", default=d.http_host)
-    p.add_argument("--http-max-connections", type=int, default=d.http_max_connections,
-                   help="gateway: HTTP connections held at once (more are answered 503 and closed)")
-    p.add_argument("--http-header-timeout-s", type=float, default=d.http_header_timeout_s,
-                   help="gateway: seconds a request's HTTP headers may take to arrive (then 408, closed)")
-    p.add_argument("--http-body-timeout-s", type=float, default=d.http_body_timeout_s,
-                   help="gateway: seconds a request body may go without a byte (then the connection is closed)")
-    p.add_argument("--decode-workers", type=int, default=d.decode_workers,
-                   help="gateway: threads that decode uploaded images and audio (a pool of their own)")
-    p.add_argument("--decode-per-caller", type=int, default=d.decode_per_caller,
-                   help="gateway: of those, how many one caller's uploads may use at once")
-    p.add_argument("--advertise", default=None, help="address peers use to reach this stage (default host:port)")
-    p.add_argument("--profile", default=d.profile, help="base | fasth3")
-    p.add_argument("--adapter", default=None, help="FastH3 adapter (profile fasth3)")
-    p.add_argument("--adapter-sha256", default=None)
-    p.add_argument("--checkpoint-manifest-sha256", default=None, metavar="HEX",
-                   help="pin: the sha256 of the checkpoint's h3serve-manifest.json (h3serve checkpoint manifest); "
-                        "each model stage checks the files it loads before loading")
-    p.add_argument("--dtype", default=d.dtype, help="fp32 | bf16")
-    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N")
-    p.add_argument("--threads", type=int, default=d.threads, help="torch threads per stage engine (0: default)")
-    p.add_argument("--grace-s", type=float, default=d.grace_s, help="SIGTERM: seconds to finish in-flight work")
-    p.add_argument("--no-warmup", action="store_true", help="skip the warm-up request before SERVING")
+    hints = typing.get_type_hints(StageConfig)
+    for fl in dataclasses.fields(StageConfig):
+        md = fl.metadata
+        if md["flag"] is None:
+            continue
+        flag = md["flag"] or "--" + fl.name.replace("_", "-")
+        kind, _ = unwrap_optional(hints[fl.name])
+        if kind is bool:   # a switch: on, or off where the field defaults to on (--no-warmup)
+            p.add_argument(flag, dest=fl.name, action="store_false" if fl.default else "store_true", help=md["help"])
+            continue
+        default = os.environ.get(md["env"]) if md["env"] else md["cli_default"] or fl.default
+        p.add_argument(flag, dest=fl.name, type=None if kind is str else kind, default=default,
+                       metavar=md["metavar"], choices=md["choices"], help=md["help"])
+    _degree_flags(p, "runs that stage as one process per rank, rank 0 serving gRPC")
+    p.add_argument("--start-timeout", type=float, default=600.0, help="launcher: seconds to wait for health")
+    p.add_argument("--no-restart", action="store_true", help="launcher: stop everything when a stage dies")
+    p.add_argument("--json", action="store_true", help="launcher: print endpoints and events as JSON lines")
+    add_lever_flags(p)
+
+
+def _degree_flags(p: argparse.ArgumentParser, more: str) -> None:
+    """The parallel degrees (ParallelDegrees' fields); `more`: what a degree above 1 does here."""
     for flag, what in (("--encoder-tp", "encoder tensor-parallel degree"),
                        ("--ulysses", "DiT Ulysses degree (divides the DiT's heads)"),
                        ("--ring", "DiT Ring degree (ulysses x ring = DiT ranks)"),
                        ("--vae-pp", "VAE patch-parallel degree (1 or ulysses x ring)")):
-        p.add_argument(flag, type=int, default=1,
-                       help=f"{what}; >1 runs that stage as one process per rank, rank 0 serving gRPC (default 1)")
-    for s in MODEL_STAGES + ("muxer",):
-        p.add_argument(f"--{s}", default=None, metavar="HOST:PORT", help=f"gateway: address of the {s} stage")
-    p.add_argument("--queue-size", type=int, default=d.queue_size, help="gateway: requests that may wait")
-    p.add_argument("--max-inflight", type=int, default=d.max_inflight, help="gateway: requests run at once")
-    p.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s,
-                   help="gateway: deadline of a request whose caller set none")
-    p.add_argument("--jobs-dir", default=None,
-                   help="gateway: HTTP jobs (records and MP4s) kept in this directory across restarts; with "
-                        "--job-store, where MP4s are spooled (default: a temp dir, removed at exit)")
-    p.add_argument("--job-store", default=None, metavar="s3://BUCKET/PREFIX",
-                   help="gateway: HTTP jobs in an S3 bucket shared by every replica (endpoint and credentials: "
-                        "AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION)")
-    p.add_argument("--job-ttl-s", type=float, default=d.job_ttl_s, help="gateway: finished jobs kept this long")
-    p.add_argument("--max-jobs", type=int, default=d.max_jobs, help="gateway: finished jobs kept at most")
-    p.add_argument("--api-keys-file", default=os.environ.get(API_KEYS_ENV), metavar="FILE",
-                   help=f"gateway: callers' API keys, one 'NAME sha256:HEX' a line, re-read when it changes "
-                        f"(default ${API_KEYS_ENV}; see docs/security.md)")
-    p.add_argument("--tls-cert", default=None, metavar="PEM",
-                   help="this process's certificate: TLS on its gRPC server (and the gateway's HTTPS); plaintext "
-                        "is then refused")
-    p.add_argument("--tls-key", default=None, metavar="PEM", help="the key of --tls-cert")
-    p.add_argument("--tls-ca", default=None, metavar="PEM",
-                   help="the deployment's CA: stages require peer certificates it signed (mTLS) and verify theirs")
-    p.add_argument("--tls-peer-name", default=None, metavar="NAME",
-                   help="the name checked in a peer's certificate instead of the host dialled (pods dialled by IP)")
-    p.add_argument("--peers", default=None, metavar="LIST",
-                   help="what a stage may dial when a request names an address: IP:PORT, NAME:PORT (an IP the name "
-                        "resolves to, that port) or NET/LEN, comma separated (the launcher and the operator set it; "
-                        "unset: any)")
-    p.add_argument("--no-auth", action="store_true",
-                   help="gateway: serve without API keys even on a non-loopback address (without keys the "
-                        "gateway otherwise listens on loopback only)")
-    p.add_argument("--no-peer-auth", action="store_true",
-                   help="encoder, dit, vae, muxer: listen on a non-loopback address without mTLS (only where a "
-                        "network policy fences the port; otherwise give --tls-cert, --tls-key and --tls-ca)")
-    p.add_argument("--max-sync-bytes", type=int, default=d.max_sync_bytes,
-                   help="gateway: largest MP4 GenerateSync returns in one message")
-    p.add_argument("--transport", default=d.transport, choices=TRANSPORTS,
-                   help="VAE -> muxer frame transport: grpc, or nixl (falls back to grpc with a warning when NIXL "
-                        "cannot be loaded or the peers cannot connect)")
-    p.add_argument("--model-name", default=None, help="gateway: model id reported and accepted in requests")
-    p.add_argument("--fasth3-dit", default=None, metavar="HOST:PORT",
-                   help="gateway of a base deployment: a FastH3 DiT pool (profile fasth3), used for model FastH3")
-    p.add_argument("--fasth3-adapter", default=None,
-                   help="launcher of a base deployment: also run a FastH3 DiT pool with this adapter on this host")
-    p.add_argument("--fasth3-adapter-sha256", default=None)
-    p.add_argument("--tasks", default=d.tasks,
-                   help="tasks served: a comma list of t2va, fl2va, ref2va (ref2va: the DiT also loads "
-                        "transformer_ref/, as large as transformer/)")
-    p.add_argument("--encoder-cache-bytes", type=int, default=d.encoder_cache_bytes,
-                   help="encoder: bytes of encodings cached for repeated prompts / references (0: off)")
-    p.add_argument("--frame-format", default=d.frame_format, choices=("yuv420p", "rgb24"),
-                   help="vae: frames to the muxer as yuv420p planes made on the device, or rgb24")
-    p.add_argument("--mux-threads", type=int, default=d.mux_threads, help="muxer: x264 threads (fixed)")
-    p.add_argument("--crf", type=int, default=d.crf)
-    p.add_argument("--preset", default=d.preset)
-    p.add_argument("--session-ttl-s", type=float, default=d.session_ttl_s,
-                   help="muxer: an unfetched session is dropped after this long")
-    p.add_argument("--max-session-ttl-s", type=float, default=d.max_session_ttl_s,
-                   help="muxer: the largest TTL a session may ask for")
-    p.add_argument("--max-sessions", type=int, default=d.max_sessions,
-                   help="muxer: sessions held at once (more are refused as RESOURCE_EXHAUSTED)")
-    p.add_argument("--max-sessions-per-peer", type=int, default=d.max_sessions_per_peer,
-                   help="muxer: sessions one caller (by its address: a gateway replica) holds at once")
-    p.add_argument("--tmp-dir", default=None, help="muxer: where MP4s are assembled")
-    p.add_argument("--start-timeout", type=float, default=600.0, help="launcher: seconds to wait for health")
-    p.add_argument("--no-restart", action="store_true", help="launcher: stop everything when a stage dies")
-    p.add_argument("--json", action="store_true", help="launcher: print endpoints and events as JSON lines")
-    _add_levers(p)
-
-
-def _add_levers(p: argparse.ArgumentParser) -> None:
-    """The capacity and speed levers (config/levers.py): the same flags for `serve` and the embedded `generate`."""
-    d = StageConfig()
-    p.add_argument("--dit-resident-blocks", type=int, default=None, metavar="R",
-                   help=f"dit: layerwise offload, R DiT blocks on the GPU ({MIN_RESIDENT_BLOCKS}..{DIT_LAYERS}), the "
-                        "rest streamed from pinned host memory (default: all resident)")
-    p.add_argument("--dit-offload-mode", default=d.dit_offload_mode, choices=OFFLOAD_MODES,
-                   help="dit: with several ranks, each pins the whole host copy (local) or a shard (allgather)")
-    p.add_argument("--encoder-resident-layers", type=int, default=None, metavar="R",
-                   help=f"encoder: layerwise offload, R text decoder layers on the GPU ({MIN_RESIDENT_BLOCKS}.."
-                        f"{ENCODER_LAYERS}), the rest streamed from pinned host memory (default: all resident)")
-    p.add_argument("--vae-staged", type=_on_off, default=d.vae_staged, metavar="on|off",
-                   help="vae: both VAEs in pinned host memory, copied to the GPU for each request (default off)")
-    p.add_argument("--fp8", type=_on_off, default=d.fp8, metavar="on|off",
-                   help="dit, encoder: FP8 linear layers in the DiT blocks and the text decoder (lossy; default off)")
-    p.add_argument("--fp8-attention", type=_on_off, default=d.fp8_attention, metavar="on|off",
-                   help="dit: FP8 attention, FlashAttention-3's FP8 forward (lossy; default off)")
+        p.add_argument(flag, type=int, default=1, help=f"{what}; >1 {more} (default 1)")
 
 
 def _levers(args: argparse.Namespace) -> Levers:
     """The levers the flags ask for, checked (range, the combination rule, the VAE's degree) before anything loads."""
-    levers = Levers(args.dit_resident_blocks, args.dit_offload_mode, args.fp8, args.fp8_attention,
-                    args.encoder_resident_layers, args.vae_staged).check()
+    levers = lever_flags(args).check()
     check_combination(args.profile, levers, names=CLI_NAMES)
     conflict = staging_conflict(levers, args.vae_pp)
     if conflict is not None:

@@ -190,9 +190,8 @@ class Pipeline:
             handle = launch(degrees.world_size, _replica_rank, (str(root), torch_dtype, components, profile, adapter,
                             adapter_sha256, degrees, levers), device=dev.type)
             try:
-                audio_vae = AudioVAE.load(root, dtype=torch.float32, device=handle.runtime.device)  # rank 0 only
-                if levers.vae_staged:
-                    audio_vae.stage()
+                audio_vae = AudioVAE.load(root, dtype=torch.float32, device=handle.runtime.device,  # rank 0 only
+                                          staged=levers.vae_staged)
             except BaseException:
                 handle.close()
                 raise
@@ -202,10 +201,10 @@ class Pipeline:
 
         dit = DiTEngine.load(root, components=components, dtype=torch_dtype, device=dev, profile=profile,
                              adapter=adapter, adapter_sha256=adapter_sha256, levers=levers)
-        encoder = TextEncoder.load(root, dtype=torch_dtype, device=dev)
-        video_vae = VideoVAE.load(root, dtype=torch_dtype, device=dev)
-        audio_vae = AudioVAE.load(root, dtype=torch.float32, device=dev)
-        apply_stage_levers(levers, encoder, video_vae, audio_vae)
+        encoder = TextEncoder.load(root, dtype=torch_dtype, device=dev).apply_levers(
+            fp8=levers.fp8, resident_layers=levers.encoder_resident_layers)
+        video_vae = VideoVAE.load(root, dtype=torch_dtype, device=dev, staged=levers.vae_staged)
+        audio_vae = AudioVAE.load(root, dtype=torch.float32, device=dev, staged=levers.vae_staged)
         _sync(dev)
         return cls(checkpoint=root, profile=profile, dtype=dtype, device=dev, encoder=encoder, dit=dit,
                    video_vae=video_vae, audio_vae=audio_vae, load_seconds=time.perf_counter() - t0)
@@ -344,14 +343,6 @@ class Pipeline:
 
 
 # -- parallel degrees: what every rank builds ------------------------------------------------------------------------
-
-
-def apply_stage_levers(levers: Levers, encoder, video_vae, audio_vae) -> None:
-    """The encoder's and the VAEs' levers on loaded models (the DiT's are applied by DiTEngine)."""
-    encoder.apply_levers(fp8=levers.fp8, resident_layers=levers.encoder_resident_layers)
-    if levers.vae_staged:
-        video_vae.stage()
-        audio_vae.stage()
 
 
 def _replica_rank(runtime, checkpoint: str, dtype: torch.dtype, components: Sequence[str], profile: str,

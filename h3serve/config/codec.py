@@ -111,3 +111,10 @@ def dump(obj: Any) -> Any:
     if isinstance(obj, list):
         return [dump(v) for v in obj]
     return obj
+
+
+def at_path(obj: Any, path: str) -> Any:
+    """The value of a typed config at a dotted camelCase path (`dit.levers.residentBlocks`)."""
+    for part in path.split("."):
+        obj = getattr(obj, next(fl.name for fl in dataclasses.fields(obj) if fl.metadata["json"] == part))
+    return obj

@@ -1,22 +1,31 @@
-"""The capacity and speed levers and their one combination rule, written once.
+"""The capacity and speed levers: one table, and their one combination rule.
 
-Levers of a deployment (CLI `h3serve serve` / `generate` flags, the CRD's `dit.levers`, `encoder.levers`,
-`vae.levers`): DiT layerwise offload (a window of `resident_blocks` DiT blocks on the device, the rest streamed from
-pinned host memory, `offload_mode` with several ranks), the text decoder's layerwise offload
+Each lever is one field of `Levers`, declared with `lever(...)`: its flag on `h3serve serve` / `generate`, its path
+in the CRD, how a request-time message spells it, the stages that read it, its bounds or choices, whether it changes
+outputs (lossy) and whether profile fasth3 may use it. Everything else reads the table: the CLI's flags
+(`add_flags`, `from_args`), the CRD's lever objects (`levers_spec_class`, used by config/spec.py), what a stage gets from a
+mounted ServiceConfig (`stage_levers`), the range checks (`Levers.check`), the FastH3 rule and its message in each
+spelling (`LEVERS_MESSAGE`, `CLI_NAMES`, `SPEC_NAMES`, `REQUEST_NAMES`) and the CRD's CEL rule (config/rules.py).
+
+The levers today: DiT layerwise offload (a window of `resident_blocks` DiT blocks on the device, the rest streamed
+from pinned host memory; `offload_mode` with several ranks), the text decoder's layerwise offload
 (`encoder_resident_layers`), VAE staging (`vae_staged`: both VAEs in pinned host memory, on the device only for the
 request that decodes), FP8 linear layers (the DiT blocks and the text decoder), FP8 attention. Lever of a request:
 `quality` (`high` = step reuse). Every lever is off by default; offload and staging change no output.
 
 The rule: profile fasth3 takes none of them (the published work has not certified the student with offload, caching
-or quantization). `LEVERS_MESSAGE` is its one message; each surface fills in its own spelling of the fields
-(`CLI_NAMES`, `SPEC_NAMES`, `REQUEST_NAMES`), so the CLI, the request validation, the engine and the CRD's CEL rule
-say the same sentence.
+or quantization); a row with `fasth3=True` is one a FastH3 deployment may use.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Any
 
+from h3serve.config.codec import at_path, f
 from h3serve.errors import H3Error
 from h3serve.config.vocab import (
     DEFAULT_QUALITY,
@@ -26,18 +35,110 @@ from h3serve.config.vocab import (
     OFFLOAD_MODES,
 )
 
-LEVERS_MESSAGE = ("profile fasth3 takes no {offload}, {encoder_offload}, {vae_staged}, {fp8}, {fp8_attention} or "
-                  "{quality}=high: offload, staging, FP8 and step reuse are certified for profile base only")
+
+def on_off(text: str) -> bool:
+    """A lever's on|off flag value."""
+    value = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False}.get(str(text).lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"{text!r} must be on or off")
+    return value
+
+
+def lever(default: Any, *, flag: str, spec: str, request: str, stages: tuple[str, ...], help: str, doc: str,
+          bounds: tuple[int, int] | None = None, choices: tuple[str, ...] | None = None, lossy: bool = False,
+          fasth3: bool = False, setting_of: str | None = None, why: str = "", of: str = "") -> Any:
+    """One row of the lever table (see the module docstring); `setting_of`: not a lever alone but a setting of that
+    one (it turns nothing on); `why` and `of`: what the bounds stand for, said when a value is refused."""
+    return field(default=default, metadata=dict(
+        flag=flag, spec=spec, request=request, stages=stages, help=help, doc=doc, bounds=bounds, choices=choices,
+        lossy=lossy, fasth3=fasth3, setting_of=setting_of, why=why, of=of))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Levers:
+    """The levers of one deployment; every one off by default. Its fields are the lever table."""
+
+    resident_blocks: int | None = lever(
+        None, flag="--dit-resident-blocks", spec="dit.levers.residentBlocks", request="resident_blocks",
+        stages=("dit",), bounds=(MIN_RESIDENT_BLOCKS, DIT_LAYERS), why="a copy one block ahead needs two slots", of="DiT layers",
+        help=f"dit: layerwise offload, R DiT blocks on the GPU ({MIN_RESIDENT_BLOCKS}..{DIT_LAYERS}), the rest "
+             "streamed from pinned host memory (default: all resident)",
+        doc="Layerwise offload: DiT blocks kept on each GPU (the rest stream from pinned host memory one block ahead "
+            f"of the compute); unset: all {DIT_LAYERS} resident.")
+    offload_mode: str = lever(
+        "local", flag="--dit-offload-mode", spec="dit.levers.offloadMode", request="offload_mode", stages=("dit",),
+        choices=OFFLOAD_MODES, setting_of="resident_blocks",
+        help="dit: with several ranks, each pins the whole host copy (local) or a shard (allgather)",
+        doc="With several DiT ranks: local (each rank pins the whole host copy) or allgather (each rank pins "
+            "1/ranks of it; blocks are all-gathered).")
+    encoder_resident_layers: int | None = lever(
+        None, flag="--encoder-resident-layers", spec="encoder.levers.residentLayers",
+        request="encoder_resident_layers", stages=("encoder",), bounds=(MIN_RESIDENT_BLOCKS, ENCODER_LAYERS),
+        why="a copy one layer ahead needs two slots", of="text decoder layers",
+        help=f"encoder: layerwise offload, R text decoder layers on the GPU ({MIN_RESIDENT_BLOCKS}..{ENCODER_LAYERS}), "
+             "the rest streamed from pinned host memory (default: all resident)",
+        doc="Layerwise offload of the text decoder: layers kept on each GPU (the rest stream from pinned host memory "
+            f"one layer ahead); unset: all {ENCODER_LAYERS} resident.")
+    vae_staged: bool = lever(
+        False, flag="--vae-staged", spec="vae.levers.staged", request="vae_staged", stages=("vae",),
+        help="vae: both VAEs in pinned host memory, copied to the GPU for each request (default off)",
+        doc="Keep both VAEs in pinned host memory and copy them to the GPU for each request's decode (one copy per "
+            "request); needs patchParallel 1.")
+    fp8: bool = lever(
+        False, flag="--fp8", spec="dit.levers.fp8", request="fp8", stages=("dit", "encoder"), lossy=True,
+        help="dit, encoder: FP8 linear layers in the DiT blocks and the text decoder (lossy; default off)",
+        doc="FP8 (e4m3, row-wise scales) linear layers in the DiT blocks (attention and FFN) and the text encoder's "
+            "decoder layers; lossy.")
+    fp8_attention: bool = lever(
+        False, flag="--fp8-attention", spec="dit.levers.fp8Attention", request="fp8_attention", stages=("dit",),
+        lossy=True, help="dit: FP8 attention, FlashAttention-3's FP8 forward (lossy; default off)",
+        doc="FP8 DiT attention (FlashAttention-3's FP8 forward); lossy.")
+
+    @property
+    def on(self) -> tuple[str, ...]:
+        """The levers turned on (a setting of another lever turns nothing on)."""
+        return tuple(fl.name for fl in LEVERS
+                     if fl.metadata["setting_of"] is None and getattr(self, fl.name) != fl.default)
+
+    @property
+    def any(self) -> bool:
+        return bool(self.on)
+
+    def lossy(self) -> bool:
+        """Whether the deployment's outputs differ from the dense bf16 path (offload does not change them)."""
+        return any(LEVER[name].metadata["lossy"] for name in self.on)
+
+    def check(self, names: dict | None = None, **bounds: tuple[int, int]) -> "Levers":
+        """Each value within its row's bounds or choices (`bounds` overrides a row's, e.g. a checkpoint's layer
+        count); the error names the field as `names` spells it (default: the CLI's flags)."""
+        names = names or CLI_NAMES
+        for fl in LEVERS:
+            v, md = getattr(self, fl.name), fl.metadata
+            lo_hi = bounds.get(fl.name, md["bounds"])
+            if lo_hi is not None and v is not None and not lo_hi[0] <= v <= lo_hi[1]:
+                raise LeverError(names[fl.name], f"{names[fl.name]}={v} must be between {lo_hi[0]} ({md['why']}) "
+                                                 f"and the {lo_hi[1]} {md['of']}")
+            if md["choices"] is not None and v not in md["choices"]:
+                raise LeverError(names[fl.name], f"{names[fl.name]}={v!r} must be one of {', '.join(md['choices'])}")
+        return self
+
+    def only(self, stage: str) -> "Levers":
+        """The levers `stage` reads (the others at their defaults): a disaggregated pod gets only its own."""
+        return Levers(**{fl.name: getattr(self, fl.name) for fl in LEVERS if stage in fl.metadata["stages"]})
+
+
+LEVERS: tuple[dataclasses.Field, ...] = fields(Levers)
+LEVER = {fl.name: fl for fl in LEVERS}
+TYPES = typing.get_type_hints(Levers)
+_OTHERS = {"quality": ("quality", "quality", "quality"), "vae_pp": ("--vae-pp", "vae.patchParallel", "vae_pp")}
+CLI_NAMES = {**{fl.name: fl.metadata["flag"] for fl in LEVERS}, **{k: v[0] for k, v in _OTHERS.items()}}
+SPEC_NAMES = {**{fl.name: fl.metadata["spec"] for fl in LEVERS}, **{k: v[1] for k, v in _OTHERS.items()}}
+REQUEST_NAMES = {**{fl.name: fl.metadata["request"] for fl in LEVERS}, **{k: v[2] for k, v in _OTHERS.items()}}
+FASTH3_REFUSED = tuple(fl.name for fl in LEVERS if not fl.metadata["fasth3"] and fl.metadata["setting_of"] is None)
+LEVERS_MESSAGE = ("profile fasth3 takes no " + ", ".join("{%s}" % name for name in FASTH3_REFUSED) +
+                  " or {quality}=high: offload, staging, FP8 and step reuse are certified for profile base only")
 # Staging copies the whole VAE once per request; patch parallel calls its decoder tile by tile on several ranks.
 STAGED_VAE_MESSAGE = "{vae_staged} needs {vae_pp}=1 (got {pp:d}): patch-parallel ranks keep their VAE resident"
-CLI_NAMES = dict(offload="--dit-resident-blocks", encoder_offload="--encoder-resident-layers",
-                 vae_staged="--vae-staged", fp8="--fp8", fp8_attention="--fp8-attention", quality="quality",
-                 vae_pp="--vae-pp")
-SPEC_NAMES = dict(offload="dit.levers.residentBlocks", encoder_offload="encoder.levers.residentLayers",
-                  vae_staged="vae.levers.staged", fp8="dit.levers.fp8", fp8_attention="dit.levers.fp8Attention",
-                  quality="quality", vae_pp="vae.patchParallel")
-REQUEST_NAMES = dict(offload="resident_blocks", encoder_offload="encoder_resident_layers", vae_staged="vae_staged",
-                     fp8="fp8", fp8_attention="fp8_attention", quality="quality", vae_pp="vae_pp")
 
 
 class LeverError(H3Error, ValueError):
@@ -48,44 +149,54 @@ class LeverError(H3Error, ValueError):
         super().__init__(message)
 
 
-@dataclass(frozen=True)
-class Levers:
-    resident_blocks: int | None = None  # None: every DiT block resident (no offload)
-    offload_mode: str = "local"
-    fp8: bool = False
-    fp8_attention: bool = False
-    encoder_resident_layers: int | None = None  # None: every text decoder layer resident
-    vae_staged: bool = False
+def add_flags(p: argparse.ArgumentParser) -> None:
+    """The levers' flags, the same for `serve` and the embedded `generate`."""
+    for fl in LEVERS:
+        md = fl.metadata
+        if TYPES[fl.name] is bool:
+            p.add_argument(md["flag"], type=on_off, default=fl.default, metavar="on|off", help=md["help"])
+        elif md["choices"] is not None:
+            p.add_argument(md["flag"], default=fl.default, choices=md["choices"], help=md["help"])
+        else:
+            p.add_argument(md["flag"], type=int, default=fl.default, metavar="R", help=md["help"])
 
-    @property
-    def any(self) -> bool:
-        return (self.resident_blocks is not None or self.fp8 or self.fp8_attention
-                or self.encoder_resident_layers is not None or self.vae_staged)
 
-    def lossy(self) -> bool:
-        """Whether the deployment's outputs differ from the dense bf16 path (offload does not change them)."""
-        return self.fp8 or self.fp8_attention
+def from_args(args: argparse.Namespace) -> Levers:
+    """The levers the flags of `add_flags` ask for."""
+    return Levers(**{fl.name: getattr(args, _dest(fl.metadata["flag"])) for fl in LEVERS})
 
-    def check(self, num_layers: int = DIT_LAYERS, names: dict = CLI_NAMES) -> "Levers":
-        if self.resident_blocks is not None and not MIN_RESIDENT_BLOCKS <= self.resident_blocks <= num_layers:
-            raise LeverError(names["offload"], f"{names['offload']}={self.resident_blocks} must be between "
-                             f"{MIN_RESIDENT_BLOCKS} (a copy one block ahead needs two slots) and the {num_layers} "
-                             f"DiT layers")
-        if self.encoder_resident_layers is not None and not (
-                MIN_RESIDENT_BLOCKS <= self.encoder_resident_layers <= ENCODER_LAYERS):
-            raise LeverError(names["encoder_offload"], f"{names['encoder_offload']}={self.encoder_resident_layers} "
-                             f"must be between {MIN_RESIDENT_BLOCKS} (a copy one layer ahead needs two slots) and the "
-                             f"{ENCODER_LAYERS} text decoder layers")
-        if self.offload_mode not in OFFLOAD_MODES:
-            raise LeverError("offload_mode", f"offload mode {self.offload_mode!r} must be one of "
-                             f"{', '.join(OFFLOAD_MODES)}")
-        return self
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def levers_spec_class(stage: str, name: str) -> type:
+    """The CRD object `<stage>.levers`: one field a row whose spec path is under it (config/spec.py)."""
+    prefix = f"{stage}.levers."
+    rows = [fl for fl in LEVERS if fl.metadata["spec"].startswith(prefix)]
+    return dataclasses.make_dataclass(name, [(fl.name, TYPES[fl.name], _spec_field(fl, prefix)) for fl in rows],
+                                      frozen=True)
+
+
+def _spec_field(fl: dataclasses.Field, prefix: str) -> Any:
+    md, schema = fl.metadata, {}
+    if md["bounds"] is not None:
+        schema.update(minimum=md["bounds"][0], maximum=md["bounds"][1])
+    if md["choices"] is not None:
+        schema["enum"] = list(md["choices"])
+    return f(md["spec"].removeprefix(prefix), md["doc"], fl.default, **schema)
+
+
+def stage_levers(spec: Any, stage: str, colocated: bool) -> Levers:
+    """The levers a stage of a deployment runs with: every lever it reads, from the typed spec at the row's path."""
+    return Levers(**{fl.name: at_path(spec, fl.metadata["spec"]) for fl in LEVERS
+                     if colocated or stage in fl.metadata["stages"]})
 
 
 def lever_conflict(profile: str, levers: Levers = Levers(), quality: str = DEFAULT_QUALITY,
                    names: dict = CLI_NAMES) -> str | None:
     """The combination rule: None when allowed, else LEVERS_MESSAGE in the caller's spelling."""
-    if profile == "fasth3" and (levers.any or quality == "high"):
+    if profile == "fasth3" and (any(n in FASTH3_REFUSED for n in levers.on) or quality == "high"):
         return LEVERS_MESSAGE.format(**names)
     return None
 

@@ -25,7 +25,7 @@ from h3serve.config.parallel import (
     ulysses_choices,
     vae_pp_choices,
 )
-from h3serve.config.levers import LEVERS_MESSAGE, SPEC_NAMES, STAGED_VAE_MESSAGE
+from h3serve.config.levers import FASTH3_REFUSED, LEVER, LEVERS_MESSAGE, SPEC_NAMES, STAGED_VAE_MESSAGE
 from h3serve.config.vocab import DIT_HEADS, ENCODER_HEADS, ENCODER_KV_HEADS, PIPELINE_STAGES
 
 # ---- expressions: evaluated in Python, rendered as CEL -----------------------------------------------------------
@@ -245,6 +245,12 @@ def _autoscaling_rules(st: str) -> tuple[Rule, ...]:
     )
 
 
+def _lever_off(row) -> Expr:
+    """A lever of the table at its default: unset, or false."""
+    path = row.metadata["spec"]
+    return unset(path) if row.default is None else op("!", Field(path))
+
+
 RULES: tuple[Rule, ...] = (
     Rule("encoder.tensorParallel", op("in", TP, encoder_tp_choices()), ENCODER_TP_MESSAGE,
          dict(FIELD_NAMES, tp=TP, heads=ENCODER_HEADS, kv=ENCODER_KV_HEADS,
@@ -257,9 +263,7 @@ RULES: tuple[Rule, ...] = (
                                  all_of(has("model.adapter"), has("model.adapter.sha256"))),
          "profile fasth3 needs model.adapter with path and sha256 (the FastH3 4-step adapter file and its checksum)"),
     Rule("dit.levers", any_of(op("!=", Field("profile"), "fasth3"),
-                              all_of(unset("dit.levers.residentBlocks"), op("!", Field("dit.levers.fp8")),
-                                     op("!", Field("dit.levers.fp8Attention")),
-                                     unset("encoder.levers.residentLayers"), op("!", Field("vae.levers.staged")))),
+                              all_of(*(_lever_off(LEVER[name]) for name in FASTH3_REFUSED))),
          LEVERS_MESSAGE, dict(SPEC_NAMES)),
     Rule("vae.levers.staged", any_of(op("!", Field("vae.levers.staged")), op("==", Field("vae.patchParallel"), 1)),
          STAGED_VAE_MESSAGE, dict(SPEC_NAMES, pp=Field("vae.patchParallel"))),

@@ -22,18 +22,15 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
+from h3serve.config.levers import levers_spec_class
 from h3serve.config.codec import dump, f, parse
 from h3serve.config.rules import RULES
 from h3serve.config.vocab import (
     DEFAULT_TASKS,
     DEVICES,
-    DIT_LAYERS,
     ENCODER_CACHE_BYTES,
-    ENCODER_LAYERS,
     MAX_ENCODER_CACHE_BYTES,
     TASKS_PATTERN,
-    MIN_RESIDENT_BLOCKS,
-    OFFLOAD_MODES,
     DIST_PORT,
     DIT_HEADS,
     ENCODER_HEADS,
@@ -141,18 +138,10 @@ class ModelSpec:
                                        "tensor (`--checkpoint-manifest-sha256`).", None, pattern="^[0-9a-f]{64}$")
 
 
-@dataclass(frozen=True)
-class EncoderLeversSpec:
-    resident_layers: Optional[int] = f("residentLayers", "Layerwise offload of the text decoder: layers kept on each "
-                                       "GPU (the rest stream from pinned host memory one layer ahead); unset: all "
-                                       f"{ENCODER_LAYERS} resident.", None, minimum=MIN_RESIDENT_BLOCKS,
-                                       maximum=ENCODER_LAYERS)
-
-
-@dataclass(frozen=True)
-class VaeLeversSpec:
-    staged: bool = f("staged", "Keep both VAEs in pinned host memory and copy them to the GPU for each request's "
-                     "decode (one copy per request); needs patchParallel 1.", False)
+# The levers' CRD objects: one field a row of the lever table (config/levers.py).
+EncoderLeversSpec = levers_spec_class("encoder", "EncoderLeversSpec")
+VaeLeversSpec = levers_spec_class("vae", "VaeLeversSpec")
+DitLeversSpec = levers_spec_class("dit", "DitLeversSpec")
 
 
 @dataclass(frozen=True)
@@ -177,21 +166,6 @@ class EncoderSpec:
     @property
     def gpus(self) -> int:
         return self.tensor_parallel
-
-
-@dataclass(frozen=True)
-class DitLeversSpec:
-    resident_blocks: Optional[int] = f("residentBlocks", "Layerwise offload: DiT blocks kept on each GPU (the rest "
-                                       "stream from pinned host memory one block ahead of the compute); unset: all "
-                                       f"{DIT_LAYERS} resident.", None, minimum=MIN_RESIDENT_BLOCKS,
-                                       maximum=DIT_LAYERS)
-    offload_mode: str = f("offloadMode", "With several DiT ranks: local (each rank pins the whole host copy) or "
-                          "allgather (each rank pins 1/ranks of it; blocks are all-gathered).", "local",
-                          enum=list(OFFLOAD_MODES))
-    fp8: bool = f("fp8", "FP8 (e4m3, row-wise scales) linear layers in the DiT blocks (attention and FFN) and the "
-                  "text encoder's decoder layers; lossy.",
-                  False)
-    fp8_attention: bool = f("fp8Attention", "FP8 DiT attention (FlashAttention-3's FP8 forward); lossy.", False)
 
 
 @dataclass(frozen=True)

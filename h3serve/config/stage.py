@@ -6,10 +6,11 @@ A process the operator starts finds its deployment's `ServiceConfig` at the path
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from h3serve.config.levers import Levers
+from h3serve.config.levers import Levers, stage_levers
+from h3serve.config.parallel import ParallelDegrees
 from h3serve.config.spec import ServiceConfig
 from h3serve.config.vocab import (
     DEFAULT_DTYPE,
@@ -17,11 +18,14 @@ from h3serve.config.vocab import (
     ENCODER_CACHE_BYTES,
     FASTH3_DIT,
     GRPC,
+    GRPC_PORT,
+    HTTP_PORT,
     MODEL_STAGES,
     PIPELINE_STAGES,
     PORT_OFFSETS,
     PROFILE_TASKS,
     TASKS,
+    TRANSPORTS,
 )
 from h3serve.errors import H3Error
 
@@ -38,85 +42,126 @@ TLS_DIR = "/etc/h3serve-tls"             # spec.tls.secretName: a kubernetes.io/
 TLS_FILES = {"tls_cert": "tls.crt", "tls_key": "tls.key", "tls_ca": "ca.crt"}  # StageConfig field -> Secret key
 
 
+def knob(default: Any = None, help: str | None = None, *, flag: str | None = "", metavar: str | None = None,
+         choices: tuple[str, ...] | None = None, env: str | None = None, cli_default: Any = None,
+         factory: Any = None) -> Any:
+    """A StageConfig field and its `h3serve serve` flag (`--name-with-dashes` unless `flag` names it; None: no flag).
+    A bool's flag turns it on (`--no-x` on a field whose default is True: off); `env` names the variable whose value
+    is the flag's default; `cli_default` a flag default other than the field's."""
+    md = dict(flag=flag, help=help, metavar=metavar, choices=choices, env=env, cli_default=cli_default)
+    if factory is not None:
+        return field(default_factory=factory, metadata=md)
+    return field(default=default, metadata=md)
+
+
 @dataclass
 class StageConfig:
-    """Every knob of every stage (a stage reads the ones it uses; see docs/services.md)."""
+    """Every knob of every stage (a stage reads the ones it uses; see docs/services.md), each with its flag.
 
-    stage: str = "gateway"
-    checkpoint: str | None = None
-    profile: str = "base"
-    adapter: str | None = None
-    adapter_sha256: str | None = None
-    checkpoint_manifest_sha256: str | None = None   # pin: the checkpoint's files are checked before loading
-    dtype: str = DEFAULT_DTYPE
-    device: str | None = None
-    threads: int = 0                 # torch intra-op threads of the engine (0: torch's default)
-    host: str = "127.0.0.1"
-    port: int = 0
-    advertise: str | None = None     # address peers should use for this process (default host:port)
-    grace_s: float = 30.0
-    rpc_workers: int = 32
-    tls_cert: str | None = None      # this process's certificate (PEM): gRPC and HTTPS servers, mTLS client
-    tls_key: str | None = None
-    tls_ca: str | None = None        # the deployment's CA: stage servers require client certs it signed (mTLS)
-    tls_peer_name: str | None = None  # the name a peer's certificate is checked for (peers are dialled by pod IP)
-    peers: str | None = None         # what a stage may dial when a request names an address (runtime/tls.py)
-    warmup: bool = True
-    # gateway
-    encoder: str | None = None
-    dit: str | None = None
-    vae: str | None = None
-    muxer: str | None = None
-    http_host: str = "127.0.0.1"
-    http_port: int | None = None     # None: no HTTP API
-    http_max_connections: int = 1024   # HTTP connections held at once (more: 503 and closed; frontdoor.py)
-    http_header_timeout_s: float = 10.0   # a request's head must arrive within this (408 and closed)
-    http_body_timeout_s: float = 30.0     # a request's body must send some bytes this often (else closed)
-    decode_workers: int = 2          # threads that decode uploads (their own pool, not the API's; uploads.py)
-    decode_per_caller: int = 1       # ... of which one caller may use at most this many at once
-    queue_size: int = 8
-    max_inflight: int = 1
-    request_timeout_s: float = 3600.0
-    jobs_dir: str | None = None      # HTTP jobs on local disk (and the spool of an object store)
-    job_store: str | None = None     # s3://BUCKET/PREFIX: HTTP jobs in an object store every replica shares
-    job_ttl_s: float = 3600.0
-    max_jobs: int = 1000
-    max_sync_bytes: int = 64 << 20
-    api_keys_file: str | None = None  # callers' hashed bearer keys (services/gateway/auth.py); None: no auth
-    no_auth: bool = False             # allow a gateway without keys on a non-loopback address
-    no_peer_auth: bool = False        # allow a stage without mTLS on a non-loopback address (a network fences it)
-    transport: str = GRPC
-    model_name: str | None = None
-    fasth3_dit: str | None = None    # gateway of a base deployment: a FastH3 DiT pool, routed to by `model`
-    fasth3_adapter: str | None = None         # `h3serve serve` of a base deployment: also run that pool here
-    fasth3_adapter_sha256: str | None = None
+    `h3serve serve`'s flags are generated from these fields (`cli.py`); a launcher's child gets them back whole from
+    the file the launcher writes, an operator's pod from its mounted ServiceConfig (`service_config_values`)."""
+
+    stage: str = knob("gateway", flag=None)   # the one stage this process runs (--stages picks it)
+    # the model a model stage loads
+    checkpoint: str | None = knob(None, "diffusers-format H3 folder (encoder, dit, vae stages)")
+    profile: str = knob("base", "base | fasth3")
+    adapter: str | None = knob(None, "FastH3 adapter (profile fasth3)")
+    adapter_sha256: str | None = knob(None)
+    checkpoint_manifest_sha256: str | None = knob(
+        None, "pin: the sha256 of the checkpoint's h3serve-manifest.json (h3serve checkpoint manifest); each model "
+              "stage checks the files it loads before loading", metavar="HEX")
+    dtype: str = knob(DEFAULT_DTYPE, "fp32 | bf16")
+    device: str | None = knob(None, "cpu | cuda | cuda:N")
+    threads: int = knob(0, "torch threads per stage engine (0: default)")
+    tasks: str = knob(DEFAULT_TASKS, "tasks served: a comma list of t2va, fl2va, ref2va (ref2va: the DiT also loads "
+                                     "transformer_ref/, as large as transformer/)")
+    warmup: bool = knob(True, "skip the warm-up request before SERVING", flag="--no-warmup")
     # parallel degrees of the model stages (encoder TP, DiT Ulysses x Ring, VAE patch parallel): config/parallel.py
-    encoder_tp: int = 1
-    ulysses: int = 1
-    ring: int = 1
-    vae_pp: int = 1
-    tasks: str = DEFAULT_TASKS       # comma list the DiT loads partitions for and the gateway admits
-    # encoder: bytes of encodings kept for repeated prompts / references (0: no cache)
-    encoder_cache_bytes: int = ENCODER_CACHE_BYTES
-    # DiT capacity / speed levers (config/levers.py), all off by default
-    dit_resident_blocks: int | None = None
-    dit_offload_mode: str = "local"
-    fp8: bool = False
-    fp8_attention: bool = False
-    encoder_resident_layers: int | None = None  # encoder: text decoder layers on the device (None: all)
-    vae_staged: bool = False                    # vae: both VAEs in pinned host memory between requests
-    # vae
-    frame_format: str = "yuv420p"    # what the VAE sends the muxer: yuv420p planes (1.5 B/px) or rgb24 (3 B/px)
+    degrees: ParallelDegrees = knob(factory=ParallelDegrees, flag=None)   # flags: cli.py's degree flags
+    levers: Levers = knob(factory=Levers, flag=None)   # capacity / speed levers, all off; flags: the lever table
+    # the process's server, and its peers
+    host: str = knob("127.0.0.1", "bind address (default loopback)")
+    port: int = knob(0, "gRPC port: of the one stage, or of the gateway with stages at +1..+4 (0: free ports)",
+                     cli_default=GRPC_PORT)
+    advertise: str | None = knob(None, "address peers use to reach this stage (default host:port)")
+    grace_s: float = knob(30.0, "SIGTERM: seconds to finish in-flight work")
+    rpc_workers: int = knob(32, flag=None)   # the gRPC server's threads
+    tls_cert: str | None = knob(None, "this process's certificate: TLS on its gRPC server (and the gateway's HTTPS); "
+                                      "plaintext is then refused", metavar="PEM")
+    tls_key: str | None = knob(None, "the key of --tls-cert", metavar="PEM")
+    tls_ca: str | None = knob(None, "the deployment's CA: stages require peer certificates it signed (mTLS) and "
+                                    "verify theirs", metavar="PEM")
+    tls_peer_name: str | None = knob(None, "the name checked in a peer's certificate instead of the host dialled "
+                                           "(pods dialled by IP)", metavar="NAME")
+    peers: str | None = knob(None, "what a stage may dial when a request names an address: IP:PORT, NAME:PORT (an IP "
+                                   "the name resolves to, that port) or NET/LEN, comma separated (the launcher and the "
+                                   "operator set it; unset: any)", metavar="LIST")
+    no_peer_auth: bool = knob(False, "encoder, dit, vae, muxer: listen on a non-loopback address without mTLS (only "
+                                     "where a network policy fences the port; otherwise give --tls-cert, --tls-key and "
+                                     "--tls-ca)")
+    transport: str = knob(GRPC, "VAE -> muxer frame transport: grpc, or nixl (falls back to grpc with a warning when "
+                                "NIXL cannot be loaded or the peers cannot connect)", choices=TRANSPORTS)
+    # gateway
+    encoder: str | None = knob(None, "gateway: address of the encoder stage", metavar="HOST:PORT")
+    dit: str | None = knob(None, "gateway: address of the dit stage", metavar="HOST:PORT")
+    vae: str | None = knob(None, "gateway: address of the vae stage", metavar="HOST:PORT")
+    muxer: str | None = knob(None, "gateway: address of the muxer stage", metavar="HOST:PORT")
+    http_host: str = knob("127.0.0.1")
+    http_port: int | None = knob(None, f"HTTP API port of the gateway (0: a free port; default {HTTP_PORT} with the "
+                                       "gateway, else none)")
+    http_max_connections: int = knob(1024, "gateway: HTTP connections held at once (more are answered 503 and "
+                                           "closed)")
+    http_header_timeout_s: float = knob(10.0, "gateway: seconds a request's HTTP headers may take to arrive (then "
+                                              "408, closed)")
+    http_body_timeout_s: float = knob(30.0, "gateway: seconds a request body may go without a byte (then the "
+                                            "connection is closed)")
+    decode_workers: int = knob(2, "gateway: threads that decode uploaded images and audio (a pool of their own)")
+    decode_per_caller: int = knob(1, "gateway: of those, how many one caller's uploads may use at once")
+    queue_size: int = knob(8, "gateway: requests that may wait")
+    max_inflight: int = knob(1, "gateway: requests run at once")
+    request_timeout_s: float = knob(3600.0, "gateway: deadline of a request whose caller set none")
+    jobs_dir: str | None = knob(None, "gateway: HTTP jobs (records and MP4s) kept in this directory across restarts; "
+                                      "with --job-store, where MP4s are spooled (default: a temp dir, removed at exit)")
+    job_store: str | None = knob(None, "gateway: HTTP jobs in an S3 bucket shared by every replica (endpoint and "
+                                       "credentials: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+                                       "AWS_REGION)", metavar="s3://BUCKET/PREFIX")
+    job_ttl_s: float = knob(3600.0, "gateway: finished jobs kept this long")
+    max_jobs: int = knob(1000, "gateway: finished jobs kept at most")
+    max_sync_bytes: int = knob(64 << 20, "gateway: largest MP4 GenerateSync returns in one message")
+    api_keys_file: str | None = knob(None, "gateway: callers' API keys, one 'NAME sha256:HEX' a line, re-read when it "
+                                           f"changes (default ${API_KEYS_ENV}; see docs/security.md)",
+                                     metavar="FILE", env=API_KEYS_ENV)
+    no_auth: bool = knob(False, "gateway: serve without API keys even on a non-loopback address (without keys the "
+                                "gateway otherwise listens on loopback only)")
+    model_name: str | None = knob(None, "gateway: model id reported and accepted in requests")
+    fasth3_dit: str | None = knob(None, "gateway of a base deployment: a FastH3 DiT pool (profile fasth3), used for "
+                                        "model FastH3", metavar="HOST:PORT")
+    fasth3_adapter: str | None = knob(None, "launcher of a base deployment: also run a FastH3 DiT pool with this "
+                                            "adapter on this host")
+    fasth3_adapter_sha256: str | None = knob(None)
+    # encoder
+    encoder_cache_bytes: int = knob(ENCODER_CACHE_BYTES, "encoder: bytes of encodings cached for repeated prompts / "
+                                                         "references (0: off)")
+    # vae: what it sends the muxer, yuv420p planes (1.5 B/px) or rgb24 (3 B/px)
+    frame_format: str = knob("yuv420p", "vae: frames to the muxer as yuv420p planes made on the device, or rgb24",
+                             choices=("yuv420p", "rgb24"))
     # muxer
-    mux_threads: int = 16  # x264 frame threads (fixed: the MP4 bytes depend on it)
-    crf: int = 18
-    preset: str = "veryfast"
-    session_ttl_s: float = 600.0     # the TTL of a session that asks for none
-    max_session_ttl_s: float = 7200.0   # the largest it may ask for (the gateway asks its deadline + a margin)
-    max_sessions: int = 64           # sessions a muxer holds at once (open, pushing or unfetched)
-    max_sessions_per_peer: int = 16  # ... of which one caller (by its address) may hold at most this many
-    tmp_dir: str | None = None
-    extra: dict = field(default_factory=dict)
+    mux_threads: int = knob(16, "muxer: x264 threads (fixed)")   # fixed: the MP4 bytes depend on it
+    crf: int = knob(18)
+    preset: str = knob("veryfast")
+    session_ttl_s: float = knob(600.0, "muxer: an unfetched session is dropped after this long")
+    max_session_ttl_s: float = knob(7200.0, "muxer: the largest TTL a session may ask for")   # the gateway asks
+    max_sessions: int = knob(64, "muxer: sessions held at once (more are refused as RESOURCE_EXHAUSTED)")
+    max_sessions_per_peer: int = knob(16, "muxer: sessions one caller (by its address: a gateway replica) holds at "
+                                          "once")
+    tmp_dir: str | None = knob(None, "muxer: where MP4s are assembled")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "StageConfig":
+        """A StageConfig from its `asdict` form (the nested parts as dicts or as their dataclasses)."""
+        nested = {name: tp(**values[name]) if isinstance(values.get(name), dict) else values[name]
+                  for name, tp in NESTED.items() if name in values}
+        return cls(**{**values, **nested})
 
     @classmethod
     def from_service_config(cls, service_config: dict, stage: str) -> "StageConfig":
@@ -133,14 +178,12 @@ class StageConfig:
         return tuple(t for t in TASKS if t in wanted and t in allowed) or ("t2va",)
 
     @property
-    def levers(self) -> Levers:
-        return Levers(self.dit_resident_blocks, self.dit_offload_mode, bool(self.fp8), bool(self.fp8_attention),
-                      self.encoder_resident_layers, bool(self.vae_staged))
-
-    @property
     def address(self) -> str:
         """The address peers use: --advertise, else host:port (loopback when bound to every interface)."""
         return self.advertise or f"{connect_host(self.host)}:{self.port}"
+
+
+NESTED = {"degrees": ParallelDegrees, "levers": Levers}   # StageConfig's nested parts
 
 
 def connect_host(host: str) -> str:
@@ -167,8 +210,8 @@ def service_config_values(service_config: dict, stage: str) -> dict[str, Any]:
             raise ValueError(f"{FASTH3_DIT}: this ServiceConfig declares no fasth3 pool")
         # the levers are base-only; vae_pp belongs to the VAE (1: it must not be checked against this pool's group)
         out.update(profile="fasth3", adapter=pool.adapter.path, adapter_sha256=pool.adapter.sha256,
-                   ulysses=pool.ulysses, ring=pool.ring, vae_pp=1, dit_resident_blocks=None,
-                   dit_offload_mode="local", fp8=False, fp8_attention=False)
+                   degrees=replace(out["degrees"], ulysses=pool.ulysses, ring=pool.ring, vae_pp=1),
+                   levers=Levers())
         return out
     sc = ServiceConfig.from_dict(service_config)
     spec, grpc_port = sc.spec, int(service_config["ports"]["grpc"])
@@ -184,7 +227,8 @@ def service_config_values(service_config: dict, stage: str) -> dict[str, Any]:
         degrees = {"encoder_tp": spec.encoder.tensor_parallel, "ulysses": spec.dit.ulysses, "ring": spec.dit.ring,
                    "vae_pp": spec.vae.patch_parallel}
         own = {"encoder": ("encoder_tp",), "dit": ("ulysses", "ring"), "vae": ("vae_pp", "ulysses", "ring")}
-        out.update({k: v for k, v in degrees.items() if colocated or k in own.get(stage, ())})
+        out["degrees"] = ParallelDegrees(**{k: v for k, v in degrees.items()
+                                            if colocated or k in own.get(stage, ())})
         if spec.model.manifest_sha256 is not None:
             out["checkpoint_manifest_sha256"] = spec.model.manifest_sha256
     if spec.tls is not None:  # every process: its servers, and the channels to its peers
@@ -193,19 +237,11 @@ def service_config_values(service_config: dict, stage: str) -> dict[str, Any]:
             out["tls_peer_name"] = tls_peer_name(service_config["name"], service_config["namespace"])
     elif stage != "gateway":  # no mTLS: the stages' ports are fenced by the instance's NetworkPolicies instead
         out["no_peer_auth"] = True
-    lv = spec.dit.levers
-    if colocated or stage == "dit":
-        out.update(dit_resident_blocks=lv.resident_blocks, dit_offload_mode=lv.offload_mode, fp8=lv.fp8,
-                   fp8_attention=lv.fp8_attention)
-    elif stage == "encoder":
-        out.update(fp8=lv.fp8)  # FP8 covers the text decoder's projections too
+    out["levers"] = stage_levers(spec, stage, colocated)
     if colocated or stage in ("dit", "gateway"):  # the DiT loads the tasks' partitions, the gateway admits them
         out["tasks"] = spec.tasks
     if colocated or stage == "encoder":
-        out.update(encoder_resident_layers=spec.encoder.levers.resident_layers,
-                   encoder_cache_bytes=spec.encoder.cache_bytes)
-    if colocated or stage == "vae":
-        out["vae_staged"] = spec.vae.levers.staged
+        out["encoder_cache_bytes"] = spec.encoder.cache_bytes
     if (colocated or stage == "dit") and spec.model.adapter is not None:
         out.update(adapter=spec.model.adapter.path, adapter_sha256=spec.model.adapter.sha256)
     if stage != "encoder":  # every end of a tensor edge (dit -> vae, vae -> muxer) and the gateway's plan

@@ -27,6 +27,7 @@ adapter, dtype, ports, peer addresses) it reads from the service config mounted 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from typing import Any
@@ -196,8 +197,8 @@ def config_hash(service_cfg: dict, component: str) -> str:
 
 
 def _dump_yaml_like(d: Any) -> str:
-    # JSON is YAML; sorted keys make the ConfigMap (and its hash) stable.
-    return json.dumps(d, indent=2, sort_keys=True) + "\n"
+    # JSON is YAML; sorted keys make the ConfigMap (and its hash) stable; a StageConfig's nested parts as dicts.
+    return json.dumps(d, indent=2, sort_keys=True, default=dataclasses.asdict) + "\n"
 
 
 def render(spec: H3DeploymentSpec, name: str, namespace: str, owner: dict | None = None,

@@ -30,7 +30,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from h3serve._proto import common_pb2
-from h3serve.config.stage import (COMPONENT_ENV, CONFIG_ENV, STAGE_CONFIG_ENV, StageConfig, connect_host,
+from h3serve.config.levers import from_args as levers_from_args
+from h3serve.config.parallel import ParallelDegrees
+from h3serve.config.stage import (COMPONENT_ENV, CONFIG_ENV, NESTED, STAGE_CONFIG_ENV, StageConfig, connect_host,
                                   service_config_values)
 from h3serve.config.vocab import (EXIT_USER_ERROR, FASTH3_DIT, HTTP_PORT, MODEL_STAGES, PORT_OFFSETS, SERVICE_NAMES,
                                   STAGES, START_ORDER)
@@ -355,8 +357,9 @@ def config_from_args(args: argparse.Namespace, stage: str, environ: Mapping[str,
         values = _read_config(child, STAGE_CONFIG_ENV, "the launcher's stage config")
     else:
         values = {f.name: getattr(args, f.name) for f in fields(StageConfig)
-                  if hasattr(args, f.name) and getattr(args, f.name) is not None}
-        values["warmup"] = not getattr(args, "no_warmup", False)
+                  if f.name not in NESTED and hasattr(args, f.name) and getattr(args, f.name) is not None}
+        values.update(levers=levers_from_args(args),
+                      degrees=ParallelDegrees(**{f.name: getattr(args, f.name) for f in fields(ParallelDegrees)}))
     values["stage"] = stage
     path = environ.get(CONFIG_ENV)
     if path:
@@ -367,7 +370,7 @@ def config_from_args(args: argparse.Namespace, stage: str, environ: Mapping[str,
         except (KeyError, TypeError, ValueError) as exc:   # not a ServiceConfig the operator rendered
             raise H3Error(f"{CONFIG_ENV}={path}: not a ServiceConfig ({type(exc).__name__}: {exc})") from None
     try:
-        return StageConfig(**values)
+        return StageConfig.from_dict(values)
     except TypeError as exc:  # a key no StageConfig has: a file of another version
         raise H3Error(f"{STAGE_CONFIG_ENV}={child}: not a StageConfig ({exc})") from None
 
@@ -422,7 +425,7 @@ def serve_main(args: argparse.Namespace, servicers: Callable[[str], ServicerFact
         raise H3Error("--checkpoint DIR is required to serve " + ", ".join(s for s in stages if s in MODEL_STAGES))
     if config.checkpoint:
         check_checkpoint(config.checkpoint, stages)
-    degrees = ranks.validate_degrees(ranks.degrees_of(config), config.checkpoint)
+    degrees = ranks.validate_degrees(config.degrees, config.checkpoint)
     env = ranks.dist_env() if any(ranks.stage_degree(degrees, s) > 1 for s in stages) else None
     if env is not None and len(stages) > 1:
         raise H3Error(f"--stages {args.stages} with RANK/WORLD_SIZE of a multi-node or torchrun world: each model "

@@ -61,15 +61,10 @@ log = logging.getLogger("h3serve.runtime.ranks")
 
 EXIT_RANK_FAILED = 4
 LINGER_S = 3.0          # NOT_SERVING is visible this long before a failed stage exits
-DEGREE_FLAGS = ("encoder_tp", "ulysses", "ring", "vae_pp")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Degrees
-
-
-def degrees_of(config) -> ParallelDegrees:
-    return ParallelDegrees(**{k: int(getattr(config, k, 1) or 1) for k in DEGREE_FLAGS})
 
 
 def stage_degree(degrees: ParallelDegrees, stage: str) -> int:
@@ -133,7 +128,8 @@ def _build_args(stage: str, c, degrees: ParallelDegrees) -> tuple:
     """(build, build args) of the stage's world, from its StageConfig: the rank builder's keyword arguments."""
     common = {"checkpoint": c.checkpoint, "dtype": TORCH_DTYPES[c.dtype]}
     if stage == "encoder":
-        kwargs = dict(common, tp=degrees.encoder_tp, fp8=c.fp8, resident_layers=c.encoder_resident_layers)
+        kwargs = dict(common, tp=degrees.encoder_tp, fp8=c.levers.fp8,
+                      resident_layers=c.levers.encoder_resident_layers)
     elif stage == "dit":
         kwargs = dict(common, components=("transformer",), profile=c.profile, adapter=c.adapter,
                       adapter_sha256=c.adapter_sha256, ulysses=degrees.ulysses, ring=degrees.ring, levers=c.levers)

@@ -29,7 +29,7 @@ from h3serve.config.vocab import GRPC, SINKS
 from h3serve.errors import Cancelled, DeadlineExceeded, RequestError
 from h3serve.errortable import abort
 from h3serve.runtime.device import PeakMemory
-from h3serve.runtime.ranks import ParallelStage, degrees_of, stage_degree
+from h3serve.runtime.ranks import ParallelStage, stage_degree
 from h3serve.runtime.tls import Tls, authenticated_peer, check_peer, parse_peers
 from h3serve.weights.manifest import IntegrityError
 from h3serve.transport.choice import TransportChoice
@@ -250,7 +250,7 @@ class StageBase:
     def start_ranks(self):
         """With a degree above 1 for this stage: start its world (this process = rank 0) and return the
         `ParallelStage` (also kept as `self.parallel`); else None."""
-        degrees = degrees_of(self.config)
+        degrees = self.config.degrees
         if stage_degree(degrees, self.stage) <= 1:
             return None
         self.parallel = ParallelStage.start(self, degrees)

@@ -59,7 +59,7 @@ class EncoderServicer(StageBase):
             else:
                 self.encoder = TextEncoder.load(self.config.checkpoint, dtype=TORCH_DTYPES[self.config.dtype],
                                                 device=device).apply_levers(
-                    fp8=self.config.fp8, resident_layers=self.config.encoder_resident_layers)
+                    fp8=self.config.levers.fp8, resident_layers=self.config.levers.encoder_resident_layers)
             if self.config.warmup:
                 self.check_finite(text_states=self.encoder.encode("warm-up", task="t2va").states)
             if device.type == "cuda":

@@ -83,17 +83,16 @@ class VAEServicer(StageBase):
         self.short_edge = cond.reference_short_edge(
             CheckpointFolder(self.config.checkpoint, components=[]).pipeline_config)
         device = pick_device(self.config.device)
-        conflict = staging_conflict(self.config.levers, self.config.vae_pp)
+        conflict = staging_conflict(self.config.levers, self.config.degrees.vae_pp)
         if conflict is not None:
             raise H3Error(conflict)
         if self.start_ranks() is not None:   # --vae-pp: tiles decoded on every rank, stitched here (rank 0)
             self.video_vae = VideoVAEProxy(self.parallel)
         else:
-            self.video_vae = VideoVAE.load(self.config.checkpoint, dtype=TORCH_DTYPES[self.config.dtype], device=device)
-        self.audio_vae = AudioVAE.load(self.config.checkpoint, dtype=torch.float32, device=device)
-        if self.config.vae_staged:   # both VAEs in pinned host memory, on the device per request (lever)
-            self.video_vae.stage()
-            self.audio_vae.stage()
+            self.video_vae = VideoVAE.load(self.config.checkpoint, dtype=TORCH_DTYPES[self.config.dtype],
+                                           device=device, staged=self.config.levers.vae_staged)
+        self.audio_vae = AudioVAE.load(self.config.checkpoint, dtype=torch.float32, device=device,
+                                       staged=self.config.levers.vae_staged)
         if self.config.warmup:   # one window at the smallest size, and a short audio decode
             for clip in self.video_vae.iter_decode_float(torch.zeros(1, self.video_vae.latent_channels, 7, 2, 2)):
                 self.check_finite(video=clip)

@@ -15,6 +15,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from h3serve.config.levers import Levers
+from h3serve.config.parallel import ParallelDegrees
 from h3serve.operator import manifests as M
 from h3serve.config.spec import H3DeploymentSpec, ServiceConfig, SpecError, parse_and_validate
 
@@ -261,9 +263,9 @@ def test_pods_read_their_stage_config_from_the_mounted_service_config(path, tmp_
             assert sc.port == 50051 + (M.PORT_OFFSETS[stage] if colocated else 0)
             if pool is not None:
                 assert (sc.checkpoint, sc.dtype, sc.device) == (spec.model.path, "bf16", "cuda")
-                assert (sc.ulysses, sc.ring, sc.vae_pp) == (pool.ulysses, pool.ring, 1)
+                assert sc.degrees == ParallelDegrees(ulysses=pool.ulysses, ring=pool.ring)
                 assert (sc.adapter, sc.adapter_sha256) == (pool.adapter.path, pool.adapter.sha256)
-                assert (sc.fp8, sc.dit_resident_blocks) == (False, None)
+                assert sc.levers == Levers()
             elif colocated or stage in ("encoder", "dit", "vae"):
                 assert (sc.checkpoint, sc.dtype, sc.device) == (spec.model.path, M.DEVICE_DTYPES[spec.device],
                                                                  spec.device)
@@ -273,7 +275,7 @@ def test_pods_read_their_stage_config_from_the_mounted_service_config(path, tmp_
                 spec_degrees = {"encoder_tp": spec.encoder.tensor_parallel, "ulysses": spec.dit.ulysses,
                                 "ring": spec.dit.ring, "vae_pp": spec.vae.patch_parallel}
                 for k, v in spec_degrees.items():
-                    assert getattr(sc, k) == (v if colocated or k in own[stage] else 1), (stage, k)
+                    assert getattr(sc.degrees, k) == (v if colocated or k in own[stage] else 1), (stage, k)
             if (colocated or stage == "dit") and spec.profile == "fasth3" and pool is None:
                 assert (sc.adapter, sc.adapter_sha256) == (spec.model.adapter.path, spec.model.adapter.sha256)
             if colocated or stage == "muxer":
@@ -301,12 +303,13 @@ def test_stage_config_is_a_slice_of_the_rendered_service_config():
     fenced = dict(common, no_peer_auth=True)   # no spec.tls: the NetworkPolicies fence the stages' ports
     model = dict(checkpoint="/models/MiniMax-H3", dtype="bf16", device="cuda")
     assert StageConfig.from_service_config(d, "encoder") == StageConfig(stage="encoder", **fenced, **model,
-                                                                        encoder_tp=4)
+                                                                        degrees=ParallelDegrees(encoder_tp=4))
     assert StageConfig.from_service_config(d, "dit") == StageConfig(
-        stage="dit", **fenced, **model, ulysses=4, ring=2, adapter=spec.model.adapter.path,
+        stage="dit", **fenced, **model, degrees=ParallelDegrees(ulysses=4, ring=2), adapter=spec.model.adapter.path,
         adapter_sha256=spec.model.adapter.sha256, transport="nixl")
-    assert StageConfig.from_service_config(d, "vae") == StageConfig(stage="vae", **fenced, **model, ulysses=4, ring=2,
-                                                                    vae_pp=1, transport="nixl")
+    assert StageConfig.from_service_config(d, "vae") == StageConfig(stage="vae", **fenced, **model,
+                                                                    degrees=ParallelDegrees(ulysses=4, ring=2),
+                                                                    transport="nixl")
     assert StageConfig.from_service_config(d, "muxer") == StageConfig(stage="muxer", **fenced, mux_threads=8,
                                                                        transport="nixl")
     assert StageConfig.from_service_config(d, "gateway") == StageConfig(
@@ -321,7 +324,7 @@ def test_without_the_service_config_argv_alone_configures_the_stage():
 
     ns = build_parser().parse_args(["serve", "--stages", "dit", "--checkpoint", "/c", "--ulysses", "2"])
     sc = config_from_args(ns, "dit", {})
-    assert (sc.checkpoint, sc.ulysses, sc.dtype, sc.port) == ("/c", 2, "fp32", 50051)
+    assert (sc.checkpoint, sc.degrees.ulysses, sc.dtype, sc.port) == ("/c", 2, "fp32", 50051)
 
 
 @pytest.mark.parametrize("content, says", [(None, "cannot read"), ('{"spec":', "cannot read"),
@@ -835,7 +838,7 @@ def test_fasth3_pool_is_a_second_dit_workload_with_services_and_the_gateways_tar
     assert gw.fasth3_dit == "dns:///h3-dit-fasth3-headless.apps.svc:50051"
     assert gw.dit == "dns:///h3-dit-headless.apps.svc:50051"
     pool = StageConfig.from_service_config(cfg, "dit-fasth3")
-    assert (pool.stage, pool.profile, pool.ulysses, pool.ring, pool.adapter, pool.adapter_sha256) == (
+    assert (pool.stage, pool.profile, pool.degrees.ulysses, pool.degrees.ring, pool.adapter, pool.adapter_sha256) == (
         "dit", "fasth3", 2, 2, FAST["adapter"]["path"], FAST["adapter"]["sha256"])
     # no spec.fasth3: no such key for the gateway, and the pool's slice cannot be asked for
     plain = M.service_config(parse_and_validate(_spec_doc("base-disaggregated"), "h3"), "h3", "apps").to_dict()

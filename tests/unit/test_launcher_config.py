@@ -4,6 +4,7 @@ line naming the variable."""
 
 from __future__ import annotations
 
+import dataclasses
 import typing
 from dataclasses import fields, replace
 
@@ -20,7 +21,10 @@ PER_CHILD = {"stage", "port", "advertise", "peers", "http_port", "fasth3_adapter
 
 
 def _changed(value, hint: str):
-    """A value other than the default, of the field's type."""
+    """A value other than the default, of the field's type (each field of a nested part)."""
+    if dataclasses.is_dataclass(value):
+        hints = typing.get_type_hints(type(value))
+        return replace(value, **{f.name: _changed(getattr(value, f.name), str(hints[f.name])) for f in fields(value)})
     if "bool" in hint:
         return not value
     if "int" in hint and "float" not in hint:

@@ -35,7 +35,7 @@ def test_one_message_for_the_combination_on_every_surface(capsys):
     for names in (CLI_NAMES, SPEC_NAMES, REQUEST_NAMES):
         assert lever_conflict("fasth3", Levers(fp8=True), names=names) == LEVERS_MESSAGE.format(**names)
         assert lever_conflict("fasth3", quality="high", names=names) == LEVERS_MESSAGE.format(**names)
-        assert lever_conflict("base", Levers(2, "allgather", True, True), "high", names=names) is None
+        assert lever_conflict("base", Levers(resident_blocks=2, offload_mode="allgather", fp8=True, fp8_attention=True), "high", names=names) is None
         assert lever_conflict("fasth3", names=names) is None
     # spec (and, through the same rule, the CRD's CEL)
     d = spec_doc(profile="fasth3", model={"path": "/models/H3", "adapter": {"path": "/models/a", "sha256": SHA}},
@@ -74,7 +74,7 @@ def test_bad_lever_values_name_the_field_and_the_range(capsys):
         H3DeploymentSpec.from_dict(spec_doc(dit={"levers": {"offloadMode": "ring"}}))
     with pytest.raises(RequestError, match="one of lossless | high"):
         validate_request(prompt="a kite", quality="fast")
-    check_combination("base", Levers(2, fp8=True), quality="high")  # allowed: no exception
+    check_combination("base", Levers(resident_blocks=2, fp8=True), quality="high")  # allowed: no exception
 
 
 @pytest.mark.parametrize("placement,stage", [("colocated", "dit"), ("disaggregated", "dit"),
@@ -88,10 +88,11 @@ def test_spec_levers_reach_the_dit_stage_and_its_children(placement, stage, tmp_
     sc = ServiceConfig("h3", "ns", spec, {s: f"{s}:1" for s in ("encoder", "dit", "vae", "muxer")}, "bf16",
                        "cuda").to_dict()
     c = StageConfig.from_service_config(sc, stage)
+    SPEC_LEVERS = Levers(resident_blocks=6, offload_mode="allgather", fp8=True, fp8_attention=True)
     if stage == "encoder" and placement == "disaggregated":
         assert c.levers == Levers(fp8=True)  # the encoder reads FP8 only
         return
-    assert c.levers == Levers(6, "allgather", True, True)
+    assert c.levers == SPEC_LEVERS
     every = build_parser().parse_args(["serve", "--json", "--queue-size", "1", "--fp8", "on", "--fp8-attention", "off"])
     assert every.json and every.queue_size == 1 and every.fp8 and not every.fp8_attention  # the other flags stay
-    assert launched_config(c, "dit", 1234, {}, None, tmp_path).levers == Levers(6, "allgather", True, True)  # a child
+    assert launched_config(c, "dit", 1234, {}, None, tmp_path).levers == SPEC_LEVERS  # a child

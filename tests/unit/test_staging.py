@@ -111,6 +111,6 @@ def test_spec_staging_levers_reach_their_stages(placement):
     sc = ServiceConfig("h3", "ns", spec, {s: f"{s}:1" for s in ("encoder", "dit", "vae", "muxer")}, "bf16",
                        "cuda").to_dict()
     enc, vae, dit = (StageConfig.from_service_config(sc, s) for s in ("encoder", "vae", "dit"))
-    assert enc.encoder_resident_layers == 3 and vae.vae_staged
+    assert enc.levers.encoder_resident_layers == 3 and vae.levers.vae_staged
     if placement == "disaggregated":  # each stage reads only its own
-        assert dit.encoder_resident_layers is None and not dit.vae_staged and not enc.vae_staged
+        assert dit.levers.encoder_resident_layers is None and not dit.levers.vae_staged and not enc.levers.vae_staged

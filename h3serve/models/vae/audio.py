@@ -39,9 +39,10 @@ class AudioVAE:
 
     @classmethod
     def load(cls, checkpoint_dir: str | Path, *, dtype: torch.dtype = torch.float32,
-             device: str | torch.device = "cpu", component: str = "audio_vae") -> "AudioVAE":
+             device: str | torch.device = "cpu", component: str = "audio_vae", staged: bool = False) -> "AudioVAE":
         """Stream ``<checkpoint_dir>/audio_vae`` into the network. ``dtype`` is accepted for symmetry and ignored
-        (logged): the audio VAE stays float32 whatever the pipeline dtype, as in the reference."""
+        (logged): the audio VAE stays float32 whatever the pipeline dtype, as in the reference. ``staged``: then
+        keep it in pinned host memory between requests (lever --vae-staged, `stage`)."""
         # lazy: diffusers takes seconds to import and only loading needs its module class
         from accelerate import init_empty_weights
         from diffusers import AutoencoderKLMiniMaxH3Audio
@@ -54,7 +55,10 @@ class AudioVAE:
         report = load_module_weights(model, ck, component, dtype=torch.float32, device=device)
         model.to(device)
         log.info("audio VAE: %s (float32 on %s; requested dtype %s ignored)", report.summary(), device, dtype)
-        return cls(model)
+        vae = cls(model)
+        if staged:
+            vae.stage()
+        return vae
 
     def stage(self) -> StagedModule:
         """Weights in pinned host memory, on the device for each decode / encode (lever --vae-staged)."""

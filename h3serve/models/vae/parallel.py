@@ -120,9 +120,8 @@ def build_vae_rank(runtime: Runtime, *, checkpoint: str, dtype: torch.dtype, pp:
     def load() -> dict:
         vae = decoder = None
         if runtime.rank < pp:
-            vae = VideoVAE.load(checkpoint, dtype=dtype, device=runtime.device)
-            if staged:  # pp == 1 (config/levers.py: staging_conflict): one whole decode per stage-in
-                vae.stage()
+            # staged only with pp == 1 (config/levers.py: staging_conflict): one whole decode per stage-in
+            vae = VideoVAE.load(checkpoint, dtype=dtype, device=runtime.device, staged=staged)
             decoder = PatchParallelVAE(vae, group, runtime.rank, pp) if pp > 1 else vae
 
         def decode(latents, local):

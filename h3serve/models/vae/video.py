@@ -148,8 +148,9 @@ class VideoVAE:
     # ------------------------------------------------------------------ loading
     @classmethod
     def load(cls, checkpoint_dir: str | Path, *, dtype: torch.dtype = torch.float32,
-             device: str | torch.device = "cpu", component: str = "vae") -> "VideoVAE":
-        """Build the network on the meta device and stream ``<checkpoint_dir>/vae`` into it tensor by tensor.
+             device: str | torch.device = "cpu", component: str = "vae", staged: bool = False) -> "VideoVAE":
+        """Build the network on the meta device and stream ``<checkpoint_dir>/vae`` into it tensor by tensor;
+        ``staged``: then keep it in pinned host memory between requests (lever --vae-staged, `stage`).
 
         With ``dtype=bfloat16`` the encoder, quant_conv, the decoder norms, layer scales and norm_out stay float32
         (the dtype policy of the reference, H3_REFERENCE §1.1); everything else is cast to ``dtype``.
@@ -164,7 +165,10 @@ class VideoVAE:
         report = load_module_weights(model, ck, component, dtype=dtype, keep_fp32=KEEP_FP32["vae"], device=device)
         model.to(device)  # non-persistent buffers (decoder rotary inv_freq) follow the weights
         log.info("video VAE: %s (%s on %s)", report.summary(), dtype, device)
-        return cls(model)
+        vae = cls(model)
+        if staged:
+            vae.stage()
+        return vae
 
     def stage(self) -> StagedModule:
         """Keep the weights in pinned host memory and copy them to the device for each decode / encode (lever

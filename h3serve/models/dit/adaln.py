@@ -125,10 +125,11 @@ def kernel_identity(device: torch.device) -> str:
 
 
 def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
-    """A host copy of `t` (pinned when `pin`, without the caching allocator's power-of-two rounding)."""
+    """A host copy of `t` of its own (pinned when `pin`, without the caching allocator's power-of-two rounding): never
+    a view of a file's mapping, which a file changed in place would pull from under it."""
     t = t.detach()
     if not pin:
-        return t.to("cpu")
+        return t.to("cpu", copy=True)
     buf = host_buffer(t.numel() * t.element_size(), pin=True).view(t.dtype).view(t.shape)
     return buf.copy_(t)
 
@@ -143,6 +144,7 @@ class AdaLNTable:
         self.entries: dict[bytes, Entry] = {}  # the schedule's (built or read), never evicted
         self.computed: OrderedDict[bytes, Entry] = OrderedDict()  # misses, least recently used first
         self.misses = 0
+        self.key: dict | None = None  # what the entries were computed for (`attach_adaln_table`)
         self.path: Path | None = None
         self.build_seconds = 0.0
 
@@ -178,7 +180,7 @@ class AdaLNTable:
             named += [(f"transformer_blocks.{j}.adaln_proj.{n}", p) for n, p in proj.named_parameters()]
         return named + [(f"norm_out.linear.{n}", p) for n, p in self.out_projection.named_parameters()]
 
-    def key(self, model: nn.Module, component: str, inputs: Sequence[torch.Tensor]) -> dict:
+    def make_key(self, model: nn.Module, component: str, inputs: Sequence[torch.Tensor]) -> dict:
         return {
             "format": FORMAT,
             "component": component,
@@ -277,7 +279,7 @@ class AdaLNTable:
                 f"AdaLN table {path}: its tensors do not match the sha256 recorded in its header (the file was "
                 f"changed or is damaged); it is refused: remove it to have it rebuilt")
         for i in range(len(tensors) // 3):
-            ts = tensors[f"{i:05d}.timesteps"]
+            ts = tensors[f"{i:05d}.timesteps"].clone()
             self.entries[timesteps_key(ts)] = Entry(ts, _to_host(tensors[f"{i:05d}.blocks"], pin),
                                                     _to_host(tensors[f"{i:05d}.out"], pin))
         self.path = path
@@ -298,7 +300,7 @@ def attach_adaln_table(model: nn.Module, directory: str | os.PathLike, component
     `directory` when its file for this key is there (refused if changed), else built and written there (a directory
     that cannot be written keeps the table in memory only, with a warning)."""
     table = AdaLNTable.detach(model, device)
-    key = table.key(model, component, inputs)
+    key = table.key = table.make_key(model, component, inputs)
     path = Path(directory) / AdaLNTable.file_name(component, key)
     if path.exists():
         table.load(path, key)

@@ -16,6 +16,7 @@ import torch
 
 from h3serve.config.levers import CLI_NAMES, REQUEST_NAMES, Levers, lever_conflict
 from h3serve.config.request import DEFAULT_STEPS
+from h3serve.config.vocab import PROFILE_TASKS
 from h3serve.errors import ProfileError
 from h3serve.models.dit.layout import (
     AudioRef,
@@ -164,15 +165,15 @@ class DiTEngine:
 
     def use_adaln_table(self, directory: str | Path, *, steps: int | None = None) -> dict[str, AdaLNTable]:
         """Replace every partition's AdaLN projections by a table of their outputs (models/dit/adaln.py) for this
-        profile's schedule at `steps` grid points (default: the profile's) and the tasks the partition serves, read
-        from `directory` when its file is there (refused if changed), else computed on this device and written there.
-        A forward outside the table (another step count) is computed on first use, exactly. Call before
+        profile's schedule at `steps` grid points (default: the profile's) and the profile's tasks on the partition,
+        read from `directory` when its file is there (refused if changed), else computed on this device and written
+        there. A forward outside the table (another step count) is computed on first use, exactly. Call before
         `apply_offload`."""
         video, audio = schedules_for(self.profile, steps if steps is not None else DEFAULT_STEPS[self.profile],
                                      self.shifts)
         for component, model in self.models.items():
             inner = getattr(model, "model", model)
-            tasks = [task for task, c in COMPONENT_FOR_TASK.items() if c == component]
+            tasks = [task for task in PROFILE_TASKS[self.profile] if COMPONENT_FOR_TASK[task] == component]
             table = attach_adaln_table(inner, directory, component, schedule_inputs(video, audio, tasks), self.device)
             self.adaln_tables[component] = table
             log.info("%s: AdaLN table %s", component, table.report())

@@ -8,6 +8,9 @@ inference speed (H3_REFERENCE §2):
 * RoPE cos/sin are built once per forward (fp32 angles from float64 positions cast to fp32, then cast to the
   activation dtype) and shared by every block; only the first 6*rope_freq_dim channels of a head rotate.
 * The output heads run only on their own rows, and norm_out only on those rows.
+* With an AdaLN table (adaln.py) the blocks and norm_out read their projections' outputs for this forward's
+  timesteps from it (`BlockContext.adaln`, `out_modulation`) instead of projecting silu(temb); their weights are then
+  not in the model.
 * Attention is `F.scaled_dot_product_attention` on (B, H, N, Dh) behind `H3Attention.attend`, which a sequence-parallel
   plan (Ulysses / Ring) may replace from outside. Given a `RowShard`, the forward (embed, blocks, heads) runs on the
   shard's rows only and `BlockContext.shard` re-bases the per-row context onto them: the plan adds only the exchange

@@ -233,3 +233,24 @@ def test_mp4_bytes_with_the_table_are_todays(tiny_checkpoint, tmp_path):
         pipe.generate(req, tmp_path / f"table-{dtype}.mp4")
         assert pipe.dit.adaln_tables["transformer"].misses == 0
         assert (tmp_path / f"plain-{dtype}.mp4").read_bytes() == (tmp_path / f"table-{dtype}.mp4").read_bytes()
+
+
+def test_bench_counts_the_released_bytes_and_its_device_part_is_bitwise():
+    """bench/adaln.py: the byte counts of bench/RESULTS.md §15 (H3_REFERENCE §1.2: 260,209,152 parameters an
+    adaln_proj, 28,917,504 in norm_out of which 5,376 are its RMSNorm's), and its device part's smoke run."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, str(repo / "bench" / "adaln.py"), "--parts", "bytes,device", "--device", "cpu",
+           "--layers", "2", "--width", "64", "--frames", "22", "--height", "64", "--width-px", "96"]
+    proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    counts, device = (json.loads(line) for line in proc.stdout.strip().splitlines())
+    assert counts["adaln_proj_bytes_per_block"] == 2 * 260_209_152
+    assert counts["norm_out_linear_bytes"] == 2 * (28_917_504 - 5_376)
+    assert counts["dit_weight_bytes_on_device_table_off"] == 66_280_430_144  # 66,280,430,080 + rope.inv_freq's 64
+    assert counts["dit_weight_bytes_on_device_table_on"] == 66_280_430_144 - 50 * 2 * 260_209_152 - 57_824_256
+    assert counts["table"]["fasth3/transformer"]["entries"] == 4
+    assert device["bitwise_equal"] and device["computed_on_miss"] == 0

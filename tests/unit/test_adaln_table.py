@@ -150,6 +150,10 @@ def test_layerwise_offload_streams_blocks_without_the_projections(tmp_path):
     assert off.block_bytes == plain_off.block_bytes - per_block > 0  # no projection is packed or streamed
     with pytest.raises(ValueError, match="before the layerwise offload"):
         engine.use_adaln_table(tmp_path)
+    twice = DiTEngine({"transformer": tiny_model()}, device=cpu, profile="base")
+    twice.use_adaln_table(tmp_path, steps=req.steps)
+    with pytest.raises(ValueError, match="already in a table"):
+        twice.use_adaln_table(tmp_path, steps=req.steps)
 
 
 def test_projection_weights_are_not_device_parameters(tiny_checkpoint, tmp_path):

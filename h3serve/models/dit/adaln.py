@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from collections import OrderedDict
@@ -125,10 +126,7 @@ def kernel_identity(device: torch.device) -> str:
 
 
 def _host_empty(shape: Sequence[int], dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return host_buffer(n * torch.empty((), dtype=dtype).element_size(), pin=pin).view(dtype).view(tuple(shape))
+    return host_buffer(math.prod(shape) * dtype.itemsize, pin=pin).view(dtype).view(tuple(shape))
 
 
 def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
@@ -161,6 +159,8 @@ class AdaLNTable:
         device = torch.device(device)
         if model.block_runner is not None:
             raise ValueError("attach the AdaLN table before the layerwise offload: it packs every block's weights")
+        if model.adaln_table is not None:
+            raise ValueError("this model's AdaLN projections are already in a table")
         pin = device.type == "cuda"
         projections = []
         for block in model.transformer_blocks:

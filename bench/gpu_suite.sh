@@ -4,7 +4,7 @@
 # installed into /tmp/site; h3serve is imported from the repository root (PYTHONPATH). Every
 # bench prints one JSON line; all output goes to $OUT (default ./out).
 # Steps: env | layer | attention | vae | full50 | tail | parallel | parallel6 | pipeline | gputest | fullckpt |
-# e2e_ours | e2e_variants | e2e_diffusers | levers | staged | fp8test (default: env,layer,vae,full50). `pipeline` runs `h3serve generate` on a
+# e2e_ours | e2e_variants | e2e_diffusers | levers | staged | fp8test | adaln (default: env,layer,vae,full50). `pipeline` runs `h3serve generate` on a
 # tiny checkpoint under each parallel layout; `gputest` runs the NCCL tests (tests/parallel/test_gpu.py; pytest
 # carried in .whl/ when missing).
 #
@@ -67,6 +67,9 @@ if has staged; then  # the whole base pipeline resident vs staged under a device
 fi
 if has levers; then  # offload Pareto, FP8 linears / attention, step reuse (bench/levers.py)
   run levers 560 python3 bench/levers.py --parts ${LEVER_PARTS:-dlo,fp8model,layer,quality} ${LEVER_ARGS:-}
+fi
+if has adaln; then  # the AdaLN table: device bytes, build time, forward with and without it (bench/adaln.py)
+  run adaln 560 python3 bench/adaln.py --parts bytes,device --device cuda ${ADALN_ARGS:-}
 fi
 if has full50; then
   run dit_full50 240 python3 bench/dit_layer.py $GEO --layers 50 --iters 1 --warmup 0 --variants fa3:1

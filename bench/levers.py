@@ -69,6 +69,16 @@ def build(cfg: dict, layers: int, device: torch.device, dtype: torch.dtype, seed
     return model
 
 
+def config_for(width: int | None) -> dict:
+    """The released DiT config, or (CPU smoke runs) one of hidden size `width` with 32-wide heads."""
+    cfg = transformer_config("full")
+    if width:
+        cfg.update(hidden_size=width, num_attention_heads=max(1, width // 32), attention_head_dim=32,
+                   ffn_dim=2 * width, text_dim=width, time_embed_hidden_dim=width, time_embed_dim=width // 2,
+                   rope_freq_dim=4, freq_dim=16)
+    return cfg
+
+
 def geometry(frames: int, height: int, width: int) -> tuple[int, int, int, int]:
     latent_frames = (frames - 5) // 17 * 5 + 2
     return latent_frames, height // 16, width // 16, int(round(frames / 24 * 40))
@@ -384,11 +394,7 @@ def main() -> None:
     a.r_values = [int(v) for v in a.r_values.split(",")]
     a.thresholds = [float(v) for v in a.thresholds.split(",")]
     device = torch.device(a.device)
-    cfg = transformer_config("full")
-    if a.width:
-        cfg.update(hidden_size=a.width, num_attention_heads=max(1, a.width // 32), attention_head_dim=32,
-                   ffn_dim=2 * a.width, text_dim=a.width, time_embed_hidden_dim=a.width, time_embed_dim=a.width // 2,
-                   rope_freq_dim=4, freq_dim=16)
+    cfg = config_for(a.width)
     if device.type == "cuda":
         emit({"part": "env", "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
               "fa3": kernels.fa3_available(device)})

@@ -23,6 +23,10 @@ class AdapterError(CheckpointError):
     """A FastH3 adapter is refused (checksum, format, VSA-only tensors, wrong target)."""
 
 
+class AdaLNTableError(CheckpointError):
+    """An AdaLN table file is refused: made for another key, or its tensors do not match its recorded sha256."""
+
+
 class ProfileError(H3Error):
     """A request or option is not allowed under the chosen profile (e.g. FastH3 is T2VA only)."""
 

@@ -194,6 +194,7 @@ def load_module_weights(
     dtype: torch.dtype | None = None,
     keep_fp32: Iterable[str] = (),
     device: str | torch.device = "cpu",
+    host: Iterable[str] = (),
 ) -> LoadReport:
     """Fill `module` (built normally or on the `meta` device) from a component's safetensors, tensor by tensor.
 
@@ -203,8 +204,9 @@ def load_module_weights(
        the module has.
     2. Stream: read one tensor, fuse the adapter into it (fp32, back to the stored dtype), cast to `dtype` (names
        matching `keep_fp32` become float32 instead; `dtype=None` keeps the stored dtype), move to `device` and put
-       it in the module (in place when dtype/device already agree, else as a new Parameter). No second copy of the
-       state dict is ever made.
+       it in the module (in place when dtype/device already agree, else as a new Parameter); names matching `host`
+       (`name_matches` patterns) stay on the CPU instead, never reaching `device`. No second copy of the state dict
+       is ever made.
     3. Every adapter module must have been used.
 
     Non-persistent buffers (e.g. the DiT's `rope.inv_freq`) are not in checkpoints and are left as the module
@@ -212,7 +214,7 @@ def load_module_weights(
     """
     start = time.perf_counter()
     ck = _as_folder(folder, component)
-    keep = tuple(keep_fp32)
+    keep, on_host = tuple(keep_fp32), tuple(host)
     device = torch.device(device)
     label = ck.weights_label(component)
     expected = _expected_tensors(module)
@@ -263,8 +265,9 @@ def load_module_weights(
                 report.fused += 1
                 tensor = fused
         target = policy(name, stored)
-        if tensor.dtype != target or tensor.device != device:
-            tensor = tensor.to(device=device, dtype=target)
+        where = torch.device("cpu") if on_host and name_matches(name, on_host) else device
+        if tensor.dtype != target or tensor.device != where:
+            tensor = tensor.to(device=where, dtype=target)
         _assign(module, name, expected[name], tensor)
         report.loaded_dtypes[dtype_name(target)] = report.loaded_dtypes.get(dtype_name(target), 0) + 1
         del tensor

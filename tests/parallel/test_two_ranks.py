@@ -53,6 +53,17 @@ def test_cancel_stops_every_rank_at_the_same_step_then_serves_the_next(stage2):
     assert maxdiff((res.video, res.audio), (ref.video, ref.audio)) <= TOL
 
 
+@pytest.mark.parametrize("plan", [(2, 1), (1, 2)], ids=["ulysses2", "ring2"])
+def test_dit_two_ranks_with_the_adaln_table_are_bitwise_as_without(stage2, plan, tmp_path):
+    """Each rank reads its rows from its own table (the same file, written by whichever rank came first)."""
+    want = stage2.call("generate", (plan, dit_request()))
+    got, report = stage2.call("generate_adaln", (plan, dit_request(), str(tmp_path)))
+    assert torch.equal(got.video, want.video) and torch.equal(got.audio, want.audio)
+    assert report["computed_on_miss"] == 0 and report["entries"] > 0
+    assert [p.name for p in tmp_path.iterdir()] == [report["file"].rsplit("/", 1)[1]]
+    assert stage2.last_outcomes == {1: "ok"}
+
+
 # -- encoder TP -------------------------------------------------------------------------------------------------------
 
 def test_encoder_tp2_matches_tp1(stage2, tiny_checkpoint):

@@ -75,7 +75,17 @@ def build_dit(runtime: Runtime, plans):
         finally:
             runtime.store.set(f"test/steps/{runtime.rank}", str(len(steps)))
 
-    return {"forward": forward, "generate": generate}
+    def generate_adaln(payload, local):
+        """The plan's engine with an AdaLN table in `directory` (every rank reads or writes the same file)."""
+        plan, req, directory = payload
+        g = groups[tuple(plan)]
+        if g is None:
+            return None
+        engine = DiTEngine({"transformer": parallelize_dit(tiny_dit(), g)}, device=runtime.device, profile="base")
+        table = engine.use_adaln_table(directory, steps=req.steps)["transformer"]
+        return engine.generate(req), table.report()
+
+    return {"forward": forward, "generate": generate, "generate_adaln": generate_adaln}
 
 
 # ---------------------------------------------------------------------------------------------------------------------

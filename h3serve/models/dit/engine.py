@@ -16,6 +16,7 @@ import torch
 
 from h3serve.config.levers import CLI_NAMES, REQUEST_NAMES, Levers, lever_conflict
 from h3serve.config.request import DEFAULT_STEPS
+from h3serve.config.vocab import PROFILE_TASKS
 from h3serve.errors import ProfileError
 from h3serve.models.dit.layout import (
     AudioRef,
@@ -28,6 +29,7 @@ from h3serve.models.dit.layout import (
 )
 from h3serve.models.dit.loop import denoise, noise_condition_rows, prepare_noise
 from h3serve.models.dit import kernels
+from h3serve.models.dit.adaln import ADALN_WEIGHTS, AdaLNTable, attach_adaln_table, schedule_inputs
 from h3serve.models.dit.model import FP32_MODULES, H3DiT
 from h3serve.models.dit.quant import quantize_dit
 from h3serve.models.dit.reuse import ReuseConfig, StepReuse
@@ -92,6 +94,7 @@ class DiTEngine:
         self.shifts = shifts  # the checkpoint's scheduler/ and audio_scheduler/ shifts
         self.reuse = reuse
         self.levers = Levers()
+        self.adaln_tables: dict[str, AdaLNTable] = {}  # component -> its AdaLN table (`use_adaln_table`)
 
     @classmethod
     def load(
@@ -106,11 +109,17 @@ class DiTEngine:
         adapter_sha256: str | None = None,
         levers: Levers = Levers(),
         offload: bool = True,
+        adaln_table: str | Path | None = None,
+        adaln_steps: int | None = None,
     ) -> "DiTEngine":
         """Build each partition on the meta device and stream its weights in; the adapter file (profile fasth3,
         checked against its sha256) is fused tensor by tensor before the cast, i.e. before any later sharding sees
         the weights, and closed on every path. `levers`: FP8 linears are made here, FP8 attention is chosen here,
-        offload applied here unless `offload=False` (USP: after the cross-rank weight check, `apply_offload`)."""
+        offload applied here unless `offload=False` (USP: after the cross-rank weight check, `apply_offload`).
+
+        `adaln_table` (a directory; None: off): the AdaLN projections' weights are read into host memory only and
+        replaced by a table of their outputs for the profile's schedule (`adaln_steps` grid points; default the
+        profile's), read from or written to that directory (`use_adaln_table`). Lossless for every request."""
         device = torch.device(device)
         conflict = lever_conflict(profile, levers, names=CLI_NAMES)
         if conflict is not None:
@@ -118,17 +127,20 @@ class DiTEngine:
         levers.check()
         fused = Adapter.open(adapter, adapter_sha256) if profile == "fasth3" else None
         try:
-            engine = cls._load(checkpoint, components, dtype, device, profile, fused, levers)
+            engine = cls._load(checkpoint, components, dtype, device, profile, fused, levers,
+                               host=ADALN_WEIGHTS if adaln_table is not None else ())
         finally:
             if fused is not None:
                 fused.close()
+        if adaln_table is not None:
+            engine.use_adaln_table(adaln_table, steps=adaln_steps)
         if offload:
             engine.apply_offload(levers)
         return engine
 
     @classmethod
     def _load(cls, checkpoint, components: Sequence[str], dtype: torch.dtype, device: torch.device, profile: str,
-              adapter: Adapter | None, levers: Levers) -> "DiTEngine":
+              adapter: Adapter | None, levers: Levers, host: Sequence[str] = ()) -> "DiTEngine":
         folder = checked_folder(checkpoint, components)  # refuses what we cannot serve, before any weight
         shifts = flow_shifts(folder)
         models = {}
@@ -138,7 +150,7 @@ class DiTEngine:
                 model = H3DiT(config)
             report = load_module_weights(
                 model, folder, component, adapter=adapter if component == "transformer" else None,
-                dtype=dtype, keep_fp32=FP32_MODULES, device=device,
+                dtype=dtype, keep_fp32=FP32_MODULES, device=device, host=host,
             )
             model.init_buffers(device).eval().requires_grad_(False)
             log.info("%s: %s", component, report.summary())
@@ -150,6 +162,22 @@ class DiTEngine:
         engine = cls(models, device=device, profile=profile, shifts=shifts)
         engine.levers = levers
         return engine
+
+    def use_adaln_table(self, directory: str | Path, *, steps: int | None = None) -> dict[str, AdaLNTable]:
+        """Replace every partition's AdaLN projections by a table of their outputs (models/dit/adaln.py) for this
+        profile's schedule at `steps` grid points (default: the profile's) and the profile's tasks on the partition,
+        read from `directory` when its file is there (refused if changed), else computed on this device and written
+        there. A forward outside the table (another step count) is computed on first use, exactly. Call before
+        `apply_offload`."""
+        video, audio = schedules_for(self.profile, steps if steps is not None else DEFAULT_STEPS[self.profile],
+                                     self.shifts)
+        for component, model in self.models.items():
+            inner = getattr(model, "model", model)
+            tasks = [task for task in PROFILE_TASKS[self.profile] if COMPONENT_FOR_TASK[task] == component]
+            table = attach_adaln_table(inner, directory, component, schedule_inputs(video, audio, tasks), self.device)
+            self.adaln_tables[component] = table
+            log.info("%s: AdaLN table %s", component, table.report())
+        return self.adaln_tables
 
     def apply_offload(self, levers: Levers, group=None) -> None:
         """Layerwise offload of every partition's blocks (`levers.resident_blocks`; no-op when unset). `group`: the

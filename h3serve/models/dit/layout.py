@@ -508,28 +508,50 @@ def build_ref2va_layout(
 # Per-step row timesteps (§2.5)
 
 
-def row_timesteps(
-    layout: PackedLayout,
+CONDITION_ROW_TIMESTEP = 0.999  # visual conditions are held just short of clean
+REFERENCE_AUDIO_TIMESTEP = 1.0  # clean reference audio rows
+
+
+def kind_timesteps(
     video_t: float,
     audio_t: float,
     *,
-    condition_t: float = 0.999,
-    reference_audio_t: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's (timesteps (n_t,) float32 sorted, timestep_indices (S,) int64) for one step, on CPU.
-
-    Text and target video rows take `video_t`, target audio `audio_t`, visual condition rows max(video_t,
-    condition_t), reference audio rows `reference_audio_t`. Values are rounded to float32 first and then made
-    unique, exactly as torch.unique(sorted=True, return_inverse=True) over the per-row float32 vector would do; the
-    work here is per segment, not per row.
-    """
-    value_of = {
+    condition_t: float = CONDITION_ROW_TIMESTEP,
+    reference_audio_t: float = REFERENCE_AUDIO_TIMESTEP,
+) -> dict[str, float]:
+    """The clean time each segment kind is fed at one step: text and target video `video_t`, target audio `audio_t`,
+    visual condition rows max(video_t, condition_t), reference audio rows `reference_audio_t`."""
+    return {
         "text": video_t,
         "video": video_t,
         "condition_video": max(float(video_t), float(condition_t)),
         "audio": audio_t,
         "reference_audio": reference_audio_t,
     }
+
+
+def distinct_timesteps(kinds: Sequence[str], video_t: float, audio_t: float, **times: float) -> torch.Tensor:
+    """The model's timesteps (n_t,) float32 sorted for a layout holding segments of `kinds`: what `row_timesteps`
+    returns for any such layout (the AdaLN table enumerates a schedule's forward inputs with it)."""
+    value_of = kind_timesteps(video_t, audio_t, **times)
+    return torch.unique(torch.tensor([float(value_of[k]) for k in kinds], dtype=torch.float32), sorted=True)
+
+
+def row_timesteps(
+    layout: PackedLayout,
+    video_t: float,
+    audio_t: float,
+    *,
+    condition_t: float = CONDITION_ROW_TIMESTEP,
+    reference_audio_t: float = REFERENCE_AUDIO_TIMESTEP,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's (timesteps (n_t,) float32 sorted, timestep_indices (S,) int64) for one step, on CPU.
+
+    Each row takes its segment kind's time (`kind_timesteps`). Values are rounded to float32 first and then made
+    unique, exactly as torch.unique(sorted=True, return_inverse=True) over the per-row float32 vector would do; the
+    work here is per segment, not per row.
+    """
+    value_of = kind_timesteps(video_t, audio_t, condition_t=condition_t, reference_audio_t=reference_audio_t)
     seg_values = torch.tensor([float(value_of[seg.kind]) for seg in layout.segments], dtype=torch.float32)
     unique, inverse = torch.unique(seg_values, sorted=True, return_inverse=True)
     lengths = torch.tensor([len(seg) for seg in layout.segments], dtype=torch.long)

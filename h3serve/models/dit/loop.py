@@ -20,13 +20,10 @@ import torch
 
 from h3serve.errors import Cancelled
 
-from .layout import AUDIO_CHANNELS, PATCH_SIZE, PackedLayout, patchify, row_timesteps
+from .layout import AUDIO_CHANNELS, CONDITION_ROW_TIMESTEP, PATCH_SIZE, PackedLayout, patchify, row_timesteps
 from .scheduler import FlowSchedule
 
 __all__ = ["Cancelled", "denoise", "noise_condition_rows", "prepare_noise"]
-
-CONDITION_ROW_TIMESTEP = 0.999  # visual conditions are held just short of clean
-
 
 def _randn(shape, generator: torch.Generator | None, device: torch.device | str | None) -> torch.Tensor:
     # Draw on the generator's device, then move: a CPU generator gives the same numbers whatever device runs the model.
@@ -128,9 +125,8 @@ def denoise(
         video_t = float(video_schedule.timesteps[i])
         audio_t = float(audio_schedule.timesteps[i])
         timesteps, timestep_indices = row_timesteps(layout, video_t, audio_t, condition_t=condition_row_timestep)
-        video_v, audio_v = model(
-            video[None], audio[None], text_states, timesteps.to(device), timestep_indices, layout_on_device,
-        )
+        # timesteps stay on the host: the model moves them, and an AdaLN table looks its rows up by their values
+        video_v, audio_v = model(video[None], audio[None], text_states, timesteps, timestep_indices, layout_on_device)
         video[ncv:] = video_schedule.step(video_v[0, ncv:].float(), i, video[ncv:])
         audio[nca:] = audio_schedule.step(audio_v[0, nca:].float(), i, audio[nca:])
         if on_step is not None:

@@ -8,6 +8,9 @@ inference speed (H3_REFERENCE §2):
 * RoPE cos/sin are built once per forward (fp32 angles from float64 positions cast to fp32, then cast to the
   activation dtype) and shared by every block; only the first 6*rope_freq_dim channels of a head rotate.
 * The output heads run only on their own rows, and norm_out only on those rows.
+* With an AdaLN table (adaln.py) the blocks and norm_out read their projections' outputs for this forward's
+  timesteps from it (`BlockContext.adaln`, `out_modulation`) instead of projecting silu(temb); their weights are then
+  not in the model.
 * Attention is `F.scaled_dot_product_attention` on (B, H, N, Dh) behind `H3Attention.attend`, which a sequence-parallel
   plan (Ulysses / Ring) may replace from outside. Given a `RowShard`, the forward (embed, blocks, heads) runs on the
   shard's rows only and `BlockContext.shard` re-bases the per-row context onto them: the plan adds only the exchange
@@ -120,6 +123,10 @@ class BlockContext:
     sin: torch.Tensor  # (S, 3*F)
     runs: list[tuple[int, int, int]] | None
     adaln_rows: torch.Tensor | None  # (S,) int64 on device, gather fallback only
+    # With an AdaLN table (adaln.py): every block's adaln_proj output (L, 3*n_t, 6, D) and norm_out.linear's
+    # (n_t, 2*D) for this forward's timesteps, read instead of projecting temb_act.
+    adaln: torch.Tensor | None = None
+    out_modulation: torch.Tensor | None = None
 
     def shard(self, start: int, stop: int, rows: int | None = None) -> "BlockContext":
         """The context of rows [start, stop) (e.g. a sequence-parallel rank's shard), runs re-based to 0.
@@ -379,17 +386,21 @@ class H3AdaLNModulation(nn.Module):
 class H3Block(nn.Module):
     """x += gate_msa * Attn(norm1(x)*(1+scale_msa)+shift_msa); x += gate_mlp * FF(norm2(x)*(1+scale_mlp)+shift_mlp)."""
 
-    def __init__(self, c: H3DiTConfig):
+    def __init__(self, c: H3DiTConfig, layer: int = 0):
         super().__init__()
+        self.layer = layer  # index in the stack: its slice of an AdaLN table
         self.norm1 = nn.RMSNorm(c.hidden_size, eps=c.norm_eps)
         self.attn = H3Attention(c.hidden_size, c.num_attention_heads, c.attention_head_dim, c.qk_norm_eps)
         self.norm2 = nn.RMSNorm(c.hidden_size, eps=c.norm_eps)
         self.ff = H3FeedForward(c.hidden_size, c.ffn_dim)
-        self.adaln_proj = H3AdaLNModulation(c.time_embed_dim, c.hidden_size)
+        self.adaln_proj = H3AdaLNModulation(c.time_embed_dim, c.hidden_size)  # None once an AdaLN table took it
 
     def forward(self, x: torch.Tensor, ctx: BlockContext) -> torch.Tensor:
         """x (B, S, D) is updated in place and returned."""
-        table = self.adaln_proj(ctx.temb_act)  # (R, 6, D), R = 3*n_t
+        if ctx.adaln is not None:
+            table = ctx.adaln[self.layer]  # (R, 6, D), R = 3*n_t: the table's rows for this forward
+        else:
+            table = self.adaln_proj(ctx.temb_act)  # (R, 6, D)
         if kernels.use_fused(x):
             return self._forward_fused(x, table, ctx)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = table.unbind(1)  # (R, D) each
@@ -418,9 +429,14 @@ class H3OutputNorm(nn.Module):
         self.norm = nn.RMSNorm(hidden_size, eps=eps)
         self.linear = nn.Linear(time_embed_dim, 2 * hidden_size)
 
-    def table(self, temb_act: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(n_t, E) -> shift, 1 + scale, each (n_t, D)."""
-        shift, scale = self.linear(temb_act.to(self.linear.weight.dtype)).chunk(2, dim=-1)
+    def project(self, temb_act: torch.Tensor) -> torch.Tensor:
+        """(n_t, E) -> (n_t, 2*D): the part an AdaLN table stores."""
+        return self.linear(temb_act.to(self.linear.weight.dtype))
+
+    @staticmethod
+    def table(projected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(n_t, 2*D) `project` output -> shift, 1 + scale, each (n_t, D)."""
+        shift, scale = projected.chunk(2, dim=-1)
         return shift, 1.0 + scale
 
 
@@ -440,9 +456,10 @@ class _RowPlan:
 class H3DiT(nn.Module):
     FP32_MODULES = FP32_MODULES
     # Levers set from outside (off by default): a LayerwiseOffload (offload.py) streams the blocks; a StepReuse
-    # (reuse.py) decides per forward which blocks run.
+    # (reuse.py) decides per forward which blocks run; an AdaLNTable (adaln.py) holds the AdaLN projections' outputs.
     block_runner = None
     step_policy = None
+    adaln_table = None
 
     def __init__(self, config: H3DiTConfig):
         super().__init__()
@@ -454,7 +471,7 @@ class H3DiT(nn.Module):
         self.time_embedder = H3TimeEmbedder(c.freq_dim, c.time_embed_hidden_dim, c.time_embed_dim)
         self.rope = H3RotaryEmbedding(c.rope_freq_dim, c.rope_theta)
         self.token_refiner = H3TokenRefiner(c)
-        self.transformer_blocks = nn.ModuleList([H3Block(c) for _ in range(c.num_layers)])
+        self.transformer_blocks = nn.ModuleList([H3Block(c, i) for i in range(c.num_layers)])
         self.norm_out = H3OutputNorm(c.hidden_size, c.time_embed_dim, c.final_norm_eps)
         self.proj_out = nn.Linear(c.hidden_size, c.patch_dim)
         self.audio_proj_out = nn.Linear(c.hidden_size, c.audio_in_channels)
@@ -498,7 +515,8 @@ class H3DiT(nn.Module):
         """Velocities of every video and audio row (with a `shard`: of the shard's own rows only).
 
         video_rows (B, Nv, 96), audio_rows (B, Na, 32), text_states (B, L, text_dim); timesteps (n_t,) distinct clean
-        times in [0, 1]; timestep_indices (S,) into them (CPU is best: the segment plan is built on the host);
+        times in [0, 1] and timestep_indices (S,) into them (CPU is best for both: the segment plan is built and an
+        AdaLN table is looked up on the host);
         layout ideally already on the model's device (it is moved otherwise).
         Returns (B, Nv, 96) and (B, Na, 32) in the heads' dtype (fp32 when cast); with a shard, (B, v1 - v0, 96) and
         (B, a1 - a0, 32) for its `video` / `audio` ranges, and attention must see every shard (a sequence-parallel
@@ -506,7 +524,6 @@ class H3DiT(nn.Module):
         """
         device = self.context_embedder.weight.device
         layout = layout.to(device)  # no-op when the caller already moved it (the loop does, once)
-        timesteps = timesteps.to(device)
         x, ctx, plan = self.embed(video_rows, audio_rows, text_states, timesteps, timestep_indices, layout, shard)
         x = self.step_policy.run(self, x, ctx) if self.step_policy is not None else self.run_blocks(x, ctx)
         return self.heads(x, ctx, plan, timestep_indices, layout, shard)
@@ -568,17 +585,25 @@ class H3DiT(nn.Module):
         x.index_copy_(1, layout.video_indices[v0:v1] - own.start, video)
         x.index_copy_(1, layout.audio_indices[a0:a1] - own.start, audio)
 
-        sinusoid = timestep_sinusoid(timesteps, self.config.freq_dim)  # (n_t, freq_dim) fp32
-        temb = self.time_embedder(sinusoid.to(self.time_embedder.linear_1.weight.dtype))  # (n_t, E)
+        temb_act = self.temb_act(timesteps.to(x.device))  # (n_t, E)
+        adaln = out_modulation = None
+        if self.adaln_table is not None:
+            adaln, out_modulation = self.adaln_table.lookup(timesteps, temb_act)
         cos, sin = self.rope(layout.position_ids, dtype)  # (S, 3F) each, once per forward
         plan = self.plan_rows(timestep_indices, layout)
         rows = None
         if plan.runs is None:
             rows = timestep_indices.to(x.device, torch.long) * NUM_TAGS + layout.token_tags
-        ctx = BlockContext(temb_act=F.silu(temb), cos=cos, sin=sin, runs=plan.runs, adaln_rows=rows)
+        ctx = BlockContext(temb_act=temb_act, cos=cos, sin=sin, runs=plan.runs, adaln_rows=rows, adaln=adaln,
+                           out_modulation=out_modulation)
         if shard is not None:
             ctx = ctx.shard(shard.start, shard.stop, shard.rows)
         return x, ctx, plan
+
+    def temb_act(self, timesteps: torch.Tensor) -> torch.Tensor:
+        """(n_t,) clean times on the model's device -> silu(temb) (n_t, E): the one input of every AdaLN projection."""
+        sinusoid = timestep_sinusoid(timesteps, self.config.freq_dim)  # (n_t, freq_dim) fp32
+        return F.silu(self.time_embedder(sinusoid.to(self.time_embedder.linear_1.weight.dtype)))
 
     def run_blocks(self, x: torch.Tensor, ctx: BlockContext, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Blocks [start, stop) on x (B, S, D), in place."""
@@ -603,7 +628,8 @@ class H3DiT(nn.Module):
         """
         own = shard if shard is not None else RowShard.whole(layout)
         start, stop = own.start, own.stop
-        shift, scale1 = self.norm_out.table(ctx.temb_act)  # (n_t, D) each
+        projected = ctx.out_modulation if ctx.out_modulation is not None else self.norm_out.project(ctx.temb_act)
+        shift, scale1 = self.norm_out.table(projected)  # (n_t, D) each
         outs = []
         for runs, indices, (j0, j1), proj in (
             (plan.video, layout.video_indices, own.video, self.proj_out),

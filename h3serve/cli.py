@@ -10,20 +10,18 @@ of the faces; none of them dodges a cycle).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
 import sys
 import time
-import typing
 
 from h3serve.config.codec import unwrap_optional
 from h3serve.config.levers import CLI_NAMES, LeverError, Levers, check_combination, staging_conflict
 from h3serve.config.levers import add_flags as add_lever_flags, from_args as lever_flags
 from h3serve.config.parallel import ParallelDegrees
 from h3serve.config.request import FIELD_TYPES, REQUEST_FIELDS
-from h3serve.config.stage import API_KEY_ENV, StageConfig
+from h3serve.config.stage import API_KEY_ENV, KNOB_TYPES, KNOBS
 from h3serve.config.vocab import DEFAULT_DTYPE, EXIT_USER_ERROR
 from h3serve.errors import H3Error
 
@@ -226,16 +224,15 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def _serve_arguments(p: argparse.ArgumentParser) -> None:
-    """`h3serve serve`'s flags: one a StageConfig field (its `knob` metadata; --NAME fills StageConfig.NAME), the
-    degrees, the levers (their table), and the launcher's own."""
+    """`h3serve serve`'s flags: one a knob of StageConfig's parts (its `knob` metadata; --NAME fills the knob NAME),
+    the degrees, the levers (their table), and the launcher's own."""
     p.add_argument("--stages", default="all", help="all, or a comma list of encoder,dit,vae,muxer,gateway")
-    hints = typing.get_type_hints(StageConfig)
-    for fl in dataclasses.fields(StageConfig):
+    for fl in KNOBS.values():
         md = fl.metadata
         if md["flag"] is None:
             continue
         flag = md["flag"] or "--" + fl.name.replace("_", "-")
-        kind, _ = unwrap_optional(hints[fl.name])
+        kind, _ = unwrap_optional(KNOB_TYPES[fl.name])
         if kind is bool:   # a switch: on, or off where the field defaults to on (--no-warmup)
             p.add_argument(flag, dest=fl.name, action="store_false" if fl.default else "store_true", help=md["help"])
             continue
@@ -290,8 +287,8 @@ def _gateway_exposure(config) -> None:
     """The gateway's host/key rule, checked before any stage starts (the gateway checks it again when it loads)."""
     from h3serve.services.gateway.auth import check_exposure
 
-    check_exposure(config.api_keys_file, config.no_auth,
-                   (config.host,) + ((config.http_host,) if config.http_port is not None else ()))
+    check_exposure(config.gateway.api_keys_file, config.gateway.no_auth,
+                   (config.server.host,) + ((config.gateway.http_host,) if config.gateway.http_port is not None else ()))
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

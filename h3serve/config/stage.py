@@ -6,6 +6,8 @@ A process the operator starts finds its deployment's `ServiceConfig` at the path
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -55,14 +57,9 @@ def knob(default: Any = None, help: str | None = None, *, flag: str | None = "",
 
 
 @dataclass
-class StageConfig:
-    """Every knob of every stage (a stage reads the ones it uses; see docs/services.md), each with its flag.
+class ModelConfig:
+    """What a model stage loads and how it runs it (the encoder's cache of encodings too)."""
 
-    `h3serve serve`'s flags are generated from these fields (`cli.py`); a launcher's child gets them back whole from
-    the file the launcher writes, an operator's pod from its mounted ServiceConfig (`service_config_values`)."""
-
-    stage: str = knob("gateway", flag=None)   # the one stage this process runs (--stages picks it)
-    # the model a model stage loads
     checkpoint: str | None = knob(None, "diffusers-format H3 folder (encoder, dit, vae stages)")
     profile: str = knob("base", "base | fasth3")
     adapter: str | None = knob(None, "FastH3 adapter (profile fasth3)")
@@ -76,10 +73,26 @@ class StageConfig:
     tasks: str = knob(DEFAULT_TASKS, "tasks served: a comma list of t2va, fl2va, ref2va (ref2va: the DiT also loads "
                                      "transformer_ref/, as large as transformer/)")
     warmup: bool = knob(True, "skip the warm-up request before SERVING", flag="--no-warmup")
-    # parallel degrees of the model stages (encoder TP, DiT Ulysses x Ring, VAE patch parallel): config/parallel.py
-    degrees: ParallelDegrees = knob(factory=ParallelDegrees, flag=None)   # flags: cli.py's degree flags
-    levers: Levers = knob(factory=Levers, flag=None)   # capacity / speed levers, all off; flags: the lever table
-    # the process's server, and its peers
+    fasth3_adapter: str | None = knob(None, "launcher of a base deployment: also run a FastH3 DiT pool with this "
+                                            "adapter on this host")
+    fasth3_adapter_sha256: str | None = knob(None)
+    encoder_cache_bytes: int = knob(ENCODER_CACHE_BYTES, "encoder: bytes of encodings cached for repeated prompts / "
+                                                         "references (0: off)")
+
+    def tasks_for(self, profile: str | None = None) -> tuple[str, ...]:
+        """The tasks served for `profile` (default: this config's): --tasks within what the profile can run."""
+        wanted = [t.strip().lower() for t in self.tasks.split(",") if t.strip()]
+        bad = [t for t in wanted if t not in TASKS]
+        if bad or not wanted:
+            raise H3Error(f"--tasks={self.tasks!r} is invalid: a comma list of {', '.join(TASKS)}")
+        allowed = PROFILE_TASKS.get(profile or self.profile, ("t2va",))
+        return tuple(t for t in TASKS if t in wanted and t in allowed) or ("t2va",)
+
+
+@dataclass
+class ServerConfig:
+    """How a stage process listens, and the peers it may reach."""
+
     host: str = knob("127.0.0.1", "bind address (default loopback)")
     port: int = knob(0, "gRPC port: of the one stage, or of the gateway with stages at +1..+4 (0: free ports)",
                      cli_default=GRPC_PORT)
@@ -101,7 +114,12 @@ class StageConfig:
                                      "--tls-ca)")
     transport: str = knob(GRPC, "VAE -> muxer frame transport: grpc, or nixl (falls back to grpc with a warning when "
                                 "NIXL cannot be loaded or the peers cannot connect)", choices=TRANSPORTS)
-    # gateway
+
+
+@dataclass
+class GatewayConfig:
+    """The gateway: the stages it calls, its HTTP front door, its queue, its jobs and its callers."""
+
     encoder: str | None = knob(None, "gateway: address of the encoder stage", metavar="HOST:PORT")
     dit: str | None = knob(None, "gateway: address of the dit stage", metavar="HOST:PORT")
     vae: str | None = knob(None, "gateway: address of the vae stage", metavar="HOST:PORT")
@@ -136,16 +154,14 @@ class StageConfig:
     model_name: str | None = knob(None, "gateway: model id reported and accepted in requests")
     fasth3_dit: str | None = knob(None, "gateway of a base deployment: a FastH3 DiT pool (profile fasth3), used for "
                                         "model FastH3", metavar="HOST:PORT")
-    fasth3_adapter: str | None = knob(None, "launcher of a base deployment: also run a FastH3 DiT pool with this "
-                                            "adapter on this host")
-    fasth3_adapter_sha256: str | None = knob(None)
-    # encoder
-    encoder_cache_bytes: int = knob(ENCODER_CACHE_BYTES, "encoder: bytes of encodings cached for repeated prompts / "
-                                                         "references (0: off)")
-    # vae: what it sends the muxer, yuv420p planes (1.5 B/px) or rgb24 (3 B/px)
+
+
+@dataclass
+class MediaConfig:
+    """The VAE's frames and the muxer's MP4s and sessions."""
+
     frame_format: str = knob("yuv420p", "vae: frames to the muxer as yuv420p planes made on the device, or rgb24",
                              choices=("yuv420p", "rgb24"))
-    # muxer
     mux_threads: int = knob(16, "muxer: x264 threads (fixed)")   # fixed: the MP4 bytes depend on it
     crf: int = knob(18)
     preset: str = knob("veryfast")
@@ -156,34 +172,71 @@ class StageConfig:
                                           "once")
     tmp_dir: str | None = knob(None, "muxer: where MP4s are assembled")
 
+
+@dataclass
+class StageConfig:
+    """Every knob of every stage process, in parts (a stage reads the ones it uses; see docs/services.md).
+
+    Each knob is declared once, with its flag (`knob`): `h3serve serve`'s flags are generated from the parts
+    (`cli.py`), whose knob names are unique, so `from_knobs` and `replace` take them flat. A launcher's child reads its
+    config back whole from the file the launcher writes (`asdict` / `from_dict`), an operator's pod from its mounted
+    ServiceConfig (`service_config_values`)."""
+
+    stage: str = "gateway"   # the one stage this process runs (--stages picks it)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    # parallel degrees of the model stages (encoder TP, DiT Ulysses x Ring, VAE patch parallel): config/parallel.py;
+    # flags: cli.py's degree flags
+    degrees: ParallelDegrees = field(default_factory=ParallelDegrees)
+    levers: Levers = field(default_factory=Levers)   # capacity / speed levers, all off; flags: the lever table
+    server: ServerConfig = field(default_factory=ServerConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    media: MediaConfig = field(default_factory=MediaConfig)
+
+    @classmethod
+    def from_knobs(cls, **knobs: Any) -> "StageConfig":
+        """A StageConfig from knobs named as their flags are (`port=`, `queue_size=`, ...; `stage`, `degrees` and
+        `levers` as themselves): each goes to its part."""
+        return cls().replace(**knobs)
+
+    def replace(self, **knobs: Any) -> "StageConfig":
+        """This config with the knobs given (named as in `from_knobs`) changed."""
+        parts: dict[str, dict[str, Any]] = {}
+        for name, value in knobs.items():
+            if name in PART_TYPES or name == "stage":
+                parts.setdefault("", {})[name] = value
+            elif name in KNOB_PART:
+                parts.setdefault(KNOB_PART[name], {})[name] = value
+            else:
+                raise TypeError(f"StageConfig has no knob {name!r}")
+        top = parts.pop("", {})
+        top.update({part: dataclasses.replace(getattr(self, part), **values) for part, values in parts.items()})
+        return dataclasses.replace(self, **top)
+
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "StageConfig":
-        """A StageConfig from its `asdict` form (the nested parts as dicts or as their dataclasses)."""
-        nested = {name: tp(**values[name]) if isinstance(values.get(name), dict) else values[name]
-                  for name, tp in NESTED.items() if name in values}
-        return cls(**{**values, **nested})
+        """A StageConfig from its `asdict` form (a launcher child's file)."""
+        return cls(**{k: PART_TYPES[k](**v) if k in PART_TYPES else v for k, v in values.items()})
 
     @classmethod
     def from_service_config(cls, service_config: dict, stage: str) -> "StageConfig":
         """The StageConfig of `stage` in a deployment rendered as `service_config` (`ServiceConfig.to_dict()`)."""
-        return cls(**service_config_values(service_config, stage))
-
-    def tasks_for(self, profile: str | None = None) -> tuple[str, ...]:
-        """The tasks served for `profile` (default: this config's): --tasks within what the profile can run."""
-        wanted = [t.strip().lower() for t in self.tasks.split(",") if t.strip()]
-        bad = [t for t in wanted if t not in TASKS]
-        if bad or not wanted:
-            raise H3Error(f"--tasks={self.tasks!r} is invalid: a comma list of {', '.join(TASKS)}")
-        allowed = PROFILE_TASKS.get(profile or self.profile, ("t2va",))
-        return tuple(t for t in TASKS if t in wanted and t in allowed) or ("t2va",)
+        return cls.from_knobs(**service_config_values(service_config, stage))
 
     @property
     def address(self) -> str:
         """The address peers use: --advertise, else host:port (loopback when bound to every interface)."""
-        return self.advertise or f"{connect_host(self.host)}:{self.port}"
+        return self.server.advertise or f"{connect_host(self.server.host)}:{self.server.port}"
 
 
-NESTED = {"degrees": ParallelDegrees, "levers": Levers}   # StageConfig's nested parts
+# StageConfig's parts, and the part each knob belongs to (knob names are unique across the parts: they are flags)
+PART_TYPES: dict[str, type] = {name: tp for name, tp in typing.get_type_hints(StageConfig).items() if name != "stage"}
+KNOB_PARTS = ("model", "server", "gateway", "media")   # the parts made of knobs (each with its flag)
+KNOB_PART: dict[str, str] = {fl.name: part for part in KNOB_PARTS for fl in dataclasses.fields(PART_TYPES[part])}
+KNOBS: dict[str, dataclasses.Field] = {fl.name: fl for part in KNOB_PARTS for fl in dataclasses.fields(PART_TYPES[part])}
+KNOB_TYPES: dict[str, Any] = {name: tp for part in KNOB_PARTS
+                              for name, tp in typing.get_type_hints(PART_TYPES[part]).items()}
+
+
 
 
 def connect_host(host: str) -> str:

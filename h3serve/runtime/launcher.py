@@ -23,7 +23,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, fields
 from typing import Callable, Mapping
 
 import grpc
@@ -32,7 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from h3serve._proto import common_pb2
 from h3serve.config.levers import from_args as levers_from_args
 from h3serve.config.parallel import ParallelDegrees
-from h3serve.config.stage import (COMPONENT_ENV, CONFIG_ENV, NESTED, STAGE_CONFIG_ENV, StageConfig, connect_host,
+from h3serve.config.stage import (COMPONENT_ENV, CONFIG_ENV, KNOB_PART, STAGE_CONFIG_ENV, StageConfig, connect_host,
                                   service_config_values)
 from h3serve.config.vocab import (EXIT_USER_ERROR, FASTH3_DIT, HTTP_PORT, MODEL_STAGES, PORT_OFFSETS, SERVICE_NAMES,
                                   STAGES, START_ORDER)
@@ -69,16 +69,17 @@ def child_config(config: StageConfig, stage: str, port: int, addresses: dict[str
     stages started here and those given (a `dns:///` target: its name, by its addresses); the gateway also gets
     their addresses and the HTTP port; the FastH3 pool beside a base DiT is the launcher's to start, not a child's."""
     gateway = stage == "gateway"
-    return replace(config, stage=stage, port=port, advertise=None,
-                   peers=",".join(sorted({a.removeprefix("dns:///") for a in addresses.values()})),
-                   http_port=http_port if gateway else None, fasth3_adapter=None, fasth3_adapter_sha256=None,
-                   fasth3_dit=addresses.get(FASTH3_DIT, config.fasth3_dit) if gateway else config.fasth3_dit,
-                   **{s: addresses.get(s) if gateway else None for s in MODEL_STAGES + ("muxer",)})
+    return config.replace(
+        stage=stage, port=port, advertise=None, peers=",".join(sorted({a.removeprefix("dns:///")
+                                                                       for a in addresses.values()})),
+        http_port=http_port if gateway else None, fasth3_adapter=None, fasth3_adapter_sha256=None,
+        fasth3_dit=addresses.get(FASTH3_DIT, config.gateway.fasth3_dit) if gateway else config.gateway.fasth3_dit,
+        **{s: addresses.get(s) if gateway else None for s in MODEL_STAGES + ("muxer",)})
 
 
 def write_child_config(config: StageConfig, folder: str) -> str:
     """`config` as the JSON file a child reads at `$H3SERVE_STAGE_CONFIG` (written whole, then renamed)."""
-    path = os.path.join(folder, f"{config.stage}-{config.port}.json")
+    path = os.path.join(folder, f"{config.stage}-{config.server.port}.json")
     with open(path + ".part", "w") as fh:
         json.dump(asdict(config), fh, sort_keys=True)
     os.replace(path + ".part", path)
@@ -97,7 +98,7 @@ class Launcher:
     def __init__(self, config: StageConfig, stages: list[str], *, base_port: int, http_port: int | None,
                  start_timeout: float, restart: bool, log_level: str, json_output: bool):
         self.config = config
-        if config.fasth3_adapter and "dit" in stages and config.profile == "base":
+        if config.model.fasth3_adapter and "dit" in stages and config.model.profile == "base":
             stages = [*stages, FASTH3_DIT]   # the FastH3 DiT pool beside the base one (gateway: --fasth3-dit)
         self.stages = stages
         self.order = [s for s in START_ORDER if s in stages]
@@ -107,15 +108,15 @@ class Launcher:
         self.restart = restart
         self.log_level = log_level
         self.json_output = json_output
-        host = config.host
+        host = config.server.host
         self.ports = {s: (free_port(host) if base_port == 0 else base_port + PORT_OFFSETS[s]) for s in stages}
         self.http_port = None
         if "gateway" in stages and http_port is not None:
-            self.http_port = free_port(config.http_host) if http_port == 0 else http_port
+            self.http_port = free_port(config.gateway.http_host) if http_port == 0 else http_port
         self.addresses = {s: f"{connect_host(host)}:{p}" for s, p in self.ports.items()}
         for s in MODEL_STAGES + ("muxer",):   # a gateway without local stages talks to the ones given
-            if s not in self.addresses and getattr(config, s):
-                self.addresses[s] = getattr(config, s)
+            if s not in self.addresses and getattr(config.gateway, s):
+                self.addresses[s] = getattr(config.gateway, s)
         tls = Tls.of(config)
         self.credentials = tls.channel_credentials() if tls.enabled else None   # its health checks
         self.base_port = base_port
@@ -125,7 +126,7 @@ class Launcher:
         self.exit_code = 0   # a child's user error (EXIT_USER_ERROR) ends `serve` with it
         self.killed = False   # a second Ctrl-C killed the children
         self._threads: list[threading.Thread] = []
-        self.folder = tempfile.mkdtemp(prefix="h3serve-stages-", dir=config.tmp_dir)  # the children's config files
+        self.folder = tempfile.mkdtemp(prefix="h3serve-stages-", dir=config.media.tmp_dir)  # the children's config files
 
     def planned_ports(self) -> list[tuple[str, int, str]]:
         """(host, port, the flag that sets it) of every port the children will bind."""
@@ -133,15 +134,15 @@ class Launcher:
         for s in self.order:
             flag = f"--port {self.base_port}" if s == "gateway" or not self.base_port else \
                 f"--port {self.base_port} (+{PORT_OFFSETS[s]}: the {s} stage)"
-            out.append((self.config.host, self.ports[s], flag))
+            out.append((self.config.server.host, self.ports[s], flag))
         if self.http_port:
-            out.append((self.config.http_host, self.http_port, f"--http-port {self.http_port}"))
+            out.append((self.config.gateway.http_host, self.http_port, f"--http-port {self.http_port}"))
         return out
 
     def spawn(self, stage: str) -> subprocess.Popen:
         if stage == FASTH3_DIT:
-            fast = replace(self.config, profile="fasth3", adapter=self.config.fasth3_adapter,
-                           adapter_sha256=self.config.fasth3_adapter_sha256)
+            fast = self.config.replace(profile="fasth3", adapter=self.config.model.fasth3_adapter,
+                                       adapter_sha256=self.config.model.fasth3_adapter_sha256)
             config = child_config(fast, "dit", self.ports[stage], self.addresses, None)
         else:
             config = child_config(self.config, stage, self.ports[stage], self.addresses, self.http_port)
@@ -155,7 +156,7 @@ class Launcher:
     def endpoints(self) -> dict:
         out = {"stages": {s: {"address": self.addresses[s], "pid": self.procs[s].pid} for s in self.stages}}
         if "gateway" in self.stages:
-            http_host = connect_host(self.config.http_host)
+            http_host = connect_host(self.config.gateway.http_host)
             out["gateway"] = {"grpc": self.addresses["gateway"],
                               "http": f"{'https' if self.credentials else 'http'}://{http_host}:{self.http_port}"
                               if self.http_port else None}
@@ -308,7 +309,7 @@ class Launcher:
     def what_stops(self) -> str:
         """The line printed at the first Ctrl-C / SIGTERM: what is stopped, in which order, how long at most."""
         rest = [s for s in self.order if s != "gateway" and s in self.procs]
-        first = f"the gateway drains (up to {self.config.grace_s:.0f}s), then " if "gateway" in self.procs else ""
+        first = f"the gateway drains (up to {self.config.server.grace_s:.0f}s), then " if "gateway" in self.procs else ""
         return (f"h3serve: stopping: {first}{', '.join(rest) or 'nothing else'} stop; Ctrl-C again to kill "
                 "them at once")
 
@@ -316,7 +317,7 @@ class Launcher:
         """SIGTERM the gateway, wait for it to drain, then the stages; SIGKILL what overstays. The exit code: 0 when
         every child stopped cleanly, `EXIT_UNCLEAN_STOP` when one had to be killed or exited non-zero."""
         self.stopping.set()
-        grace = self.config.grace_s
+        grace = self.config.server.grace_s
         order = ["gateway"] + [s for s in self.order if s != "gateway"]
         codes = {}
         for group in (["gateway"], [s for s in order if s != "gateway"]):
@@ -354,25 +355,25 @@ def config_from_args(args: argparse.Namespace, stage: str, environ: Mapping[str,
     """
     child = environ.get(STAGE_CONFIG_ENV)
     if child:
-        values = _read_config(child, STAGE_CONFIG_ENV, "the launcher's stage config")
+        try:
+            config = StageConfig.from_dict(_read_config(child, STAGE_CONFIG_ENV, "the launcher's stage config"))
+        except TypeError as exc:  # a key no StageConfig has: a file of another version
+            raise H3Error(f"{STAGE_CONFIG_ENV}={child}: not a StageConfig ({exc})") from None
     else:
-        values = {f.name: getattr(args, f.name) for f in fields(StageConfig)
-                  if f.name not in NESTED and hasattr(args, f.name) and getattr(args, f.name) is not None}
-        values.update(levers=levers_from_args(args),
-                      degrees=ParallelDegrees(**{f.name: getattr(args, f.name) for f in fields(ParallelDegrees)}))
-    values["stage"] = stage
+        config = StageConfig.from_knobs(
+            **{name: getattr(args, name) for name in KNOB_PART if getattr(args, name, None) is not None},
+            levers=levers_from_args(args),
+            degrees=ParallelDegrees(**{f.name: getattr(args, f.name) for f in fields(ParallelDegrees)}))
+    config = config.replace(stage=stage)
     path = environ.get(CONFIG_ENV)
     if path:
         doc = _read_config(path, CONFIG_ENV, "the mounted ServiceConfig")
         try:
             pool = FASTH3_DIT if stage == "dit" and environ.get(COMPONENT_ENV) == FASTH3_DIT else stage
-            values.update(service_config_values(doc, pool))
+            config = config.replace(**service_config_values(doc, pool))
         except (KeyError, TypeError, ValueError) as exc:   # not a ServiceConfig the operator rendered
             raise H3Error(f"{CONFIG_ENV}={path}: not a ServiceConfig ({type(exc).__name__}: {exc})") from None
-    try:
-        return StageConfig.from_dict(values)
-    except TypeError as exc:  # a key no StageConfig has: a file of another version
-        raise H3Error(f"{STAGE_CONFIG_ENV}={child}: not a StageConfig ({exc})") from None
+    return config
 
 
 def _read_config(path: str, env: str, what: str) -> dict:
@@ -416,41 +417,41 @@ def serve_main(args: argparse.Namespace, servicers: Callable[[str], ServicerFact
     config = config_from_args(args, stages[0] if len(stages) == 1 else "gateway")
     for s in stages:   # before any process starts: a stage beyond loopback needs mTLS (or --no-peer-auth)
         check_stage_exposure(config if s == config.stage else config_from_args(args, s))
-    if config.http_port is None and "gateway" in stages:
-        config = replace(config, http_port=HTTP_PORT)
+    if config.gateway.http_port is None and "gateway" in stages:
+        config = config.replace(http_port=HTTP_PORT)
     for s, check in (prechecks or {}).items():
         if s in stages:
-            check(config if s == config.stage else replace(config_from_args(args, s), http_port=config.http_port))
-    if any(s in MODEL_STAGES for s in stages) and not config.checkpoint:
+            check(config if s == config.stage else config_from_args(args, s).replace(http_port=config.gateway.http_port))
+    if any(s in MODEL_STAGES for s in stages) and not config.model.checkpoint:
         raise H3Error("--checkpoint DIR is required to serve " + ", ".join(s for s in stages if s in MODEL_STAGES))
-    if config.checkpoint:
-        check_checkpoint(config.checkpoint, stages)
-    degrees = ranks.validate_degrees(config.degrees, config.checkpoint)
+    if config.model.checkpoint:
+        check_checkpoint(config.model.checkpoint, stages)
+    degrees = ranks.validate_degrees(config.degrees, config.model.checkpoint)
     env = ranks.dist_env() if any(ranks.stage_degree(degrees, s) > 1 for s in stages) else None
     if env is not None and len(stages) > 1:
         raise H3Error(f"--stages {args.stages} with RANK/WORLD_SIZE of a multi-node or torchrun world: each model "
                       "stage is its own world there; run one stage per process (--stages encoder|dit|vae)")
     if env is None and not degrees.trivial:   # launched here: rank r of each stage on cuda:r
-        check_ranks_fit(degrees, config.device, [s for s in stages if s in MODEL_STAGES])
+        check_ranks_fit(degrees, config.model.device, [s for s in stages if s in MODEL_STAGES])
     if len(stages) == 1:
         if env is not None and env["rank"] != 0:   # a joined rank other than 0: its part of the model, no gRPC
             return ranks.run_peer(stages[0], config, degrees)
         if stages[0] == "gateway":
-            missing = [s for s in MODEL_STAGES + ("muxer",) if not getattr(config, s)]
+            missing = [s for s in MODEL_STAGES + ("muxer",) if not getattr(config.gateway, s)]
             if missing:
                 raise H3Error("a lone gateway needs the stage addresses: " +
                               " ".join(f"--{s} HOST:PORT" for s in missing))
-        ports = [(config.host, config.port, f"--port {config.port}")]
-        if stages[0] == "gateway" and config.http_port:
-            ports.append((config.http_host, config.http_port, f"--http-port {config.http_port}"))
+        ports = [(config.server.host, config.server.port, f"--port {config.server.port}")]
+        if stages[0] == "gateway" and config.gateway.http_port:
+            ports.append((config.gateway.http_host, config.gateway.http_port, f"--http-port {config.gateway.http_port}"))
         check_ports(ports)   # before the model loads
         return run_stage(config, servicers(stages[0]))
     if "gateway" in stages:
-        missing = [s for s in MODEL_STAGES + ("muxer",) if s not in stages and not getattr(config, s)]
+        missing = [s for s in MODEL_STAGES + ("muxer",) if s not in stages and not getattr(config.gateway, s)]
         if missing:
             raise H3Error("the gateway needs every stage: serve them here or give " +
                           " ".join(f"--{s} HOST:PORT" for s in missing))
-    launcher = Launcher(config, stages, base_port=config.port, http_port=config.http_port,
+    launcher = Launcher(config, stages, base_port=config.server.port, http_port=config.gateway.http_port,
                         start_timeout=args.start_timeout, restart=not args.no_restart,
                         log_level=args.log_level, json_output=args.json)
     check_ports(launcher.planned_ports())   # before any child starts: a busy port is one line, not a restart loop

@@ -37,7 +37,7 @@ class StageCollector:
             last_seconds = s.last_seconds
         if s.stage != "dit":
             return float(len(active))  # prompts / clips / sessions admitted and not finished
-        forwards = DEFAULT_STEPS[s.config.profile or "base"] - 1
+        forwards = DEFAULT_STEPS[s.config.model.profile or "base"] - 1
         per_step = last_seconds / last.units if last is not None and last.units else 1.0
         return sum(max(0, forwards - sc.units) for sc in active) * per_step
 

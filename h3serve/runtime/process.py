@@ -99,7 +99,7 @@ class StageProcess:
         self.health.set(False)
         self.servicer = servicer_factory(config, self.health)
         max_message = max(MESSAGE_LIMIT, getattr(self.servicer, "max_message", MESSAGE_LIMIT))
-        self.server = grpc.server(ThreadPoolExecutor(max_workers=config.rpc_workers,
+        self.server = grpc.server(ThreadPoolExecutor(max_workers=config.server.rpc_workers,
                                                      thread_name_prefix=f"grpc-{config.stage}"),
                                   options=server_options(max_message),
                                   interceptors=(HealthPid(), RefuseUnparsable(),
@@ -111,28 +111,28 @@ class StageProcess:
             self.server)
         # TLS when configured (plaintext is then refused); stages other than the gateway require a peer certificate
         try:
-            self.port = Tls.of(config).add_port(self.server, f"{config.host}:{config.port}",
+            self.port = Tls.of(config).add_port(self.server, f"{config.server.host}:{config.server.port}",
                                                 require_client=config.stage != "gateway")
         except RuntimeError:   # grpcio raises where older releases returned 0
             self.port = 0
         if not self.port:
-            check_ports([(config.host, config.port, f"--port {config.port}")])   # the usual reason, named
-            raise H3Error(f"--port {config.port}: the {config.stage} stage cannot listen on {config.host}:"
-                          f"{config.port}")
-        config.port = self.port
+            server = config.server
+            check_ports([(server.host, server.port, f"--port {server.port}")])   # the usual reason, named
+            raise H3Error(f"--port {server.port}: the {config.stage} stage cannot listen on {server.host}:{server.port}")
+        config.server.port = self.port   # the servicer's config too: it advertises this address
         self.server.start()
-        serve_metrics(self.servicer, config.host)  # a stage's /metrics, when $H3SERVE_METRICS_PORT is set
+        serve_metrics(self.servicer, config.server.host)  # a stage's /metrics, when $H3SERVE_METRICS_PORT is set
 
     @property
     def address(self) -> str:
-        return f"{self.config.host}:{self.port}"
+        return f"{self.config.server.host}:{self.port}"
 
     def load(self) -> None:
         t0 = time.perf_counter()
         c = self.config
-        if c.checkpoint_manifest_sha256 and c.checkpoint and c.stage in STAGE_FOLDERS:
-            n = verify_manifest(c.checkpoint, c.checkpoint_manifest_sha256, stage=c.stage)
-            log.info("%s: %d checkpoint files match the manifest %s", c.stage, n, c.checkpoint_manifest_sha256)
+        if c.model.checkpoint_manifest_sha256 and c.model.checkpoint and c.stage in STAGE_FOLDERS:
+            n = verify_manifest(c.model.checkpoint, c.model.checkpoint_manifest_sha256, stage=c.stage)
+            log.info("%s: %d checkpoint files match the manifest %s", c.stage, n, c.model.checkpoint_manifest_sha256)
         self.servicer.load()
         self.servicer.load_seconds = time.perf_counter() - t0
         self.servicer.ready = True
@@ -142,7 +142,7 @@ class StageProcess:
 
     def shutdown(self, grace: float | None = None) -> None:
         """Stop admitting, let in-flight work finish within `grace` seconds, cancel what is left, stop."""
-        grace = self.config.grace_s if grace is None else grace
+        grace = self.config.server.grace_s if grace is None else grace
         self.health_servicer.enter_graceful_shutdown()
         self.servicer.ready = False
         self.servicer.drain()
@@ -197,7 +197,7 @@ def run_stage(config: StageConfig, servicer_factory: ServicerFactory) -> int:
              load_seconds=round(proc.servicer.load_seconds, 3))
     while not stop.wait(0.5):
         pass
-    log.info("%s: signal %s: draining (grace %.1fs)", config.stage, signals[:1], config.grace_s)
+    log.info("%s: signal %s: draining (grace %.1fs)", config.stage, signals[:1], config.server.grace_s)
     proc.shutdown()
     announce("stopped", stage=config.stage, pid=os.getpid())
     return 0

@@ -126,18 +126,18 @@ def build_stage_rank(runtime, stage: str, threads: int, kwargs: dict) -> dict:
 
 def _build_args(stage: str, c, degrees: ParallelDegrees) -> tuple:
     """(build, build args) of the stage's world, from its StageConfig: the rank builder's keyword arguments."""
-    common = {"checkpoint": c.checkpoint, "dtype": TORCH_DTYPES[c.dtype]}
+    common = {"checkpoint": c.model.checkpoint, "dtype": TORCH_DTYPES[c.model.dtype]}
     if stage == "encoder":
         kwargs = dict(common, tp=degrees.encoder_tp, fp8=c.levers.fp8,
                       resident_layers=c.levers.encoder_resident_layers)
     elif stage == "dit":
-        kwargs = dict(common, components=("transformer",), profile=c.profile, adapter=c.adapter,
-                      adapter_sha256=c.adapter_sha256, ulysses=degrees.ulysses, ring=degrees.ring, levers=c.levers)
+        kwargs = dict(common, components=("transformer",), profile=c.model.profile, adapter=c.model.adapter,
+                      adapter_sha256=c.model.adapter_sha256, ulysses=degrees.ulysses, ring=degrees.ring, levers=c.levers)
     elif stage == "vae":
         kwargs = dict(common, pp=degrees.vae_pp)
     else:
         raise H3Error(f"the {stage} stage has no parallel ranks")
-    return build_stage_rank, (stage, c.threads, kwargs)
+    return build_stage_rank, (stage, c.model.threads, kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -154,7 +154,7 @@ def _spawn_node_peers(env: dict[str, int], build, args: tuple, timeout_s: float,
 def start_stage(stage: str, config, degrees: ParallelDegrees, *, timeout_s: float = 600.0) -> StageHandle:
     """Rank 0 of the stage's world: launch the ranks here, or join the world the environment describes."""
     build, args = _build_args(stage, config, degrees)
-    device = pick_device(config.device).type
+    device = pick_device(config.model.device).type
     env = dist_env()
     if env is None:
         return launch(stage_degree(degrees, stage), build, args, device=device, timeout_s=timeout_s)
@@ -204,10 +204,10 @@ def run_peer(stage: str, config, degrees: ParallelDegrees, *, timeout_s: float =
     assert env is not None and env["rank"] != 0
     check_joinable(stage, degrees, env)
     build, args = _build_args(stage, config, degrees)
-    health = FollowerHealth(config.host, config.port) if int(os.environ.get("LOCAL_RANK", "0") or 0) == 0 else None
+    health = FollowerHealth(config.server.host, config.server.port) if int(os.environ.get("LOCAL_RANK", "0") or 0) == 0 else None
     try:
         procs = [] if env["torchrun"] or env["nproc"] <= 1 else \
-            _spawn_node_peers(env, build, args, timeout_s, pick_device(config.device).type)
+            _spawn_node_peers(env, build, args, timeout_s, pick_device(config.model.device).type)
         log.info("%s: rank %d of %d joined (gRPC health only on this rank)", stage, env["rank"], env["world"])
         join_from_env(build, args, timeout_s=timeout_s,
                       on_ready=(lambda: health.set(True)) if health is not None else None)

@@ -156,11 +156,11 @@ class StageBase:
         self.load_error = ""   # why load failed when the stage stays up NOT_SERVING (IntegrityError)
         self.ready = False
         self.parallel = None   # h3serve.runtime.ranks.ParallelStage when the stage has several ranks
-        self.transport = TransportChoice.undecided(config.transport or GRPC)   # decided at load: choose_transport
+        self.transport = TransportChoice.undecided(config.server.transport or GRPC)   # decided at load: choose_transport
         self._channels: dict[str, grpc.Channel] = {}   # to the stages this one streams to, by address
         self._channels_lock = threading.Lock()
         self.tls = Tls.of(config)
-        self.peers = parse_peers(config.peers)
+        self.peers = parse_peers(config.server.peers)
         if self.peers is None and self.stage in SINKS:
             log.warning("%s: --peers not set: this stage dials any address a request names as its sink",
                         self.stage)
@@ -175,8 +175,8 @@ class StageBase:
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     def _init_engine_thread(self) -> None:
-        if self.config.threads:
-            torch.set_num_threads(self.config.threads)
+        if self.config.model.threads:
+            torch.set_num_threads(self.config.model.threads)
 
     def register(self, server) -> None:
         raise NotImplementedError
@@ -199,7 +199,7 @@ class StageBase:
 
     def _on_engine(self, scope: RequestScope, fn: Callable[[], Any]) -> Any:
         self.engine_scope = scope
-        peak = PeakMemory(self.config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        peak = PeakMemory(self.config.model.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         hook = None
         # one long forward (a huge prompt): stop between modules (one rank only: ranks must not part mid-forward)
         if self.checks_modules and self.parallel is None:
@@ -264,8 +264,8 @@ class StageBase:
     def info(self) -> dict:
         """The Status details (`StageStatus.info_json`). Every stage: `transport` ({requested, chosen, reason},
         stages with NIXL edges add `edge` and `last_stream`); stages with attention: `attention`."""
-        out = {"load_seconds": round(self.load_seconds, 3), "profile": self.config.profile,
-               "dtype": self.config.dtype, "threads": self.config.threads, "transport": self.transport.summary()}
+        out = {"load_seconds": round(self.load_seconds, 3), "profile": self.config.model.profile,
+               "dtype": self.config.model.dtype, "threads": self.config.model.threads, "transport": self.transport.summary()}
         attention = self.attention()
         if attention is not None:
             out["attention"] = attention

@@ -98,12 +98,12 @@ def peer_identity(context) -> str:
 def check_stage_exposure(config: StageConfig) -> None:
     """A stage other than the gateway listens beyond loopback only with mTLS, or with --no-peer-auth (its port
     fenced by a network policy): otherwise one line saying how to fix it."""
-    if config.stage == "gateway" or is_loopback(config.host) or config.no_peer_auth:
+    if config.stage == "gateway" or is_loopback(config.server.host) or config.server.no_peer_auth:
         return
     tls = Tls.of(config)
     if tls.enabled and tls.ca is not None:
         return
-    raise H3Error(f"the {config.stage} would listen on {config.host} without mTLS, open to anyone who reaches it: "
+    raise H3Error(f"the {config.stage} would listen on {config.server.host} without mTLS, open to anyone who reaches it: "
                   "give --tls-cert FILE --tls-key FILE --tls-ca FILE (peers then need a certificate of that CA), "
                   "listen on loopback (--host 127.0.0.1), or give --no-peer-auth where a network policy fences "
                   "the port")
@@ -120,7 +120,7 @@ class Tls:
 
     @classmethod
     def of(cls, config: StageConfig) -> "Tls":
-        tls = cls(config.tls_cert, config.tls_key, config.tls_ca, config.tls_peer_name)
+        tls = cls(config.server.tls_cert, config.server.tls_key, config.server.tls_ca, config.server.tls_peer_name)
         if (tls.cert is None) != (tls.key is None):
             raise H3Error("--tls-cert and --tls-key go together: give both or neither")
         if tls.ca is not None and tls.cert is None:

@@ -33,8 +33,8 @@ log = logging.getLogger("h3serve.dit")
 
 def served_tasks(config: StageConfig) -> tuple[str, ...]:
     """--tasks within the profile, whose DiT partition the checkpoint holds (ref2va needs `transformer_ref/`)."""
-    entries = set(CheckpointFolder(config.checkpoint, components=[]).components)
-    return tuple(t for t in config.tasks_for() if COMPONENT_FOR_TASK[t] in entries)
+    entries = set(CheckpointFolder(config.model.checkpoint, components=[]).components)
+    return tuple(t for t in config.model.tasks_for() if COMPONENT_FOR_TASK[t] in entries)
 
 
 def _unwrap(msg):
@@ -80,7 +80,7 @@ class DiTServicer(StageBase):
 
     def _load(self) -> None:
         c = self.config
-        device = self.device = pick_device(c.device)
+        device = self.device = pick_device(c.model.device)
         self.tasks = served_tasks(c)
         components = tuple(sorted({COMPONENT_FOR_TASK[t] for t in self.tasks}))
         if self.start_ranks() is not None:   # --ulysses x --ring: every rank loads (and fuses) the DiT itself
@@ -88,14 +88,14 @@ class DiTServicer(StageBase):
             # the ranks load the t2va / fl2va partition only (runtime/ranks.py)
             self.tasks = tuple(t for t in self.tasks if COMPONENT_FOR_TASK[t] == "transformer")
         else:
-            self.engine = DiTEngine.load(c.checkpoint, components=components, dtype=TORCH_DTYPES[c.dtype],
-                                         device=device, profile=c.profile, adapter=c.adapter,
-                                         adapter_sha256=c.adapter_sha256, levers=c.levers)
-        if c.warmup:   # one forward at the smallest geometry: kernels, allocator, lazy init
+            self.engine = DiTEngine.load(c.model.checkpoint, components=components, dtype=TORCH_DTYPES[c.model.dtype],
+                                         device=device, profile=c.model.profile, adapter=c.model.adapter,
+                                         adapter_sha256=c.model.adapter_sha256, levers=c.levers)
+        if c.model.warmup:   # one forward at the smallest geometry: kernels, allocator, lazy init
             model = self.engine.models["transformer"]
             req = DiTRequest(text_states=torch.zeros(1, 4, model.config.text_dim), text_tags=torch.ones(4, dtype=torch.long),
                              latent_frames=2, latent_h=2, latent_w=2, audio_latents=4, seed=0, task="t2va",
-                             profile=c.profile, steps=None if c.profile == "fasth3" else 2)
+                             profile=c.model.profile, steps=None if c.model.profile == "fasth3" else 2)
             out = self.engine.generate(req)
             self.check_finite(video_latents=out.video, audio_latents=out.audio)
 
@@ -119,7 +119,7 @@ class DiTServicer(StageBase):
         task = p.task or "t2va"
         if task not in self.tasks:
             raise RequestError("task", p.task, f"this DiT serves {' | '.join(self.tasks)} (profile "
-                                               f"{self.config.profile})")
+                                               f"{self.config.model.profile})")
         quality = p.quality or DEFAULT_QUALITY
         if quality not in QUALITIES:
             raise RequestError("quality", p.quality, "one of " + " | ".join(QUALITIES))
@@ -134,8 +134,8 @@ class DiTServicer(StageBase):
             for name in ("text_states", "text_tags"):
                 if name not in tensors:
                     raise RequestError(name, None, "the DiT needs text_states (1, L, D) and text_tags (L,)")
-            if p.profile != self.config.profile:
-                raise RequestError("profile", p.profile, f"this DiT serves profile {self.config.profile!r}")
+            if p.profile != self.config.model.profile:
+                raise RequestError("profile", p.profile, f"this DiT serves profile {self.config.model.profile!r}")
             model = getattr(self.engine, "models", {}).get("transformer")
             check_text(tensors["text_states"], tensors["text_tags"], getattr(getattr(model, "config", None),
                                                                             "text_dim", None))

@@ -39,7 +39,7 @@ class EncoderServicer(StageBase):
         super().__init__(config, health)
         self.encoder = None
         self.short_edge = cond.DEFAULT_REFERENCE_SHORT_EDGE
-        self.cache = EncodeCache(config.encoder_cache_bytes)
+        self.cache = EncodeCache(config.model.encoder_cache_bytes)
         self.identity = ""
 
     def register(self, server) -> None:
@@ -50,17 +50,17 @@ class EncoderServicer(StageBase):
 
         def load():
             self.short_edge = cond.reference_short_edge(
-                CheckpointFolder(self.config.checkpoint, components=[]).pipeline_config)
-            self.identity = checkpoint_identity(self.config.checkpoint)
-            device = pick_device(self.config.device)
+                CheckpointFolder(self.config.model.checkpoint, components=[]).pipeline_config)
+            self.identity = checkpoint_identity(self.config.model.checkpoint)
+            device = pick_device(self.config.model.device)
             if self.start_ranks() is not None:   # --encoder-tp: the decoder sharded over the stage's ranks
                 self.encoder = EncoderProxy(self.parallel)
                 device = self.encoder.device
             else:
-                self.encoder = TextEncoder.load(self.config.checkpoint, dtype=TORCH_DTYPES[self.config.dtype],
+                self.encoder = TextEncoder.load(self.config.model.checkpoint, dtype=TORCH_DTYPES[self.config.model.dtype],
                                                 device=device).apply_levers(
                     fp8=self.config.levers.fp8, resident_layers=self.config.levers.encoder_resident_layers)
-            if self.config.warmup:
+            if self.config.model.warmup:
                 self.check_finite(text_states=self.encoder.encode("warm-up", task="t2va").states)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -112,7 +112,7 @@ class EncoderServicer(StageBase):
         return {**super().info(), "cache": self.cache.snapshot()}
 
     def _key(self, **parts) -> str:
-        return cache_key(identity=self.identity, dtype=self.config.dtype, layer=DEFAULT_LAYER,
+        return cache_key(identity=self.identity, dtype=self.config.model.dtype, layer=DEFAULT_LAYER,
                          short_edge=self.short_edge, **parts)
 
     def _encode(self, scope, work, key: str):

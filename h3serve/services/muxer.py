@@ -96,13 +96,13 @@ class MuxerServicer(StageBase):
         super().__init__(config, health)
         self.sessions: SessionTable[MuxSession] = SessionTable(
             "muxer", unknown_hint=" (unknown, expired or already fetched)", claimed_state="pushing",
-            cap=config.max_sessions, cap_flag="--max-sessions",
-            peer_cap=config.max_sessions_per_peer, peer_cap_flag="--max-sessions-per-peer")
-        self.tmp_dir = config.tmp_dir or tempfile.mkdtemp(prefix="h3serve-mux-")
-        self._own_tmp = config.tmp_dir is None
+            cap=config.media.max_sessions, cap_flag="--max-sessions",
+            peer_cap=config.media.max_sessions_per_peer, peer_cap_flag="--max-sessions-per-peer")
+        self.tmp_dir = config.media.tmp_dir or tempfile.mkdtemp(prefix="h3serve-mux-")
+        self._own_tmp = config.media.tmp_dir is None
         os.makedirs(self.tmp_dir, exist_ok=True)
         self._sweeper = threading.Thread(target=self._sweep, name="h3serve-mux-sweeper", daemon=True)
-        self.writer_options = dict(crf=config.crf, preset=config.preset, threads=config.mux_threads)
+        self.writer_options = dict(crf=config.media.crf, preset=config.media.preset, threads=config.media.mux_threads)
         self.last_transport: dict | None = None   # the frame edge's last stream
 
     def register(self, server) -> None:
@@ -110,7 +110,7 @@ class MuxerServicer(StageBase):
 
     def load(self) -> None:
         self.choose_transport()   # what this replica can offer on the frame edge
-        if self.config.warmup:   # PyAV, x264 and AAC present and working
+        if self.config.model.warmup:   # PyAV, x264 and AAC present and working
             with Mp4Writer(io.BytesIO(), 64, 64, tmp_dir=self.tmp_dir, **self.writer_options) as writer:
                 writer.add_frames(tuple(np.zeros((2, s, s), np.uint8) for s in (64, 32, 32)))   # Y, U, V
                 writer.add_audio(np.zeros((2, 2048), np.float32))
@@ -169,17 +169,17 @@ class MuxerServicer(StageBase):
             raise RequestError("expected_frames", r.expected_frames, f"frames in [0, {most}] (0: not checked; "
                                                                      f"{MAX_DURATION:g} s at {r.fps} fps at most)")
         _transport("transport", r.transport)
-        limit = self.config.max_session_ttl_s
+        limit = self.config.media.max_session_ttl_s
         if not (r.ttl_s == 0 or (math.isfinite(r.ttl_s) and 0 < r.ttl_s <= limit)):
             raise RequestError("ttl_s", r.ttl_s, f"seconds in (0, {limit:g}] (0: the default, "
-                                                 f"{self.config.session_ttl_s:g})")
+                                                 f"{self.config.media.session_ttl_s:g})")
         transport = r.transport or GRPC
         sid = secrets.token_hex(12)
         # nixl: what this replica offers (the pool is registered when the VAE connects); grpc needs nothing
         metadata = session_offer(self.transport.chosen, self.transport.reason) if transport == NIXL else b""
         session = MuxSession(id=sid, request_id=r.request_id, width=r.width, height=r.height, fps=r.fps,
                              sample_rate=r.sample_rate, channels=r.channels, expected_frames=r.expected_frames,
-                             transport=transport, ttl_s=r.ttl_s if r.ttl_s > 0 else self.config.session_ttl_s,
+                             transport=transport, ttl_s=r.ttl_s if r.ttl_s > 0 else self.config.media.session_ttl_s,
                              path=os.path.join(self.tmp_dir, f"{sid}.mp4"), peer=peer_identity(context))
         self.sessions.add(session)
         return muxer_pb2.OpenSessionResponse(session_id=sid, address=self.config.address,

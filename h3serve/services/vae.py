@@ -81,19 +81,19 @@ class VAEServicer(StageBase):
 
     def _load(self) -> None:
         self.short_edge = cond.reference_short_edge(
-            CheckpointFolder(self.config.checkpoint, components=[]).pipeline_config)
-        device = pick_device(self.config.device)
+            CheckpointFolder(self.config.model.checkpoint, components=[]).pipeline_config)
+        device = pick_device(self.config.model.device)
         conflict = staging_conflict(self.config.levers, self.config.degrees.vae_pp)
         if conflict is not None:
             raise H3Error(conflict)
         if self.start_ranks() is not None:   # --vae-pp: tiles decoded on every rank, stitched here (rank 0)
             self.video_vae = VideoVAEProxy(self.parallel)
         else:
-            self.video_vae = VideoVAE.load(self.config.checkpoint, dtype=TORCH_DTYPES[self.config.dtype],
+            self.video_vae = VideoVAE.load(self.config.model.checkpoint, dtype=TORCH_DTYPES[self.config.model.dtype],
                                            device=device, staged=self.config.levers.vae_staged)
-        self.audio_vae = AudioVAE.load(self.config.checkpoint, dtype=torch.float32, device=device,
+        self.audio_vae = AudioVAE.load(self.config.model.checkpoint, dtype=torch.float32, device=device,
                                        staged=self.config.levers.vae_staged)
-        if self.config.warmup:   # one window at the smallest size, and a short audio decode
+        if self.config.model.warmup:   # one window at the smallest size, and a short audio decode
             for clip in self.video_vae.iter_decode_float(torch.zeros(1, self.video_vae.latent_channels, 7, 2, 2)):
                 self.check_finite(video=clip)
             self.check_finite(audio=self.audio_vae.decode(torch.zeros(2, self.audio_vae.latent_channels, 4)))
@@ -262,7 +262,7 @@ class VAEServicer(StageBase):
         "frames" (n, H, W, 3) uint8 RGB, or with frame_format yuv420p "y" (n, H, W), "u", "v" (n, H/2, W/2).
         `whole`: one message (one y/u/v triple) per clip instead of messages of <= 4 MiB."""
         latents = video.to(self.video_vae.device)
-        if self.config.frame_format == "yuv420p":
+        if self.config.media.frame_format == "yuv420p":
             for (y, u, v), ready in self.video_vae.iter_decode_yuv420p(latents):
                 if ready is not None:
                     ready.synchronize()

@@ -106,7 +106,7 @@ def test_health_counts_only_our_own_childs_answer():
 
 def test_a_stage_that_cannot_bind_ends_serve_with_its_error(held_port, capfd):
     # the port is taken after the launcher's own check (a race): the child's exit 2 ends the start, no restart loop
-    launcher = Launcher(StageConfig(threads=1), ["muxer"], base_port=held_port - 4, http_port=None,
+    launcher = Launcher(StageConfig.from_knobs(threads=1), ["muxer"], base_port=held_port - 4, http_port=None,
                         start_timeout=120, restart=True, log_level="WARNING", json_output=False)
     t0 = time.monotonic()
     try:
@@ -236,7 +236,7 @@ def test_the_gateways_health_thread_is_joined_on_close():
     from h3serve.services.gateway.stages import StageClients
 
     dead = "127.0.0.1:9"   # nothing listens: the monitor's Checks fail fast
-    clients = StageClients(StageConfig(stage="gateway", encoder=dead, dit=dead, vae=dead, muxer=dead))
+    clients = StageClients(StageConfig.from_knobs(stage="gateway", encoder=dead, dit=dead, vae=dead, muxer=dead))
     clients.start()
     time.sleep(0.3)
     clients.close()

@@ -257,17 +257,17 @@ def test_pods_read_their_stage_config_from_the_mounted_service_config(path, tmp_
         # the processes of this pod: one stage, or (colocated) every stage under the launcher
         for stage in parse_stages(ns.stages):
             sc = config_from_args(ns, stage, environ)
-            assert (sc.stage, sc.host, sc.profile, sc.grace_s) == (
+            assert (sc.stage, sc.server.host, sc.model.profile, sc.server.grace_s) == (
                 stage, "0.0.0.0", "fasth3" if pool else spec.profile, spec.drain_seconds)
             assert spec.drain_seconds <= pod["terminationGracePeriodSeconds"] - 30
-            assert sc.port == 50051 + (M.PORT_OFFSETS[stage] if colocated else 0)
+            assert sc.server.port == 50051 + (M.PORT_OFFSETS[stage] if colocated else 0)
             if pool is not None:
-                assert (sc.checkpoint, sc.dtype, sc.device) == (spec.model.path, "bf16", "cuda")
+                assert (sc.model.checkpoint, sc.model.dtype, sc.model.device) == (spec.model.path, "bf16", "cuda")
                 assert sc.degrees == ParallelDegrees(ulysses=pool.ulysses, ring=pool.ring)
-                assert (sc.adapter, sc.adapter_sha256) == (pool.adapter.path, pool.adapter.sha256)
+                assert (sc.model.adapter, sc.model.adapter_sha256) == (pool.adapter.path, pool.adapter.sha256)
                 assert sc.levers == Levers()
             elif colocated or stage in ("encoder", "dit", "vae"):
-                assert (sc.checkpoint, sc.dtype, sc.device) == (spec.model.path, M.DEVICE_DTYPES[spec.device],
+                assert (sc.model.checkpoint, sc.model.dtype, sc.model.device) == (spec.model.path, M.DEVICE_DTYPES[spec.device],
                                                                  spec.device)
                 # each stage reads its own degrees (the VAE also the DiT group its patch parallel is checked
                 # against); the others keep their defaults of 1
@@ -277,18 +277,18 @@ def test_pods_read_their_stage_config_from_the_mounted_service_config(path, tmp_
                 for k, v in spec_degrees.items():
                     assert getattr(sc.degrees, k) == (v if colocated or k in own[stage] else 1), (stage, k)
             if (colocated or stage == "dit") and spec.profile == "fasth3" and pool is None:
-                assert (sc.adapter, sc.adapter_sha256) == (spec.model.adapter.path, spec.model.adapter.sha256)
+                assert (sc.model.adapter, sc.model.adapter_sha256) == (spec.model.adapter.path, spec.model.adapter.sha256)
             if colocated or stage == "muxer":
-                assert sc.mux_threads == spec.muxer.workers
+                assert sc.media.mux_threads == spec.muxer.workers
             # every end of a tensor edge (and the gateway, which picks the plan) runs the deployment's transport
-            assert sc.transport == (spec.transport if stage != "encoder" else "grpc")
+            assert sc.server.transport == (spec.transport if stage != "encoder" else "grpc")
             if stage == "gateway":
-                assert (sc.http_host, sc.http_port, sc.queue_size) == ("0.0.0.0", 8000, spec.gateway.queue_size)
+                assert (sc.gateway.http_host, sc.gateway.http_port, sc.gateway.queue_size) == ("0.0.0.0", 8000, spec.gateway.queue_size)
                 want = (f"127.0.0.1:{50051 + M.PORT_OFFSETS['dit']}" if colocated else f"dns:///{name}-dit-headless.h3.svc:50051")
-                assert sc.dit == want
-                assert sc.fasth3_dit == (f"dns:///{name}-dit-fasth3-headless.h3.svc:50051" if spec.fasth3 else None)
+                assert sc.gateway.dit == want
+                assert sc.gateway.fasth3_dit == (f"dns:///{name}-dit-fasth3-headless.h3.svc:50051" if spec.fasth3 else None)
             if not colocated and stage != "gateway":  # peers reach this very pod
-                assert sc.advertise == "$(POD_IP):50051"
+                assert sc.server.advertise == "$(POD_IP):50051"
         if comp == "engine":
             assert ns.stages == "all"
 
@@ -302,17 +302,17 @@ def test_stage_config_is_a_slice_of_the_rendered_service_config():
     common = dict(host="0.0.0.0", port=50051, profile="fasth3", grace_s=900.0)
     fenced = dict(common, no_peer_auth=True)   # no spec.tls: the NetworkPolicies fence the stages' ports
     model = dict(checkpoint="/models/MiniMax-H3", dtype="bf16", device="cuda")
-    assert StageConfig.from_service_config(d, "encoder") == StageConfig(stage="encoder", **fenced, **model,
+    assert StageConfig.from_service_config(d, "encoder") == StageConfig.from_knobs(stage="encoder", **fenced, **model,
                                                                         degrees=ParallelDegrees(encoder_tp=4))
-    assert StageConfig.from_service_config(d, "dit") == StageConfig(
+    assert StageConfig.from_service_config(d, "dit") == StageConfig.from_knobs(
         stage="dit", **fenced, **model, degrees=ParallelDegrees(ulysses=4, ring=2), adapter=spec.model.adapter.path,
         adapter_sha256=spec.model.adapter.sha256, transport="nixl")
-    assert StageConfig.from_service_config(d, "vae") == StageConfig(stage="vae", **fenced, **model,
+    assert StageConfig.from_service_config(d, "vae") == StageConfig.from_knobs(stage="vae", **fenced, **model,
                                                                     degrees=ParallelDegrees(ulysses=4, ring=2),
                                                                     transport="nixl")
-    assert StageConfig.from_service_config(d, "muxer") == StageConfig(stage="muxer", **fenced, mux_threads=8,
+    assert StageConfig.from_service_config(d, "muxer") == StageConfig.from_knobs(stage="muxer", **fenced, mux_threads=8,
                                                                        transport="nixl")
-    assert StageConfig.from_service_config(d, "gateway") == StageConfig(
+    assert StageConfig.from_service_config(d, "gateway") == StageConfig.from_knobs(
         stage="gateway", **common, transport="nixl", http_host="0.0.0.0", http_port=8000, queue_size=16,
         api_keys_file="/etc/h3serve-keys/keys", job_store="s3://h3-jobs/h3-fast",
         **{st: f"dns:///f-{st}-headless.ns.svc:50051" for st in ("encoder", "dit", "vae", "muxer")})
@@ -324,7 +324,7 @@ def test_without_the_service_config_argv_alone_configures_the_stage():
 
     ns = build_parser().parse_args(["serve", "--stages", "dit", "--checkpoint", "/c", "--ulysses", "2"])
     sc = config_from_args(ns, "dit", {})
-    assert (sc.checkpoint, sc.degrees.ulysses, sc.dtype, sc.port) == ("/c", 2, "fp32", 50051)
+    assert (sc.model.checkpoint, sc.degrees.ulysses, sc.model.dtype, sc.server.port) == ("/c", 2, "fp32", 50051)
 
 
 @pytest.mark.parametrize("content, says", [(None, "cannot read"), ('{"spec":', "cannot read"),
@@ -558,7 +558,7 @@ def test_gateway_targets_are_headless_services_balanced_per_call(example, gpus_p
     cfg = yaml.safe_load(next(o for o in objs if o["kind"] == "ConfigMap")["data"]["h3serve.yaml"])
     gw = StageConfig.from_service_config(cfg, "gateway")
     for st in ("encoder", "dit", "vae", "muxer"):
-        target = getattr(gw, st)
+        target = getattr(gw.gateway, st)
         assert target == f"dns:///h3-{st}-headless.apps.svc:50051", target
         host, port = target.removeprefix("dns:///").rsplit(":", 1)
         svc = svcs[host.split(".")[0]]
@@ -656,7 +656,7 @@ def test_the_api_keys_secret_is_mounted_into_the_front_door_only_and_named_in_it
     front, others = _front_and_others(M.render(spec, "h3", "ns"))
     assert front and others or example == "base-colocated"
     cfg = _gateway_config(spec)
-    assert cfg.api_keys_file and not cfg.no_auth
+    assert cfg.gateway.api_keys_file and not cfg.gateway.no_auth
     for pod in front:
         vol = next(v for v in pod["volumes"] if v["name"] == "api-keys")
         assert vol["secret"]["secretName"] == "h3-api-keys"
@@ -664,7 +664,7 @@ def test_the_api_keys_secret_is_mounted_into_the_front_door_only_and_named_in_it
         # a whole-volume mount (no subPath): the Secret's update reaches the file, the gateway re-reads it
         assert mount["readOnly"] is True and "subPath" not in mount
         item = vol["secret"]["items"][0]
-        assert cfg.api_keys_file == f"{mount['mountPath']}/{item['path']}"
+        assert cfg.gateway.api_keys_file == f"{mount['mountPath']}/{item['path']}"
     for pod in others:
         assert all(v["name"] != "api-keys" for v in pod["volumes"])
 
@@ -674,18 +674,18 @@ def test_auth_disabled_renders_no_auth_and_mounts_nothing(tmp_path):
     d["gateway"]["auth"] = {"disabled": True}
     spec = parse_and_validate(d, "h3")
     cfg = _gateway_config(spec)
-    assert cfg.no_auth is True and cfg.api_keys_file is None
+    assert cfg.gateway.no_auth is True and cfg.gateway.api_keys_file is None
     front, _ = _front_and_others(M.render(spec, "h3", "ns"))
     assert all(v["name"] != "api-keys" for pod in front for v in pod["volumes"])
     # and a launcher's gateway child runs with it
     from h3serve.testing.serve import launched_config
-    assert launched_config(cfg, "gateway", 50051, {}, 8000, tmp_path).no_auth is True
+    assert launched_config(cfg, "gateway", 50051, {}, 8000, tmp_path).gateway.no_auth is True
 
 
 def test_the_job_store_is_the_gateways_config_and_its_credentials_come_from_the_secret():
     spec = parse_and_validate(_spec_doc("base-disaggregated"), "h3")
     cfg = _gateway_config(spec)
-    assert cfg.job_store == "s3://h3-jobs/h3-split"
+    assert cfg.gateway.job_store == "s3://h3-jobs/h3-split"
     objs = M.render(spec, "h3", "ns")
     front, others = _front_and_others(objs)
     gw = next(o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] == "h3-gateway")
@@ -704,7 +704,7 @@ def test_the_job_store_is_the_gateways_config_and_its_credentials_come_from_the_
         parse_and_validate(d, "h3")
     del d["gateway"]["replicas"]
     spec = parse_and_validate(d, "h3")
-    assert spec.stage_replicas("gateway") == 1 and _gateway_config(spec).job_store is None
+    assert spec.stage_replicas("gateway") == 1 and _gateway_config(spec).gateway.job_store is None
 
 
 @pytest.mark.parametrize("example", ["base-colocated", "base-disaggregated"])
@@ -725,8 +725,8 @@ def test_every_stage_process_may_start_on_its_pod_address(example, tls):
     cfg = M.service_config(spec, "h3", "ns").to_dict()
     for stage in (*PIPELINE_STAGES, "gateway"):
         sc = StageConfig.from_service_config(cfg, stage)
-        assert sc.host == "0.0.0.0"
-        assert sc.no_peer_auth is (not tls and stage != "gateway"), stage
+        assert sc.server.host == "0.0.0.0"
+        assert sc.server.no_peer_auth is (not tls and stage != "gateway"), stage
         check_stage_exposure(sc)
     assert any(o["kind"] == "NetworkPolicy" for o in M.render(spec, "h3", "ns"))
 
@@ -747,8 +747,8 @@ def test_tls_secret_is_mounted_into_every_pod_and_every_process_reads_it():
         files = {f"{mount['mountPath']}/{i['path']}" for i in vol["secret"]["items"]}
         comp = o["metadata"]["labels"][M.LABEL_COMPONENT]
         sc = StageConfig.from_service_config(cfg, comp)
-        assert {sc.tls_cert, sc.tls_key, sc.tls_ca} == files, comp
-        assert sc.tls_peer_name == tls_peer_name("h3", "ns"), comp   # peers are dialled by pod IP
+        assert {sc.server.tls_cert, sc.server.tls_key, sc.server.tls_ca} == files, comp
+        assert sc.server.tls_peer_name == tls_peer_name("h3", "ns"), comp   # peers are dialled by pod IP
     # cert-manager: one Certificate, before the workloads, naming every Service the pods are dialled by
     certs = [o for o in objs if o["kind"] == "Certificate"]
     assert len(certs) == 1 and objs.index(certs[0]) < min(objs.index(o) for o, _ in pods(objs))
@@ -766,7 +766,7 @@ def test_tls_secret_is_mounted_into_every_pod_and_every_process_reads_it():
     plain = M.render(parse_and_validate(d, "h3"), "h3", "ns")
     assert all(v["name"] != "tls" for _, pod in pods(plain) for v in pod["volumes"])
     assert StageConfig.from_service_config(M.service_config(parse_and_validate(d, "h3"), "h3", "ns").to_dict(),
-                                           "dit").tls_cert is None
+                                           "dit").server.tls_cert is None
 
 
 def test_the_manifest_pin_reaches_every_model_stage_and_only_those(tmp_path):
@@ -779,14 +779,14 @@ def test_the_manifest_pin_reaches_every_model_stage_and_only_those(tmp_path):
     cfg = M.service_config(spec, "h3", "ns").to_dict()
     for st in ("encoder", "dit", "vae"):
         sc = StageConfig.from_service_config(cfg, st)
-        assert sc.checkpoint_manifest_sha256 == pin
-        assert launched_config(sc, st, 50051, {}, None, tmp_path).checkpoint_manifest_sha256 == pin  # a child too
-    assert StageConfig.from_service_config(cfg, "muxer").checkpoint_manifest_sha256 is None
+        assert sc.model.checkpoint_manifest_sha256 == pin
+        assert launched_config(sc, st, 50051, {}, None, tmp_path).model.checkpoint_manifest_sha256 == pin  # a child too
+    assert StageConfig.from_service_config(cfg, "muxer").model.checkpoint_manifest_sha256 is None
     # colocated: every process of the engine pod reads it
     c = _spec_doc("fasth3-colocated")
     c["model"]["manifestSha256"] = pin
     ccfg = M.service_config(parse_and_validate(c, "h3"), "h3", "ns").to_dict()
-    assert StageConfig.from_service_config(ccfg, "gateway").checkpoint_manifest_sha256 == pin
+    assert StageConfig.from_service_config(ccfg, "gateway").model.checkpoint_manifest_sha256 == pin
     # a pin that is not a sha256 is refused naming the field
     c["model"]["manifestSha256"] = "ABC"
     with pytest.raises(SpecError, match=r"spec.model.manifestSha256"):
@@ -835,14 +835,14 @@ def test_fasth3_pool_is_a_second_dit_workload_with_services_and_the_gateways_tar
         3 * (1 if gpus_per_node == 8 else 2) - 1]
     cfg = yaml.safe_load(next(o for o in objs if o["kind"] == "ConfigMap")["data"]["h3serve.yaml"])
     gw = StageConfig.from_service_config(cfg, "gateway")
-    assert gw.fasth3_dit == "dns:///h3-dit-fasth3-headless.apps.svc:50051"
-    assert gw.dit == "dns:///h3-dit-headless.apps.svc:50051"
+    assert gw.gateway.fasth3_dit == "dns:///h3-dit-fasth3-headless.apps.svc:50051"
+    assert gw.gateway.dit == "dns:///h3-dit-headless.apps.svc:50051"
     pool = StageConfig.from_service_config(cfg, "dit-fasth3")
-    assert (pool.stage, pool.profile, pool.degrees.ulysses, pool.degrees.ring, pool.adapter, pool.adapter_sha256) == (
+    assert (pool.stage, pool.model.profile, pool.degrees.ulysses, pool.degrees.ring, pool.model.adapter, pool.model.adapter_sha256) == (
         "dit", "fasth3", 2, 2, FAST["adapter"]["path"], FAST["adapter"]["sha256"])
     # no spec.fasth3: no such key for the gateway, and the pool's slice cannot be asked for
     plain = M.service_config(parse_and_validate(_spec_doc("base-disaggregated"), "h3"), "h3", "apps").to_dict()
-    assert StageConfig.from_service_config(plain, "gateway").fasth3_dit is None
+    assert StageConfig.from_service_config(plain, "gateway").gateway.fasth3_dit is None
     with pytest.raises(ValueError, match="declares no fasth3 pool"):
         StageConfig.from_service_config(plain, "dit-fasth3")
 
@@ -939,8 +939,8 @@ def test_pods_that_dial_a_request_named_sink_declare_exactly_its_headless_servic
         assert seen == set()
         engine = StageConfig.from_service_config(cfg, "vae")
         addresses = {st: f"127.0.0.1:{50051 + M.PORT_OFFSETS[st]}" for st in ("gateway", *M.PIPELINE_STAGES)}
-        child = launched_config(engine, "vae", engine.port, addresses, None, tmp_path)
-        assert child.peers == ",".join(sorted(addresses.values()))
+        child = launched_config(engine, "vae", engine.server.port, addresses, None, tmp_path)
+        assert child.server.peers == ",".join(sorted(addresses.values()))
     else:
         assert seen == {"dit", "vae"} | ({"dit-fasth3"} if "fasth3" in example else set())
 

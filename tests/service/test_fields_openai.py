@@ -11,8 +11,8 @@ from h3serve.errors import RequestError
 from h3serve.services.gateway.fields import fields_from_http, validate_fields
 from h3serve.services.gateway.uploads import from_data_url
 
-BASE = StageConfig(profile="base", dtype="fp32")
-FAST = StageConfig(profile="fasth3", dtype="fp32")
+BASE = StageConfig.from_knobs(profile="base", dtype="fp32")
+FAST = StageConfig.from_knobs(profile="fasth3", dtype="fp32")
 
 
 def _validate(body, config=BASE):
@@ -60,12 +60,12 @@ def test_data_urls():
 def test_tasks_follow_the_servers_tasks_and_the_profile():
     import dataclasses
 
-    assert BASE.tasks_for() == ("t2va", "fl2va") and FAST.tasks_for() == ("t2va",)
+    assert BASE.model.tasks_for() == ("t2va", "fl2va") and FAST.model.tasks_for() == ("t2va",)
     with pytest.raises(RequestError) as info:
         _validate({"prompt": "a kite", "extra_params": {"task": "ref2va"}})
     assert info.value.field == "extra_params.task" and "--tasks" in str(info.value)
-    full = dataclasses.replace(BASE, tasks="t2va,fl2va,ref2va")
-    assert full.tasks_for() == ("t2va", "fl2va", "ref2va") and full.tasks_for("fasth3") == ("t2va",)
+    full = BASE.replace(tasks="t2va,fl2va,ref2va")
+    assert full.model.tasks_for() == ("t2va", "fl2va", "ref2va") and full.model.tasks_for("fasth3") == ("t2va",)
     with pytest.raises(RequestError) as info:   # served now: what is missing is the references
         _validate({"prompt": "a kite", "extra_params": {"task": "ref2va"}}, full)
     assert info.value.field == "image_reference"

@@ -131,7 +131,7 @@ def test_a_body_that_is_not_an_object_and_a_bad_request_id_are_refused():
 
 
 def test_the_deployment_profile_and_model_name_decide_the_accepted_models():
-    fast = StageConfig(profile="fasth3", model_name="acme-video")
+    fast = StageConfig.from_knobs(profile="fasth3", model_name="acme-video")
     assert served_models(fast) == ("acme-video", "FastH3", "fasth3")
     v = validate_fields({"prompt": "a kite", "model": "fasth3", "seed": 0}, config=fast)
     assert (v.model, v.request.profile, v.request.steps) == ("acme-video", "fasth3", 5)
@@ -150,7 +150,7 @@ def stages(tiny_checkpoint):
     procs = {}
     try:
         for stage in (s for s in START_ORDER if s in SERVICERS):
-            cfg = StageConfig(stage=stage, checkpoint=str(tiny_checkpoint), threads=THREADS, port=0,
+            cfg = StageConfig.from_knobs(stage=stage, checkpoint=str(tiny_checkpoint), threads=THREADS, port=0,
                               warmup=False, transport="nixl")
             procs[stage] = StageProcess(cfg, SERVICERS[stage])
             procs[stage].load()
@@ -162,7 +162,7 @@ def stages(tiny_checkpoint):
 
 def _generate(addresses: dict, transport: str) -> tuple[bytes, list, Gateway]:
     """The canonical request through a gateway whose --transport is `transport`: (MP4, progress events, gateway)."""
-    gw = Gateway(StageConfig(transport=transport, **addresses))
+    gw = Gateway(StageConfig.from_knobs(transport=transport, **addresses))
     gw.start()
     try:
         end = time.monotonic() + 30

@@ -32,7 +32,7 @@ def test_not_serving_until_loaded_and_warmed_up():
             release.wait(30)
             super().load()   # the warm-up encode runs here
 
-    proc = StageProcess(StageConfig(stage="muxer", port=0), servicer_factory=lambda c, h: SlowMuxer(c, h))
+    proc = StageProcess(StageConfig.from_knobs(stage="muxer", port=0), servicer_factory=lambda c, h: SlowMuxer(c, h))
     loader = threading.Thread(target=proc.load)
     loader.start()
     try:
@@ -53,7 +53,7 @@ def test_stop_cancels_inflight_work_after_the_grace_period(tiny_checkpoint):
     from h3serve._proto import common_pb2, dit_pb2, dit_pb2_grpc
     from h3serve.transport.grpc import iter_tensor_chunks
 
-    cfg = StageConfig(stage="dit", checkpoint=str(tiny_checkpoint), threads=1, port=0, warmup=False)
+    cfg = StageConfig.from_knobs(stage="dit", checkpoint=str(tiny_checkpoint), threads=1, port=0, warmup=False)
     proc = StageProcess(cfg, DiTServicer)
     proc.load()
     params = dit_pb2.DiTParams(request_id="long", latent_frames=37, latent_height=16, latent_width=20,

@@ -25,13 +25,13 @@ def replicas(request, tmp_path):
     """Two job tables (gateway replicas) on one store."""
     s3 = S3Server(tmp_path / "s3") if request.param == "s3" else None
     if s3 is not None:
-        config = StageConfig(job_store="s3://h3serve-jobs/owners", jobs_dir=str(tmp_path / "spool"), queue_size=64)
+        config = StageConfig.from_knobs(job_store="s3://h3serve-jobs/owners", jobs_dir=str(tmp_path / "spool"), queue_size=64)
     else:
-        config = StageConfig(jobs_dir=str(tmp_path / "jobs"), queue_size=64)
+        config = StageConfig.from_knobs(jobs_dir=str(tmp_path / "jobs"), queue_size=64)
     tables = []
     for port in (2001, 2002):
-        c = dataclasses.replace(config, port=port)
-        store = S3Store(c.job_store, c.jobs_dir + f"-{port}", env=s3.env) if s3 is not None else None
+        c = config.replace(port=port)
+        store = S3Store(c.gateway.job_store, c.gateway.jobs_dir + f"-{port}", env=s3.env) if s3 is not None else None
         t = JobTable(c, GatewayMetrics(), store=store)
         t.store.beat(t.instance, t.boot)
         tables.append(t)

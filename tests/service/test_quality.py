@@ -108,8 +108,8 @@ def test_dit_stage_refuses_an_unknown_quality(stack):
     assert "quality" in err.value.details() and "lossless | high" in err.value.details()
 
 
-@pytest.mark.parametrize("config", [StageConfig(profile="fasth3", dtype="fp32"),
-                                    StageConfig(profile="base", dtype="fp32", fasth3_dit="127.0.0.1:1")])
+@pytest.mark.parametrize("config", [StageConfig.from_knobs(profile="fasth3", dtype="fp32"),
+                                    StageConfig.from_knobs(profile="base", dtype="fp32", fasth3_dit="127.0.0.1:1")])
 def test_fasth3_refuses_high_with_the_lever_message(config):
     with pytest.raises(RequestError) as info:
         validate_fields({"prompt": "a kite", "model": "FastH3", "quality": "high"}, config=config, http=True)

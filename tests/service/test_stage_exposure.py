@@ -32,15 +32,15 @@ SERVICES = {"encoder": encoder_pb2.DESCRIPTOR.services_by_name["Encoder"],
 def test_a_stage_beyond_loopback_needs_mtls_or_the_explicit_opt_out(tmp_path):
     for stage in STAGES:
         for host in ("127.0.0.1", "::1", "localhost"):
-            check_stage_exposure(StageConfig(stage=stage, host=host))
-        check_stage_exposure(StageConfig(stage=stage, host="0.0.0.0", tls_cert="c", tls_key="k", tls_ca="ca"))
-        check_stage_exposure(StageConfig(stage=stage, host="0.0.0.0", no_peer_auth=True))
-        for wide in (StageConfig(stage=stage, host="0.0.0.0"), StageConfig(stage=stage, host="10.1.2.3"),
-                     StageConfig(stage=stage, host="::", tls_cert="c", tls_key="k")):   # TLS, but no client CA
-            with pytest.raises(H3Error, match=rf"the {stage} would listen on {wide.host} without mTLS.*"
+            check_stage_exposure(StageConfig.from_knobs(stage=stage, host=host))
+        check_stage_exposure(StageConfig.from_knobs(stage=stage, host="0.0.0.0", tls_cert="c", tls_key="k", tls_ca="ca"))
+        check_stage_exposure(StageConfig.from_knobs(stage=stage, host="0.0.0.0", no_peer_auth=True))
+        for wide in (StageConfig.from_knobs(stage=stage, host="0.0.0.0"), StageConfig.from_knobs(stage=stage, host="10.1.2.3"),
+                     StageConfig.from_knobs(stage=stage, host="::", tls_cert="c", tls_key="k")):   # TLS, but no client CA
+            with pytest.raises(H3Error, match=rf"the {stage} would listen on {wide.server.host} without mTLS.*"
                                               r"--tls-cert FILE --tls-key FILE --tls-ca FILE.*--host 127.0.0.1"):
                 check_stage_exposure(wide)
-    check_stage_exposure(StageConfig(stage="gateway", host="0.0.0.0"))   # the gateway's callers use API keys
+    check_stage_exposure(StageConfig.from_knobs(stage="gateway", host="0.0.0.0"))   # the gateway's callers use API keys
 
 
 @pytest.mark.parametrize("stages", ["encoder", "dit", "vae", "muxer", "all"])
@@ -159,7 +159,7 @@ def test_peer_addresses_and_who_is_authenticated():
 
 
 def test_status_gives_request_ids_only_to_authenticated_peers():
-    stage = StageBase(StageConfig(stage="encoder"))
+    stage = StageBase(StageConfig.from_knobs(stage="encoder"))
     try:
         scope = stage.scope(None, "video_0123")
         for ctx, want in ((FakeContext("ipv4:127.0.0.1:5"), "video_0123"),
@@ -176,7 +176,7 @@ def test_status_gives_request_ids_only_to_authenticated_peers():
 def test_one_caller_cannot_hold_all_of_a_muxers_sessions(tmp_path):
     """The issue opened all 64 sessions from one address: one peer now holds at most --max-sessions-per-peer;
     another still opens its own; a freed session lets the first open again."""
-    mux = MuxerServicer(StageConfig(stage="muxer", max_sessions=8, max_sessions_per_peer=3, tmp_dir=str(tmp_path)))
+    mux = MuxerServicer(StageConfig.from_knobs(stage="muxer", max_sessions=8, max_sessions_per_peer=3, tmp_dir=str(tmp_path)))
     try:
         def open_(peer):
             ctx = FakeContext(peer)

@@ -153,10 +153,10 @@ def _finished_record(jid: str, completed_at: float) -> dict:
 
 @pytest.mark.parametrize("backend", ["s3", "disk"])
 def test_retention_deletes_expired_and_excess_jobs_from_the_store(s3, tmp_path, backend):
-    config = StageConfig(job_ttl_s=100.0, max_jobs=2,
+    config = StageConfig.from_knobs(job_ttl_s=100.0, max_jobs=2,
                          **({"job_store": "s3://h3serve-jobs/ttl", "jobs_dir": str(tmp_path / "spool")}
                             if backend == "s3" else {"jobs_dir": str(tmp_path / "jobs")}))
-    store = S3Store(config.job_store, config.jobs_dir, env=s3.env) if backend == "s3" else None
+    store = S3Store(config.gateway.job_store, config.gateway.jobs_dir, env=s3.env) if backend == "s3" else None
     table = JobTable(config, GatewayMetrics(), store=store)
     now = time.time()
     for i, age in enumerate((1000, 50, 40, 30)):   # one past the TTL; three recent, one past max_jobs
@@ -187,8 +187,8 @@ def test_unreachable_store_is_a_store_error_in_seconds(tmp_path):
 def _table(config: StageConfig, s3: S3Server | None, port: int) -> JobTable:
     from dataclasses import replace
 
-    config = replace(config, port=port)
-    store = S3Store(config.job_store, config.jobs_dir, env=s3.env) if s3 is not None else None
+    config = config.replace(port=port)
+    store = S3Store(config.gateway.job_store, config.gateway.jobs_dir, env=s3.env) if s3 is not None else None
     table = JobTable(config, GatewayMetrics(), store=store)
     table.store.beat(table.instance, table.boot)
     return table
@@ -204,7 +204,7 @@ def _validated():
 def test_replicas_share_the_store_see_and_cancel_each_others_jobs(s3, tmp_path):
     """Two gateway replicas on one bucket: B lists and reads the job A runs, a cancel sent to B reaches A through
     the record, and a job of a replica that stops beating ends failed with the reason when B reads it."""
-    config = StageConfig(job_store="s3://h3serve-jobs/replicas", jobs_dir=str(tmp_path / "spool"))
+    config = StageConfig.from_knobs(job_store="s3://h3serve-jobs/replicas", jobs_dir=str(tmp_path / "spool"))
     a, b = _table(config, s3, 1001), _table(config, s3, 1002)
     job = a.admit(a.new(_validated(), kind="http"), {})
     assert a.take() is job
@@ -230,7 +230,7 @@ def test_replicas_share_the_store_see_and_cancel_each_others_jobs(s3, tmp_path):
 
 
 def test_disk_store_keeps_jobs_across_a_restart_and_fails_the_orphans(tmp_path):
-    config = StageConfig(jobs_dir=str(tmp_path / "jobs"), port=1003)
+    config = StageConfig.from_knobs(jobs_dir=str(tmp_path / "jobs"), port=1003)
     first = _table(config, None, 1003)
     done = first.admit(first.new(_validated(), kind="http"), {})
     first.take()
@@ -250,7 +250,7 @@ def test_disk_store_keeps_jobs_across_a_restart_and_fails_the_orphans(tmp_path):
 
 
 def test_half_written_mp4s_of_a_dead_process_are_swept(tmp_path):
-    config = StageConfig(jobs_dir=str(tmp_path / "jobs"), port=1004)
+    config = StageConfig.from_knobs(jobs_dir=str(tmp_path / "jobs"), port=1004)
     dead = _table(config, None, 1004)
     job = dead.admit(dead.new(_validated(), kind="http"), {})
     dead.take()
@@ -298,10 +298,10 @@ def test_a_hung_store_holds_up_only_the_admissions_writing_to_it(s3, tmp_path, m
     bound (read timeout 1 s, two retries) and their slots are free again. A record the server took late (once
     resumed) is written failed with the reason by the next sweep, never left queued; a caller retrying its
     request_id is admitted; the cancelled job's record is written by the sweep."""
-    config = StageConfig(job_store="s3://h3serve-jobs/hung", jobs_dir=str(tmp_path / "spool"), max_inflight=1,
+    config = StageConfig.from_knobs(job_store="s3://h3serve-jobs/hung", jobs_dir=str(tmp_path / "spool"), max_inflight=1,
                          queue_size=3)
-    config = dataclasses.replace(config, port=1005)
-    store = S3Store(config.job_store, config.jobs_dir, env=s3.env, timeout_s=(1.0, 1.0))
+    config = config.replace(port=1005)
+    store = S3Store(config.gateway.job_store, config.gateway.jobs_dir, env=s3.env, timeout_s=(1.0, 1.0))
     table = JobTable(config, GatewayMetrics(), store=store)
     table.store.beat(table.instance, table.boot)
     running = table.admit(table.new(_validated(), kind="http"), {})
@@ -388,7 +388,7 @@ def test_a_hung_store_holds_up_only_the_admissions_writing_to_it(s3, tmp_path, m
 def test_a_drain_during_an_admissions_write_fails_the_job_with_its_record(tmp_path, monkeypatch):
     """SIGTERM's drain lands while an admission writes its record (no lock held then): the job is not queued; it
     ends failed (draining) as a queued one does, and its record says so."""
-    table = _table(StageConfig(jobs_dir=str(tmp_path / "jobs")), None, 1006)
+    table = _table(StageConfig.from_knobs(jobs_dir=str(tmp_path / "jobs")), None, 1006)
     real_put = table.store.put_record
     monkeypatch.setattr(table.store, "put_record", lambda rec: (table.drain(), real_put(rec)))
     job = table.admit(table.new(_validated(), kind="http"), {})
@@ -404,10 +404,10 @@ def test_listing_pages_from_the_index_on_both_stores(s3, tmp_path, backend):
     """Issue 21: listing read every record on every call. Now a page is read from the index (entry names, newest
     first), and only its records are fetched; deleted and expired jobs leave it; records written before the index
     existed are indexed once, on first use."""
-    config = StageConfig(job_ttl_s=100.0, max_jobs=1000,
+    config = StageConfig.from_knobs(job_ttl_s=100.0, max_jobs=1000,
                          **({"job_store": "s3://h3serve-jobs/index", "jobs_dir": str(tmp_path / "spool")}
                             if backend == "s3" else {"jobs_dir": str(tmp_path / "jobs")}))
-    store = S3Store(config.job_store, config.jobs_dir, env=s3.env) if backend == "s3" else None
+    store = S3Store(config.gateway.job_store, config.gateway.jobs_dir, env=s3.env) if backend == "s3" else None
     table = JobTable(config, GatewayMetrics(), store=store)
     now = time.time()
     recs = [{**_finished_record(f"video_{i:03d}", now - (500 if i == 3 else 10)), "owner": "ab"[i % 2],

@@ -70,7 +70,7 @@ def _write_mp4(job, data: bytes) -> None:
 
 def test_a_full_jobs_dir_fails_jobs_retryably_and_stops_nothing(small_disk, monkeypatch):
     monkeypatch.setattr(jobs_module, "SWEEP_INTERVAL_S", 0.2)
-    config = dataclasses.replace(StageConfig(jobs_dir=str(small_disk / "jobs")), port=3001)
+    config = StageConfig.from_knobs(jobs_dir=str(small_disk / "jobs"), port=3001)
     table = JobTable(config, GatewayMetrics())
     table.start()
     try:
@@ -125,9 +125,8 @@ def test_a_full_jobs_dir_fails_jobs_retryably_and_stops_nothing(small_disk, monk
 def test_a_finished_mp4_is_kept_and_uploaded_when_the_s3_store_is_back(tmp_path):
     s3 = S3Server(tmp_path / "s3")
     try:
-        config = dataclasses.replace(StageConfig(job_store="s3://h3serve-jobs/kept", jobs_dir=str(tmp_path / "sp")),
-                                     port=3002)
-        store = S3Store(config.job_store, config.jobs_dir, env=s3.env, timeout_s=(1.0, 1.0))
+        config = StageConfig.from_knobs(job_store="s3://h3serve-jobs/kept", jobs_dir=str(tmp_path / "sp"), port=3002)
+        store = S3Store(config.gateway.job_store, config.gateway.jobs_dir, env=s3.env, timeout_s=(1.0, 1.0))
         table = JobTable(config, GatewayMetrics(), store=store)
         table.store.beat(table.instance, table.boot)
         job = table.admit(table.new(_validated(), kind="http", owner="alice",
@@ -159,7 +158,7 @@ def test_a_finished_mp4_is_kept_and_uploaded_when_the_s3_store_is_back(tmp_path)
 
 
 def test_a_cancelled_upload_ends_the_job_and_frees_its_mp4(tmp_path, monkeypatch):
-    config = dataclasses.replace(StageConfig(jobs_dir=str(tmp_path / "jobs")), port=3003)
+    config = StageConfig.from_knobs(jobs_dir=str(tmp_path / "jobs"), port=3003)
     table = JobTable(config, GatewayMetrics())
     table.store.beat(table.instance, table.boot)
     job = table.admit(table.new(_validated(), kind="http", sink_factory=lambda j: FileSink(table.mp4_path(j))), {})

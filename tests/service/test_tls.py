@@ -94,7 +94,7 @@ def test_a_stage_dials_only_declared_peers():
         with pytest.raises(RequestError) as info:
             check_peer(peers, bad, "sink.address")
         assert info.value.field == "sink.address" and "peers" in str(info.value)
-    stage = StageBase(StageConfig(stage="vae", peers="127.0.0.1:50055"))
+    stage = StageBase(StageConfig.from_knobs(stage="vae", peers="127.0.0.1:50055"))
     try:
         with pytest.raises(RequestError, match="sink.address"):
             stage.channel("127.0.0.1:22")

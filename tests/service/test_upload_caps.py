@@ -55,7 +55,7 @@ def start_front(tmp_path, **limits):
     keys = tmp_path / "keys"
     keys.write_text("".join(f"{n} sha256:{hashlib.sha256(k.encode()).hexdigest()}\n" for n, k in KEYS.items()))
     stages = {s: "127.0.0.1:9" for s in ("encoder", "dit", "vae", "muxer")}   # never dialled: no job is run
-    config = StageConfig(jobs_dir=str(tmp_path / "jobs"), http_port=0, tasks="t2va,fl2va,ref2va", **stages,
+    config = StageConfig.from_knobs(jobs_dir=str(tmp_path / "jobs"), http_port=0, tasks="t2va,fl2va,ref2va", **stages,
                          **limits)
     gateway = Gateway(config)   # not started: validation, decoding, the store and listing only
     server = uvicorn.Server(uvicorn_config(gateway_http.create_app(gateway, Authenticator(str(keys))), config))

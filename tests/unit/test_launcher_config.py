@@ -10,7 +10,7 @@ from dataclasses import fields, replace
 
 import pytest
 
-from h3serve.config.stage import STAGE_CONFIG_ENV, StageConfig
+from h3serve.config.stage import KNOB_PART, KNOB_TYPES, KNOBS, STAGE_CONFIG_ENV, StageConfig
 from h3serve.errors import H3Error
 from h3serve.runtime.launcher import child_argv, child_config, config_from_args
 from h3serve.testing.serve import launched_config
@@ -36,20 +36,25 @@ def _changed(value, hint: str):
     return f"/x/{hint.count('|')}" if value is None else f"{value}-x"
 
 
+def _knob(config: StageConfig, name: str):
+    return getattr(getattr(config, KNOB_PART[name]), name) if name in KNOB_PART else getattr(config, name)
+
+
 def test_every_knob_the_launcher_has_reaches_its_child(tmp_path):
-    hints = typing.get_type_hints(StageConfig)
-    changed = {f.name: _changed(getattr(StageConfig(), f.name), str(hints[f.name])) for f in fields(StageConfig)
-               if f.name not in PER_CHILD}
-    config = replace(StageConfig(), **changed)
+    default = StageConfig()
+    changed = {name: _changed(_knob(default, name), str(KNOB_TYPES[name])) for name in KNOBS if name not in PER_CHILD}
+    changed.update(degrees=_changed(default.degrees, ""), levers=_changed(default.levers, ""))
+    config = StageConfig.from_knobs(**changed)
     addresses = {"encoder": "127.0.0.1:1", "dit": "127.0.0.1:2", "vae": "127.0.0.1:3", "muxer": "dns:///m.ns:4"}
     for stage in ("encoder", "dit", "vae", "muxer", "gateway"):
         got = launched_config(config, stage, 4242, addresses, 8080, tmp_path)
         assert got == child_config(config, stage, 4242, addresses, 8080)
-        assert {k: getattr(got, k) for k in changed} == changed, stage
-        assert (got.stage, got.port, got.peers) == (stage, 4242, "127.0.0.1:1,127.0.0.1:2,127.0.0.1:3,m.ns:4")
+        assert {name: _knob(got, name) for name in changed} == changed, stage
+        assert (got.stage, got.server.port, got.server.peers) == (
+            stage, 4242, "127.0.0.1:1,127.0.0.1:2,127.0.0.1:3,m.ns:4")
         gateway = stage == "gateway"
-        assert (got.http_port, got.dit, got.muxer) == ((8080, "127.0.0.1:2", "dns:///m.ns:4") if gateway
-                                                       else (None, None, None))
+        assert (got.gateway.http_port, got.gateway.dit, got.gateway.muxer) == (
+            (8080, "127.0.0.1:2", "dns:///m.ns:4") if gateway else (None, None, None))
     assert child_argv("vae", "info")[-3:] == ["serve", "--stages", "vae"]  # nothing else in argv
 
 

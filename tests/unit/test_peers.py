@@ -119,6 +119,6 @@ def test_the_launcher_declares_the_stages_it_started_and_those_it_was_given(tmp_
     from h3serve.testing.serve import launched_config
 
     addresses = {"dit": "127.0.0.1:50053", "vae": "127.0.0.1:50054", "muxer": "dns:///h3-muxer-headless.ns.svc:50051"}
-    text = launched_config(StageConfig(stage="vae"), "vae", 50054, addresses, None, tmp_path).peers
+    text = launched_config(StageConfig.from_knobs(stage="vae"), "vae", 50054, addresses, None, tmp_path).server.peers
     assert text == "127.0.0.1:50053,127.0.0.1:50054,h3-muxer-headless.ns.svc:50051"
     assert parse_peers(text).items[-1] == PeerName("h3-muxer-headless.ns.svc", 50051)

@@ -74,7 +74,7 @@ def test_one_dtype_default():
 
     parser = build_parser()
     assert validate_request(prompt="p").dtype == GenerationRequest(prompt="p").dtype == DEFAULT_DTYPE
-    assert StageConfig().dtype == inspect.signature(Pipeline.load).parameters["dtype"].default == DEFAULT_DTYPE
+    assert StageConfig().model.dtype == inspect.signature(Pipeline.load).parameters["dtype"].default == DEFAULT_DTYPE
     assert parser.parse_args(["serve"]).dtype == DEFAULT_DTYPE
     assert parser.parse_args(["generate", "--prompt", "p", "-o", "x.mp4"]).dtype == DEFAULT_DTYPE
 

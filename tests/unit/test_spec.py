@@ -258,10 +258,10 @@ def test_tasks_and_the_encoder_cache_reach_the_stages_that_read_them(placement):
     sc = ServiceConfig("h3", "ns", spec, {s: f"{s}:1" for s in ("encoder", "dit", "vae", "muxer")}, "bf16",
                        "cuda").to_dict()
     dit, gateway, encoder = (StageConfig.from_service_config(sc, s) for s in ("dit", "gateway", "encoder"))
-    assert dit.tasks == gateway.tasks == "t2va,ref2va"
-    assert dit.tasks_for() == ("t2va", "ref2va") and encoder.encoder_cache_bytes == 0
+    assert dit.model.tasks == gateway.model.tasks == "t2va,ref2va"
+    assert dit.model.tasks_for() == ("t2va", "ref2va") and encoder.model.encoder_cache_bytes == 0
     if placement == "disaggregated":  # a stage reads only its own knobs
-        assert encoder.tasks == DEFAULT_TASKS and dit.encoder_cache_bytes == ENCODER_CACHE_BYTES
+        assert encoder.model.tasks == DEFAULT_TASKS and dit.model.encoder_cache_bytes == ENCODER_CACHE_BYTES
     assert H3DeploymentSpec.from_dict(base()).tasks == DEFAULT_TASKS
 
 

@@ -57,7 +57,7 @@ class Muxer(StageBase):
 
 
 def test_a_stage_without_nixl_edges_reports_grpc_and_why():
-    enc = Encoder(StageConfig(stage="encoder", transport="nixl"))
+    enc = Encoder(StageConfig.from_knobs(stage="encoder", transport="nixl"))
     try:
         assert enc.info()["transport"] == {"requested": "nixl", "chosen": "grpc",
                                            "reason": "not decided yet (at load)"}
@@ -67,14 +67,14 @@ def test_a_stage_without_nixl_edges_reports_grpc_and_why():
                                      "reason": "the encoder has no NIXL edge: its tensors travel by gRPC"}
         assert info["attention"] == {"kernel": "sdpa", "reason": "fixed"}
         with pytest.raises(ValueError, match="transport='rdma' is invalid: use one of grpc, nixl"):
-            Encoder(StageConfig(stage="encoder", transport="rdma")).choose_transport(probe=False)
+            Encoder(StageConfig.from_knobs(stage="encoder", transport="rdma")).choose_transport(probe=False)
     finally:
         enc.close()
 
 
 def test_choice_metric_names_kernel_and_transport(monkeypatch):
     monkeypatch.setenv("H3SERVE_NIXL_DISABLE", "1")
-    mux, enc = Muxer(StageConfig(stage="muxer", transport="nixl")), Encoder(StageConfig(stage="encoder"))
+    mux, enc = Muxer(StageConfig.from_knobs(stage="muxer", transport="nixl")), Encoder(StageConfig.from_knobs(stage="encoder"))
     try:
         mux.choose_transport()   # NIXL disabled here: grpc, with the reason in the Status
         t = mux.info()["transport"]
@@ -94,7 +94,7 @@ def test_choice_metric_names_kernel_and_transport(monkeypatch):
 def test_dit_reports_attention_once_ready_and_a_bad_forced_name_without_failing_status(fresh_choice, monkeypatch):
     from h3serve.services.dit import DiTServicer
 
-    dit = DiTServicer(StageConfig(stage="dit", device="cpu"))
+    dit = DiTServicer(StageConfig.from_knobs(stage="dit", device="cpu"))
     try:
         assert "attention" not in dit.info()   # not loaded: nothing chosen yet
         dit.device, dit.ready = torch.device("cpu"), True

@@ -36,7 +36,7 @@ def scrape(port: int) -> dict[str, float]:
 def test_dit_exports_queued_denoise_step_seconds(monkeypatch):
     base = _free_port() - 2  # the DiT's offset is +2
     monkeypatch.setenv(SM.METRICS_PORT_ENV, str(base))
-    dit = DiT(StageConfig(stage="dit", profile="base"))
+    dit = DiT(StageConfig.from_knobs(stage="dit", profile="base"))
     try:
         port = SM.serve_metrics(dit, "127.0.0.1")
         assert port == base + 2
@@ -58,7 +58,7 @@ def test_dit_exports_queued_denoise_step_seconds(monkeypatch):
 
 def test_vae_counts_queued_clips_and_nothing_listens_without_the_variable(monkeypatch):
     monkeypatch.delenv(SM.METRICS_PORT_ENV, raising=False)
-    vae = VAE(StageConfig(stage="vae"))
+    vae = VAE(StageConfig.from_knobs(stage="vae"))
     try:
         assert SM.serve_metrics(vae) is None
         vae.scope(None, "x")

@@ -103,15 +103,15 @@ def short(value: Any) -> Any:
 
 def served_models(config: StageConfig) -> tuple[str, ...]:
     """The model ids the deployment's own profile answers to in `model`; the first is the one it reports."""
-    served = MODEL_IDS.get(config.profile, (config.profile,))
-    return (config.model_name, *served) if config.model_name else served
+    served = MODEL_IDS.get(config.model.profile, (config.model.profile,))
+    return (config.gateway.model_name, *served) if config.gateway.model_name else served
 
 
 def served_pools(config: StageConfig) -> dict[str, tuple[str, ...]]:
     """profile -> its model ids, for every pool behind this gateway: the deployment's profile, and a FastH3 DiT
     pool when one is configured (`--fasth3-dit`) beside a base deployment. The first pool is the default."""
-    pools = {config.profile: served_models(config)}
-    if config.fasth3_dit and config.profile != "fasth3":
+    pools = {config.model.profile: served_models(config)}
+    if config.gateway.fasth3_dit and config.model.profile != "fasth3":
         pools["fasth3"] = MODEL_IDS["fasth3"]
     return pools
 
@@ -312,7 +312,7 @@ def validate_fields(fields: dict[str, Any], *, config: StageConfig,
     except RequestError as exc:   # named as the caller spelled it (extra_params.task, video_params.width)
         raise _renamed(exc, {f: api_names.get(API_FIELDS.get(f, f), f) for f in fields}) from None
     profile, model_id = _pool(config, fields.get("model"))
-    served_tasks = config.tasks_for(profile)
+    served_tasks = config.model.tasks_for(profile)
     not_served = f"{model_id} serves {' | '.join(served_tasks)} (profile {profile}; the server's --tasks)"
     task = fields.get("task")
     if isinstance(task, str) and task.strip().lower() in TASKS and task.strip().lower() not in served_tasks:
@@ -324,7 +324,7 @@ def validate_fields(fields: dict[str, Any], *, config: StageConfig,
             and str(raw["steps"]).strip() == str(FASTH3_STEPS - 1)):
         raw["steps"] = FASTH3_STEPS   # vLLM-Omni counts FastH3's 4 denoising steps; here 5 grid points
     raw["profile"] = profile
-    raw["dtype"] = config.dtype
+    raw["dtype"] = config.model.dtype
     if "prompt" not in raw:
         raise RequestError("prompt", None, "a prompt is required")
     try:

@@ -57,9 +57,9 @@ class GuardedH11Protocol(H11Protocol):
 
     @classmethod
     def configured(cls, config: StageConfig) -> type["GuardedH11Protocol"]:
-        return type("GuardedH11Protocol", (cls,), {"max_connections": config.http_max_connections,
-                                                    "header_timeout_s": config.http_header_timeout_s,
-                                                    "body_timeout_s": config.http_body_timeout_s})
+        return type("GuardedH11Protocol", (cls,), {"max_connections": config.gateway.http_max_connections,
+                                                    "header_timeout_s": config.gateway.http_header_timeout_s,
+                                                    "body_timeout_s": config.gateway.http_body_timeout_s})
 
     # -- the connection limit ---------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -146,7 +146,7 @@ class GuardedH11Protocol(H11Protocol):
 def uvicorn_config(app, config: StageConfig, *, ssl_certfile: str | None = None,
                    ssl_keyfile: str | None = None) -> uvicorn.Config:
     """How the gateway's HTTP API is served: h11 through GuardedH11Protocol, the limits of `config`."""
-    return uvicorn.Config(app, host=config.http_host, port=config.http_port, log_level="warning", lifespan="off",
+    return uvicorn.Config(app, host=config.gateway.http_host, port=config.gateway.http_port, log_level="warning", lifespan="off",
                           access_log=False, timeout_graceful_shutdown=5, ssl_certfile=ssl_certfile,
                           ssl_keyfile=ssl_keyfile, http=GuardedH11Protocol.configured(config),
                           timeout_keep_alive=KEEP_ALIVE_S, h11_max_incomplete_event_size=MAX_HEAD_BYTES)

@@ -29,14 +29,14 @@ class Gateway:
     def __init__(self, config: StageConfig, *, on_health: Callable[[bool], None] = lambda ok: None):
         self.config = config
         self.metrics = GatewayMetrics()
-        self.transports = EdgeTransports(config.transport or GRPC, self.metrics)
+        self.transports = EdgeTransports(config.server.transport or GRPC, self.metrics)
         self.on_health = on_health
         self.stages = StageClients(config, on_change=self._health_changed)
         self.jobs = JobTable(config, self.metrics)
-        self.decoder = DecodePool(config.decode_workers, config.decode_per_caller)   # uploads, off the API's pool
+        self.decoder = DecodePool(config.gateway.decode_workers, config.gateway.decode_per_caller)   # uploads, off the API's pool
         unmap_large_buffers()   # what an upload used goes back to the system once freed
         self.workers = [threading.Thread(target=self._worker, name=f"h3serve-job-{i}", daemon=True)
-                        for i in range(max(1, config.max_inflight))]
+                        for i in range(max(1, config.gateway.max_inflight))]
 
     def start(self) -> None:
         self.stages.start()
@@ -101,13 +101,13 @@ class Gateway:
                 job.done.set()
 
     def _run(self, job: Job) -> None:
-        plan = choose_plan(self.config.transport)
+        plan = choose_plan(self.config.server.transport)
         t = job.timings
         job.started_at = time.time()
         job.status = "in_progress"
         t["queue_s"] = time.monotonic() - job.t_admitted
         job.check()
-        calls = StageCalls(job, self.stages, self.transports, self.metrics, self.config.transport)
+        calls = StageCalls(job, self.stages, self.transports, self.metrics, self.config.server.transport)
         log.debug("request %s: plan %s", job.id, plan.name)
         plan.run(calls)
         t["tail_s"] = time.perf_counter() - calls.t_latents

@@ -333,7 +333,7 @@ def job_object(job: Job, gateway: Gateway) -> dict:
         "progress": int(job.progress), "created_at": int(job.created_at),
         "started_at": int(job.started_at) if job.started_at else None,
         "completed_at": int(job.completed_at) if job.completed_at else None,
-        "expires_at": int(job.completed_at + gateway.config.job_ttl_s) if job.completed_at else None,
+        "expires_at": int(job.completed_at + gateway.config.gateway.job_ttl_s) if job.completed_at else None,
         "prompt": r.prompt, "seconds": f"{r.seconds:g}", "size": f"{r.width}x{r.height}", "width": r.width,
         "height": r.height, "num_frames": r.num_frames, "fps": r.fps, "seed": r.seed, "num_inference_steps": r.steps,
         "quality": r.quality, "task": r.task, "profile": r.profile, "queue_position": job.queue_position,
@@ -534,7 +534,7 @@ def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
     async def list_models():
         return {"object": "list", "data": [
             {"id": ids[0], "object": "model", "created": int(app.state.started), "owned_by": "h3serve",
-             "profile": profile, "tasks": list(gateway.config.tasks_for(profile)), "aliases": list(ids[1:])}
+             "profile": profile, "tasks": list(gateway.config.model.tasks_for(profile)), "aliases": list(ids[1:])}
             for profile, ids in served_pools(gateway.config).items()]}
 
     @app.post("/v1/videos/{video_id}/remix", summary="Refused: H3 has no edit path")

@@ -223,11 +223,11 @@ class JobTable:
         self.store_error: str | None = None   # the last store write's error; None once one succeeds (/ready)
         self._index_ready = False             # the store's job index checked (built once if it had none)
         # a private temp dir only when nothing durable is configured (then jobs live as long as the process)
-        self._own_dir = config.jobs_dir is None and config.job_store is None
-        self.dir = config.jobs_dir or tempfile.mkdtemp(prefix="h3serve-jobs-")   # MP4s (spooled, or kept)
+        self._own_dir = config.gateway.jobs_dir is None and config.gateway.job_store is None
+        self.dir = config.gateway.jobs_dir or tempfile.mkdtemp(prefix="h3serve-jobs-")   # MP4s (spooled, or kept)
         os.makedirs(self.dir, exist_ok=True)
-        self.store = store or open_store(config.job_store or config.jobs_dir, self.dir)
-        self.instance = f"{socket.gethostname()}:{config.port}"
+        self.store = store or open_store(config.gateway.job_store or config.gateway.jobs_dir, self.dir)
+        self.instance = f"{socket.gethostname()}:{config.server.port}"
         self.boot = uuid.uuid4().hex
         self._stop = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep, name="h3serve-job-sweeper", daemon=True)
@@ -243,7 +243,7 @@ class JobTable:
             timeout: float | None = None, request_id: str | None = None, owner: str | None = None) -> Job:
         """A job of `owner` for a validated request, its deadline `timeout` from now (at most the server's
         request timeout). Not admitted yet."""
-        limit = self.config.request_timeout_s
+        limit = self.config.gateway.request_timeout_s
         timeout = limit if timeout is None or timeout <= 0 else min(timeout, limit)
         job = Job(id=request_id or f"video_{uuid.uuid4().hex}", kind=kind, validated=validated,
                   deadline=time.monotonic() + timeout, gateway=self.instance, boot=self.boot, owner=owner,
@@ -306,11 +306,11 @@ class JobTable:
         if job.key in self.jobs or job.key in self.admitting:
             raise AlreadyExists("request_id", job.id)
         busy = len(self.running) + len(self.queue) + len(self.admitting)
-        capacity = self.config.max_inflight + self.config.queue_size
+        capacity = self.config.gateway.max_inflight + self.config.gateway.queue_size
         if busy >= capacity:
             raise QueueFull(f"queue full: {len(self.running)} running and {len(self.queue) + len(self.admitting)} "
-                            f"waiting (queue size {self.config.queue_size}); retry later")
-        job.queue_position = max(0, busy - self.config.max_inflight + 1) if busy >= self.config.max_inflight else 0
+                            f"waiting (queue size {self.config.gateway.queue_size}); retry later")
+        job.queue_position = max(0, busy - self.config.gateway.max_inflight + 1) if busy >= self.config.gateway.max_inflight else 0
 
     def _write_admitted(self, job: Job) -> None:
         """An admitted HTTP job's first record (no lock held): refused if the id is stored already, StoreError if
@@ -409,9 +409,9 @@ class JobTable:
         if job.cancel_requested.is_set() or job.deleted:
             job.upload_pending = False
             self._conclude(job, job.cancelled())
-        elif time.monotonic() - job.upload_since > self.config.job_ttl_s:
+        elif time.monotonic() - job.upload_since > self.config.gateway.job_ttl_s:
             job.upload_pending = False
-            self._conclude(job, StoreError(f"the MP4 could not be uploaded for {self.config.job_ttl_s:g}s "
+            self._conclude(job, StoreError(f"the MP4 could not be uploaded for {self.config.gateway.job_ttl_s:g}s "
                                            f"({job.upload_error}); submit the job again"))
         elif self._publish(job):
             self._conclude(job, None)
@@ -682,8 +682,8 @@ class JobTable:
         now = time.time()
         finished = sorted((r for r in self.store.records() if r.get("status") in FINISHED),
                           key=lambda r: r.get("completed_at") or 0)
-        expired = [r for r in finished if now - (r.get("completed_at") or now) > self.config.job_ttl_s]
-        excess = len(finished) - len(expired) - self.config.max_jobs
+        expired = [r for r in finished if now - (r.get("completed_at") or now) > self.config.gateway.job_ttl_s]
+        excess = len(finished) - len(expired) - self.config.gateway.max_jobs
         if excess > 0:
             expired += [r for r in finished if r not in expired][:excess]
         for r in expired:

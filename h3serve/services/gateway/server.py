@@ -55,9 +55,9 @@ class GatewayServicer(StageBase):
 
     def __init__(self, config: StageConfig, health=None):
         super().__init__(config, health)
-        self.max_message = config.max_sync_bytes + (1 << 20)
+        self.max_message = config.gateway.max_sync_bytes + (1 << 20)
         self.gateway = Gateway(config, on_health=self._on_health)
-        self.auth = Authenticator(config.api_keys_file)
+        self.auth = Authenticator(config.gateway.api_keys_file)
         self.interceptors = (AuthInterceptor(self.auth),)
         self.watchdog = Watchdog(self.gateway.stages, self.gateway.jobs)
         self.http_server = None
@@ -72,12 +72,12 @@ class GatewayServicer(StageBase):
         gateway_pb2_grpc.add_GatewayServicer_to_server(self, server)
 
     def load(self) -> None:
-        check_exposure(self.config.api_keys_file, self.config.no_auth,
-                       (self.config.host,) + ((self.config.http_host,) if self.config.http_port is not None else ()))
+        check_exposure(self.config.gateway.api_keys_file, self.config.gateway.no_auth,
+                       (self.config.server.host,) + ((self.config.gateway.http_host,) if self.config.gateway.http_port is not None else ()))
         self.choose_transport(probe=False)   # nixl: chosen (or fallen back from) by the DiT, the VAE and the muxer
         self.gateway.start()
         self.watchdog.start()
-        if self.config.http_port is not None:
+        if self.config.gateway.http_port is not None:
             self.start_http()
 
     def start_http(self) -> None:
@@ -90,10 +90,10 @@ class GatewayServicer(StageBase):
         end = time.monotonic() + 30
         while not self.http_server.started:
             if not self.http_thread.is_alive() or time.monotonic() > end:
-                raise RuntimeError(f"the HTTP API could not start on {self.config.http_host}:{self.config.http_port}")
+                raise RuntimeError(f"the HTTP API could not start on {self.config.gateway.http_host}:{self.config.gateway.http_port}")
             time.sleep(0.02)
         sockets = [s for srv in (self.http_server.servers or []) for s in srv.sockets]
-        self.http_port = sockets[0].getsockname()[1] if sockets else self.config.http_port
+        self.http_port = sockets[0].getsockname()[1] if sockets else self.config.gateway.http_port
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     def on_ready(self) -> None:
@@ -178,7 +178,7 @@ class GatewayServicer(StageBase):
 
     @grpc_method("gateway")
     def GenerateSync(self, request, context):
-        job = self._new_job(request, context, "sync", lambda j: BytesSink(self.config.max_sync_bytes))
+        job = self._new_job(request, context, "sync", lambda j: BytesSink(self.config.gateway.max_sync_bytes))
         if request.validate_only:
             return gateway_pb2.GenerateResponse(accepted=accepted_proto(job), done=done_proto(job))
         self._submit(job)
@@ -202,13 +202,13 @@ class GatewayServicer(StageBase):
     @grpc_method("gateway")
     def Info(self, request, context):
         c = self.config
-        dtype = c.dtype
+        dtype = c.model.dtype
         try:   # the dtype the DiT actually loaded
             st = self.gateway.stages.dit.Status(common_pb2.StatusRequest(), timeout=2.0)
             dtype = json.loads(st.info_json or "{}").get("dtype", dtype)
         except Exception:  # noqa: BLE001 - the stage is down: report the gateway's setting
             pass
         return gateway_pb2.InfoResponse(
-            model=served_models(c)[0], profile=c.profile, dtype=dtype, max_inflight=c.max_inflight,
-            queue_size=c.queue_size, max_sync_bytes=c.max_sync_bytes, max_message_bytes=self.max_message,
+            model=served_models(c)[0], profile=c.model.profile, dtype=dtype, max_inflight=c.gateway.max_inflight,
+            queue_size=c.gateway.queue_size, max_sync_bytes=c.gateway.max_sync_bytes, max_message_bytes=self.max_message,
             stages=dict(self.gateway.stages.status), draining=self.gateway.draining)

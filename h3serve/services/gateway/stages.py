@@ -61,11 +61,11 @@ class StageClients:
     """Channels and stubs to the stages, and a health monitor that keeps each stage's serving status."""
 
     def __init__(self, config: StageConfig, on_change: Callable[[], None] = lambda: None):
-        self.addresses = {s: getattr(config, s) for s in PIPELINE_STAGES}
-        if config.fasth3_dit and config.profile != "fasth3":   # a FastH3 DiT pool beside the base one
-            self.addresses[FASTH3_DIT] = config.fasth3_dit
+        self.addresses = {s: getattr(config.gateway, s) for s in PIPELINE_STAGES}
+        if config.gateway.fasth3_dit and config.model.profile != "fasth3":   # a FastH3 DiT pool beside the base one
+            self.addresses[FASTH3_DIT] = config.gateway.fasth3_dit
         self.tls = Tls.of(config)   # mTLS to the stages when configured
-        self.profile = config.profile
+        self.profile = config.model.profile
         self.channels: dict[str, grpc.Channel] = {}
         self.dits: dict[str, dit_pb2_grpc.DiTStub] = {}   # the DiT pool per profile (the FastH3 one when configured)
         for s in self.addresses:
@@ -74,7 +74,7 @@ class StageClients:
         self._health_channels = {s: balanced_channel(a, self.tls) for s, a in self.addresses.items()}
         # request channels replaced while calls may still run on them: closed once no call can (its deadline)
         self._retired: list[tuple[float, grpc.Channel]] = []
-        self._retire_after_s = config.request_timeout_s + 60.0
+        self._retire_after_s = config.gateway.request_timeout_s + 60.0
         self._extra: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
         self.status = {s: "UNKNOWN" for s in self.addresses}

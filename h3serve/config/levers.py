@@ -94,6 +94,14 @@ class Levers:
         lossy=True, help="dit: FP8 attention, FlashAttention-3's FP8 forward (lossy; default off)",
         doc="FP8 DiT attention (FlashAttention-3's FP8 forward); lossy.")
 
+    adaln_table: bool = lever(
+        False, flag="--adaln-table", spec="dit.levers.adalnTable", request="adaln_table", stages=("dit",), fasth3=True,
+        help="dit: the AdaLN projections' outputs for the profile's schedule as a table in host memory: their weights "
+             "(about 24 GiB of the released DiT) leave the GPU, the output is bitwise the same (default off)",
+        doc="Precompute the AdaLN projections' outputs for the profile's schedule into a table in host memory (their "
+            "weights, about 24 GiB of the released DiT, leave the GPU); lossless, bitwise the same output; allowed "
+            "for FastH3.")
+
     @property
     def on(self) -> tuple[str, ...]:
         """The levers turned on (a setting of another lever turns nothing on)."""

@@ -79,6 +79,10 @@ class ModelConfig:
     encoder_cache_bytes: int = knob(ENCODER_CACHE_BYTES, "encoder: bytes of encodings cached for repeated prompts / "
                                                          "references (0: off)")
 
+    adaln_dir: str | None = knob(None, "dit, with --adaln-table on: where AdaLN tables are read (when there) or "
+                                       "written; a folder of tables made once can be shared read-only by every "
+                                       "replica (default: built at each load, kept in memory)", metavar="DIR")
+
     def tasks_for(self, profile: str | None = None) -> tuple[str, ...]:
         """The tasks served for `profile` (default: this config's): --tasks within what the profile can run."""
         wanted = [t.strip().lower() for t in self.tasks.split(",") if t.strip()]

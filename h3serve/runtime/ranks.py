@@ -131,8 +131,10 @@ def _build_args(stage: str, c, degrees: ParallelDegrees) -> tuple:
         kwargs = dict(common, tp=degrees.encoder_tp, fp8=c.levers.fp8,
                       resident_layers=c.levers.encoder_resident_layers)
     elif stage == "dit":
-        kwargs = dict(common, components=("transformer",), profile=c.model.profile, adapter=c.model.adapter,
-                      adapter_sha256=c.model.adapter_sha256, ulysses=degrees.ulysses, ring=degrees.ring, levers=c.levers)
+        m = c.model
+        kwargs = dict(common, components=("transformer",), profile=m.profile, adapter=m.adapter,
+                      adapter_sha256=m.adapter_sha256, ulysses=degrees.ulysses, ring=degrees.ring, levers=c.levers,
+                      adaln_dir=m.adaln_dir)
     elif stage == "vae":
         kwargs = dict(common, pp=degrees.vae_pp)
     else:

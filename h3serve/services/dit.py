@@ -88,9 +88,10 @@ class DiTServicer(StageBase):
             # the ranks load the t2va / fl2va partition only (runtime/ranks.py)
             self.tasks = tuple(t for t in self.tasks if COMPONENT_FOR_TASK[t] == "transformer")
         else:
-            self.engine = DiTEngine.load(c.model.checkpoint, components=components, dtype=TORCH_DTYPES[c.model.dtype],
-                                         device=device, profile=c.model.profile, adapter=c.model.adapter,
-                                         adapter_sha256=c.model.adapter_sha256, levers=c.levers)
+            m = c.model
+            self.engine = DiTEngine.load(m.checkpoint, components=components, dtype=TORCH_DTYPES[m.dtype],
+                                         device=device, profile=m.profile, adapter=m.adapter,
+                                         adapter_sha256=m.adapter_sha256, levers=c.levers, adaln_dir=m.adaln_dir)
         if c.model.warmup:   # one forward at the smallest geometry: kernels, allocator, lazy init
             model = self.engine.models["transformer"]
             req = DiTRequest(text_states=torch.zeros(1, 4, model.config.text_dim), text_tags=torch.ones(4, dtype=torch.long),

@@ -4,12 +4,13 @@ exact, and the projections' weights are in no device-resident parameter (nor in 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
-from h3serve.config.levers import Levers
+from h3serve.config.levers import Levers, lever_conflict
 from h3serve.errors import AdaLNTableError
 from safetensors import safe_open
 
@@ -22,6 +23,7 @@ from h3serve.weights.safetensors import write_safetensors
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 COMPONENTS = ("transformer", "transformer_ref")
 STEPS = 4  # the schedule the tables are built for (3 forwards)
+TABLE = Levers(adaln_table=True)
 
 
 def _request(text_dim: int, task: str = "t2va", *, profile: str = "base", steps: int | None = STEPS,
@@ -54,7 +56,7 @@ def plain(tiny_checkpoint):
 def tabled(tiny_checkpoint, tmp_path_factory):
     """dtype name -> an engine with the AdaLN table of the 4-point base schedule."""
     root = tmp_path_factory.mktemp("adaln")
-    return {name: DiTEngine.load(tiny_checkpoint, components=COMPONENTS, dtype=dt, adaln_table=root,
+    return {name: DiTEngine.load(tiny_checkpoint, components=COMPONENTS, dtype=dt, levers=TABLE, adaln_dir=root,
                                  adaln_steps=STEPS) for name, dt in DTYPES.items()}
 
 
@@ -93,14 +95,14 @@ def test_the_blocks_read_the_table(plain, tabled):
 def test_fasth3_with_the_table_is_todays_bitwise(tiny_checkpoint, tiny_adapter, tmp_path, dtype):
     kw = dict(profile="fasth3", adapter=tiny_adapter.path, adapter_sha256=tiny_adapter.sha256, dtype=DTYPES[dtype])
     ref = DiTEngine.load(tiny_checkpoint, **kw)
-    engine = DiTEngine.load(tiny_checkpoint, adaln_table=tmp_path, **kw)
+    engine = DiTEngine.load(tiny_checkpoint, levers=TABLE, adaln_dir=tmp_path, **kw)
     text_dim = ref.models["transformer"].config.text_dim
     req = _request(text_dim, profile="fasth3", steps=None)
     assert _same(engine.generate(req), ref.generate(req))
     table = engine.adaln_tables["transformer"]
     assert table.misses == 0 and table.report()["entries"] == 4  # FastH3 serves t2va only: one entry a forward
     # the adapter is fused into the projections before the table is keyed: not the base model's table
-    base = DiTEngine.load(tiny_checkpoint, dtype=DTYPES[dtype], adaln_table=tmp_path, adaln_steps=5)
+    base = DiTEngine.load(tiny_checkpoint, dtype=DTYPES[dtype], levers=TABLE, adaln_dir=tmp_path, adaln_steps=5)
     assert base.adaln_tables["transformer"].key["weights_sha256"] != table.key["weights_sha256"]
 
 
@@ -125,7 +127,8 @@ def test_step_reuse_and_fp8_with_the_table_are_bitwise_as_without(tiny_checkpoin
     high = _request(text_dim, steps=8, quality="high")
     for levers, req in ((Levers(), high), (Levers(fp8=True), _request(text_dim))):
         ref = DiTEngine.load(tiny_checkpoint, levers=levers)
-        engine = DiTEngine.load(tiny_checkpoint, levers=levers, adaln_table=tmp_path, adaln_steps=req.steps)
+        engine = DiTEngine.load(tiny_checkpoint, levers=dataclasses.replace(levers, adaln_table=True), adaln_dir=tmp_path,
+                                adaln_steps=req.steps)
         assert _same(engine.generate(req), ref.generate(req)), levers
         assert engine.adaln_tables["transformer"].misses == 0
     # FP8 never quantized the AdaLN projections: the table holds plain linears' outputs either way
@@ -158,7 +161,7 @@ def test_layerwise_offload_streams_blocks_without_the_projections(tmp_path):
 
 def test_projection_weights_are_not_device_parameters(tiny_checkpoint, tmp_path):
     ref = DiTEngine.load(tiny_checkpoint, dtype=torch.bfloat16).models["transformer"]
-    engine = DiTEngine.load(tiny_checkpoint, dtype=torch.bfloat16, adaln_table=tmp_path)
+    engine = DiTEngine.load(tiny_checkpoint, dtype=torch.bfloat16, levers=TABLE, adaln_dir=tmp_path)
     model = engine.models["transformer"]
     names = [n for n, _ in model.named_parameters()]
     assert names and not [n for n in names if name_matches(n, ADALN_WEIGHTS)]
@@ -178,11 +181,11 @@ def _table_file(engine: DiTEngine, component: str = "transformer"):
 
 
 def test_the_file_round_trips_and_a_changed_one_is_refused(tiny_checkpoint, tmp_path):
-    first = DiTEngine.load(tiny_checkpoint, adaln_table=tmp_path, adaln_steps=STEPS)
+    first = DiTEngine.load(tiny_checkpoint, levers=TABLE, adaln_dir=tmp_path, adaln_steps=STEPS)
     path = _table_file(first)
     assert path.parent == tmp_path and path.name.startswith("adaln-transformer-") and path.suffix == ".safetensors"
     built = first.adaln_tables["transformer"]
-    second = DiTEngine.load(tiny_checkpoint, adaln_table=tmp_path, adaln_steps=STEPS)
+    second = DiTEngine.load(tiny_checkpoint, levers=TABLE, adaln_dir=tmp_path, adaln_steps=STEPS)
     read = second.adaln_tables["transformer"]
     assert _table_file(second) == path and read.build_seconds == 0.0  # read, not built
     assert built.entries.keys() == read.entries.keys()
@@ -196,7 +199,7 @@ def test_the_file_round_trips_and_a_changed_one_is_refused(tiny_checkpoint, tmp_
     raw[-3] ^= 0x01
     path.write_bytes(bytes(raw))
     with pytest.raises(AdaLNTableError, match="do not match the sha256") as info:
-        DiTEngine.load(tiny_checkpoint, adaln_table=tmp_path, adaln_steps=STEPS)
+        DiTEngine.load(tiny_checkpoint, levers=TABLE, adaln_dir=tmp_path, adaln_steps=STEPS)
     assert str(path) in str(info.value)
 
     # a consistent file made for another key (here: its own key with another dtype) under this key's name: refused
@@ -207,7 +210,7 @@ def test_the_file_round_trips_and_a_changed_one_is_refused(tiny_checkpoint, tmp_
     key["dtype"] = "bfloat16"
     write_safetensors(path, tensors, {**meta, KEY_META: json.dumps(key, sort_keys=True)})
     with pytest.raises(AdaLNTableError, match="made for another") as info:
-        DiTEngine.load(tiny_checkpoint, adaln_table=tmp_path, adaln_steps=STEPS)
+        DiTEngine.load(tiny_checkpoint, levers=TABLE, adaln_dir=tmp_path, adaln_steps=STEPS)
     assert str(path) in str(info.value)
 
 
@@ -216,7 +219,7 @@ def test_a_read_only_directory_keeps_the_table_in_memory(tiny_checkpoint, tmp_pa
         raise PermissionError(30, "Read-only file system", str(path))
 
     monkeypatch.setattr("h3serve.models.dit.adaln.write_safetensors", read_only)
-    engine = DiTEngine.load(tiny_checkpoint, adaln_table=tmp_path, adaln_steps=STEPS)
+    engine = DiTEngine.load(tiny_checkpoint, levers=TABLE, adaln_dir=tmp_path, adaln_steps=STEPS)
     table = engine.adaln_tables["transformer"]
     assert table.path is None and table.report()["entries"] > 0 and not list(tmp_path.iterdir())
     text_dim = engine.models["transformer"].config.text_dim
@@ -232,11 +235,29 @@ def test_mp4_bytes_with_the_table_are_todays(tiny_checkpoint, tmp_path):
         pipe = Pipeline.load(tiny_checkpoint, device="cpu", dtype=dtype)
         req = validate_request(prompt="a red kite", seconds=5, width=256, height=256, seed=5, steps=3, dtype=dtype)
         pipe.generate(req, tmp_path / f"plain-{dtype}.mp4")
-        pipe.dit = DiTEngine.load(tiny_checkpoint, dtype=DTYPES[dtype], adaln_table=tmp_path / "tables",
+        pipe.dit = DiTEngine.load(tiny_checkpoint, dtype=DTYPES[dtype], levers=TABLE, adaln_dir=tmp_path / "tables",
                                   adaln_steps=3)
         pipe.generate(req, tmp_path / f"table-{dtype}.mp4")
         assert pipe.dit.adaln_tables["transformer"].misses == 0
         assert (tmp_path / f"plain-{dtype}.mp4").read_bytes() == (tmp_path / f"table-{dtype}.mp4").read_bytes()
+
+
+def test_the_lever_from_generate_gives_the_same_mp4_in_memory(tiny_checkpoint, tmp_path):
+    """`h3serve generate --adaln-table on` (the lever table's flag; no --adaln-dir: the table is built in memory) writes
+    the bytes the plain run writes; FastH3 may take it."""
+    import subprocess
+    import sys
+
+    def generate(name: str, *flags: str) -> bytes:
+        out = tmp_path / f"{name}.mp4"
+        r = subprocess.run([sys.executable, "-m", "h3serve.cli", "generate", "--checkpoint", str(tiny_checkpoint),
+                            "--prompt", "a kite", "--seconds", "5", "--size", "256x256", "--steps", "3", "--seed", "2",
+                            "--no-progress", "-o", str(out), *flags], capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr
+        return out.read_bytes()
+
+    assert generate("table", "--adaln-table", "on") == generate("plain")
+    assert lever_conflict("fasth3", TABLE) is None
 
 
 def test_bench_counts_the_released_bytes_and_its_device_part_is_bitwise():

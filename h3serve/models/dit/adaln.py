@@ -310,13 +310,18 @@ class AdaLNTable:
                 "build_s": round(self.build_seconds, 3)}
 
 
-def attach_adaln_table(model: nn.Module, directory: str | os.PathLike, component: str,
+def attach_adaln_table(model: nn.Module, directory: str | os.PathLike | None, component: str,
                        inputs: Sequence[torch.Tensor], device: torch.device | str) -> AdaLNTable:
     """Detach `model`'s AdaLN projections into a table for `inputs` (timesteps vectors, `schedule_inputs`): read from
     `directory` when its file for this key is there (refused if changed), else built and written there (a directory
-    that cannot be written keeps the table in memory only, with a warning)."""
+    that cannot be written keeps the table in memory only, with a warning; None: built, in memory only). The key is
+    made either way: sequence-parallel ranks compare its weight digest."""
     table = AdaLNTable.detach(model, device)
     key = table.key = table.make_key(model, component, inputs)
+    if directory is None:
+        table.build(model, inputs)
+        log.info("%s: AdaLN table built in %.2f s (in memory)", component, table.build_seconds)
+        return table
     path = Path(directory) / AdaLNTable.file_name(component, key)
     if path.exists():
         table.load(path, key)

@@ -109,7 +109,7 @@ class DiTEngine:
         adapter_sha256: str | None = None,
         levers: Levers = Levers(),
         offload: bool = True,
-        adaln_table: str | Path | None = None,
+        adaln_dir: str | Path | None = None,
         adaln_steps: int | None = None,
     ) -> "DiTEngine":
         """Build each partition on the meta device and stream its weights in; the adapter file (profile fasth3,
@@ -117,9 +117,9 @@ class DiTEngine:
         the weights, and closed on every path. `levers`: FP8 linears are made here, FP8 attention is chosen here,
         offload applied here unless `offload=False` (USP: after the cross-rank weight check, `apply_offload`).
 
-        `adaln_table` (a directory; None: off): the AdaLN projections' weights are read into host memory only and
-        replaced by a table of their outputs for the profile's schedule (`adaln_steps` grid points; default the
-        profile's), read from or written to that directory (`use_adaln_table`). Lossless for every request."""
+        `levers.adaln_table`: the AdaLN projections' weights are read into host memory only and replaced by a table
+        of their outputs for the profile's schedule (`adaln_steps` grid points; default the profile's), read from or
+        written to `adaln_dir` (None: kept in memory only; `use_adaln_table`). Lossless for every request."""
         device = torch.device(device)
         conflict = lever_conflict(profile, levers, names=CLI_NAMES)
         if conflict is not None:
@@ -128,12 +128,12 @@ class DiTEngine:
         fused = Adapter.open(adapter, adapter_sha256) if profile == "fasth3" else None
         try:
             engine = cls._load(checkpoint, components, dtype, device, profile, fused, levers,
-                               host=ADALN_WEIGHTS if adaln_table is not None else ())
+                               host=ADALN_WEIGHTS if levers.adaln_table else ())
         finally:
             if fused is not None:
                 fused.close()
-        if adaln_table is not None:
-            engine.use_adaln_table(adaln_table, steps=adaln_steps)
+        if levers.adaln_table:
+            engine.use_adaln_table(adaln_dir, steps=adaln_steps)
         if offload:
             engine.apply_offload(levers)
         return engine
@@ -163,11 +163,11 @@ class DiTEngine:
         engine.levers = levers
         return engine
 
-    def use_adaln_table(self, directory: str | Path, *, steps: int | None = None) -> dict[str, AdaLNTable]:
+    def use_adaln_table(self, directory: str | Path | None, *, steps: int | None = None) -> dict[str, AdaLNTable]:
         """Replace every partition's AdaLN projections by a table of their outputs (models/dit/adaln.py) for this
         profile's schedule at `steps` grid points (default: the profile's) and the profile's tasks on the partition,
         read from `directory` when its file is there (refused if changed), else computed on this device and written
-        there. A forward outside the table (another step count) is computed on first use, exactly. Call before
+        there (None: computed, kept in memory only). A forward outside the table (another step count) is computed on first use, exactly. Call before
         `apply_offload`."""
         video, audio = schedules_for(self.profile, steps if steps is not None else DEFAULT_STEPS[self.profile],
                                      self.shifts)

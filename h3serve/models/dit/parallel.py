@@ -301,13 +301,13 @@ def parallelize_dit(model: H3DiT, groups: USPGroups) -> USPDiT:
 
 def load_usp_engine(runtime: Runtime, usp: USPGroups, checkpoint: str, *, components, dtype: torch.dtype,
                     profile: str, adapter: str | None, adapter_sha256: str | None, levers: Levers = Levers(),
-                    adaln_table: str | None = None, adaln_steps: int | None = None):
+                    adaln_dir: str | None = None, adaln_steps: int | None = None):
     """This DiT rank's engine: weights streamed (FastH3: the adapter fused into them, before any sharding), checked
     identical on every rank of the DiT group by digest (with an AdaLN table, its input weights too: each rank reads
     or builds its own), then each model wrapped in the USP plan."""
     engine = DiTEngine.load(checkpoint, components=components, dtype=dtype, device=runtime.device, profile=profile,
                             adapter=adapter, adapter_sha256=adapter_sha256, levers=levers, offload=False,
-                            adaln_table=adaln_table, adaln_steps=adaln_steps)
+                            adaln_dir=adaln_dir, adaln_steps=adaln_steps)
     for name, model in sorted(engine.models.items()):
         table = engine.adaln_tables.get(name)
         digest = weights_digest(model.state_dict().items()) + (table.key["weights_sha256"] if table else "")
@@ -323,7 +323,7 @@ def load_usp_engine(runtime: Runtime, usp: USPGroups, checkpoint: str, *, compon
 
 def build_dit_rank(runtime: Runtime, *, checkpoint: str, dtype: torch.dtype, components: Sequence[str], profile: str,
                    adapter: str | None, adapter_sha256: str | None, ulysses: int, ring: int,
-                   levers: Levers = Levers(), adaln_table: str | None = None,
+                   levers: Levers = Levers(), adaln_dir: str | None = None,
                    adaln_steps: int | None = None) -> Callable[[], dict]:
     """Create the USP groups over ranks [0, ulysses x ring) now (every rank of the world calls this, in the same
     order) and return the load: the DiT engine under USP on the groups' members (`load_usp_engine`), then the ops
@@ -338,7 +338,7 @@ def build_dit_rank(runtime: Runtime, *, checkpoint: str, dtype: torch.dtype, com
         if usp is not None:
             engine = load_usp_engine(runtime, usp, checkpoint, components=components, dtype=dtype, profile=profile,
                                      adapter=adapter, adapter_sha256=adapter_sha256, levers=levers,
-                                     adaln_table=adaln_table, adaln_steps=adaln_steps)
+                                     adaln_dir=adaln_dir, adaln_steps=adaln_steps)
 
         def generate(req, local):
             if engine is None:

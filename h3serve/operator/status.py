@@ -337,7 +337,7 @@ def gang_roll(desired: list[dict], live: dict[tuple[str, str], dict], pods: list
     `desired` is rendered with a surge gang for each component that may have one (M.LABEL_SURGE, dit.rollout.maxSurge
     1). While an old gang needs the new template, the surge gang (the new template) runs beside them, and every old
     gang serving the old template waits until the surge gang is whole: then they roll one at a time as without a
-    surge, and the surge gang goes once none is left on the old template. So the whole gangs never drop below the
+    surge, and the surge gang goes once every gang runs the new template whole. So the whole gangs never drop below the
     desired count. Where the surge gang cannot be placed, or is not whole by `deadline_s`, it is given up and the
     gangs roll in place; a roll under way in place (a gang already on the new template, no surge gang) goes on so.
 
@@ -363,8 +363,10 @@ def gang_roll(desired: list[dict], live: dict[tuple[str, str], dict], pods: list
     for comp, gangs in by_comp.items():
         waiting = [n for n, stale, settled in gangs if stale and settled]  # serving on the old template
         s = surges.get(comp)
-        if s is not None and any(stale for _, stale, _ in gangs):
-            w = live.get(("StatefulSet", s["metadata"]["name"]))
+        w = None if s is None else live.get(("StatefulSet", s["metadata"]["name"]))
+        # under way until every gang runs the new template whole (the last one took it while still serving the old)
+        if s is not None and (any(stale for _, stale, _ in gangs) or (w is not None and not all(
+                settled for _, _, settled in gangs))):
             whole = w is not None and not _stale(s, w) and _rolled_out(w, int(s["spec"]["replicas"]))[0]
             why = None if w is None or whole else _surge_failure(w, pods, now, deadline_s)
             if w is None and not all(stale for _, stale, _ in gangs):

@@ -360,9 +360,10 @@ def test_a_surge_gang_serves_before_any_old_gang_rolls_and_goes_at_the_end():
 
     def live_with(new_ones=(), down=(), surge=None):
         """surge: None (no surge gang), "starting" or "whole" (on the new template)."""
-        ws = {w["metadata"]["name"]: w for w in live(old, name, overrides={g: {"readyReplicas": 0} for g in down})}
+        downs = {g: {"readyReplicas": 0} for g in down}
+        ws = {w["metadata"]["name"]: w for w in live(old, name, overrides=downs)}
         fresh = {w["metadata"]["name"]: w for w in live(new, name, surge=frozenset({"dit"}), overrides={
-            extra: {"readyReplicas": 0 if surge == "starting" else 2}})}
+            **downs, extra: {"readyReplicas": 0 if surge == "starting" else 2}})}
         ws.update({g: fresh[g] for g in new_ones})
         if surge:
             ws[extra] = fresh[extra]
@@ -378,10 +379,11 @@ def test_a_surge_gang_serves_before_any_old_gang_rolls_and_goes_at_the_end():
     roll = S.gang_roll(desired, live_with(surge="whole"), [], T1)  # whole: the old gangs roll one at a time
     assert roll.surge == {"dit"} and roll.held == {gangs[1], gangs[2]}
     rolling = live_with(new_ones=[gangs[0]], down=[gangs[0]], surge="whole")
-    rolling[("StatefulSet", gangs[0])]["status"]["readyReplicas"] = 0
     assert S.gang_roll(desired, rolling, [], T1).held == {gangs[1], gangs[2]}
     roll = S.gang_roll(desired, live_with(new_ones=gangs[:2], surge="whole"), [], T1)
     assert roll.surge == {"dit"} and roll.held == set()  # the last old gang rolls
+    roll = S.gang_roll(desired, live_with(new_ones=gangs, down=[gangs[2]], surge="whole"), [], T1)
+    assert roll.surge == {"dit"} and roll.held == set()  # the last one took the new template, not back yet
     roll = S.gang_roll(desired, live_with(new_ones=gangs, surge="whole"), [], T1)
     assert roll.surge == set() and roll.held == set() and not roll.notes  # every gang new: the surge gang goes
     st = S.compute(name=name, namespace="ns", generation=1, spec=new, issues=[], previous=None, now=T0,

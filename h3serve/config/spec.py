@@ -169,6 +169,18 @@ class EncoderSpec:
 
 
 @dataclass(frozen=True)
+class DitRolloutSpec:
+    max_surge: int = f("maxSurge", "Extra DiT gangs (replicas of several pods, one per node) a pod template change "
+                       "starts before an old gang rolls, as LeaderWorkerSet's rolloutStrategy.rollingUpdateConfiguration"
+                       ".maxSurge: with 1, every old gang keeps serving until the extra gang runs the new template whole "
+                       "and Ready, then the old gangs roll one at a time and the extra one goes. Where the extra gang "
+                       "cannot be placed (its pods are unschedulable, or it is not whole within its pods' startup "
+                       "allowance) the gangs roll in place, one at a time, as with 0. 0 never asks for spare GPUs. "
+                       "Single-pod replicas ignore it (their Deployment rolls one pod at a time).", 1,
+                       minimum=0, maximum=1)
+
+
+@dataclass(frozen=True)
 class DitSpec:
     ulysses: int = f("ulysses", "Ulysses (head-split) sequence-parallel degree of the DiT; divides its "
                      f"{DIT_HEADS} heads.", 1, minimum=1, maximum=DIT_HEADS)
@@ -185,6 +197,8 @@ class DitSpec:
     tolerations: Optional[list] = f("tolerations", "Replaces spec.tolerations for this stage.", None)
     levers: DitLeversSpec = f("levers", "Capacity and speed levers of the DiT, every one off by default; profile "
                               "base only.", factory=DitLeversSpec)
+    rollout: DitRolloutSpec = f("rollout", "How a pod template change rolls the DiT's multi-node replicas (also "
+                                "the colocated engine's and the FastH3 pool's).", factory=DitRolloutSpec)
 
     @property
     def sp(self) -> int:

@@ -11,6 +11,9 @@ START_ORDER = ("muxer", "vae", "dit", "encoder", "gateway")
 # A FastH3 DiT pool beside a base deployment (`--fasth3-dit` of the gateway; `h3serve serve --fasth3-adapter`
 # runs it on the same host, on the base port + its offset)
 FASTH3_DIT = "dit-fasth3"
+# The extra gang a rolling update starts before it rolls the old ones (`<name>-<component>-s`, dit.rollout.maxSurge):
+# one letter, never longer than a gang's index, so the name length checks of the gangs cover it.
+SURGE_GANG = "s"
 # The stage each one streams its output to, at the address a request names (`Sink.address`): the DiT sends its
 # latents to a VAE session, the VAE its frames to a muxer session (a FastH3 DiT is a DiT). Each may dial only these.
 SINKS = {"dit": "vae", "vae": "muxer"}

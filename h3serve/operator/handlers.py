@@ -129,7 +129,7 @@ def _reconcile(namespace: str, name: str, logger: logging.Logger) -> dict | None
 
     apply_error = None
     foreign: list[str] = []
-    held: set[str] = set()
+    roll = S.GangRoll()
     workloads: list[dict] = []
     kinds = [k for k in M.KINDS if k not in M.OPTIONAL_KINDS or kube.served(k)]
     owned = {(kind, o["metadata"]["name"]): o for kind in kinds
@@ -137,8 +137,18 @@ def _reconcile(namespace: str, name: str, logger: logging.Logger) -> dict | None
     if spec is not None and not issues:
         gangs = kube.served("PodGroup")
         monitors = kube.served("ServiceMonitor")
-        desired = M.render(spec, name, namespace, owner={"name": name, "uid": uid}, gang_scheduling=gangs,
-                           service_monitors=monitors)
+        # A surge gang only where gangs are placed whole: one placed pod by pod could hold GPUs an old gang needs.
+        surge = frozenset(c for c in M.components(spec) if gangs and M.surge_capable(spec, c))
+        render = lambda surge: M.render(spec, name, namespace, owner={"name": name, "uid": uid},  # noqa: E731
+                                        gang_scheduling=gangs, service_monitors=monitors, surge=surge)
+        desired = render(surge)
+        roll = S.gang_roll(desired, owned, _surge_pods(namespace, name, owned), _now())
+        if roll.surge != surge:
+            desired = render(roll.surge)
+        for comp, why in sorted(roll.gave_up.items()):
+            logger.warning("%s: %s; rolling in place", comp, why)
+            _event(cr, "Warning", "RollingInPlace", f"{comp}: {why}; its gangs roll in place, one at a time",
+                   subject=comp)
         if spec.metrics.service_monitor and not monitors:
             _event(cr, "Warning", "NoServiceMonitor", "spec.metrics.serviceMonitor is skipped: the API server "
                    "serves no monitoring.coreos.com/v1 ServiceMonitor (install the Prometheus Operator's CRDs, "
@@ -148,7 +158,6 @@ def _reconcile(namespace: str, name: str, logger: logging.Logger) -> dict | None
                    "PodGroup (feature gate GenericWorkload): multi-node replicas are placed pod by pod, and a "
                    "partly placed one holds its GPUs", once=True)
         keep = {(o["kind"], o["metadata"]["name"]) for o in desired}
-        held = S.gangs_held_back(desired, owned)
         for obj in desired:  # first the objects in the way: a pod would mount or run as them
             key = (obj["kind"], obj["metadata"]["name"])
             if key not in owned and not (obj["kind"] in M.OPTIONAL_KINDS and not kube.served(obj["kind"])):
@@ -165,7 +174,7 @@ def _reconcile(namespace: str, name: str, logger: logging.Logger) -> dict | None
             before = owned.get(key)
             if "/".join(key) in foreign:
                 continue
-            if key[1] in held and obj["kind"] == "StatefulSet":  # rolls after the gang rolling now
+            if key[1] in roll.held and obj["kind"] == "StatefulSet":  # rolls after the gang rolling now
                 workloads.append(before)
                 continue
             if foreign and obj["kind"] in WORKLOAD_KINDS:
@@ -204,7 +213,7 @@ def _reconcile(namespace: str, name: str, logger: logging.Logger) -> dict | None
     new = S.compute(name=name, namespace=namespace, generation=generation,
                     spec=spec if not issues else None, issues=issues, workloads=workloads,
                     previous=cr.get("status"), now=_now(), apply_error=apply_error, pods=pods, foreign=foreign,
-                    held=held, gangs_refused=_gangs_refused(namespace, workloads, logger))
+                    roll=roll, gangs_refused=_gangs_refused(namespace, workloads, logger))
     old = cr.get("status") or {}
     _report_conditions(cr, old, new)
     if not S.same(old, new):
@@ -283,6 +292,14 @@ def _restart_gangs(cr: dict, workloads: list[dict], logger) -> None:
             msg = f"StatefulSet/{gname}: deleted {', '.join(p for p, _ in stale)} ({stale[0][1]})"
             logger.info(msg)
             _event(cr, "Normal", "GroupRestart", msg)
+
+
+def _surge_pods(namespace: str, name: str, owned: dict) -> list[dict]:
+    """The pods, when a surge gang stands (S.gang_roll reads whether the scheduler can place it); no request else."""
+    if not any((o["metadata"].get("labels") or {}).get(M.LABEL_SURGE) for (kind, _), o in owned.items()
+               if kind == "StatefulSet"):
+        return []
+    return kube.list_pods(namespace, name)
 
 
 def _gangs_refused(namespace: str, workloads: list[dict], logger) -> list[str]:

@@ -48,6 +48,7 @@ from h3serve.config.vocab import (
     PIPELINE_STAGES,
     PORT_OFFSETS,
     SINKS,
+    SURGE_GANG,
 )
 
 MANAGER = "h3serve-operator"
@@ -61,6 +62,7 @@ LABEL_POD_INDEX = "apps.kubernetes.io/pod-index"  # set by the StatefulSet contr
 ANN_CONFIG_HASH = "h3serve.io/config-hash"
 ANN_GANG = "h3serve.io/gang-size"
 ANN_TEMPLATE_HASH = "h3serve.io/template-hash"  # on a gang's StatefulSet: its pod template, rendered
+LABEL_SURGE = "h3serve.io/surge"  # "true" on the extra gang StatefulSet a rolling update starts first (dit.rollout)
 ANN_WORLD = "h3serve.io/world"  # on a gang's StatefulSet, by the operator: the UIDs of the members that run together
 # A gang member's readiness gate: the operator sets it True once the member is in its gang's recorded world, False
 # before it restarts the gang, so a member counts for the disruption budget and the Services only while its world holds.
@@ -147,6 +149,16 @@ def workload_names(spec: H3DeploymentSpec, name: str, component: str) -> list[tu
     return [("Deployment", f"{name}-{component}")]
 
 
+def surge_capable(spec: H3DeploymentSpec, component: str) -> bool:
+    """The component's gangs roll with a surge gang first (dit.rollout.maxSurge: the DiT's gangs, in every
+    placement); the others roll in place."""
+    return component in (ENGINE, "dit", FASTH3_DIT) and gang_size(spec, component) > 1 and spec.dit.rollout.max_surge > 0
+
+
+def surge_name(name: str, component: str) -> str:
+    return f"{name}-{component}-{SURGE_GANG}"
+
+
 def headless_name(name: str, comp: str) -> str:
     """The headless Service of a disaggregated stage: its DNS name resolves to every ready replica (leader) pod."""
     return f"{name}-{comp}-headless"
@@ -202,11 +214,12 @@ def _dump_yaml_like(d: Any) -> str:
 
 
 def render(spec: H3DeploymentSpec, name: str, namespace: str, owner: dict | None = None,
-           gang_scheduling: bool = True, service_monitors: bool = True) -> list[dict]:
+           gang_scheduling: bool = True, service_monitors: bool = True, surge: frozenset[str] = frozenset()) -> list[dict]:
     """All desired objects, in apply order. `owner` = the H3Deployment's metadata (needs `uid`) -> ownerReferences.
     `gang_scheduling`: the cluster serves scheduling.k8s.io/v1beta1 PodGroups, so each multi-node replica is placed
     all or nothing (a PodGroup with a gang policy of the replica's pod count). `service_monitors`: the cluster serves
-    monitoring.coreos.com/v1 ServiceMonitors (rendered when spec.metrics.serviceMonitor asks)."""
+    monitoring.coreos.com/v1 ServiceMonitors (rendered when spec.metrics.serviceMonitor asks). `surge`: the gang
+    components whose rolling update runs an extra gang now (`status.gang_roll` decides)."""
     objs: list[dict] = []
     cfg = service_config(spec, name, namespace).to_dict()
     cfg_text = _dump_yaml_like(cfg)
@@ -216,7 +229,8 @@ def render(spec: H3DeploymentSpec, name: str, namespace: str, owner: dict | None
     objs.append(_meta({"apiVersion": "v1", "kind": "ConfigMap", "data": {"h3serve.yaml": cfg_text}},
                       f"{name}-config", name, namespace, None))
     for comp in components(spec):
-        objs += _component(spec, name, namespace, comp, config_hash(cfg, comp), gang_scheduling)
+        objs += _component(spec, name, namespace, comp, config_hash(cfg, comp), gang_scheduling,
+                           comp in surge and surge_capable(spec, comp))
     objs += _network_policies(spec, name, namespace)
     if spec.metrics.service_monitor and service_monitors:
         objs += _service_monitor(spec, name, namespace)
@@ -243,7 +257,7 @@ def front(comp: str) -> bool:
 
 
 def _component(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, cfg_hash: str,
-               gang_scheduling: bool = True) -> list[dict]:
+               gang_scheduling: bool = True, surge: bool = False) -> list[dict]:
     objs: list[dict] = []
     replicas = component_replicas(spec, comp)
     gang = gang_size(spec, comp)
@@ -271,8 +285,8 @@ def _component(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, cfg
             objs.append(_hpa(spec, name, namespace, comp))
     else:
         per_pod = spec.gpus_per_node
-        for r in range(replicas):
-            gname = f"{name}-{comp}-{r}"
+        # the surge gang last: it is a gang like the others (its own Service, PodGroup and world), serving as one
+        for gname in [f"{name}-{comp}-{r}" for r in range(replicas)] + ([surge_name(name, comp)] if surge else []):
             gsel = {**selector(name, comp), "h3serve.io/gang": gname}
             objs.append(_meta({"apiVersion": "v1", "kind": "Service", "spec": {
                 "clusterIP": "None", "publishNotReadyAddresses": True, "selector": gsel,
@@ -289,14 +303,17 @@ def _component(spec: H3DeploymentSpec, name: str, namespace: str, comp: str, cfg
                 objs.append(_meta({"apiVersion": "scheduling.k8s.io/v1beta1", "kind": "PodGroup", "spec": pg},
                                   group, name, namespace, comp))
             objs.append(_statefulset(spec, name, namespace, comp, gname, gang, per_pod, gpus, cfg_hash, group))
+            if gname == surge_name(name, comp):
+                objs[-1]["metadata"]["labels"][LABEL_SURGE] = "true"
 
-    if replicas > 1:
+    if replicas + surge > 1:
         # One replica may go; a single replica gets no PDB, which could only block node drains without keeping
         # anything serving. A gang stops whole when any one of its pods goes, so its budget is one pod: with
         # (replicas - 1) x gang, two evictions in two different gangs would stop both. The gang's other pods turn
-        # unready as it restarts, which holds the next eviction until it is back.
+        # unready as it restarts, which holds the next eviction until it is back. A surge gang counts as one more
+        # gang: a drain waits while it starts, and can never take an old whole gang for it.
         pdb = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "spec": {
-            "minAvailable": replicas * gang - 1, "selector": {"matchLabels": selector(name, comp)},
+            "minAvailable": (replicas + surge) * gang - 1, "selector": {"matchLabels": selector(name, comp)},
             "unhealthyPodEvictionPolicy": "AlwaysAllow"}}
         objs.append(_meta(pdb, f"{name}-{comp}", name, namespace, comp))
     return objs
@@ -345,6 +362,7 @@ def _grpc_probe(period: int, failures: int, timeout: int = 5) -> dict:
 
 
 PROBE = ["python", "-m", "h3serve.runtime.probe"]  # h3serve/runtime/probe.py
+STARTUP_PERIOD_S, STARTUP_FAILURES = 10, 360  # a model stage may take an hour to load its weights
 HUNG_KILL_GRACE_S = 10
 
 
@@ -369,7 +387,7 @@ def _probes(spec: H3DeploymentSpec, name: str, namespace: str, comp: str) -> dic
         return {"exec": {"command": cmd}, "periodSeconds": period, "timeoutSeconds": 15, "failureThreshold": failures}
 
     # A container killed for liveness is hung: it cannot drain, so it gets seconds, not the pod's drain grace.
-    return {"startupProbe": probe(10, 360) if comp != GATEWAY else probe(5, 60),
+    return {"startupProbe": probe(STARTUP_PERIOD_S, STARTUP_FAILURES) if comp != GATEWAY else probe(5, 60),
             "readinessProbe": probe(5, 3),
             "livenessProbe": {**probe(20, 6, live=True), "terminationGracePeriodSeconds": HUNG_KILL_GRACE_S}}
 

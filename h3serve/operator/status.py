@@ -17,7 +17,7 @@ Conditions (reasons are CamelCase):
 from __future__ import annotations
 
 import datetime as _dt
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from h3serve.config.spec import H3DeploymentSpec
 from h3serve.config.vocab import PIPELINE_STAGES
@@ -45,6 +45,8 @@ def expected_from_live(workloads: list[dict]) -> list[Expected]:
     """When the spec is invalid the operator keeps the children it has: describe them by themselves."""
     out = []
     for w in workloads:
+        if (w["metadata"].get("labels") or {}).get(M.LABEL_SURGE):  # an extra gang of a roll, not a replica
+            continue
         comp = (w["metadata"].get("labels") or {}).get(M.LABEL_COMPONENT, "?")
         out.append(Expected(comp, w["kind"], w["metadata"]["name"], int((w.get("spec") or {}).get("replicas", 1))))
     return sorted(out, key=lambda e: (e.component, e.name))
@@ -80,9 +82,9 @@ def pod_problems(pods: list[dict]) -> list[tuple[str, str]]:
         name, st = p["metadata"]["name"], p.get("status") or {}
         if p["metadata"].get("deletionTimestamp"):
             continue
-        for c in st.get("conditions") or []:
-            if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
-                out.append(("PodsUnschedulable", f"{name}: {c.get('message', 'unschedulable')}"))
+        why = _unschedulable(p)
+        if why is not None:
+            out.append(("PodsUnschedulable", f"{name}: {why}"))
         for cs in (st.get("initContainerStatuses") or []) + (st.get("containerStatuses") or []):
             w = (cs.get("state") or {}).get("waiting") or {}
             if w.get("reason") in _FAILING:
@@ -101,11 +103,13 @@ def _condition(ctype: str, ok: bool, reason: str, message: str, generation: int,
 def compute(*, name: str, namespace: str, generation: int, spec: H3DeploymentSpec | None,
             issues: list[tuple[str, str]], workloads: list[dict], previous: dict | None, now: str,
             apply_error: str | None = None, pods: list[dict] | None = None,
-            foreign: list[str] | None = None, held: set[str] | frozenset = frozenset(),
+            foreign: list[str] | None = None, roll: GangRoll | None = None,
             gangs_refused: list[str] | tuple = ()) -> dict:
     """`foreign`: "Kind/name" of objects in the way: they have a child's name but this H3Deployment did not create
-    them, so the operator leaves them alone (never adopts, changes or deletes them). `gangs_refused`: what refuses
-    gangs' pods at creation (`gang_create_failure`, from their StatefulSets' Events)."""
+    them, so the operator leaves them alone (never adopts, changes or deletes them). `roll`: how the gangs roll
+    this pass (`gang_roll`). `gangs_refused`: what refuses gangs' pods at creation (`gang_create_failure`, from
+    their StatefulSets' Events)."""
+    roll = roll or GangRoll()
     previous = previous or {}
     refused = [*create_failures(workloads), *gangs_refused]
     live = {(w["kind"], w["metadata"]["name"]): w for w in workloads}
@@ -127,7 +131,7 @@ def compute(*, name: str, namespace: str, generation: int, spec: H3DeploymentSpe
         else:
             comp_desired[e.component] = comp_desired.get(e.component, 0) + 1
             comp_ready[e.component] = comp_ready.get(e.component, 0) + int(ready_pods >= e.pods and e.pods > 0)
-        if not done or e.name in held:  # held: a gang waiting for its turn to roll
+        if not done or e.name in roll.held:  # held: a gang waiting for its turn to roll
             rolling.append(e.name)
         if stall:
             stalled.append(e.name)
@@ -169,7 +173,8 @@ def compute(*, name: str, namespace: str, generation: int, spec: H3DeploymentSpe
         prog = (False, "InvalidSpec", f"generation {generation} is not rolled out until the spec is fixed "
                                       f"(see SpecValid); the previous workloads keep serving")
     elif rolling:
-        prog = (True, "RollingOut", "rolling out " + ", ".join(rolling))
+        prog = (True, "RollingOut", "rolling out " + ", ".join(rolling)
+                + "".join(f"; {c}: {n}" for c, n in sorted(roll.notes.items())))
     else:
         prog = (False, "RolloutComplete", f"generation {generation} is rolled out")
     conds.append(_condition("Progressing", prog[0], prog[1], prog[2], generation, previous, now))
@@ -285,30 +290,108 @@ def podgroups_in_use(workloads: list[dict]) -> set[tuple[str, str]]:
             for g in [((w["spec"]["template"]["spec"].get("schedulingGroup") or {}).get("podGroupName"))] if g}
 
 
-def gangs_held_back(desired: list[dict], live: dict[tuple[str, str], dict]) -> set[str]:
-    """The gang StatefulSets whose new pod template waits this pass, so that a component's gangs roll one at a time
-    (as LeaderWorkerSet rolls groups, maxUnavailable 1): a gang that is down anyway takes its new template at once;
-    otherwise one whole, settled gang rolls while every other gang serves. Pure: the caller skips their apply."""
+# A surge gang not whole by then is given up: its pods' startup probes would have restarted them anyway.
+SURGE_DEADLINE_S = M.STARTUP_PERIOD_S * M.STARTUP_FAILURES
+
+
+@dataclass(frozen=True)
+class GangRoll:
+    """What the rolling update of the gang components does this pass (`gang_roll`)."""
+
+    held: frozenset[str] = frozenset()  # gang StatefulSets whose new pod template waits (the caller skips their apply)
+    surge: frozenset[str] = frozenset()  # components whose surge gang is applied; any other surge gang is pruned
+    gave_up: dict[str, str] = field(default_factory=dict)  # component -> why its surge gang went this pass
+    notes: dict[str, str] = field(default_factory=dict)  # component -> how it rolls (the Progressing message)
+
+
+def _unschedulable(pod: dict) -> str | None:
+    """The scheduler's words when it found no place for the pod (PodScheduled=False, Unschedulable), else None."""
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
+            return c.get("message") or "unschedulable"
+    return None
+
+
+def _surge_failure(w: dict, pods: list[dict], now: str, deadline_s: float) -> str | None:
+    """Why the live surge gang `w` (not whole yet) cannot serve, or None while it may still come: a member the
+    scheduler cannot place (the gang is placed whole or not at all, so it holds no GPUs meanwhile), or no whole gang
+    `deadline_s` after its creation."""
+    name = w["metadata"]["name"]
+    members = sorted((p for p in pods if (p["metadata"].get("labels") or {}).get("h3serve.io/gang") == name
+                      and not p["metadata"].get("deletionTimestamp")), key=lambda p: p["metadata"]["name"])
+    for p in members:
+        why = _unschedulable(p)
+        if why is not None:
+            return f"the surge gang {name} cannot be placed ({p['metadata']['name']}: {why})"
+    age = (_time(now) - _time(w["metadata"]["creationTimestamp"])).total_seconds()
+    if age > deadline_s:
+        return f"the surge gang {name} is not whole {deadline_s:.0f} s after its creation"
+    return None
+
+
+def gang_roll(desired: list[dict], live: dict[tuple[str, str], dict], pods: list[dict], now: str,
+              deadline_s: float = SURGE_DEADLINE_S) -> GangRoll:
+    """How each gang component takes a new pod template this pass. Pure: the caller renders the surge gangs it
+    names, skips the apply of the held gangs, and prunes a surge gang it does not name.
+
+    `desired` is rendered with a surge gang for each component that may have one (M.LABEL_SURGE, dit.rollout.maxSurge
+    1). While an old gang needs the new template, the surge gang (the new template) runs beside them, and every old
+    gang serving the old template waits until the surge gang is whole: then they roll one at a time as without a
+    surge, and the surge gang goes once every gang runs the new template whole. So the whole gangs never drop below the
+    desired count. Where the surge gang cannot be placed, or is not whole by `deadline_s`, it is given up and the
+    gangs roll in place; a roll under way in place (a gang already on the new template, no surge gang) goes on so.
+
+    In place (as LeaderWorkerSet rolls groups, maxUnavailable 1): a gang that is down anyway takes its new template
+    at once; otherwise one whole, settled gang rolls while every other gang serves."""
     by_comp: dict[str, list[tuple[str, bool, bool]]] = {}  # component -> (name, needs the new template, settled)
+    surges: dict[str, dict] = {}  # component -> its surge gang StatefulSet, as rendered
     for obj in desired:
         if obj["kind"] != "StatefulSet":
             continue
-        name = obj["metadata"]["name"]
+        name, comp = obj["metadata"]["name"], obj["metadata"]["labels"][M.LABEL_COMPONENT]
+        if obj["metadata"]["labels"].get(M.LABEL_SURGE):
+            surges[comp] = obj
+            continue
         w = live.get(("StatefulSet", name))
         if w is None:  # a new gang: nothing of it serves yet
             continue
-        want = obj["metadata"]["annotations"][M.ANN_TEMPLATE_HASH]
-        stale = ((w["metadata"].get("annotations") or {}).get(M.ANN_TEMPLATE_HASH)) != want
-        settled = _rolled_out(w, int(obj["spec"]["replicas"]))[0]
-        comp = obj["metadata"]["labels"][M.LABEL_COMPONENT]
-        by_comp.setdefault(comp, []).append((name, stale, settled))
+        by_comp.setdefault(comp, []).append((name, _stale(obj, w), _rolled_out(w, int(obj["spec"]["replicas"]))[0]))
     held: set[str] = set()
-    for gangs in by_comp.values():
+    surge: set[str] = set()
+    gave_up: dict[str, str] = {}
+    notes: dict[str, str] = {}
+    for comp, gangs in by_comp.items():
         waiting = [n for n, stale, settled in gangs if stale and settled]  # serving on the old template
+        s = surges.get(comp)
+        w = None if s is None else live.get(("StatefulSet", s["metadata"]["name"]))
+        # under way until every gang runs the new template whole (the last one took it while still serving the old)
+        if s is not None and (any(stale for _, stale, _ in gangs) or (w is not None and not all(
+                settled for _, _, settled in gangs))):
+            whole = w is not None and not _stale(s, w) and _rolled_out(w, int(s["spec"]["replicas"]))[0]
+            why = None if w is None or whole else _surge_failure(w, pods, now, deadline_s)
+            if w is None and not all(stale for _, stale, _ in gangs):
+                notes[comp] = "in place, one gang at a time (a gang already rolled in place)"
+            elif why is not None:
+                gave_up[comp] = why
+                notes[comp] = f"in place, one gang at a time ({why})"
+            elif not whole:  # every old gang serves until the surge gang is whole
+                surge.add(comp)
+                notes[comp] = f"surge gang {s['metadata']['name']} first; the old gangs wait until it is whole"
+                held |= set(waiting)
+                continue
+            else:
+                surge.add(comp)
+                notes[comp] = f"surge gang {s['metadata']['name']} whole; the old gangs roll one at a time"
         if all(settled for _, _, settled in gangs):  # none down or rolling: the first of them rolls now
             waiting = waiting[1:]
         held |= set(waiting)
-    return held
+    return GangRoll(frozenset(held), frozenset(surge), gave_up, notes)
+
+
+def _stale(desired: dict, live: dict) -> bool:
+    """The live gang StatefulSet runs another pod template than the rendered one."""
+    want = desired["metadata"]["annotations"][M.ANN_TEMPLATE_HASH]
+    return (live["metadata"].get("annotations") or {}).get(M.ANN_TEMPLATE_HASH) != want
 
 
 def _restarts(pod: dict) -> int:

@@ -1111,23 +1111,43 @@ def test_hpa_scales_the_dit_on_queued_step_seconds_and_nothing_else(operator, dy
 
 # ---- gangs: all or nothing (Kubernetes 1.37 gang scheduling, PodGroup) ----------------------------------------------
 
+GPU_TAINT = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+
+
+def add_pool_node(dyn, name: str, pool: str, gpus: int = 4) -> None:
+    """A kwok GPU node only the pods of `pool` go to (its label and taint), once Ready."""
+    from kube_harness import gpu_node
+
+    core = R(dyn, "Node", "v1")
+    n = gpu_node(name, gpus)
+    n["metadata"]["labels"]["pool"] = pool
+    n["spec"]["taints"].append({"key": pool, "value": "true", "effect": "NoSchedule"})
+    core.create(body=n)
+    wait_for(f"{name} Ready", lambda: (lambda n: any(
+        c["type"] == "Ready" and c["status"] == "True" for c in (n["status"].get("conditions") or []))
+        and not any(t["key"].startswith("node.kubernetes.io/") for t in n["spec"].get("taints") or []))(
+        core.get(name=name).to_dict()), timeout=60)
+
+
+def delete_nodes(dyn, names) -> None:
+    for n in names:
+        try:
+            R(dyn, "Node", "v1").delete(name=n)
+        except NotFoundError:
+            pass
+
+
+def pool_dit(pool: str, **dit) -> dict:
+    """spec.dit placing the DiT on the nodes of `pool` only."""
+    return {**dit, "nodeSelector": {"pool": pool},
+            "tolerations": [GPU_TAINT, {"key": pool, "operator": "Exists", "effect": "NoSchedule"}]}
+
+
 def test_two_gangs_on_two_nodes_never_half_place(operator, dyn, control_plane):
     """Two DiT replicas of 2 pods x 4 GPUs each. With one 4-GPU node for them no pod is placed (pod by pod, one
     would take the node and hold its GPUs for a gang that cannot run); with two, one gang runs whole and the other
     waits whole, never 1 + 1. (With the PodGroups left out, the one-node step fails: one pod is placed.)"""
-    from kube_harness import gpu_node
-
-    core = R(dyn, "Node", "v1")
-
-    def add_node(i):
-        n = gpu_node(f"gang-{i}", 4)
-        n["metadata"]["labels"]["pool"] = "gang-test"
-        n["spec"]["taints"].append({"key": "gang-test", "value": "true", "effect": "NoSchedule"})
-        core.create(body=n)
-        wait_for(f"gang-{i} Ready", lambda: (lambda n: any(
-            c["type"] == "Ready" and c["status"] == "True" for c in (n["status"].get("conditions") or []))
-            and not any(t["key"].startswith("node.kubernetes.io/") for t in n["spec"].get("taints") or []))(
-            core.get(name=f"gang-{i}").to_dict()), timeout=60)
+    add_node = lambda i: add_pool_node(dyn, f"gang-{i}", "gang-test")  # noqa: E731
 
     def placement(name):
         by_gang: dict[str, int] = {}
@@ -1142,15 +1162,13 @@ def test_two_gangs_on_two_nodes_never_half_place(operator, dyn, control_plane):
         return len(ps) == 4 and all(any(c["type"] == "PodScheduled" for c in p["status"].get("conditions") or [])
                                     for p in ps)
 
-    gpu_taint = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
     add_node(0)
     try:
         for attempt in range(3):
             name = f"gangs-{attempt}"
             doc = good_doc(name)
-            doc["spec"].update(placement="disaggregated", gpusPerNode=4, dit={
-                "ulysses": 8, "replicas": 2, "nodeSelector": {"pool": "gang-test"},
-                "tolerations": [gpu_taint, {"key": "gang-test", "operator": "Exists", "effect": "NoSchedule"}]})
+            doc["spec"].update(placement="disaggregated", gpusPerNode=4, dit=pool_dit("gang-test", ulysses=8,
+                                                                                     replicas=2))
             create(dyn, doc)
             pgs = wait_for("PodGroups", lambda: (lambda items: items if len(items) == 2 else None)(
                 R(dyn, "PodGroup", "scheduling.k8s.io/v1beta1").get(
@@ -1174,11 +1192,7 @@ def test_two_gangs_on_two_nodes_never_half_place(operator, dyn, control_plane):
             delete_cr(dyn, name)
             wait_gone(dyn, name)
     finally:
-        for i in range(2):
-            try:
-                core.delete(name=f"gang-{i}")
-            except NotFoundError:
-                pass
+        delete_nodes(dyn, ["gang-0", "gang-1"])
 
 
 def test_a_gang_restarts_whole_from_pod_and_container_state(operator, dyn):
@@ -1395,11 +1409,14 @@ def test_a_gang_whose_size_and_priority_change_rolls_onto_a_new_podgroup(operato
                                      namespace=APPS_NS, content_type="application/merge-patch+json")
         cr = ready_cr(dyn, name, generation=gen + 1, timeout=120)
         assert condition(cr, "Degraded")["status"] == "False", condition(cr, "Degraded")
-        new = wait_for("the old PodGroup pruned", lambda: (lambda g: g if old not in g else None)(groups()), timeout=60)
+        # the old PodGroup pruned, and the surge gang's (the spec change rolled through one) with it
+        new = wait_for("the old PodGroups pruned", lambda: (lambda g: g if old not in g and len(g) == 1 else None)(
+            groups()), timeout=60)
         (group, spec), = new.items()
         assert spec["schedulingPolicy"]["gang"]["minCount"] == 4 and spec["priorityClassName"] == prio, spec
-        dit = [p for p in pods(dyn, name) if p["metadata"]["labels"][M.LABEL_COMPONENT] == "dit"]
-        assert len(dit) == 4 and {p["spec"]["schedulingGroup"]["podGroupName"] for p in dit} == {group}
+        dit = wait_for("4 DiT pods (the surge gang's gone)", lambda: (lambda ps: ps if len(ps) == 4 else None)(
+            [p for p in pods(dyn, name) if p["metadata"]["labels"][M.LABEL_COMPONENT] == "dit"]), timeout=60)
+        assert {p["spec"]["schedulingGroup"]["podGroupName"] for p in dit} == {group}
         assert {p["spec"]["priority"] for p in dit} == {7}
     finally:
         delete_cr(dyn, name)
@@ -1477,50 +1494,116 @@ def test_a_deposed_leader_writes_nothing_more_in_its_term(control_plane, dyn, mo
         leases.delete(name=lease, namespace=APPS_NS)
 
 
+def whole_gangs(dyn, name: str, size: int = 2) -> set[str]:
+    """The DiT gangs (a surge gang too) whose `size` members are all Ready at one revision."""
+    by: dict[str, list] = {}
+    for p in pods(dyn, name):
+        lb = p["metadata"]["labels"]
+        if lb[M.LABEL_COMPONENT] == "dit" and not p["metadata"].get("deletionTimestamp"):
+            ok = any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions") or [])
+            by.setdefault(lb["h3serve.io/gang"], []).append((ok, lb.get("controller-revision-hash")))
+    return {g for g, ms in by.items() if len(ms) == size and all(ok for ok, _ in ms) and len({r for _, r in ms}) == 1}
+
+
+def watch_roll(dyn, name: str, dit_patch: dict, gangs: int = 2, timeout: float = 180.0) -> dict:
+    """Patch spec.dit (a new pod template for the DiT gangs), then poll every 0.2 s until the H3Deployment is rolled
+    out at the new generation, every gang whole at a new revision and no surge gang pod left. Returns the fewest
+    whole gangs seen (the surge gang counts), every gang seen whole, the Progressing messages seen and the seconds
+    from the patch to the end."""
+    sts = lambda g: R(dyn, "StatefulSet").get(name=f"{name}-dit-{g}", namespace=APPS_NS).to_dict()  # noqa: E731
+    old = {g: sts(g)["status"]["currentRevision"] for g in range(gangs)}
+    gen, surge = get_cr(dyn, name)["metadata"]["generation"], M.surge_name(name, "dit")
+    R(dyn, "H3Deployment").patch(body={"spec": {"dit": dit_patch}}, name=name, namespace=APPS_NS,
+                                 content_type="application/merge-patch+json")
+    t0, fewest, seen, said = time.monotonic(), gangs, set(), []
+    while True:
+        now, cr = whole_gangs(dyn, name), get_cr(dyn, name)
+        fewest, seen = min(fewest, len(now)), seen | now
+        msg = condition(cr, "Progressing").get("message", "")
+        said += [msg] if msg not in said else []
+        assert now, f"no DiT gang whole; Progressing: {msg}"
+        if (cr["status"].get("observedGeneration") == gen + 1 and condition(cr, "Progressing")["status"] == "False"
+                and len(now) == gangs and surge not in now
+                and not any(p["metadata"]["labels"].get("h3serve.io/gang") == surge for p in pods(dyn, name))):
+            break
+        assert time.monotonic() - t0 < timeout, (fewest, seen, said[-3:])
+        time.sleep(0.2)
+    took = time.monotonic() - t0
+    for g in range(gangs):  # every gang rolled, none left at two revisions
+        st = sts(g)["status"]
+        assert st["currentRevision"] not in (None, old[g]) and st["updateRevision"] == st["currentRevision"], st
+    return {"fewest": fewest, "seen": seen, "progressing": said, "seconds": took}
+
+
 def test_dit_gangs_roll_one_at_a_time_and_one_always_serves(operator, dyn):
-    """A template change of two DiT gangs: one gang rolls while the other serves whole, then the other; never 0 of 2
-    gangs whole, never a gang of two revisions left standing."""
+    """dit.rollout.maxSurge 0: a template change of two DiT gangs rolls them in place, one while the other serves
+    whole, then the other; never 0 of 2 gangs whole, never a gang of two revisions left standing, no surge gang."""
     name = "roll-gangs"
     doc = good_doc(name)
-    doc["spec"].update(placement="disaggregated", gpusPerNode=4, dit={"ulysses": 8, "replicas": 2})
+    doc["spec"].update(placement="disaggregated", gpusPerNode=4, dit={"ulysses": 8, "replicas": 2,
+                                                                      "rollout": {"maxSurge": 0}})
     create(dyn, doc)
     try:
         ready_cr(dyn, name, timeout=120)
-        sts = lambda g: R(dyn, "StatefulSet").get(name=f"{name}-dit-{g}", namespace=APPS_NS).to_dict()  # noqa: E731
-        old = {g: sts(g)["status"]["currentRevision"] for g in (0, 1)}
-
-        def whole():  # gangs with every pod Ready at one revision
-            by: dict[str, list] = {}
-            for p in pods(dyn, name):
-                lb = p["metadata"]["labels"]
-                if lb[M.LABEL_COMPONENT] == "dit" and not p["metadata"].get("deletionTimestamp"):
-                    ok = any(c["type"] == "Ready" and c["status"] == "True"
-                             for c in p["status"].get("conditions") or [])
-                    by.setdefault(lb["h3serve.io/gang"], []).append((ok, lb.get("controller-revision-hash")))
-            return {g for g, ms in by.items()
-                    if len(ms) == 2 and all(ok for ok, _ in ms) and len({r for _, r in ms}) == 1}
-
-        R(dyn, "H3Deployment").patch(body={"spec": {"dit": {"resources": {"requests": {"cpu": "2"}}}}}, name=name,
-                                     namespace=APPS_NS, content_type="application/merge-patch+json")
-        seen_rolled: list[int] = []
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            now = whole()
-            assert now, "no DiT gang whole"
-            rolled = [g for g in (0, 1) if sts(g)["status"].get("currentRevision") not in (None, old[g])
-                      and sts(g)["status"].get("updateRevision") == sts(g)["status"].get("currentRevision")]
-            for g in rolled:
-                if g not in seen_rolled:
-                    seen_rolled.append(g)
-            if len(seen_rolled) == 2 and len(now) == 2:
-                break
-            time.sleep(0.2)
-        assert len(seen_rolled) == 2, seen_rolled
+        r = watch_roll(dyn, name, {"resources": {"requests": {"cpu": "2"}}})
+        print(f"in place (maxSurge 0): {r['seconds']:.1f} s, fewest whole gangs {r['fewest']}")
+        assert r["fewest"] >= 1 and M.surge_name(name, "dit") not in r["seen"], r
         cr = ready_cr(dyn, name, timeout=60)
         assert cr["status"]["stages"]["dit"] == {"ready": 2, "desired": 2}
     finally:
         delete_cr(dyn, name)
     wait_gone(dyn, name)
+
+
+def test_a_dit_spec_change_surges_and_never_drops_below_the_desired_gangs(operator, dyn):
+    """dit.rollout.maxSurge 1 (the default) with GPUs to spare: a template change of two DiT gangs starts a third
+    gang on the new template, rolls the old ones one at a time once it is whole, then deletes it (and its
+    PodGroup): polled every 0.2 s, never fewer than 2 whole gangs."""
+    name = "surge-roll"
+    surge = M.surge_name(name, "dit")
+    doc = good_doc(name)
+    doc["spec"].update(placement="disaggregated", gpusPerNode=4, dit={"ulysses": 8, "replicas": 2})
+    create(dyn, doc)
+    try:
+        ready_cr(dyn, name, timeout=120)
+        r = watch_roll(dyn, name, {"resources": {"requests": {"cpu": "2"}}})
+        print(f"surge (maxSurge 1): {r['seconds']:.1f} s, fewest whole gangs {r['fewest']}")
+        assert r["fewest"] >= 2 and surge in r["seen"], r
+        assert any(f"surge gang {surge}" in m for m in r["progressing"]), r["progressing"]
+        assert not [e for e in events(dyn, name) if e["reason"] == "RollingInPlace"]
+        wait_for("the surge gang's objects gone", lambda: not [k for k in children(dyn, name)
+                                                               if k[1].startswith(surge)], timeout=60)
+        cr = ready_cr(dyn, name, timeout=60)
+        assert cr["status"]["stages"]["dit"] == {"ready": 2, "desired": 2}
+    finally:
+        delete_cr(dyn, name)
+    wait_gone(dyn, name)
+
+
+def test_a_surge_gang_that_cannot_be_placed_falls_back_to_rolling_in_place(operator, dyn):
+    """Two DiT gangs fill their four 4-GPU nodes: the surge gang is unschedulable, so the operator deletes it and
+    rolls the gangs in place, says so (Event RollingInPlace, the Progressing message), and never has 0 whole."""
+    name, nodes = "surge-full", [f"surge-full-{i}" for i in range(4)]
+    surge = M.surge_name(name, "dit")
+    for n in nodes:
+        add_pool_node(dyn, n, "surge-full")
+    try:
+        doc = good_doc(name)
+        doc["spec"].update(placement="disaggregated", gpusPerNode=4, dit=pool_dit("surge-full", ulysses=8,
+                                                                                  replicas=2))
+        create(dyn, doc)
+        ready_cr(dyn, name, timeout=120)
+        r = watch_roll(dyn, name, {"resources": {"requests": {"cpu": "2"}}})
+        print(f"surge unschedulable, in place: {r['seconds']:.1f} s, fewest whole gangs {r['fewest']}")
+        assert r["fewest"] >= 1 and surge not in r["seen"], r
+        given_up = [e["message"] for e in events(dyn, name) if e["reason"] == "RollingInPlace"]
+        assert given_up and f"the surge gang {surge} cannot be placed" in given_up[0], given_up
+        assert any("in place" in m for m in r["progressing"]), r["progressing"]
+        assert not [k for k in children(dyn, name) if k[1].startswith(surge)]
+    finally:
+        delete_cr(dyn, name)
+        wait_gone(dyn, name)
+        delete_nodes(dyn, nodes)
 
 
 def test_what_the_spec_stops_rendering_is_pruned(operator, dyn):

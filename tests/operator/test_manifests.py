@@ -6,6 +6,7 @@ Regenerate the golden files after an intended change with:  H3SERVE_UPDATE_GOLDE
 from __future__ import annotations
 
 import copy
+import json
 import os
 import pathlib
 import subprocess
@@ -17,6 +18,7 @@ import yaml
 
 from h3serve.config.levers import Levers
 from h3serve.config.parallel import ParallelDegrees
+from h3serve.config.vocab import FASTH3_DIT
 from h3serve.operator import manifests as M
 from h3serve.config.spec import H3DeploymentSpec, ServiceConfig, SpecError, parse_and_validate
 
@@ -224,6 +226,43 @@ def test_a_gangs_podgroup_carries_its_size_and_priority_and_a_new_spec_is_a_new_
     assert [g["schedulingPolicy"]["gang"]["minCount"] for g in smaller.values()] == [4]
     assert len(set(plain) | set(prio) | set(smaller)) == 3
     assert groups() == plain  # named by its spec alone
+
+
+def test_a_surge_gang_is_one_more_gang_of_its_own_and_counts_in_the_budget():
+    """dit.rollout.maxSurge 1: a rolling update may render `<name>-dit-s`, a gang like the others (its own
+    headless Service, PodGroup and world, the same pod template but for its name); the budget counts it, so a drain
+    can never take an old whole gang for it. maxSurge 0, a one-node replica or no surge asked: nothing more."""
+    d = yaml.safe_load((ROOT / "examples" / "fasth3-disaggregated.yaml").read_text())["spec"]
+    d["dit"]["replicas"] = 2
+    spec = parse_and_validate(d, "f")
+    plain, objs = M.render(spec, "f", "ns"), M.render(spec, "f", "ns", surge=frozenset({"dit"}))
+    keys = lambda objs: {(o["kind"], o["metadata"]["name"]) for o in objs}  # noqa: E731
+    extra = keys(objs) - keys(plain)
+    group = next(n for k, n in extra if k == "PodGroup")
+    assert extra == {("StatefulSet", "f-dit-s"), ("Service", "f-dit-s"), ("PodGroup", group)}
+    sts = {o["metadata"]["name"]: o for o in objs if o["kind"] == "StatefulSet"}
+    s, g0 = sts["f-dit-s"], sts["f-dit-0"]
+    assert s["metadata"]["labels"][M.LABEL_SURGE] == "true" and M.LABEL_SURGE not in g0["metadata"]["labels"]
+    assert s["spec"]["template"]["spec"]["schedulingGroup"]["podGroupName"] == group
+    assert json.loads(json.dumps(g0["spec"]).replace("f-dit-0", "f-dit-s")) == s["spec"]  # the PodGroup's too
+    pdb = lambda objs: next(o["spec"]["minAvailable"] for o in objs  # noqa: E731
+                            if o["kind"] == "PodDisruptionBudget" and o["metadata"]["name"] == "f-dit")
+    assert (pdb(plain), pdb(objs)) == (3, 5)  # one pod of 2 or of 3 gangs of 2 may go
+    d["dit"]["replicas"] = 1  # one replica: no budget but while the surge gang runs beside it
+    one = parse_and_validate(d, "f")
+    assert not [o for o in M.render(one, "f", "ns") if o["kind"] == "PodDisruptionBudget"
+                and o["metadata"]["name"] == "f-dit"]
+    assert pdb(M.render(one, "f", "ns", surge=frozenset({"dit"}))) == 3
+    for other in (parse_and_validate({**d, "dit": {**d["dit"], "rollout": {"maxSurge": 0}}}, "f"),
+                  parse_and_validate({**d, "gpusPerNode": 8}, "f")):
+        assert M.render(other, "f", "ns", surge=frozenset({"dit"})) == M.render(other, "f", "ns")
+    # the fasth3 pool's surge gang fits the name limit its gangs are checked against
+    d = {**_spec_doc("base-disaggregated"), "gpusPerNode": 2, "fasth3": {**FAST, "replicas": 10},
+         "dit": {"ulysses": 2, "ring": 1}, "vae": {"patchParallel": 1}}
+    name = "a" * 39
+    names = [o["metadata"]["name"] for o in M.render(parse_and_validate(d, name), name, "ns",
+                                                     surge=frozenset({FASTH3_DIT})) if o["kind"] == "StatefulSet"]
+    assert f"{name}-{FASTH3_DIT}-s" in names and max(map(len, names)) == 52
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)

@@ -19,14 +19,16 @@ def spec_of(example: str):
     return d["metadata"]["name"], parse_and_validate(d["spec"], d["metadata"]["name"])
 
 
-def live(spec, name, ready: bool = True, generation: int = 1, observed: int = 1, missing=(), overrides=None):
+def live(spec, name, ready: bool = True, generation: int = 1, observed: int = 1, missing=(), overrides=None,
+         surge=frozenset()):
     """Workload objects as the API server returns them (status filled in)."""
     out = []
-    for o in M.render(spec, name, "ns"):
+    for o in M.render(spec, name, "ns", surge=surge):
         if o["kind"] not in ("Deployment", "StatefulSet") or o["metadata"]["name"] in missing:
             continue
         n = o["spec"]["replicas"]
         o["metadata"]["generation"] = generation
+        o["metadata"]["creationTimestamp"] = T0
         st = {"observedGeneration": observed, "replicas": n, "updatedReplicas": n,
               "readyReplicas": n if ready else 0, "availableReplicas": n if ready else 0}
         if o["kind"] == "StatefulSet":
@@ -328,13 +330,104 @@ def test_gangs_roll_one_at_a_time():
                 w = next(o for o in live(new, name) if o["metadata"]["name"] == w["metadata"]["name"])
             out[(w["kind"], w["metadata"]["name"])] = w
         return out
-    assert S.gangs_held_back(desired, live_with()) == {gangs[1], gangs[2]}  # gang 0 rolls
+    assert S.gang_roll(desired, live_with(), [], T0).held == {gangs[1], gangs[2]}  # gang 0 rolls
     rolling = live_with(new_ones=[gangs[0]], down=[gangs[0]])
     rolling[("StatefulSet", gangs[0])]["status"]["readyReplicas"] = 0
-    assert S.gangs_held_back(desired, rolling) == {gangs[1], gangs[2]}  # gang 0 not back yet: both wait
-    assert S.gangs_held_back(desired, live_with(new_ones=[gangs[0]])) == {gangs[2]}  # gang 0 whole: gang 1 rolls
-    assert S.gangs_held_back(desired, live_with(down=[gangs[2]])) == {gangs[0], gangs[1]}  # gang 2 down: it rolls
-    assert S.gangs_held_back(desired, live_with(new_ones=gangs)) == set()
+    assert S.gang_roll(desired, rolling, [], T0).held == {gangs[1], gangs[2]}  # gang 0 not back yet: both wait
+    assert S.gang_roll(desired, live_with(new_ones=[gangs[0]]), [], T0).held == {gangs[2]}  # gang 0 whole: gang 1 rolls
+    assert S.gang_roll(desired, live_with(down=[gangs[2]]), [], T0).held == {gangs[0], gangs[1]}  # gang 2 down: it rolls
+    assert S.gang_roll(desired, live_with(new_ones=gangs), [], T0).held == set()
     st = S.compute(name=name, namespace="ns", generation=1, spec=new, issues=[], workloads=list(live_with().values()),
-                   previous=None, now=T0, held={gangs[1], gangs[2]})
+                   previous=None, now=T0, roll=S.GangRoll(held=frozenset({gangs[1], gangs[2]})))
     assert cond(st, "Progressing")["status"] == "True" and gangs[1] in cond(st, "Progressing")["message"]
+
+
+def _roll_specs(**dit):
+    """A DiT of three 2-pod gangs, before and after a pod template change."""
+    name, _ = spec_of("base-disaggregated")
+    d = yaml.safe_load((ROOT / "examples" / "base-disaggregated.yaml").read_text())["spec"]
+    d.update(replicas=3, gpusPerNode=4)
+    d["dit"].update(dit)
+    new = parse_and_validate(d, name)
+    d["dit"]["resources"] = {"requests": {"cpu": "31"}}
+    return name, parse_and_validate(d, name), new
+
+
+def test_a_surge_gang_serves_before_any_old_gang_rolls_and_goes_at_the_end():
+    name, old, new = _roll_specs()
+    gangs, extra = [f"{name}-dit-{r}" for r in range(3)], M.surge_name(name, "dit")
+    desired = M.render(new, name, "ns", surge=frozenset({"dit"}))
+
+    def live_with(new_ones=(), down=(), surge=None):
+        """surge: None (no surge gang), "starting" or "whole" (on the new template)."""
+        downs = {g: {"readyReplicas": 0} for g in down}
+        ws = {w["metadata"]["name"]: w for w in live(old, name, overrides=downs)}
+        fresh = {w["metadata"]["name"]: w for w in live(new, name, surge=frozenset({"dit"}), overrides={
+            **downs, extra: {"readyReplicas": 0 if surge == "starting" else 2}})}
+        ws.update({g: fresh[g] for g in new_ones})
+        if surge:
+            ws[extra] = fresh[extra]
+        return {(w["kind"], w["metadata"]["name"]): w for w in ws.values()}
+
+    roll = S.gang_roll(desired, live_with(), [], T0)  # no surge gang yet: it is made, every old gang waits
+    assert roll.surge == {"dit"} and roll.held == set(gangs) and not roll.gave_up
+    assert "surge gang" in roll.notes["dit"]
+    roll = S.gang_roll(desired, live_with(surge="starting"), [], T1)
+    assert roll.surge == {"dit"} and roll.held == set(gangs)
+    roll = S.gang_roll(desired, live_with(surge="starting", down=[gangs[2]]), [], T1)
+    assert roll.held == {gangs[0], gangs[1]}  # a gang down anyway takes the new template at once
+    roll = S.gang_roll(desired, live_with(surge="whole"), [], T1)  # whole: the old gangs roll one at a time
+    assert roll.surge == {"dit"} and roll.held == {gangs[1], gangs[2]}
+    rolling = live_with(new_ones=[gangs[0]], down=[gangs[0]], surge="whole")
+    assert S.gang_roll(desired, rolling, [], T1).held == {gangs[1], gangs[2]}
+    roll = S.gang_roll(desired, live_with(new_ones=gangs[:2], surge="whole"), [], T1)
+    assert roll.surge == {"dit"} and roll.held == set()  # the last old gang rolls
+    roll = S.gang_roll(desired, live_with(new_ones=gangs, down=[gangs[2]], surge="whole"), [], T1)
+    assert roll.surge == {"dit"} and roll.held == set()  # the last one took the new template, not back yet
+    roll = S.gang_roll(desired, live_with(new_ones=gangs, surge="whole"), [], T1)
+    assert roll.surge == set() and roll.held == set() and not roll.notes  # every gang new: the surge gang goes
+    st = S.compute(name=name, namespace="ns", generation=1, spec=new, issues=[], previous=None, now=T0,
+                   workloads=list(live_with(surge="starting").values()),
+                   roll=S.gang_roll(desired, live_with(surge="starting"), [], T1))
+    msg = cond(st, "Progressing")["message"]
+    assert cond(st, "Progressing")["status"] == "True" and extra in msg and gangs[0] in msg, msg
+    assert st["stages"]["dit"] == {"ready": 3, "desired": 3}  # the surge gang is no replica
+
+
+def _unplaced(name: str, gang: str) -> dict:
+    return {"metadata": {"name": f"{gang}-0", "labels": {"h3serve.io/gang": gang}},
+            "status": {"conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                                       "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu."}]}}
+
+
+def test_a_surge_gang_that_cannot_be_placed_or_is_late_is_given_up_for_an_in_place_roll():
+    name, old, new = _roll_specs()
+    gangs, extra = [f"{name}-dit-{r}" for r in range(3)], M.surge_name(name, "dit")
+    desired = M.render(new, name, "ns", surge=frozenset({"dit"}))
+    ws = {(w["kind"], w["metadata"]["name"]): w for w in live(old, name)}
+    starting = next(w for w in live(new, name, surge=frozenset({"dit"}), overrides={extra: {"readyReplicas": 0}})
+                    if w["metadata"]["name"] == extra)
+    ws[("StatefulSet", extra)] = starting
+    roll = S.gang_roll(desired, ws, [_unplaced(name, extra)], T1)  # unschedulable: given up, gang 0 rolls in place
+    assert roll.surge == set() and roll.held == {gangs[1], gangs[2]}
+    assert "Insufficient nvidia.com/gpu" in roll.gave_up["dit"] and "in place" in roll.notes["dit"]
+    assert not S.gang_roll(desired, ws, [_unplaced(name, f"{name}-dit-0")], T1).gave_up  # another gang's pod
+    late = "2026-01-01T01:00:01Z"  # one second past the deadline (an hour: the startup probes' allowance)
+    assert S.SURGE_DEADLINE_S == 3600
+    roll = S.gang_roll(desired, ws, [], late)
+    assert roll.surge == set() and "not whole 3600 s after its creation" in roll.gave_up["dit"]
+    assert S.gang_roll(desired, ws, [], "2026-01-01T01:00:00Z").surge == {"dit"}
+    # the next pass: the surge gang is gone and gang 0 runs the new template; the roll goes on in place
+    del ws[("StatefulSet", extra)]
+    ws[("StatefulSet", gangs[0])] = next(w for w in live(new, name) if w["metadata"]["name"] == gangs[0])
+    roll = S.gang_roll(desired, ws, [], late)
+    assert roll.surge == set() and roll.held == {gangs[2]} and not roll.gave_up and "in place" in roll.notes["dit"]
+
+
+def test_max_surge_0_rolls_in_place_as_before():
+    name, old, new = _roll_specs(rollout={"maxSurge": 0})
+    gangs = [f"{name}-dit-{r}" for r in range(3)]
+    desired = M.render(new, name, "ns", surge=frozenset({"dit"}))
+    assert not any(o["metadata"]["labels"].get(M.LABEL_SURGE) for o in desired)
+    roll = S.gang_roll(desired, {(w["kind"], w["metadata"]["name"]): w for w in live(old, name)}, [], T0)
+    assert roll == S.GangRoll(held=frozenset(gangs[1:]))

@@ -26,6 +26,7 @@ from h3serve.config.request import FIELD_TYPES, REQUEST_FIELDS
 from h3serve.config.stage import API_KEY_ENV, StageConfig
 from h3serve.config.vocab import DEFAULT_DTYPE, EXIT_USER_ERROR
 from h3serve.errors import H3Error
+from h3serve.runtime.prechecks import check_serve
 
 EXIT_INTERNAL = 3
 EXIT_SIGPIPE = 128 + 13   # what a shell reports for a tool that SIGPIPE ended
@@ -286,20 +287,13 @@ def _servicer(stage: str):
     return MuxerServicer
 
 
-def _gateway_exposure(config) -> None:
-    """The gateway's host/key rule, checked before any stage starts (the gateway checks it again when it loads)."""
-    from h3serve.services.gateway.auth import check_exposure
-
-    check_exposure(config.api_keys_file, config.no_auth,
-                   (config.host,) + ((config.http_host,) if config.http_port is not None else ()))
-
-
 def _cmd_serve(args: argparse.Namespace) -> int:
+    _levers(args)
+    plan = check_serve(args)   # every mistake is one line before torch is imported
     # lazy: torch, grpc and the models load only for the command that runs
     from h3serve.runtime.launcher import serve_main
 
-    _levers(args)  # before anything starts
-    return serve_main(args, _servicer, prechecks={"gateway": _gateway_exposure})
+    return serve_main(args, plan, _servicer)
 
 
 def _add_checkpoint(sub: argparse._SubParsersAction) -> None:

@@ -12,7 +12,8 @@ import pytest
 
 from h3serve.config.stage import STAGE_CONFIG_ENV, StageConfig
 from h3serve.errors import H3Error
-from h3serve.runtime.launcher import child_argv, child_config, config_from_args
+from h3serve.runtime.launcher import child_argv, child_config
+from h3serve.runtime.prechecks import config_from_args
 from h3serve.testing.serve import launched_config
 
 # set by the launcher per child, not carried from its own config

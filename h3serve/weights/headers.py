@@ -21,7 +21,7 @@ def sha256_file(path: str | os.PathLike, *, chunk_bytes: int = 8 << 20) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk_bytes):
-            digest.update(block)
+            digest.update(block)   # hashlib releases the GIL on large buffers: files hash in parallel
     return digest.hexdigest()
 
 

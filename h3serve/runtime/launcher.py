@@ -81,7 +81,7 @@ class Launcher:
                  start_timeout: float, restart: bool, log_level: str, json_output: bool):
         self.config = config
         self.order = serve_order(config, stages)   # with the FastH3 DiT pool beside a base one (--fasth3-dit)
-        self.stages = [*stages, *(s for s in self.order if s not in stages)]
+        stages = self.stages = [*stages, *(s for s in self.order if s not in stages)]
         self.start_timeout = start_timeout
         self.restart = restart
         self.log_level = log_level
@@ -97,7 +97,6 @@ class Launcher:
                 self.addresses[s] = getattr(config, s)
         tls = Tls.of(config)
         self.credentials = tls.channel_credentials() if tls.enabled else None   # its health checks
-        self.base_port = base_port
         self.procs: dict[str, subprocess.Popen] = {}
         self.restarts: dict[str, int] = {s: 0 for s in stages}
         self.stopping = threading.Event()

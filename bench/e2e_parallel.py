@@ -182,7 +182,7 @@ def _ours_once(pipe, req, path: Path) -> tuple[dict, object]:
 def _ours_run(cfg: dict) -> dict:
     import torch
 
-    from h3serve.weights.safetensors import sha256_file
+    from h3serve.weights.headers import sha256_file
     from h3serve.runtime.device import process_memory
     from h3serve.pipeline import Pipeline
 
@@ -270,7 +270,7 @@ def _fuse_adapter(transformer, path: str) -> int:
     import torch
 
     from h3serve.weights.adapter import Adapter
-    from h3serve.weights.safetensors import sha256_file
+    from h3serve.weights.headers import sha256_file
 
     with Adapter.open(path, sha256_file(path)) as adapter:
         adapter.check_targets(transformer.state_dict(), component="transformer")

@@ -24,6 +24,7 @@ from h3serve.config.request import FIELD_TYPES, REQUEST_FIELDS
 from h3serve.config.stage import API_KEY_ENV, KNOB_TYPES, KNOBS
 from h3serve.config.vocab import DEFAULT_DTYPE, EXIT_USER_ERROR
 from h3serve.errors import H3Error
+from h3serve.runtime.prechecks import check_serve
 
 EXIT_INTERNAL = 3
 EXIT_SIGPIPE = 128 + 13   # what a shell reports for a tool that SIGPIPE ended
@@ -283,20 +284,13 @@ def _servicer(stage: str):
     return MuxerServicer
 
 
-def _gateway_exposure(config) -> None:
-    """The gateway's host/key rule, checked before any stage starts (the gateway checks it again when it loads)."""
-    from h3serve.services.gateway.auth import check_exposure
-
-    check_exposure(config.gateway.api_keys_file, config.gateway.no_auth,
-                   (config.server.host,) + ((config.gateway.http_host,) if config.gateway.http_port is not None else ()))
-
-
 def _cmd_serve(args: argparse.Namespace) -> int:
+    _levers(args)
+    plan = check_serve(args)   # every mistake is one line before torch is imported
     # lazy: torch, grpc and the models load only for the command that runs
     from h3serve.runtime.launcher import serve_main
 
-    _levers(args)  # before anything starts
-    return serve_main(args, _servicer, prechecks={"gateway": _gateway_exposure})
+    return serve_main(args, plan, _servicer)
 
 
 def _add_checkpoint(sub: argparse._SubParsersAction) -> None:

@@ -24,13 +24,13 @@ from h3serve.config.levers import LeverError, Levers, check_combination, staging
 from h3serve.config.parallel import ParallelDegrees
 from h3serve.config.geometry import SAMPLE_RATE
 from h3serve.config.request import GenerationRequest, dit_fields, media_source
-from h3serve.config.vocab import DEFAULT_DTYPE, PROFILES
+from h3serve.config.vocab import COMPONENT_FOR_TASK, DEFAULT_DTYPE, PROFILES
 from h3serve.distributed.proxies import DiTEngineProxy, EncoderProxy, VideoVAEProxy
 from h3serve.distributed.world import launch
 from h3serve.errors import CheckpointError, H3Error, ProfileError
 from h3serve.media.audio import read_audio_reference
 from h3serve.media.mux import Mp4Writer
-from h3serve.models.dit.engine import COMPONENT_FOR_TASK, DiTEngine, DiTRequest
+from h3serve.models.dit.engine import DiTEngine, DiTRequest
 from h3serve.models import conditions as cond
 from h3serve.models.dit.parallel import build_dit_rank
 from h3serve.models.encoder.model import TextEncoder

@@ -24,6 +24,8 @@ SERVICE_NAMES = {"encoder": "h3serve.v1.Encoder", "dit": "h3serve.v1.DiT", "vae"
 TASKS = ("t2va", "fl2va", "ref2va")
 PROFILES = ("base", "fasth3")
 PROFILE_TASKS = {"base": TASKS, "fasth3": ("t2va",)}   # FastH3 is distilled for t2va only
+# Which checkpoint partition serves which task (H3_REFERENCE §1.1).
+COMPONENT_FOR_TASK = {"t2va": "transformer", "fl2va": "transformer", "ref2va": "transformer_ref"}
 # What a deployment serves unless told (--tasks): ref2va needs the DiT's second partition (transformer_ref/, as
 # large as the first), so it is loaded only where asked for.
 DEFAULT_TASKS = "t2va,fl2va"

@@ -23,44 +23,27 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, fields
-from typing import Callable, Mapping
+from dataclasses import asdict
+from typing import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from h3serve._proto import common_pb2
-from h3serve.config.levers import from_args as levers_from_args
-from h3serve.config.parallel import ParallelDegrees
-from h3serve.config.stage import (COMPONENT_ENV, CONFIG_ENV, KNOB_PART, STAGE_CONFIG_ENV, StageConfig, connect_host,
-                                  service_config_values)
-from h3serve.config.vocab import (EXIT_USER_ERROR, FASTH3_DIT, HTTP_PORT, MODEL_STAGES, PORT_OFFSETS, SERVICE_NAMES,
-                                  STAGES, START_ORDER)
+from h3serve.config.stage import STAGE_CONFIG_ENV, StageConfig, connect_host
+from h3serve.config.vocab import EXIT_USER_ERROR, FASTH3_DIT, MODEL_STAGES, PORT_OFFSETS, SERVICE_NAMES
 from h3serve.distributed.world import free_port
-from h3serve.errors import CheckpointError, H3Error, RequestError
-from h3serve.models.dit.engine import COMPONENT_FOR_TASK
 from h3serve.runtime import ranks
-from h3serve.runtime.device import check_ranks_fit
-from h3serve.runtime.process import EXIT_LOAD_FAILED, ServicerFactory, announce, check_ports, run_stage
-from h3serve.runtime.tls import Tls, check_stage_exposure
+from h3serve.runtime.prechecks import ServePlan, serve_order
+from h3serve.runtime.process import EXIT_LOAD_FAILED, ServicerFactory, announce, run_stage
+from h3serve.runtime.tls import Tls
 from h3serve.transport.grpc import wait_serving
-from h3serve.weights.folder import CheckpointFolder
 
 # the launcher's liveness probe: a child SERVING once and then silent (health deadline exceeded) this long is hung
 LIVENESS_INTERVAL_S = 1.0
 LIVENESS_S = 10.0
 # `serve` stopped, but a stage had to be killed (past its grace, or a second Ctrl-C) or exited non-zero
 EXIT_UNCLEAN_STOP = 5
-
-
-def parse_stages(text: str) -> list[str]:
-    if text.strip() == "all":
-        return list(STAGES)
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    bad = [s for s in names if s not in STAGES]
-    if bad or not names:
-        raise RequestError("stages", text, "all, or a comma list of " + ", ".join(STAGES))
-    return [s for s in STAGES if s in names]
 
 
 def child_config(config: StageConfig, stage: str, port: int, addresses: dict[str, str],
@@ -98,12 +81,8 @@ class Launcher:
     def __init__(self, config: StageConfig, stages: list[str], *, base_port: int, http_port: int | None,
                  start_timeout: float, restart: bool, log_level: str, json_output: bool):
         self.config = config
-        if config.model.fasth3_adapter and "dit" in stages and config.model.profile == "base":
-            stages = [*stages, FASTH3_DIT]   # the FastH3 DiT pool beside the base one (gateway: --fasth3-dit)
-        self.stages = stages
-        self.order = [s for s in START_ORDER if s in stages]
-        if FASTH3_DIT in stages:
-            self.order.insert(self.order.index("dit") + 1, FASTH3_DIT)
+        self.order = serve_order(config, stages)   # with the FastH3 DiT pool beside a base one (--fasth3-dit)
+        stages = self.stages = [*stages, *(s for s in self.order if s not in stages)]
         self.start_timeout = start_timeout
         self.restart = restart
         self.log_level = log_level
@@ -119,7 +98,6 @@ class Launcher:
                 self.addresses[s] = getattr(config.gateway, s)
         tls = Tls.of(config)
         self.credentials = tls.channel_credentials() if tls.enabled else None   # its health checks
-        self.base_port = base_port
         self.procs: dict[str, subprocess.Popen] = {}
         self.restarts: dict[str, int] = {s: 0 for s in stages}
         self.stopping = threading.Event()
@@ -127,17 +105,6 @@ class Launcher:
         self.killed = False   # a second Ctrl-C killed the children
         self._threads: list[threading.Thread] = []
         self.folder = tempfile.mkdtemp(prefix="h3serve-stages-", dir=config.media.tmp_dir)  # the children's config files
-
-    def planned_ports(self) -> list[tuple[str, int, str]]:
-        """(host, port, the flag that sets it) of every port the children will bind."""
-        out = []
-        for s in self.order:
-            flag = f"--port {self.base_port}" if s == "gateway" or not self.base_port else \
-                f"--port {self.base_port} (+{PORT_OFFSETS[s]}: the {s} stage)"
-            out.append((self.config.server.host, self.ports[s], flag))
-        if self.http_port:
-            out.append((self.config.gateway.http_host, self.http_port, f"--http-port {self.http_port}"))
-        return out
 
     def spawn(self, stage: str) -> subprocess.Popen:
         if stage == FASTH3_DIT:
@@ -346,115 +313,17 @@ class Launcher:
         return EXIT_UNCLEAN_STOP if bad else 0
 
 
-def config_from_args(args: argparse.Namespace, stage: str, environ: Mapping[str, str] = os.environ) -> StageConfig:
-    """The StageConfig of `stage` from argv and, when `$H3SERVE_CONFIG` names one, the operator's service config.
-
-    The file wins: what it sets (degrees, profile, adapter, dtype, ports, peer addresses) is the deployment's truth;
-    argv fills the knobs it does not carry (threads, warm-up, --advertise, ...). A child of the launcher reads the
-    launcher's knobs from `$H3SERVE_STAGE_CONFIG` instead of argv (`child_config`), then the mounted file the same.
-    """
-    child = environ.get(STAGE_CONFIG_ENV)
-    if child:
-        try:
-            config = StageConfig.from_dict(_read_config(child, STAGE_CONFIG_ENV, "the launcher's stage config"))
-        except TypeError as exc:  # a key no StageConfig has: a file of another version
-            raise H3Error(f"{STAGE_CONFIG_ENV}={child}: not a StageConfig ({exc})") from None
-    else:
-        config = StageConfig.from_knobs(
-            **{name: getattr(args, name) for name in KNOB_PART if getattr(args, name, None) is not None},
-            levers=levers_from_args(args),
-            degrees=ParallelDegrees(**{f.name: getattr(args, f.name) for f in fields(ParallelDegrees)}))
-    config = config.replace(stage=stage)
-    path = environ.get(CONFIG_ENV)
-    if path:
-        doc = _read_config(path, CONFIG_ENV, "the mounted ServiceConfig")
-        try:
-            pool = FASTH3_DIT if stage == "dit" and environ.get(COMPONENT_ENV) == FASTH3_DIT else stage
-            config = config.replace(**service_config_values(doc, pool))
-        except (KeyError, TypeError, ValueError) as exc:   # not a ServiceConfig the operator rendered
-            raise H3Error(f"{CONFIG_ENV}={path}: not a ServiceConfig ({type(exc).__name__}: {exc})") from None
-    return config
-
-
-def _read_config(path: str, env: str, what: str) -> dict:
-    """A config file a process is pointed at by `env`: JSON (the renderer and the launcher write JSON, which is
-    YAML), one object."""
-    try:
-        with open(path) as fh:
-            doc = json.load(fh)
-    except (OSError, ValueError) as exc:
-        raise H3Error(f"{env}={path}: cannot read {what}: {exc}") from None
-    if not isinstance(doc, dict):
-        raise H3Error(f"{env}={path}: {what} is not one JSON object")
-    return doc
-
-
-# The checkpoint components each model stage cannot start without (the DiT's ref2va partition is optional: a
-# checkpoint without transformer_ref/ serves the other tasks), checked before any stage loads.
-STAGE_COMPONENTS = {"encoder": ("text_encoder", "tokenizer"), "dit": (COMPONENT_FOR_TASK["t2va"],),
-                    "vae": ("vae", "audio_vae")}
-
-
-def check_checkpoint(checkpoint: str, stages: list[str]) -> None:
-    """The folder exists and holds every component (config and weight files) the stages served here load."""
-    components = [c for s in stages for c in STAGE_COMPONENTS.get(s, ())]
-    if components:
-        try:
-            CheckpointFolder(checkpoint, components=components)
-        except CheckpointError as exc:
-            text = str(exc)
-            raise H3Error(f"--checkpoint {text if text.startswith(str(checkpoint)) else f'{checkpoint}: {text}'}") \
-                from None
-
-
-def serve_main(args: argparse.Namespace, servicers: Callable[[str], ServicerFactory],
-               prechecks: Mapping[str, Callable[[StageConfig], None]] | None = None) -> int:
-    """`h3serve serve`: one stage in this process, or the launcher for several (see the module docstring).
-
-    Everything a user can get wrong (ports, checkpoint, exposure, degrees, `prechecks[stage](config)`) is checked
-    before any process starts or any model loads: exit 2 and one line."""
-    stages = parse_stages(args.stages)
-    config = config_from_args(args, stages[0] if len(stages) == 1 else "gateway")
-    for s in stages:   # before any process starts: a stage beyond loopback needs mTLS (or --no-peer-auth)
-        check_stage_exposure(config if s == config.stage else config_from_args(args, s))
-    if config.gateway.http_port is None and "gateway" in stages:
-        config = config.replace(http_port=HTTP_PORT)
-    for s, check in (prechecks or {}).items():
-        if s in stages:
-            check(config if s == config.stage else config_from_args(args, s).replace(http_port=config.gateway.http_port))
-    if any(s in MODEL_STAGES for s in stages) and not config.model.checkpoint:
-        raise H3Error("--checkpoint DIR is required to serve " + ", ".join(s for s in stages if s in MODEL_STAGES))
-    if config.model.checkpoint:
-        check_checkpoint(config.model.checkpoint, stages)
-    degrees = ranks.validate_degrees(config.degrees, config.model.checkpoint)
-    env = ranks.dist_env() if any(ranks.stage_degree(degrees, s) > 1 for s in stages) else None
-    if env is not None and len(stages) > 1:
-        raise H3Error(f"--stages {args.stages} with RANK/WORLD_SIZE of a multi-node or torchrun world: each model "
-                      "stage is its own world there; run one stage per process (--stages encoder|dit|vae)")
-    if env is None and not degrees.trivial:   # launched here: rank r of each stage on cuda:r
-        check_ranks_fit(degrees, config.model.device, [s for s in stages if s in MODEL_STAGES])
+def serve_main(args: argparse.Namespace, plan: ServePlan, servicers: Callable[[str], ServicerFactory]) -> int:
+    """`h3serve serve`: one stage in this process, or the launcher for several (see the module docstring), as
+    `plan` says: `check_serve` found no mistake in it before this module (torch, grpc, the models) was imported."""
+    stages, config, degrees = plan.stages, plan.config, plan.degrees
     if len(stages) == 1:
-        if env is not None and env["rank"] != 0:   # a joined rank other than 0: its part of the model, no gRPC
+        if plan.peer:   # a joined rank other than 0: its part of the model, no gRPC
             return ranks.run_peer(stages[0], config, degrees)
-        if stages[0] == "gateway":
-            missing = [s for s in MODEL_STAGES + ("muxer",) if not getattr(config.gateway, s)]
-            if missing:
-                raise H3Error("a lone gateway needs the stage addresses: " +
-                              " ".join(f"--{s} HOST:PORT" for s in missing))
-        ports = [(config.server.host, config.server.port, f"--port {config.server.port}")]
-        if stages[0] == "gateway" and config.gateway.http_port:
-            ports.append((config.gateway.http_host, config.gateway.http_port, f"--http-port {config.gateway.http_port}"))
-        check_ports(ports)   # before the model loads
         return run_stage(config, servicers(stages[0]))
-    if "gateway" in stages:
-        missing = [s for s in MODEL_STAGES + ("muxer",) if s not in stages and not getattr(config.gateway, s)]
-        if missing:
-            raise H3Error("the gateway needs every stage: serve them here or give " +
-                          " ".join(f"--{s} HOST:PORT" for s in missing))
     launcher = Launcher(config, stages, base_port=config.server.port, http_port=config.gateway.http_port,
                         start_timeout=args.start_timeout, restart=not args.no_restart,
                         log_level=args.log_level, json_output=args.json)
-    check_ports(launcher.planned_ports())   # before any child starts: a busy port is one line, not a restart loop
     signals: list[int] = []
 
     def on_signal(signum, _frame):

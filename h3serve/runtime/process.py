@@ -3,12 +3,10 @@ the grace period, exit 0 (`run_stage`)."""
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -25,7 +23,8 @@ from h3serve.errors import H3Error
 from h3serve.errortable import RefuseUnparsable
 from h3serve.runtime.metrics import serve_metrics
 from h3serve.runtime.stage import HealthHandle
-from h3serve.runtime.tls import Tls, check_stage_exposure
+from h3serve.runtime.prechecks import check_ports, check_stage_exposure
+from h3serve.runtime.tls import Tls
 from h3serve.weights.manifest import STAGE_FOLDERS, IntegrityError, verify_manifest
 from h3serve.transport.grpc import MESSAGE_LIMIT, PID_METADATA, server_options
 
@@ -38,33 +37,6 @@ HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 # A stage's servicer class (`XServicer(config, health) -> StageBase`); the faces above (cli) pass it in, so the
 # runtime never imports a service.
 ServicerFactory = Callable[[StageConfig, HealthHandle], Any]
-
-
-def port_in_use(host: str, port: int) -> bool:
-    """Whether a listener holds host:port: a bind as our servers bind (SO_REUSEADDR, no SO_REUSEPORT) fails."""
-    if not port:
-        return False
-    try:
-        infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror:
-        return False   # an unknown host: the bind itself says so
-    for family, kind, proto, _, address in infos:
-        with socket.socket(family, kind, proto) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # a port in TIME_WAIT is free to our servers
-            try:
-                s.bind(address)
-            except OSError as exc:
-                if exc.errno == errno.EADDRINUSE:
-                    return True
-    return False
-
-
-def check_ports(ports: list[tuple[str, int, str]]) -> None:
-    """(host, port, what sets it) each: the first port another program holds is one line naming it and its flag."""
-    for host, port, flag in ports:
-        if port_in_use(host, port):
-            raise H3Error(f"{flag}: {host}:{port} is in use (another h3serve serve, or another program); stop it "
-                          "or choose another port (0: a free one)")
 
 
 class HealthPid(grpc.ServerInterceptor):

@@ -10,7 +10,8 @@
 
 Degrees per stage: encoder = encoder_tp, DiT = ulysses x ring, VAE = vae_pp (each stage process is its own world; a
 colocated replica runs three worlds on the same GPUs, rank r of each on cuda:r). They are validated once, against the
-checkpoint's head counts, by `ParallelDegrees.validate` (`validate_degrees`).
+checkpoint's head counts, by `ParallelDegrees.validate` (`h3serve.runtime.prechecks.validate_degrees`, before torch
+is imported).
 
 How the ranks start (`start_stage`):
 * launched (default): this process becomes rank 0 and spawns ranks 1..N-1 on this host (`distributed.launch`, a free
@@ -55,7 +56,7 @@ from h3serve.models.dit.parallel import build_dit_rank
 from h3serve.models.encoder.parallel import build_encoder_rank
 from h3serve.models.vae.parallel import build_vae_rank
 from h3serve.runtime.device import TORCH_DTYPES, pick_device
-from h3serve.weights.folder import CheckpointFolder
+from h3serve.runtime.prechecks import dist_env, stage_degree
 
 log = logging.getLogger("h3serve.runtime.ranks")
 
@@ -65,41 +66,6 @@ LINGER_S = 3.0          # NOT_SERVING is visible this long before a failed stage
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Degrees
-
-
-def stage_degree(degrees: ParallelDegrees, stage: str) -> int:
-    return {"encoder": degrees.encoder_tp, "dit": degrees.dit_world, "vae": degrees.vae_pp}.get(stage, 1)
-
-
-def validate_degrees(degrees: ParallelDegrees, checkpoint: str | None) -> ParallelDegrees:
-    """The one check (`ParallelDegrees.validate`), against the checkpoint's head counts when it can be read."""
-    if degrees.trivial:
-        return degrees
-    heads: dict[str, int] = {}
-    if checkpoint:
-        try:
-            folder = CheckpointFolder(checkpoint)
-            text = folder.config("text_encoder").get("text_config", {})
-            heads = dict(dit_heads=int(folder.config("transformer")["num_attention_heads"]),
-                         encoder_heads=int(text["num_attention_heads"]),
-                         encoder_kv_heads=int(text["num_key_value_heads"]),
-                         encoder_intermediate=int(text["intermediate_size"]))
-        except (H3Error, OSError, KeyError, ValueError):
-            heads = {}   # the stage's load reports an unreadable checkpoint itself
-    return degrees.validate(**heads)
-
-
-def dist_env() -> dict[str, int] | None:
-    """The torchrun / operator environment when this process must join a world rather than launch one."""
-    env = os.environ
-    if "WORLD_SIZE" not in env or "RANK" not in env:
-        return None
-    world = int(env["WORLD_SIZE"])
-    nnodes = int(env.get("NNODES", "1") or 1)
-    if world <= 1 or ("LOCAL_RANK" not in env and nnodes <= 1):
-        return None   # one node and no per-rank processes: launch the ranks here
-    return {"rank": int(env["RANK"]), "world": world, "nnodes": nnodes,
-            "nproc": int(env.get("NPROC_PER_NODE", "1") or 1), "torchrun": int("LOCAL_RANK" in env)}
 
 
 def check_joinable(stage: str, degrees: ParallelDegrees, env: dict[str, int]) -> None:

@@ -29,7 +29,8 @@ from h3serve.config.vocab import GRPC, SINKS
 from h3serve.errors import Cancelled, DeadlineExceeded, RequestError
 from h3serve.errortable import abort
 from h3serve.runtime.device import PeakMemory
-from h3serve.runtime.ranks import ParallelStage, stage_degree
+from h3serve.runtime.prechecks import stage_degree
+from h3serve.runtime.ranks import ParallelStage
 from h3serve.runtime.tls import Tls, authenticated_peer, check_peer, parse_peers
 from h3serve.weights.manifest import IntegrityError
 from h3serve.transport.choice import TransportChoice

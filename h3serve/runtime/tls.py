@@ -18,7 +18,7 @@ Files are read when the server or channel is made (a restart picks up a renewed 
 
 A stage (encoder, DiT, VAE, muxer) takes calls without API keys: its callers are its deployment's peers. So beyond
 loopback it listens only with mTLS (--tls-cert, --tls-key, --tls-ca), or where the operator says a network fences
-its port (--no-peer-auth); otherwise it refuses to start (`check_stage_exposure`).
+its port (--no-peer-auth); otherwise it refuses to start (`h3serve.runtime.prechecks.check_stage_exposure`).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import grpc
 
 from h3serve.config.stage import StageConfig
 from h3serve.errors import H3Error, RequestError
+from h3serve.runtime.prechecks import check_tls_files, is_loopback
 from h3serve.transport.grpc import channel_options, MESSAGE_LIMIT
 
 log = logging.getLogger("h3serve.runtime.tls")
@@ -52,16 +53,6 @@ def _read(path: str, what: str) -> bytes:
             return f.read()
     except OSError as exc:
         raise H3Error(f"--{what} {path}: {exc.strerror}") from None
-
-
-def is_loopback(host: str) -> bool:
-    """A bind address only this host can reach (127.0.0.0/8, ::1, localhost)."""
-    if host in ("localhost",):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def peer_host(peer: str) -> str:
@@ -95,20 +86,6 @@ def peer_identity(context) -> str:
         return "unknown"
 
 
-def check_stage_exposure(config: StageConfig) -> None:
-    """A stage other than the gateway listens beyond loopback only with mTLS, or with --no-peer-auth (its port
-    fenced by a network policy): otherwise one line saying how to fix it."""
-    if config.stage == "gateway" or is_loopback(config.server.host) or config.server.no_peer_auth:
-        return
-    tls = Tls.of(config)
-    if tls.enabled and tls.ca is not None:
-        return
-    raise H3Error(f"the {config.stage} would listen on {config.server.host} without mTLS, open to anyone who reaches it: "
-                  "give --tls-cert FILE --tls-key FILE --tls-ca FILE (peers then need a certificate of that CA), "
-                  "listen on loopback (--host 127.0.0.1), or give --no-peer-auth where a network policy fences "
-                  "the port")
-
-
 @dataclass(frozen=True)
 class Tls:
     """The certificate files of one process (all None: plaintext)."""
@@ -120,12 +97,8 @@ class Tls:
 
     @classmethod
     def of(cls, config: StageConfig) -> "Tls":
-        tls = cls(config.server.tls_cert, config.server.tls_key, config.server.tls_ca, config.server.tls_peer_name)
-        if (tls.cert is None) != (tls.key is None):
-            raise H3Error("--tls-cert and --tls-key go together: give both or neither")
-        if tls.ca is not None and tls.cert is None:
-            raise H3Error("--tls-ca needs --tls-cert and --tls-key (this process's certificate for mTLS)")
-        return tls
+        check_tls_files(config)
+        return cls(config.server.tls_cert, config.server.tls_key, config.server.tls_ca, config.server.tls_peer_name)
 
     @property
     def enabled(self) -> bool:

@@ -16,13 +16,13 @@ from h3serve._proto import common_pb2, dit_pb2, dit_pb2_grpc, vae_pb2, vae_pb2_g
 from h3serve.config.geometry import check_latents
 from h3serve.config.request import BASE_STEPS_RANGE, FASTH3_STEPS, dit_fields
 from h3serve.config.stage import StageConfig
-from h3serve.config.vocab import DEFAULT_QUALITY, NIXL, QUALITIES
+from h3serve.config.vocab import COMPONENT_FOR_TASK, DEFAULT_QUALITY, NIXL, QUALITIES
 from h3serve.distributed.proxies import DiTEngineProxy
 from h3serve.errors import RequestError
 from h3serve.errortable import grpc_method
 from h3serve.models import conditions as cond
 from h3serve.models.dit import kernels
-from h3serve.models.dit.engine import COMPONENT_FOR_TASK, DiTEngine, DiTRequest
+from h3serve.models.dit.engine import DiTEngine, DiTRequest
 from h3serve.runtime.device import TORCH_DTYPES, pick_device
 from h3serve.runtime.stage import StageBase, first_message
 from h3serve.transport.control import LATENTS_EDGE, ControlSender

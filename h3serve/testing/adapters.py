@@ -14,7 +14,8 @@ import torch
 from h3serve.errors import CheckpointError
 from h3serve.weights.adapter import BASE_MODEL, FORMAT, VSA_GATE_MODULE
 from h3serve.weights.folder import CheckpointFolder
-from h3serve.weights.safetensors import sha256_file, write_safetensors
+from h3serve.weights.headers import sha256_file
+from h3serve.weights.safetensors import write_safetensors
 
 # The `application` metadata the published adapters carry (the reader does not use it).
 APPLICATION = "W = W_base + lora_B @ lora_A; then .diff/.diff_b added and .set_weight assigned"

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from h3serve.cli import build_parser
 from h3serve.config.stage import STAGE_CONFIG_ENV, StageConfig
-from h3serve.runtime.launcher import child_argv, child_config, config_from_args, write_child_config
+from h3serve.runtime.launcher import child_argv, child_config, write_child_config
+from h3serve.runtime.prechecks import config_from_args
 
 
 class ServeProcess:

@@ -29,7 +29,8 @@ import torch
 from safetensors import safe_open
 
 from h3serve.errors import AdapterError
-from h3serve.weights.safetensors import DTYPE_CODES, FLOAT_DTYPES, sha256_file
+from h3serve.weights.headers import sha256_file
+from h3serve.weights.safetensors import DTYPE_CODES, FLOAT_DTYPES
 
 FORMAT = "fastvideo-lora-v2"
 BASE_MODEL = "MiniMaxAI/MiniMax-H3"

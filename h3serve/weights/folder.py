@@ -5,7 +5,8 @@ one subfolder per component, each with its config and its weights (one safetenso
 `*.safetensors.index.json`). Everything here reads indexes, configs and safetensors headers only, never tensor data;
 `h3serve.weights.load` streams the tensors into modules.
 
-Nothing here imports diffusers or transformers; the module classes are the caller's.
+Nothing here imports diffusers or transformers; the module classes are the caller's. Nor torch, but for the tensors'
+dtypes (`tensor_infos`, `describe`): `h3serve serve` validates a folder before torch is imported.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from h3serve.errors import CheckpointError
-from h3serve.weights.safetensors import dtype_name, header_keys, open_file, st_dtype
+from h3serve.weights.headers import header_keys, open_file
+
+if TYPE_CHECKING:
+    import torch
 
 INDEX_FILE = "modular_model_index.json"
 
@@ -62,9 +65,9 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int:
-        if isinstance(self.dtype, torch.dtype):
-            return self.numel * self.dtype.itemsize
-        return 0
+        if isinstance(self.dtype, str):   # a code without a torch dtype (`st_dtype`)
+            return 0
+        return self.numel * self.dtype.itemsize
 
 
 class CheckpointFolder:
@@ -211,6 +214,8 @@ class CheckpointFolder:
 
     def tensor_infos(self, component: str) -> dict[str, TensorInfo]:
         """Name -> header info for every tensor of a component, reading headers only. Validates shard contents."""
+        from h3serve.weights.safetensors import st_dtype   # torch's dtypes (see the module's docstring)
+
         mapping = self.weight_map(component)
         by_file: dict[Path, list[str]] = {}
         for name, path in mapping.items():
@@ -258,6 +263,8 @@ class CheckpointFolder:
 
 def describe(path: str | os.PathLike) -> dict:
     """Components, classes, tensor / element counts, stored dtypes and bytes, from headers only (no data read)."""
+    from h3serve.weights.safetensors import dtype_name   # torch's dtypes (see the module's docstring)
+
     ck = CheckpointFolder(path)
     out: dict = {
         "path": str(ck.path),

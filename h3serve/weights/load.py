@@ -21,7 +21,8 @@ import torch
 from h3serve.errors import AdapterError, CheckpointError
 from h3serve.weights.adapter import Adapter
 from h3serve.weights.folder import CheckpointFolder
-from h3serve.weights.safetensors import FLOAT_DTYPES, data_offsets, dtype_name, open_file
+from h3serve.weights.headers import data_offsets, open_file
+from h3serve.weights.safetensors import FLOAT_DTYPES, dtype_name
 
 # Module names that stay float32 when a component is loaded with dtype=bfloat16 (H3_REFERENCE §1.1, "dtype policy";
 # the same lists as the diffusers classes' `_keep_in_fp32_modules`). Matched against dotted name components, see

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from h3serve.errors import CheckpointError
+from h3serve.weights.headers import sha256_file
 
 class IntegrityError(CheckpointError):
     """The weights are not the published ones (a file differs from its manifest) or they compute NaN / Inf: the
@@ -25,21 +26,12 @@ class IntegrityError(CheckpointError):
 
 
 MANIFEST_FILE = "h3serve-manifest.json"
-CHUNK = 8 << 20
 # The folders each model stage loads (files at the top of the checkpoint belong to every stage).
 STAGE_FOLDERS = {
     "encoder": ("text_encoder", "tokenizer", "processor"),
     "dit": ("transformer", "transformer_ref", "scheduler", "audio_scheduler"),
     "vae": ("vae", "audio_vae"),
 }
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)   # hashlib releases the GIL on large buffers: files hash in parallel
-    return h.hexdigest()
 
 
 def _files(root: Path) -> list[str]:

@@ -1,4 +1,5 @@
-"""The safetensors file format: dtype codes, headers read without the data, reproducible writes, file checksums.
+"""The safetensors file format with torch: dtype codes and reproducible writes (headers and checksums, which need no
+torch, are read by `h3serve.weights.headers`).
 
 A file is an 8-byte little-endian header length, a JSON header (`__metadata__` plus, per tensor, its dtype code,
 shape and data offsets) padded to 8 bytes, then the tensors' bytes back to back.
@@ -6,16 +7,11 @@ shape and data offsets) padded to 8 bytes, then the tensors' bytes back to back.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 
 import torch
-from safetensors import safe_open
-
-from h3serve.errors import CheckpointError
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -35,42 +31,6 @@ def st_dtype(code: str) -> torch.dtype | str:
 
 def dtype_name(dtype: torch.dtype | str) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def sha256_file(path: str | os.PathLike, *, chunk_bytes: int = 8 << 20) -> str:
-    """Hex sha256 of a file, read in chunks (constant memory)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk_bytes):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def open_file(path: Path, label: str | None = None):
-    """`safe_open` on the CPU; a missing or unreadable file raises CheckpointError naming `label` (default: path)."""
-    label = label or str(path)
-    if not path.is_file():
-        raise CheckpointError(f"{label}: file is missing")
-    try:
-        return safe_open(str(path), framework="pt", device="cpu")
-    except Exception as exc:  # safetensors raises its own error types for a bad header
-        raise CheckpointError(f"{label}: not a readable safetensors file: {exc}") from exc
-
-
-def header_keys(path: Path, label: str | None = None) -> list[str]:
-    with open_file(path, label) as f:
-        return list(f.keys())
-
-
-def data_offsets(path: Path) -> dict[str, int]:
-    """Tensor name -> start offset of its data, from the raw header (to read a file front to back)."""
-    try:
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n))
-        return {k: int(v["data_offsets"][0]) for k, v in header.items() if k != "__metadata__"}
-    except (OSError, ValueError, KeyError, TypeError):
-        return {}
 
 
 def encode_header(tensors: Iterable[tuple[str, torch.dtype, Sequence[int]]],

@@ -29,10 +29,11 @@ from h3serve.transport.grpc import wait_serving
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_cli(*args: str, timeout: float = 120, **kw) -> tuple[subprocess.CompletedProcess, float]:
+def run_cli(*args: str, timeout: float = 120, entry: tuple[str, ...] = ("-m", "h3serve.cli"),
+            **kw) -> tuple[subprocess.CompletedProcess, float]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "h3serve.cli", *args], text=True, timeout=timeout, env=env, cwd=REPO,
+    r = subprocess.run([sys.executable, *entry, *args], text=True, timeout=timeout, env=env, cwd=REPO,
                        **(kw or {"capture_output": True}))
     return r, time.monotonic() - t0
 
@@ -41,6 +42,20 @@ def one_line(r: subprocess.CompletedProcess) -> str:
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, (r.returncode, r.stderr)
     return lines[0]
+
+
+# the CLI, then a last stdout line naming the heavy modules it imported ("heavy:" alone: none)
+HEAVY_PROBE = ("import sys; from h3serve.cli import main; code = main(sys.argv[1:]); "
+               "print('heavy:', *(m for m in ('torch', 'grpc') if m in sys.modules)); sys.exit(code)")
+
+
+def refused_before_torch(*args: str) -> tuple[str, float]:
+    """`h3serve serve ARGS`: exit 2 and one line, told before torch or grpc is imported (a torch import alone takes
+    2-9 s); the line and the seconds it took."""
+    r, took = run_cli("serve", *args, entry=("-c", HEAVY_PROBE))
+    line = one_line(r)
+    assert r.stdout.strip().splitlines()[-1:] == ["heavy:"], (line, r.stdout)
+    return line, took
 
 
 @pytest.fixture
@@ -79,8 +94,7 @@ def test_a_busy_port_is_one_line_before_anything_loads(tiny_checkpoint, held_por
     # before: a false ready banner (a second serve) or, after ~60 s of loading, exit 3 "internal error"
     port = {"gateway": held_port, "dit": held_port - 2, "http": 0}[which]
     http = str(held_port) if which == "http" else "0"
-    r, took = run_cli("serve", "--checkpoint", str(tiny_checkpoint), "--port", str(port), "--http-port", http)
-    line = one_line(r)
+    line, took = refused_before_torch("--checkpoint", str(tiny_checkpoint), "--port", str(port), "--http-port", http)
     flag = {"gateway": f"--port {port}:", "dit": f"--port {port} (+2: the dit stage)",
             "http": f"--http-port {held_port}:"}[which]
     assert flag in line and f"127.0.0.1:{held_port} is in use" in line, line
@@ -132,10 +146,17 @@ def test_serve_mistakes_are_one_line_before_anything_loads(tiny_checkpoint, tmp_
         "missing component": (["--checkpoint", str(broken)], "vae/: component folder of 'vae' is missing"),
         "0.0.0.0 without keys": (["--checkpoint", str(tiny_checkpoint), "--host", "0.0.0.0", "--no-peer-auth"],
                                  "would listen on 0.0.0.0 without authentication"),
+        "a stage beyond loopback without mTLS": (["--checkpoint", str(tiny_checkpoint), "--stages", "dit",
+                                                  "--host", "0.0.0.0"], "the dit would listen on 0.0.0.0 without mTLS"),
+        "--tls-cert without --tls-key": (["--checkpoint", str(tiny_checkpoint), "--tls-cert", "c.pem"],
+                                         "--tls-cert and --tls-key go together"),
+        "a degree the checkpoint's heads refuse": (["--checkpoint", str(tiny_checkpoint), "--ulysses", "3"],
+                                                   "ulysses=3 must divide the DiT's 2 attention heads"),
+        "a lone gateway without stage addresses": (["--stages", "gateway"],
+                                                   "a lone gateway needs the stage addresses: --encoder HOST:PORT"),
     }
     for name, (argv, expected) in cases.items():
-        r, took = run_cli("serve", "--port", base, "--http-port", "0", *argv)
-        line = one_line(r)
+        line, took = refused_before_torch("--port", base, "--http-port", "0", *argv)
         assert expected in line, (name, line)
         print(f"serve, {name}: exit 2 in {took:.2f} s: {line}")
 

@@ -271,7 +271,7 @@ def test_pods_read_their_stage_config_from_the_mounted_service_config(path, tmp_
     starts gets the StageConfig it needs (degrees, profile, adapter, dtype, ports, peer addresses)."""
     from h3serve.cli import build_parser
     from h3serve.config.stage import COMPONENT_ENV, CONFIG_ENV
-    from h3serve.runtime.launcher import config_from_args, parse_stages
+    from h3serve.runtime.prechecks import config_from_args, parse_stages
 
     parser = build_parser()
     doc = yaml.safe_load(path.read_text())
@@ -359,7 +359,7 @@ def test_stage_config_is_a_slice_of_the_rendered_service_config():
 
 def test_without_the_service_config_argv_alone_configures_the_stage():
     from h3serve.cli import build_parser
-    from h3serve.runtime.launcher import config_from_args
+    from h3serve.runtime.prechecks import config_from_args
 
     ns = build_parser().parse_args(["serve", "--stages", "dit", "--checkpoint", "/c", "--ulysses", "2"])
     sc = config_from_args(ns, "dit", {})
@@ -372,7 +372,7 @@ def test_an_unreadable_service_config_is_one_line_naming_the_variable(tmp_path, 
     from h3serve.cli import build_parser
     from h3serve.config.stage import CONFIG_ENV
     from h3serve.errors import H3Error
-    from h3serve.runtime.launcher import config_from_args
+    from h3serve.runtime.prechecks import config_from_args
 
     path = tmp_path / "service.json"
     if content is not None:
@@ -753,7 +753,7 @@ def test_every_stage_process_may_start_on_its_pod_address(example, tls):
     the instance's NetworkPolicies and the config says so (--no-peer-auth), so no stage refuses to start."""
     from h3serve.config.stage import StageConfig
     from h3serve.config.vocab import PIPELINE_STAGES
-    from h3serve.runtime.tls import check_stage_exposure
+    from h3serve.runtime.prechecks import check_stage_exposure
 
     d = _spec_doc(example)
     if not tls:

@@ -16,7 +16,8 @@ import pytest
 
 from h3serve.client import AlreadyExists, Client, PermissionDenied, Unauthenticated
 from h3serve.errors import H3Error
-from h3serve.services.gateway.auth import Authenticator, KeysFileError, check_exposure
+from h3serve.runtime.prechecks import check_exposure
+from h3serve.services.gateway.auth import Authenticator, KeysFileError
 
 from .conftest import REPO, REQUEST, Stack
 

@@ -22,7 +22,8 @@ from h3serve.config.stage import StageConfig
 from h3serve.errors import RequestError, Unauthenticated
 from h3serve.errortable import classify
 from h3serve.runtime.tls import check_peer, parse_peers
-from h3serve.services.gateway.auth import Authenticator, check_exposure
+from h3serve.runtime.prechecks import check_exposure
+from h3serve.services.gateway.auth import Authenticator
 from h3serve.services.gateway.http import create_app
 from h3serve.services.gateway.metrics import GatewayMetrics
 from h3serve.services.gateway.uploads import _audio

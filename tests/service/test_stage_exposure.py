@@ -17,7 +17,8 @@ from h3serve._proto import common_pb2, dit_pb2, encoder_pb2, muxer_pb2, vae_pb2
 from h3serve.config.stage import StageConfig
 from h3serve.errors import H3Error
 from h3serve.runtime.stage import HIDDEN, StageBase
-from h3serve.runtime.tls import authenticated_peer, check_stage_exposure, peer_host
+from h3serve.runtime.prechecks import check_stage_exposure
+from h3serve.runtime.tls import authenticated_peer, peer_host
 from h3serve.services.muxer import MuxerServicer
 
 from .certs import make_ca, make_leaf

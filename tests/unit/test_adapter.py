@@ -15,7 +15,7 @@ from h3serve.testing import presets, tiny
 from h3serve.testing.adapters import init_adapter
 from h3serve.weights.adapter import Adapter, split_key
 from h3serve.weights.load import KEEP_FP32, load_module_weights
-from h3serve.weights.safetensors import sha256_file
+from h3serve.weights.headers import sha256_file
 
 DIT_FILE = "transformer/diffusion_pytorch_model.safetensors"
 

@@ -16,7 +16,7 @@ from h3serve.errors import CheckpointError
 from h3serve.testing import presets, tiny
 from h3serve.weights.folder import CheckpointFolder, describe
 from h3serve.weights.load import KEEP_FP32, DtypePolicy, iter_tensors, load_module_weights, name_matches
-from h3serve.weights.safetensors import sha256_file
+from h3serve.weights.headers import sha256_file
 
 DIT_FILE = "transformer/diffusion_pytorch_model.safetensors"
 # The 12 tensors the release stores in float32 (H3_REFERENCE §1.1).

@@ -11,8 +11,10 @@ from dataclasses import fields, replace
 import pytest
 
 from h3serve.config.stage import KNOB_PART, KNOB_TYPES, KNOBS, STAGE_CONFIG_ENV, StageConfig
+from h3serve.config.vocab import FASTH3_DIT, STAGES
 from h3serve.errors import H3Error
-from h3serve.runtime.launcher import child_argv, child_config, config_from_args
+from h3serve.runtime.launcher import Launcher, child_argv, child_config
+from h3serve.runtime.prechecks import config_from_args, planned_ports, serve_order
 from h3serve.testing.serve import launched_config
 
 # set by the launcher per child, not carried from its own config
@@ -71,3 +73,14 @@ def test_a_stage_config_file_that_is_not_one_is_one_line_naming_the_variable(tmp
     missing = tmp_path / "gone.json"
     with pytest.raises(H3Error, match=f"{STAGE_CONFIG_ENV}={missing}: cannot read"):
         config_from_args(None, "vae", {STAGE_CONFIG_ENV: str(missing)})
+
+
+def test_the_ports_checked_before_torch_are_the_ones_the_launcher_binds(tmp_path):
+    # `serve` checks its ports before the launcher is imported (`planned_ports`): the FastH3 DiT pool's (+5) included
+    config = StageConfig.from_knobs(stage="gateway", fasth3_adapter="a.safetensors", port=41000, http_port=8123,
+                                    tmp_dir=str(tmp_path))
+    launcher = Launcher(config, list(STAGES), base_port=41000, http_port=8123, start_timeout=1, restart=False,
+                        log_level="INFO", json_output=False)
+    checked = [port for _, port, _ in planned_ports(config, list(STAGES))]
+    assert sorted(checked) == sorted([*launcher.ports.values(), launcher.http_port])
+    assert launcher.ports[FASTH3_DIT] == 41005 and launcher.order == serve_order(config, list(STAGES))

@@ -48,7 +48,8 @@ from torch.func import functional_call
 
 from h3serve.errors import AdaLNTableError, H3Error
 from h3serve.models.offload import host_buffer
-from h3serve.weights.safetensors import open_file, write_safetensors
+from h3serve.weights.headers import open_file
+from h3serve.weights.safetensors import write_safetensors
 
 from .layout import distinct_timesteps
 from .scheduler import FlowSchedule

@@ -16,7 +16,7 @@ import torch
 
 from h3serve.config.levers import CLI_NAMES, REQUEST_NAMES, Levers, lever_conflict
 from h3serve.config.request import DEFAULT_STEPS
-from h3serve.config.vocab import PROFILE_TASKS
+from h3serve.config.vocab import COMPONENT_FOR_TASK, PROFILE_TASKS
 from h3serve.errors import ProfileError
 from h3serve.models.dit.layout import (
     AudioRef,
@@ -40,9 +40,6 @@ from h3serve.weights.adapter import Adapter
 from h3serve.weights.load import load_module_weights
 
 log = logging.getLogger("h3serve.dit")
-
-# Which checkpoint partition serves which task (H3_REFERENCE §1.1).
-COMPONENT_FOR_TASK = {"t2va": "transformer", "fl2va": "transformer", "ref2va": "transformer_ref"}
 
 
 @dataclass

@@ -13,7 +13,7 @@ A job belongs to the NAME of the key that created it; every key of that name see
 Unauthenticated (401 / UNAUTHENTICATED); another caller's job is PermissionDenied (403 / PERMISSION_DENIED).
 
 With no keys file the gateway serves without authentication only on a loopback address (a laptop); anywhere else it
-refuses to start unless `--no-auth` says so (`check_exposure`).
+refuses to start unless `--no-auth` says so (`h3serve.runtime.prechecks.check_exposure`).
 """
 
 from __future__ import annotations
@@ -28,10 +28,8 @@ import time
 
 import grpc
 
-from h3serve.config.stage import API_KEYS_ENV
 from h3serve.errors import H3Error, Unauthenticated
 from h3serve.errortable import MD_CODE, classify
-from h3serve.runtime.tls import is_loopback
 
 log = logging.getLogger("h3serve.gateway")
 
@@ -171,19 +169,3 @@ def _refuse(exc: Unauthenticated, handler):
     if handler.response_streaming:
         return grpc.unary_stream_rpc_method_handler(abort)
     return grpc.unary_unary_rpc_method_handler(abort)
-
-
-def check_exposure(keys_file: str | None, no_auth: bool, hosts: tuple[str, ...]) -> None:
-    """A gateway without keys listens only on loopback unless --no-auth says it may listen wider."""
-    if keys_file is not None and no_auth:
-        raise H3Error("--api-keys-file and --no-auth contradict each other: give one")
-    if no_auth:
-        log.warning("--no-auth: the gateway serves every caller who can reach %s without an API key, and every "
-                    "job is everyone's", ", ".join(sorted(set(hosts))))
-        return
-    if keys_file is not None:
-        return
-    wide = [h for h in hosts if not is_loopback(h)]
-    if wide:
-        raise H3Error(f"the gateway would listen on {', '.join(sorted(set(wide)))} without authentication: give "
-                      f"--api-keys-file FILE (or ${API_KEYS_ENV}), or --no-auth to serve anyone who can reach it")

@@ -21,10 +21,11 @@ from h3serve._proto import common_pb2, gateway_pb2, gateway_pb2_grpc
 from h3serve.config.stage import StageConfig
 from h3serve.errors import RequestError
 from h3serve.errortable import grpc_method
+from h3serve.runtime.prechecks import check_gateway_exposure
 from h3serve.runtime.stage import NO_DEADLINE, StageBase
 from h3serve.runtime.tls import Tls
 
-from .auth import AuthInterceptor, Authenticator, check_exposure
+from .auth import AuthInterceptor, Authenticator
 from .fields import fields_from_proto, served_models
 from .frontdoor import uvicorn_config
 from .http import create_app
@@ -72,8 +73,7 @@ class GatewayServicer(StageBase):
         gateway_pb2_grpc.add_GatewayServicer_to_server(self, server)
 
     def load(self) -> None:
-        check_exposure(self.config.gateway.api_keys_file, self.config.gateway.no_auth,
-                       (self.config.server.host,) + ((self.config.gateway.http_host,) if self.config.gateway.http_port is not None else ()))
+        check_gateway_exposure(self.config)
         self.choose_transport(probe=False)   # nixl: chosen (or fallen back from) by the DiT, the VAE and the muxer
         self.gateway.start()
         self.watchdog.start()

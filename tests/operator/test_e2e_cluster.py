@@ -358,7 +358,8 @@ def test_openapi_rejects_enums_bounds_and_names(installed, dyn):
     # and a valid spec passes, with the defaults filled in by the API server
     ok = R(dyn, "H3Deployment").create(body=doc, namespace=APPS_NS, query_params=[("dryRun", "All")]).to_dict()
     assert (ok["spec"]["dit"]["ulysses"], ok["spec"]["dit"]["ring"], ok["spec"]["gateway"]["queueSize"]) == (1, 1, 16)
-    assert ok["spec"]["dit"]["levers"] == {"fp8": False, "fp8Attention": False, "offloadMode": "local"}
+    assert ok["spec"]["dit"]["levers"] == {"adalnTable": False, "fp8": False, "fp8Attention": False,
+                                            "offloadMode": "local"}
     assert ok["spec"]["gateway"]["auth"] == {"disabled": True}
     assert ok["spec"]["replicas"] == 1  # the /scale path exists on every CR
     assert H3DeploymentSpec.from_dict(ok["spec"]) == H3DeploymentSpec.from_dict(doc["spec"])

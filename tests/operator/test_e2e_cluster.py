@@ -1536,18 +1536,24 @@ def watch_roll(dyn, name: str, dit_patch: dict, gangs: int = 2, timeout: float =
     return {"fewest": fewest, "seen": seen, "progressing": said, "seconds": took}
 
 
+def roll_two_gangs(dyn, name: str, label: str, **dit) -> dict:
+    """Two DiT gangs of 8 ranks on 4-GPU nodes (`dit` adds to spec.dit), Ready, then a new pod template rolled
+    (`watch_roll`); prints the figure under `label`. The caller deletes the CR."""
+    doc = good_doc(name)
+    doc["spec"].update(placement="disaggregated", gpusPerNode=4, dit={"ulysses": 8, "replicas": 2, **dit})
+    create(dyn, doc)
+    ready_cr(dyn, name, timeout=120)
+    r = watch_roll(dyn, name, {"resources": {"requests": {"cpu": "2"}}})
+    print(f"{label}: {r['seconds']:.1f} s, fewest whole gangs {r['fewest']}")
+    return r
+
+
 def test_dit_gangs_roll_one_at_a_time_and_one_always_serves(operator, dyn):
     """dit.rollout.maxSurge 0: a template change of two DiT gangs rolls them in place, one while the other serves
     whole, then the other; never 0 of 2 gangs whole, never a gang of two revisions left standing, no surge gang."""
     name = "roll-gangs"
-    doc = good_doc(name)
-    doc["spec"].update(placement="disaggregated", gpusPerNode=4, dit={"ulysses": 8, "replicas": 2,
-                                                                      "rollout": {"maxSurge": 0}})
-    create(dyn, doc)
     try:
-        ready_cr(dyn, name, timeout=120)
-        r = watch_roll(dyn, name, {"resources": {"requests": {"cpu": "2"}}})
-        print(f"in place (maxSurge 0): {r['seconds']:.1f} s, fewest whole gangs {r['fewest']}")
+        r = roll_two_gangs(dyn, name, "in place (maxSurge 0)", rollout={"maxSurge": 0})
         assert r["fewest"] >= 1 and M.surge_name(name, "dit") not in r["seen"], r
         cr = ready_cr(dyn, name, timeout=60)
         assert cr["status"]["stages"]["dit"] == {"ready": 2, "desired": 2}
@@ -1562,13 +1568,8 @@ def test_a_dit_spec_change_surges_and_never_drops_below_the_desired_gangs(operat
     PodGroup): polled every 0.2 s, never fewer than 2 whole gangs."""
     name = "surge-roll"
     surge = M.surge_name(name, "dit")
-    doc = good_doc(name)
-    doc["spec"].update(placement="disaggregated", gpusPerNode=4, dit={"ulysses": 8, "replicas": 2})
-    create(dyn, doc)
     try:
-        ready_cr(dyn, name, timeout=120)
-        r = watch_roll(dyn, name, {"resources": {"requests": {"cpu": "2"}}})
-        print(f"surge (maxSurge 1): {r['seconds']:.1f} s, fewest whole gangs {r['fewest']}")
+        r = roll_two_gangs(dyn, name, "surge (maxSurge 1)")
         assert r["fewest"] >= 2 and surge in r["seen"], r
         assert any(f"surge gang {surge}" in m for m in r["progressing"]), r["progressing"]
         assert not [e for e in events(dyn, name) if e["reason"] == "RollingInPlace"]

@@ -72,6 +72,13 @@ _EXTENSION_KIND = {
     **{e: "video" for e in (".mp4", ".mov", ".mkv", ".webm", ".avi", ".m4v")},
     **{e: "audio" for e in (".wav", ".flac", ".mp3", ".m4a", ".ogg", ".opus", ".aac")},
 }
+
+
+def reference_kind(filename: str) -> str | None:
+    """A media file's kind (image | video | audio) by its name's extension; None when the name does not say."""
+    return _EXTENSION_KIND.get(os.path.splitext(filename or "")[1].lower())
+
+
 _DTYPE_ALIASES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
 
 # Media given as bytes (uploads, data URLs, gRPC bytes fields) and every media file: bounds checked before any

@@ -28,6 +28,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import tempfile
 import time
 from typing import Any
@@ -43,7 +44,8 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 from starlette.routing import Match
 
-from h3serve.config.request import FIELD_TYPES, MAX_MEDIA_BYTES, MAX_REFERENCES, REQUEST_FIELDS, Upload
+from h3serve.config.request import (FIELD_TYPES, MAX_MEDIA_BYTES, MAX_REFERENCES, REQUEST_FIELDS, Upload,
+                                    reference_kind)
 from h3serve.errors import H3Error, NotFound, NotReady, RequestError, TooLarge, Unauthenticated
 from h3serve.errortable import error_object, http_error
 from h3serve.media.thumbnail import first_frame_jpeg
@@ -53,7 +55,7 @@ from .fields import MEDIA_FIELDS, REFERENCE_KIND, REPEATABLE, fields_from_http, 
 from .jobs import Job
 from .gateway import Gateway
 from .sinks import FileSink
-from .uploads import VIDEO_REFUSED, decode_caller
+from .uploads import LARGEST, MIME_EXTENSION, decode_caller
 
 FILE = {"type": "string", "format": "binary"}
 JSON_TYPES = {str: "string", int: "integer", float: "number", dict: "object", bytes: "string", list: "array"}
@@ -94,7 +96,8 @@ ERROR_RESPONSE = {"description": "The error object", "content": {"application/js
         "type": "object", "required": ["code", "message", "type", "retryable"], "properties": {
             "code": {"type": "string"}, "message": {"type": "string", "minLength": 1}, "type": {"type": "string"},
             "field": {"type": ["string", "null"]}, "param": {"type": ["string", "null"]},
-            "stage": {"type": ["string", "null"]}, "retryable": {"type": "boolean"}}}}}}}}
+            "stage": {"type": ["string", "null"]}, "retryable": {"type": "boolean"}}},
+        "detail": {"type": "string", "description": "the message again, as SGLang's clients read it"}}}}}}
 
 
 # OpenAI's error `type` by HTTP status (the SDK reads `error.type`, `error.param`, `error.code`, `error.message`)
@@ -145,6 +148,7 @@ RETRY_AFTER_S = {429: 1, 503: 5}
 def _error_response(exc: BaseException) -> JSONResponse:
     status, body = http_error(exc)
     body["error"]["type"] = error_type(status)
+    body["detail"] = body["error"]["message"]   # SGLang's error body (VideoHTTPError) beside OpenAI's
     retry = RETRY_AFTER_S.get(status) if body["error"].get("retryable") else None
     return JSONResponse(body, status_code=status, headers={"Retry-After": str(retry)} if retry else None)
 
@@ -160,7 +164,8 @@ def _allowed(request: Request) -> str:
 
 def _refusal(status: int, code: str, param: str | None, message: str) -> JSONResponse:
     return JSONResponse({"error": {"type": error_type(status), "code": code, "message": message, "field": param,
-                                   "param": param, "stage": None, "retryable": False}}, status_code=status)
+                                   "param": param, "stage": None, "retryable": False}, "detail": message},
+                        status_code=status)
 
 
 NO_EDITS = ("H3 generates from a prompt and keyframes / references; it has no video-to-video edit path, so {what} "
@@ -168,8 +173,8 @@ NO_EDITS = ("H3 generates from a prompt and keyframes / references; it has no vi
 VARIANTS = ("video", "thumbnail")
 
 
-# A multipart body's bound: every reference at its largest (12 files of 20 MiB: video references are refused at
-# their part header, before their bytes are read) and 1 MiB of form fields. Counted on the bytes received, chunked
+# A multipart body's bound: 12 files of 20 MiB (an image's or an audio's largest; a video reference, up to 100 MiB,
+# fits two of them) and 1 MiB of form fields. Counted on the bytes received, chunked
 # or not (a Content-Length is only a claim: with Transfer-Encoding: chunked the server ignores it).
 MAX_FORM_FILES = MAX_REFERENCES
 MAX_FIELDS_BYTES = 1 << 20
@@ -208,12 +213,9 @@ class CappedMultiPartParser(MultiPartParser):
             raise
         part, name = self._current_part, self._current_part.field_name
         self._received = 0
-        if part.file is not None:
-            if name not in MEDIA_FIELDS:
-                raise RequestError(name, part.file.filename or "file",
-                                   "a form field; files go in " + ", ".join(MEDIA_FIELDS))
-            if name == "video_reference":
-                raise RequestError(name, part.file.filename or "file", VIDEO_REFUSED)
+        if part.file is not None and name.partition("[")[0] not in MEDIA_FIELDS:
+            raise RequestError(name, part.file.filename or "file",
+                               "a form field; files go in " + ", ".join(MEDIA_FIELDS))
 
     def on_part_data(self, data: bytes, start: int, end: int) -> None:
         part, name = self._current_part, self._current_part.field_name
@@ -223,8 +225,9 @@ class CappedMultiPartParser(MultiPartParser):
                 raise RequestError(name, f"more than {MAX_FORM_VALUE_BYTES:,} bytes",
                                    f"a form value of at most {MAX_FORM_VALUE_BYTES:,} bytes")
         else:
-            kind = REFERENCE_KIND.get(name, "image")
-            cap = MAX_MEDIA_BYTES[kind]
+            kind = REFERENCE_KIND.get(name.partition("[")[0], "image")
+            # input_references' kind is known once read (by its content type): bounded by the largest kind
+            cap = LARGEST if name.startswith("input_references") else MAX_MEDIA_BYTES[kind]
             if self._received > cap:
                 raise RequestError(name, f"{part.file.filename or 'file'}: more than {cap:,} bytes",
                                    f"a {kind} file of at most {cap:,} bytes")
@@ -246,6 +249,86 @@ async def _form(request: Request, ctype: str):
         request._form = form   # its spooled files closed with the request
         return form
     return await request.form()
+
+
+FORM_KEY = re.compile(r"^([^\[\]]+)((?:\[[^\[\]]*\])*)$")
+
+
+def assign_form_key(body: dict[str, Any], key: str, value: Any) -> None:
+    """One form item into the body, its key read as clients flatten objects and lists into form keys (the OpenAI
+    SDK's extra_body, PHP / qs style): `x[a]` is x's member a, `x[]` appends to list x, `x[0]` is its first item,
+    `x[][image_url]` a list of objects; a repeated plain key is a list where the field takes several files, else
+    refused. Every shape is a value or a RequestError naming the key, never a crash."""
+    m = FORM_KEY.match(key) if key else None
+    if m is None:
+        raise RequestError("form field name", short(key), "a field name, optionally with [member], [] or [index] "
+                                                          "suffixes (e.g. extra_params[task], image_reference[])")
+    path = [m.group(1), *re.findall(r"\[([^\[\]]*)\]", m.group(2))]
+    if len(path) > 4:
+        raise RequestError(key, short(value), "at most 3 levels of [..] in a form key")
+    if len(path) == 1:
+        name = path[0]
+        if name in REPEATABLE:
+            old = body.get(name)
+            body[name] = (old if isinstance(old, list) else [] if old is None else [old]) + [value]
+        elif name in body:
+            raise RequestError(key, short(value), "given once")
+        else:
+            body[name] = value
+        return
+    node: Any = body
+    for depth, seg in enumerate(path[:-1]):
+        nxt = path[depth + 1]
+        want = list if nxt == "" or nxt.isdigit() else dict
+        if isinstance(node, list) and seg == "":
+            # x[][a]=1&x[][b]=2: members of the list's last object until one repeats, then a new object
+            reuse = want is dict and node and isinstance(node[-1], dict) and nxt not in node[-1]
+            if not reuse:
+                node.append(want())
+            node = node[-1]
+            continue
+        child = _member(node, seg, key, value)
+        if child is None:
+            child = want()
+            _put(node, seg, child, key, value)
+        elif not isinstance(child, want):
+            raise RequestError(key, short(value), f"{'.'.join(path[:depth + 1])} given both as a "
+                                                  f"{type(child).__name__} and a {want.__name__}")
+        node = child
+    _put(node, path[-1], value, key, value, last=True)
+
+
+def _member(node: Any, seg: str, key: str, value: Any) -> Any:
+    if isinstance(node, dict):
+        return node.get(seg)
+    index = int(seg)
+    if index > len(node):
+        raise RequestError(key, short(value), f"list indexes in order from 0 (index {index} after {len(node)} items)")
+    return node[index] if index < len(node) else None
+
+
+def _put(node: Any, seg: str, child: Any, key: str, value: Any, last: bool = False) -> None:
+    if isinstance(node, dict):
+        if seg in node and last:
+            raise RequestError(key, short(value), "given once")
+        node[seg] = child
+    elif seg == "" or int(seg) == len(node):
+        node.append(child)
+    elif int(seg) > len(node):
+        raise RequestError(key, short(value), f"list indexes in order from 0 (index {seg} after {len(node)} items)")
+    else:
+        raise RequestError(key, short(value), "given once")
+
+
+def upload_name(filename: str | None, content_type: str | None) -> str:
+    """A file's name, given the extension of its content type when its name says none (an input_references kind
+    is read from it, as vLLM-Omni reads the content type)."""
+    filename = filename or ""
+    if reference_kind(filename) is None and content_type:
+        ext = MIME_EXTENSION.get(content_type.split(";")[0].strip().lower())
+        if ext:
+            return (filename or "upload") + ext
+    return filename
 
 
 async def read_body(request: Request) -> Any:
@@ -275,31 +358,14 @@ async def read_body(request: Request) -> Any:
                 raise RequestError("body", f"byte {exc.start}", "UTF-8 form values") from None
         body: dict[str, Any] = {}
         for key, value in form.multi_items():
-            if not key:
-                raise RequestError("form field name", "", "a named form field (a field with an empty name)")
-            outer, sep, inner = key.partition("[")
-            if sep and inner.endswith("]") and "[" not in inner and isinstance(value, str):
-                # a nested object as OpenAI's SDK flattens it into form keys: extra_params[task], ...
-                nested = body.setdefault(outer, {})
-                if not isinstance(nested, dict) or inner[:-1] in nested:
-                    raise RequestError(key, short(value), "given once")
-                nested[inner[:-1]] = value
-                continue
             if not isinstance(value, str):   # an uploaded file, within its kind's bound (the parser held it there)
-                if key not in MEDIA_FIELDS:
+                name = key.partition("[")[0]
+                if name not in MEDIA_FIELDS:
                     raise RequestError(key, getattr(value, "filename", "file"),
                                        "a form field; files go in " + ", ".join(MEDIA_FIELDS))
-                file, value = value, Upload(await value.read(), key, value.filename or "")
+                file, value = value, Upload(await value.read(), key, upload_name(value.filename, value.content_type))
                 await file.close()
-            if key in REPEATABLE:
-                body.setdefault(key, []).append(value)
-                continue
-            if key in body:
-                raise RequestError(key, short(value), "given once")
-            body[key] = value
-        for key in REPEATABLE:
-            if len(body.get(key, ())) == 1:
-                body[key] = body[key][0]
+            assign_form_key(body, key, value)
         return body
     if ctype not in ("", "application/json"):
         raise RequestError("content-type", ctype, "application/json, multipart/form-data or "
@@ -334,7 +400,10 @@ def job_object(job: Job, gateway: Gateway) -> dict:
         "started_at": int(job.started_at) if job.started_at else None,
         "completed_at": int(job.completed_at) if job.completed_at else None,
         "expires_at": int(job.completed_at + gateway.config.gateway.job_ttl_s) if job.completed_at else None,
-        "prompt": r.prompt, "seconds": f"{r.seconds:g}", "size": f"{r.width}x{r.height}", "width": r.width,
+        # seconds: whole seconds as OpenAI's and vLLM-Omni's models type it (a positive integer string); the exact
+        # duration of the aligned clip is duration_s (num_frames / fps)
+        "prompt": r.prompt, "seconds": str(max(1, round(r.num_frames / r.fps))),
+        "duration_s": round(r.num_frames / r.fps, 6), "size": f"{r.width}x{r.height}", "width": r.width,
         "height": r.height, "num_frames": r.num_frames, "fps": r.fps, "seed": r.seed, "num_inference_steps": r.steps,
         "quality": r.quality, "task": r.task, "profile": r.profile, "queue_position": job.queue_position,
         "error": error_object(job.error) if job.error else None,
@@ -344,7 +413,9 @@ def job_object(job: Job, gateway: Gateway) -> dict:
         "requested_size": job.validated.requested_size, "media_type": "video/mp4", "remixed_from_video_id": None,
         "user": job.validated.user,
         # the largest of the stages' peaks (device allocator on a GPU, RSS on the CPU; each stage is a process)
-        "peak_memory_mb": round(t["peak_memory_mb"], 1) if t.get("peak_memory_mb") else None,
+        # 0.0 until measured (vLLM-Omni's model requires a number)
+        "peak_memory_mb": round(t["peak_memory_mb"], 1) if t.get("peak_memory_mb") else 0.0,
+        "file_name": f"{job.id}.mp4" if job.status == "completed" else None,
         # DiT forwards whose whole block stack ran (= the steps for lossless; fewer when quality=high reused some)
         "dit_forwards_computed": int(t["dit_forwards_computed"]) if "dit_forwards_computed" in t else None,
         "dit_block_evaluations": int(t["dit_block_evaluations"]) if "dit_block_evaluations" in t else None,
@@ -511,14 +582,15 @@ def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
         if job.exc is not None:
             return _error_response(job.exc)
         headers = {"X-Request-Id": job.id,
+                   "X-Inference-Time-S": f"{job.timings.get('t_client', 0.0):.6f}",   # vLLM-Omni's sync header
                    "X-Stage-Durations": json.dumps({k: round(v, 4) for k, v in job.timings.items()
                                                     if k.endswith("_s")}, separators=(",", ":"))}
         return await asyncio.to_thread(mp4_response, gateway, job, headers)
 
     @app.get("/v1/videos", summary="List video jobs")
     async def list_videos(request: Request, limit: int = 20, after: str | None = None, order: str = "desc"):
-        if not 1 <= limit <= 100:
-            raise RequestError("limit", limit, "an integer in [1, 100]")
+        if not 0 <= limit <= 100:
+            raise RequestError("limit", limit, "an integer in [0, 100] (0: no items, has_more says whether any)")
         if order not in ("asc", "desc"):
             raise RequestError("order", order, "asc or desc")
         page, more = await asyncio.to_thread(gateway.jobs.page, request.state.owner, limit, after, order)
@@ -530,12 +602,22 @@ def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
     async def get_video(request: Request, video_id: str):
         return job_object(await asyncio.to_thread(gateway.jobs.get, video_id, request.state.owner), gateway)
 
+    def model_objects() -> list[dict]:
+        return [{"id": ids[0], "object": "model", "created": int(app.state.started), "owned_by": "h3serve",
+                 "profile": profile, "tasks": list(gateway.config.model.tasks_for(profile)), "aliases": list(ids[1:])}
+                for profile, ids in served_pools(gateway.config).items()]
+
     @app.get("/v1/models", summary="The model ids served")
     async def list_models():
-        return {"object": "list", "data": [
-            {"id": ids[0], "object": "model", "created": int(app.state.started), "owned_by": "h3serve",
-             "profile": profile, "tasks": list(gateway.config.model.tasks_for(profile)), "aliases": list(ids[1:])}
-            for profile, ids in served_pools(gateway.config).items()]}
+        return {"object": "list", "data": model_objects()}
+
+    @app.get("/v1/models/{model_id:path}", summary="One served model (by its id or an alias)")
+    async def get_model(model_id: str):
+        for obj in model_objects():
+            if model_id == obj["id"] or model_id in obj["aliases"]:
+                return obj
+        served = ", ".join(o["id"] for o in model_objects())
+        raise NotFound(f"model {short(model_id)!r} is not served here (served: {served}; GET /v1/models)")
 
     @app.post("/v1/videos/{video_id}/remix", summary="Refused: H3 has no edit path")
     async def remix(video_id: str):
@@ -547,6 +629,10 @@ def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
             return _refusal(400, "unsupported", what, NO_EDITS.format(what=what))
 
         app.post(path, summary=f"Refused: {what}")(refuse)
+
+    @app.get("/v1/videos/characters/{character_id}", summary="Refused: characters")
+    async def get_character(character_id: str):
+        return _refusal(400, "unsupported", "characters", NO_EDITS.format(what="characters"))
 
     @app.get("/v1/videos/{video_id}/content", summary="Download the MP4 (or its thumbnail)",
              response_class=FileResponse,

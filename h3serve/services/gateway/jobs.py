@@ -583,7 +583,7 @@ class JobTable:
         if after is not None:
             rec = self._record(after)
             if rec is None or (owner is not None and rec.get("owner") != owner):
-                raise RequestError("after", after, "the id of a listed video")
+                return [], False   # a cursor past the end (expired, deleted, or never this caller's): an empty page
             start = index_entry(rec)
         out: list[Job] = []
         for entry in self.store.index_entries(owner, start, reverse=order == "asc"):

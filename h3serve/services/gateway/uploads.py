@@ -45,10 +45,14 @@ VIDEO_REFUSED = ("video references are not served: they need Qwen3-VL's video pr
 
 
 def from_data_url(field: str, value: Any) -> Upload:
-    """`data:<mime>;base64,<bytes>` (or {"url": ...} / {"image_url": ...} as some clients wrap it) -> Upload.
-    Remote URLs are refused: the server fetches nothing."""
+    """`data:<mime>;base64,<bytes>` (or wrapped as clients wrap it: {"image_url" | "audio_url" | "video_url" | "url":
+    ...}, vLLM-Omni's and OpenAI's reference objects) -> Upload. Remote URLs are refused: the server fetches
+    nothing; so are file ids (no file store)."""
     if isinstance(value, dict):
-        inner = value.get("image_url", value.get("url", value.get("data")))
+        if "file_id" in value:
+            raise RequestError(field, _short(value), "a data URL or a file upload: file ids are not served (this "
+                                                     "server keeps no file store)")
+        inner = next((value[k] for k in ("image_url", "audio_url", "video_url", "url", "data") if k in value), None)
         if isinstance(inner, dict):
             inner = inner.get("url")
         value = inner

@@ -94,6 +94,29 @@ def stack(tiny_checkpoint):
     assert code == 0, f"launcher exited with {code}"
 
 
+@pytest.fixture(scope="session")
+def cond_ckpt(tiny_checkpoint, tmp_path_factory):
+    """The tiny checkpoint with the reference short edge at 256 (2048 released): the same rule at a CPU-friendly
+    size, read by the stages and the embedded pipeline alike."""
+    import shutil
+
+    dst = tmp_path_factory.mktemp("cond") / "ckpt"
+    shutil.copytree(tiny_checkpoint, dst)
+    index = json.loads((dst / "modular_model_index.json").read_text())
+    index["reference_image_short_edge"] = 256
+    (dst / "modular_model_index.json").write_text(json.dumps(index))
+    return dst
+
+
+@pytest.fixture(scope="session")
+def cond_stack(cond_ckpt):
+    """All stages + gateway serving t2va, fl2va and ref2va (tests/service/test_conditions.py, test_dialects.py)."""
+    s = Stack(cond_ckpt, "--queue-size", "2", "--max-inflight", "1", "--grace-s", "10",
+              "--tasks", "t2va,fl2va,ref2va")
+    yield s
+    assert s.stop() == 0
+
+
 def embedded_maker(pipe, out):
     """`make(**api_fields) -> bytes`: `pipe`'s MP4 for a request (1 thread), each request generated once."""
     import torch

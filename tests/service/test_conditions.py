@@ -22,7 +22,7 @@ from h3serve.client import Client
 from h3serve.errors import RequestError
 from h3serve.testing.mp4check import check_mp4, ffprobe_report
 
-from .conftest import Stack, embedded_maker, embedded_request
+from .conftest import embedded_maker, embedded_request
 
 BASE = dict(prompt="the kite lands on the beach", seconds=5, size="320x256", seed=3, num_inference_steps=3)
 
@@ -70,22 +70,8 @@ def media(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ckpt(tiny_checkpoint, tmp_path_factory):
-    import shutil
-
-    dst = tmp_path_factory.mktemp("cond") / "ckpt"
-    shutil.copytree(tiny_checkpoint, dst)
-    index = json.loads((dst / "modular_model_index.json").read_text())
-    index["reference_image_short_edge"] = 256
-    (dst / "modular_model_index.json").write_text(json.dumps(index))
-    return dst
-
-
-@pytest.fixture(scope="module")
-def cond_stack(ckpt):
-    s = Stack(ckpt, "--queue-size", "2", "--max-inflight", "1", "--grace-s", "10", "--tasks", "t2va,fl2va,ref2va")
-    yield s
-    assert s.stop() == 0
+def ckpt(cond_ckpt):
+    return cond_ckpt
 
 
 @pytest.fixture(scope="module")

@@ -187,13 +187,16 @@ def _uploads(key: str, value: Any) -> list[Upload]:
     JSON text of these, or a list of them where repeatable) as Uploads named after the caller's field
     (`image_reference[1]` for the second of a list)."""
     value = _json_text(key, value)
-    items = value if isinstance(value, list) else [value]
+    items = []
+    for item in value if isinstance(value, list) else [value]:
+        item = _json_text(key, item)   # a repeated form field may carry a JSON list of its own
+        items += item if isinstance(item, list) else [item]
     if len(items) > 1 and key not in REPEATABLE:
         raise RequestError(key, f"{len(items)} files", "one file")
+    indexed = key in REPEATABLE and (isinstance(value, list) or len(items) > 1)
     out = []
     for i, item in enumerate(items):
-        name = f"{key}[{i}]" if isinstance(value, list) and key in REPEATABLE else key
-        item = _json_text(name, item)
+        name = f"{key}[{i}]" if indexed else key
         if isinstance(item, Upload):
             out.append(Upload(item.data, name, item.filename))
         else:
@@ -410,6 +413,8 @@ def fields_from_http(body: Any) -> tuple[dict[str, Any], dict[str, str]]:
             shifts.append((key, value, "video" if key == "flow_shift" else "audio"))
         elif key == "seed" and isinstance(value, (int, str)) and str(value).strip() == "-1":
             continue   # vLLM-Omni's / diffusers' "random": drawn and reported on the job
+        elif key == "fps" and isinstance(value, str) and re.fullmatch(r"\s*\d{1,4}(\.0*)?\s*", value):
+            fields[key] = int(float(value))   # vLLM-Omni's form types fps as a float: "24.0"
         elif key != "extra_params" and value is not None:
             if key in fields:
                 raise RequestError(key, short(value), f"given both as {key} and {names.get(key, 'another field')}")

@@ -102,7 +102,7 @@ def test_bad_proto_fields_are_refused_naming_the_field(fields, field):
     ({"extra_params": {"duration": 5}}, "extra_params.duration"),       # with seconds: not both
     ({"extra_params": {"task": "ref2va"}}, "extra_params.task"),   # not in the default --tasks
     ({"extra_params": {"task": "video"}}, "extra_params.task"),
-    ({"extra_params": {"audio_flow_shift": 3}}, "extra_params.audio_flow_shift"),
+    ({"extra_params": {"audio_flow_shift": 6}}, "extra_params.audio_flow_shift"),   # not the checkpoint's 3
     ({"extra_params": {"colour": "red"}}, "extra_params.colour"),
     ({"extra_params": "{not json"}, "extra_params"),
     ({"negative_prompt": "blurry"}, "negative_prompt"),

@@ -82,7 +82,7 @@ def test_models_lists_the_served_ids(sdk):
 @pytest.mark.parametrize("body,field", [
     ({"negative_prompt": "blurry"}, "negative_prompt"),
     ({"guidance_scale": 5}, "guidance_scale"),
-    ({"generate_sound": False}, "generate_sound"),
+    ({"generate_sound": "maybe"}, "generate_sound"),
     ({"enable_frame_interpolation": True}, "enable_frame_interpolation"),
     ({"lora": {"name": "x"}}, "lora"),
     ({"flow_shift": 5}, "flow_shift"),

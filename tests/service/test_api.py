@@ -93,7 +93,9 @@ def test_http_deadline_header_and_query_validation(stack):
         assert r.status_code == 422 and r.json()["error"]["field"] == "X-Request-Timeout"
         r = http.get("/v1/videos", params={"limit": "many"})
         assert r.status_code == 422 and r.json()["error"]["field"] == "limit"
-        r = http.get("/v1/videos", params={"limit": 0})
+        r = http.get("/v1/videos", params={"limit": 0})   # no items; has_more says whether any
+        assert r.status_code == 200 and r.json()["data"] == [], r.text
+        r = http.get("/v1/videos", params={"limit": 101})
         assert r.status_code == 422 and r.json()["error"]["field"] == "limit"
         r = http.get("/v1/videos/video_nope")
         assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"

@@ -55,7 +55,7 @@ from .fields import MEDIA_FIELDS, REFERENCE_KIND, REPEATABLE, fields_from_http, 
 from .jobs import Job
 from .gateway import Gateway
 from .sinks import FileSink
-from .uploads import LARGEST, MIME_EXTENSION, decode_caller
+from .uploads import MIME_EXTENSION, VIDEO_REFERENCES_SERVED, VIDEO_REFUSED, decode_caller
 
 FILE = {"type": "string", "format": "binary"}
 JSON_TYPES = {str: "string", int: "integer", float: "number", dict: "object", bytes: "string", list: "array"}
@@ -192,6 +192,15 @@ async def _counted(request: Request, limit: int, what: str):
         yield chunk
 
 
+def _part_kind(part) -> str:
+    """A file part's kind: its field's (video_reference, audio_reference, else an image); for input_references its
+    content type or name, as vLLM-Omni reads them (image/*, audio/*, else a video)."""
+    name = part.field_name.partition("[")[0]
+    if name != "input_references":
+        return REFERENCE_KIND.get(name, "image")
+    return reference_kind(upload_name(part.file.filename, part.file.content_type)) or "video"
+
+
 class CappedMultiPartParser(MultiPartParser):
     """Starlette's streaming multipart parser, with each part held to its own bound as its bytes arrive: a file
     to its kind's limit (MAX_MEDIA_BYTES), a field that takes no file refused at its header, a video reference
@@ -216,6 +225,8 @@ class CappedMultiPartParser(MultiPartParser):
         if part.file is not None and name.partition("[")[0] not in MEDIA_FIELDS:
             raise RequestError(name, part.file.filename or "file",
                                "a form field; files go in " + ", ".join(MEDIA_FIELDS))
+        if part.file is not None and not VIDEO_REFERENCES_SERVED and _part_kind(part) == "video":
+            raise RequestError(name, part.file.filename or "file", VIDEO_REFUSED)   # before its bytes are read
 
     def on_part_data(self, data: bytes, start: int, end: int) -> None:
         part, name = self._current_part, self._current_part.field_name
@@ -225,9 +236,8 @@ class CappedMultiPartParser(MultiPartParser):
                 raise RequestError(name, f"more than {MAX_FORM_VALUE_BYTES:,} bytes",
                                    f"a form value of at most {MAX_FORM_VALUE_BYTES:,} bytes")
         else:
-            kind = REFERENCE_KIND.get(name.partition("[")[0], "image")
-            # input_references' kind is known once read (by its content type): bounded by the largest kind
-            cap = LARGEST if name.startswith("input_references") else MAX_MEDIA_BYTES[kind]
+            kind = _part_kind(part)
+            cap = MAX_MEDIA_BYTES[kind]
             if self._received > cap:
                 raise RequestError(name, f"{part.file.filename or 'file'}: more than {cap:,} bytes",
                                    f"a {kind} file of at most {cap:,} bytes")

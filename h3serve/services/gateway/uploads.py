@@ -39,6 +39,9 @@ MIME_EXTENSION = {"image/png": ".png", "image/jpeg": ".jpg", "image/jpg": ".jpg"
                   "audio/wave": ".wav", "audio/flac": ".flac", "audio/mpeg": ".mp3", "audio/mp4": ".m4a",
                   "audio/ogg": ".ogg", "video/mp4": ".mp4", "video/quicktime": ".mov", "video/webm": ".webm"}
 LARGEST = max(MAX_MEDIA_BYTES.values())
+# The one switch for video references: while False they are parsed like the other references (kind "video") and
+# refused by `decode_conditions`, and a multipart video part at its header, before its bytes are read.
+VIDEO_REFERENCES_SERVED = False
 VIDEO_REFUSED = ("video references are not served: they need Qwen3-VL's video processor, which needs torchvision "
                  "(not a dependency of this server); send the frames as image references or the soundtrack as an "
                  "audio reference")
@@ -146,7 +149,7 @@ def decode_conditions(req: GenerationRequest) -> Conditions | None:
         max_samples = int(req.num_frames / req.fps * SAMPLE_RATE)   # as the reference truncates
         for i, spec in enumerate(req.references):
             field = _name(spec.path, f"references[{i}]")
-            if spec.kind == "video":
+            if spec.kind == "video" and not VIDEO_REFERENCES_SERVED:
                 raise RequestError(field, repr(spec.path) if isinstance(spec.path, Upload) else spec.path,
                                    VIDEO_REFUSED)
             kinds.append(spec.kind)

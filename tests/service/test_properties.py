@@ -56,7 +56,8 @@ http_bodies = st.one_of(
 
 
 def _allowed_fields(body: dict) -> set[str]:
-    names = set(body) | {"prompt", "body"}
+    # a missing keyframe / reference (task fl2va / ref2va without one) names the field that would carry it
+    names = set(body) | {"prompt", "body", "input_reference", "image_reference"}
     extra = body.get("extra_params")
     if isinstance(extra, str):
         try:

@@ -107,7 +107,9 @@ UNSUPPORTED = {
 EXTRA_PARAMS = ("task", "duration", "aspect_ratio", "flow_shift", "audio_flow_shift")
 CONDITION_KEYS = ("type", "uri", "role", "frame_index", "start_time_seconds")
 CONDITION_TYPES = {"image": "image", "audio": "audio", "video": "video", "video_audio": "video"}
-TARGET_KEYS = ("short_edge", "aspect_ratio", "duration_seconds")
+# SGLang's target member -> (the field it gives, the request field an error about it names)
+TARGET_KEYS = {"short_edge": ("short_edge", "short_edge"), "aspect_ratio": ("aspect_ratio", "aspect"),
+               "duration_seconds": ("seconds", "seconds")}
 
 
 @dataclass(frozen=True)
@@ -345,11 +347,10 @@ def _target(fields: dict[str, Any], names: dict[str, str], value: Any) -> None:
             raise RequestError(name, short(v), "unknown; allowed: " + ", ".join(TARGET_KEYS))
         if v is None:
             continue
-        key = {"duration_seconds": "seconds", "aspect_ratio": "aspect_ratio", "short_edge": "short_edge"}[k]
+        key, internal = TARGET_KEYS[k]
         if key in fields:
             raise RequestError(name, short(v), f"given both as {key} and {name}")
-        fields[key] = v
-        names[{"seconds": "seconds", "aspect_ratio": "aspect", "short_edge": "short_edge"}[key]] = name
+        fields[key], names[internal] = v, name
 
 
 def _canvas_edge(fields: dict[str, Any], names: dict[str, str]) -> None:

@@ -564,7 +564,7 @@ def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
             fields, names = fields_from_http(body)
             return gateway.new_job(fields, kind=kind, sink_factory=sink, timeout=timeout, names=names, owner=owner)
 
-        if isinstance(body, dict) and any(k in body for k in MEDIA_FIELDS):
+        if isinstance(body, dict) and any(k in body for k in (*MEDIA_FIELDS, "conditions")):   # SGLang's media
             caller = decode_caller(owner, request.client.host if request.client else None)
             return await gateway.decoder.arun(caller, make)
         return await asyncio.to_thread(make)

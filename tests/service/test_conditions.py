@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 
 import httpx
 import numpy as np

@@ -134,7 +134,8 @@ class RequestFields:
     num_frames: int = _row("num_frames", "Requested frames at 24 fps (raised to 17n+5)")
     fps: int = _row("fps", enum=[FPS])
     seed: int = _row("seed", minimum=0, maximum=MAX_SEED, cli={"default": "0"}, dit=True)
-    task: str = _row("task", http=None, cli={"default": "t2va", "help": " | ".join(TASKS)}, dit=True)
+    task: str = _row("task", "t2va | fl2va | ref2va (SGLang's top-level field; also extra_params.task)",
+                     enum=list(TASKS), cli={"default": "t2va", "help": " | ".join(TASKS)}, dit=True)
     profile: str = _row("profile", http=None, cli={"default": "base", "help": " | ".join(PROFILES)}, dit=True)
     steps: int = _row("num_inference_steps", "Sigma grid points incl. the terminal 0 (N -> N-1 steps); base "
                                              "default 50, fasth3 5",
@@ -148,6 +149,20 @@ class RequestFields:
                                           "duration": {"type": ["string", "number"]}})
     video_params: dict = _row("video_params", "width, height, num_frames, fps (vLLM-Omni)", request=False)
     user: str = _row("user", request=False)
+    # vLLM-Omni's and SGLang's H3 fields, mapped onto the fields above by the gateway (docs/openai-compat.md)
+    aspect_ratio: str = _row("aspect_ratio", "the canvas for an aspect, '16:9' (also extra_params.aspect_ratio)",
+                             request=False)
+    short_edge: int = _row("short_edge", "the canvas's short side, a multiple of 32; the long side follows the "
+                                         "aspect", request=False, type=["integer", "string"])
+    target: dict = _row("target", "SGLang: {short_edge, aspect_ratio, duration_seconds}", request=False,
+                        form={"type": "string", "description": "a JSON object"})
+    conditions: list = _row("conditions", "SGLang: keyframes and references, [{type, uri (a data URL), role, "
+                                          "frame_index, start_time_seconds}]", request=False,
+                            form={"type": "string", "description": "a JSON list"})
+    flow_shift: float = _row("flow_shift", "only the checkpoint's video shift (12 released; also extra_params)",
+                             request=False)
+    audio_flow_shift: float = _row("audio_flow_shift", "only the checkpoint's audio shift (3 released; also "
+                                                       "extra_params)", request=False)
     input_reference: bytes = _row("input_reference", "the first frame (fl2va): a data URL here, a file in "
                                                      "multipart; docs/api.md", request=False, media="one")
     first_image: bytes = _row("first_image", "fl2va first keyframe (data URL)", media="one",
@@ -159,6 +174,9 @@ class RequestFields:
     audio_reference: list = _row("audio_reference", "ref2va audio reference(s) at 32 kHz", request=False,
                                  media="many", type=["string", "array"])
     video_reference: list = _row("video_reference", request=False, http="refused", media="many")
+    input_references: list = _row("input_references", "vLLM-Omni: ref2va references in order, each's kind by its "
+                                                      "content type (image/*, audio/*, else video)", request=False,
+                                  media="many", type=["string", "array"])
     references: list = _row("references", http=None, media="many",
                             cli={"flag": "--reference", "action": "append", "default": [], "metavar": "KIND:PATH",
                                  "help": "ref2va reference, repeatable: image:PATH or audio:PATH (wav)"})

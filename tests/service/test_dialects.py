@@ -390,6 +390,11 @@ def test_openai_sdk_models_cursor_and_characters(cond_stack):
         with pytest.raises(openai.BadRequestError) as err:
             sdk.videos.get_character("char_1")
         assert (err.value.body["param"], err.value.body["code"]) == ("characters", "unsupported")
+        # with a file the SDK sends multipart and flattens extra_body: image_reference[] items, extra_params[task]
+        video = sdk.videos.create(prompt="a kite", seconds="5", input_reference=("a.png", png(), "image/png"),
+                                  extra_body={"image_reference": [IMG, IMG], "extra_params": {"task": "ref2va"}},
+                                  extra_query={"validate_only": "true"})
+        assert (video.model_dump()["task"], video.model_dump()["status"]) == ("ref2va", "validated")
     finally:
         sdk.close()
 

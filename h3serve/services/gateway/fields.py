@@ -62,8 +62,8 @@ PROTO_FILES = tuple(fd.name for fd in _PROTO if fd.has_presence and fd.type == f
 # first frame: fl2va; an image reference when the task is ref2va); the *_reference fields and input_references are
 # vLLM-Omni's (ref2va, in the order given; with task fl2va a [first, last] list is the two keyframes); first_image /
 # last_image are H3's keyframes (fl2va); SGLang's `conditions` carry the same media by role.
-MEDIA_FIELDS = (*(row.metadata["json"] for row in _HTTP if row.metadata["media"]), "input_references")
-REPEATABLE = (*(row.metadata["json"] for row in _HTTP if row.metadata["media"] == "many"), "input_references")
+MEDIA_FIELDS = tuple(row.metadata["json"] for row in _HTTP if row.metadata["media"])
+REPEATABLE = tuple(row.metadata["json"] for row in _HTTP if row.metadata["media"] == "many")
 # what the videos API calls a missing keyframe / missing references (errors name these)
 HTTP_NAMES = {"first_image": "input_reference", "references": "image_reference", "aspect": "aspect_ratio"}
 REFERENCE_KIND = {"image_reference": "image", "audio_reference": "audio", "video_reference": "video"}
@@ -83,11 +83,7 @@ FIXED = {"guidance_scale": ((1.0,), "H3 is guidance-distilled (one forward per s
          "start_time_seconds": ((0.0,), "the clip is generated from its start: only 0"),
          # the job object always reports stage_durations and peak_memory_mb, asked or not
          "return_stage_metrics": ((True, False), "a boolean (stage metrics are always on the job)")}
-# Dialect fields mapped onto the request: aspect_ratio -> aspect; short_edge -> the canvas's short side; SGLang's
-# task / conditions / target; the flow shifts, accepted at the checkpoint's values.
-DIALECT = ("task", "aspect_ratio", "short_edge", "conditions", "target", "flow_shift", "audio_flow_shift")
-TOP_LEVEL = (*(row.metadata["json"] for row in _HTTP if not row.metadata["media"]), *FIXED, *DIALECT,
-             *MEDIA_FIELDS)
+TOP_LEVEL = (*(row.metadata["json"] for row in _HTTP if not row.metadata["media"]), *FIXED, *MEDIA_FIELDS)
 GUIDANCE_FREE = "H3 is guidance-distilled (no negative branch, no CFG)"
 UNSUPPORTED = {
     "negative_prompt": f"{GUIDANCE_FREE}, so a negative prompt has nothing to steer",

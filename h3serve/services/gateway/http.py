@@ -580,9 +580,13 @@ def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
         return job_object(job, gateway)
 
     @app.post("/v1/videos/sync", openapi_extra=REQUEST_BODY, summary="Create a video and wait for the MP4",
-              responses={200: {"content": {"video/mp4": {}}}})
-    async def create_video_sync(request: Request):
+              responses={200: {"content": {"video/mp4": {}, "application/json": {}}}})
+    async def create_video_sync(request: Request, validate_only: bool = False):
         job = await new_job(request, "http")
+        if validate_only:   # as POST /v1/videos?validate_only=true: the aligned job, nothing run
+            obj = job_object(job, gateway)
+            obj["status"], obj["object"] = "validated", "video.validation"
+            return obj
         await asyncio.to_thread(gateway.submit, job)
         while not job.done.is_set():
             if await request.is_disconnected():   # nobody to answer: cancel quietly, no error logged

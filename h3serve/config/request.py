@@ -146,7 +146,10 @@ class RequestFields:
     model: str = _row("model", request=False)
     extra_params: dict = _row("extra_params", request=False, form={"type": "string", "description": "a JSON object"},
                               properties={"task": {"type": "string", "enum": list(TASKS)},
-                                          "duration": {"type": ["string", "number"]}})
+                                          "duration": {"type": ["string", "number"]},
+                                          "aspect_ratio": {"type": "string"},
+                                          "flow_shift": {"type": ["string", "number"]},
+                                          "audio_flow_shift": {"type": ["string", "number"]}})
     video_params: dict = _row("video_params", "width, height, num_frames, fps (vLLM-Omni)", request=False)
     user: str = _row("user", request=False)
     # vLLM-Omni's and SGLang's H3 fields, mapped onto the fields above by the gateway (docs/openai-compat.md)

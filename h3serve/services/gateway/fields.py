@@ -100,7 +100,8 @@ UNSUPPORTED = {
     "control_reference": "no control (transfer) path: H3 generates from a prompt, keyframes and references",
     "control_type": "no control (transfer) path: H3 generates from a prompt, keyframes and references",
 }
-EXTRA_PARAMS = ("task", "duration", "aspect_ratio", "flow_shift", "audio_flow_shift")
+# extra_params' members: the extra_params row's properties (config/request.py)
+EXTRA_PARAMS = tuple(next(row for row in REQUEST_FIELDS if row.name == "extra_params").metadata["schema"]["properties"])
 CONDITION_KEYS = ("type", "uri", "role", "frame_index", "start_time_seconds")
 CONDITION_TYPES = {"image": "image", "audio": "audio", "video": "video", "video_audio": "video"}
 # SGLang's target member -> (the field it gives, the request field an error about it names)

@@ -141,6 +141,8 @@ class RequestFields:
                                           "duration": {"type": ["string", "number"]}})
     video_params: dict = _row("video_params", "width, height, num_frames, fps (vLLM-Omni)", request=False)
     user: str = _row("user", request=False)
+    webhook_url: str = _row("webhook_url", "POSTed a signed video.completed / video.failed event when the job ends "
+                                           "(docs/api.md, Webhooks)", request=False, maxLength=2048)
     input_reference: bytes = _row("input_reference", "the first frame (fl2va): a data URL here, a file in "
                                                      "multipart; docs/api.md", request=False, media="one")
     first_image: bytes = _row("first_image", "fl2va first keyframe (data URL)", media="one",

@@ -155,6 +155,16 @@ class GatewayConfig:
                                      metavar="FILE", env=API_KEYS_ENV)
     no_auth: bool = knob(False, "gateway: serve without API keys even on a non-loopback address (without keys the "
                                 "gateway otherwise listens on loopback only)")
+    webhook_allow: str | None = knob(None, "gateway: where webhooks may point, a comma list of host names "
+                                           "(hooks.example.com, *.example.com: public addresses only) and networks "
+                                           "(10.20.0.0/16); empty: webhook_url is refused", metavar="LIST")
+    webhook_secrets_file: str | None = knob(None, "gateway: the callers' webhook signing secrets, one 'NAME "
+                                                  "whsec_BASE64' a line ('*' for the rest), re-read when it changes",
+                                            metavar="FILE")
+    webhook_url: str | None = knob(None, "gateway: the webhook of HTTP jobs that give no webhook_url", metavar="URL")
+    webhook_attempts: int = knob(6, "gateway: deliveries tried per event (jittered backoff between them)")
+    webhook_backoff_s: float = knob(2.0, "gateway: seconds before a webhook's second attempt (doubling, up to 300)")
+    webhook_timeout_s: float = knob(10.0, "gateway: seconds a webhook's receiver has to answer")
     model_name: str | None = knob(None, "gateway: model id reported and accepted in requests")
     fasth3_dit: str | None = knob(None, "gateway of a base deployment: a FastH3 DiT pool (profile fasth3), used for "
                                         "model FastH3", metavar="HOST:PORT")

@@ -93,6 +93,7 @@ class Validated:
     conditions: Conditions | None = None   # fl2va / ref2va: the decoded keyframes / references
     requested_size: str | None = None      # the caller's size when it was mapped onto H3's canvas
     user: str | None = None                # OpenAI's end-user id, reported on the job
+    webhook_url: str | None = None         # where the job's end is POSTed (checked by the gateway's webhooks)
 
 
 def short(value: Any) -> Any:
@@ -207,6 +208,10 @@ def fields_from_http(body: Any) -> tuple[dict[str, Any], dict[str, str]]:
             if value is not None and (not isinstance(value, str) or len(value) > 256):
                 raise RequestError(key, short(value), "a string of at most 256 characters (recorded on the job)")
             fields["user"] = value
+        elif key == "webhook_url":
+            if value is not None and not isinstance(value, str):
+                raise RequestError(key, short(value), "an http(s) URL (a string)")
+            fields["webhook_url"] = value or None
         elif key == "video_params":
             _video_params(fields, names, value)
         elif key != "extra_params" and value is not None:
@@ -333,7 +338,8 @@ def validate_fields(fields: dict[str, Any], *, config: StageConfig,
         raise _renamed(exc, api_names) from None
     if req.task not in served_tasks:
         raise RequestError(api_names.get("task", "task"), req.task, not_served)
-    return Validated(req, api_names, model_id, decode_conditions(req), requested, fields.get("user"))
+    return Validated(req, api_names, model_id, decode_conditions(req), requested, fields.get("user"),
+                     fields.get("webhook_url"))
 
 
 def without_media(v: Validated) -> Validated:

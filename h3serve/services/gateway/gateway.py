@@ -18,6 +18,7 @@ from .orchestrate import StageCalls, choose_plan
 from .sinks import Sink
 from .stages import EdgeTransports, StageClients
 from .uploads import DecodePool, unmap_large_buffers
+from .webhooks import Webhooks
 
 log = logging.getLogger("h3serve.gateway")
 
@@ -33,6 +34,8 @@ class Gateway:
         self.on_health = on_health
         self.stages = StageClients(config, on_change=self._health_changed)
         self.jobs = JobTable(config, self.metrics)
+        self.webhooks = Webhooks(config, on_attempt=self.jobs.save_webhook, metrics=self.metrics)
+        self.jobs.on_concluded = self.webhooks.enqueue
         self.decoder = DecodePool(config.gateway.decode_workers, config.gateway.decode_per_caller)   # uploads, off the API's pool
         unmap_large_buffers()   # what an upload used goes back to the system once freed
         self.workers = [threading.Thread(target=self._worker, name=f"h3serve-job-{i}", daemon=True)
@@ -43,6 +46,7 @@ class Gateway:
         for w in self.workers:
             w.start()
         self.jobs.start()
+        self.webhooks.start()
 
     @property
     def draining(self) -> bool:
@@ -66,8 +70,11 @@ class Gateway:
         """Validate; raise RequestError naming the caller's field. The job (of `owner`) is not admitted yet."""
         validated = validate_fields(fields, config=self.config, names=names, http=kind == "http")
         check_request_id(request_id)
-        return self.jobs.new(validated, kind=kind, sink_factory=sink_factory, timeout=timeout, request_id=request_id,
-                             owner=owner)
+        hook = self.webhooks.for_job(validated.webhook_url, owner) if kind == "http" else None
+        job = self.jobs.new(validated, kind=kind, sink_factory=sink_factory, timeout=timeout, request_id=request_id,
+                            owner=owner)
+        job.webhook = hook
+        return job
 
     def submit(self, job: Job) -> Job:
         """Admit a job or refuse it at once: Draining, StageUnavailable (a stage not ready), QueueFull."""
@@ -82,6 +89,7 @@ class Gateway:
         self.jobs.cancel_running(SHUTDOWN_REASON)
 
     def close(self) -> None:
+        self.webhooks.close()
         self.decoder.close()
         self.jobs.close()
         self.stages.close()

@@ -343,6 +343,8 @@ def job_object(job: Job, gateway: Gateway) -> dict:
         "mp4_bytes": job.mp4_bytes or None, "sha256": job.sha256 or None,
         "requested_size": job.validated.requested_size, "media_type": "video/mp4", "remixed_from_video_id": None,
         "user": job.validated.user,
+        # where the job's end is POSTed, and each attempt (webhooks.py)
+        "webhook": job.webhook,
         # the largest of the stages' peaks (device allocator on a GPU, RSS on the CPU; each stage is a process)
         "peak_memory_mb": round(t["peak_memory_mb"], 1) if t.get("peak_memory_mb") else None,
         # DiT forwards whose whole block stack ran (= the steps for lossless; fewer when quality=high reused some)

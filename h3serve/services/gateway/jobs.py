@@ -88,6 +88,7 @@ class Job:
     persisted: bool = True         # the store holds the job's latest state
     deleted: bool = False          # deleted through another replica: never written again
     aborted: H3Error | None = None # why the gateway gave up on it (a hung stage): its error, not "cancelled"
+    webhook: dict | None = None    # url, state, event_id, deliveries (webhooks.py), stored with the job
     events: queue.Queue | None = None
     done: threading.Event = field(default_factory=threading.Event)
     cancel_requested: threading.Event = field(default_factory=threading.Event)
@@ -176,7 +177,7 @@ class Job:
                 "completed_at": self.completed_at, "request": self.request.to_dict(), "names": self.validated.names,
                 "model": self.validated.model, "timings": self.timings, "error": err, "mp4_bytes": self.mp4_bytes,
                 "sha256": self.sha256, "gateway": self.gateway, "boot": self.boot,
-                "cancel_requested": self.cancel_stored}
+                "cancel_requested": self.cancel_stored, "webhook": self.webhook}
 
     @classmethod
     def from_record(cls, rec: dict) -> "Job":
@@ -191,7 +192,7 @@ class Job:
                   stage=rec.get("stage", ""), timings=dict(rec.get("timings") or {}),
                   mp4_bytes=rec.get("mp4_bytes", 0), sha256=rec.get("sha256", ""), owner=rec.get("owner"),
                   gateway=rec.get("gateway", ""), boot=rec.get("boot", ""),
-                  cancel_stored=bool(rec.get("cancel_requested")))
+                  cancel_stored=bool(rec.get("cancel_requested")), webhook=rec.get("webhook"))
         if rec.get("error"):
             job.error = classified(rec["error"])
         if job.status in FINISHED:
@@ -229,6 +230,7 @@ class JobTable:
         self.store = store or open_store(config.gateway.job_store or config.gateway.jobs_dir, self.dir)
         self.instance = f"{socket.gethostname()}:{config.server.port}"
         self.boot = uuid.uuid4().hex
+        self.on_concluded: Callable[[Job], None] = lambda job: None   # the gateway's webhooks
         self._stop = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep, name="h3serve-job-sweeper", daemon=True)
 
@@ -358,6 +360,11 @@ class JobTable:
             self._store_failed(exc)
             log.warning("request %s: %s (retried)", job.id, exc)
 
+    def save_webhook(self, job: Job) -> None:
+        """A finished job's webhook log written back, unless the job was deleted (or expired) meanwhile."""
+        if job.key in self.jobs or self._record(job.id) is not None:
+            self._save(job)
+
     def _store_failed(self, exc: StoreError) -> None:
         if self.store_error is None:
             log.warning("job store failing: %s", exc)
@@ -451,6 +458,8 @@ class JobTable:
                      job.timings.get("t_client", 0.0), job.timings.get("rtf_client", 0.0))
         else:
             log.info("request %s failed: %s: %s", job.id, outcome, job.error.message)
+        if job.kind == "http" and job.webhook is not None:
+            self.on_concluded(job)
         if job.events is not None:
             try:
                 job.events.put_nowait(END)

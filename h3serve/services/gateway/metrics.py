@@ -42,6 +42,8 @@ class GatewayMetrics:
                                      "computed (miss)", ["result"], registry=r)
         for result in ("hit", "miss"):
             self.encoder_cache.labels(result=result)
+        self.webhooks = Counter("h3serve_webhook_deliveries", "Webhook attempts by outcome (delivered, retried, "
+                                "failed: no more attempts)", ["outcome"], registry=r)
         self._transport_labels: dict[str, tuple] = {}
         for outcome in ("completed", "invalid_request", "queue_full", "draining", "stage_unavailable",
                         "deadline_exceeded", "cancelled", "stage_failed", "internal"):

@@ -280,6 +280,21 @@ class AuthSpec:
 
 
 @dataclass(frozen=True)
+class WebhooksSpec:
+    allow: list = f("allow", "Where a job's webhook_url may point (`--webhook-allow`): host names (hooks.example.com, "
+                    "*.example.com; their public addresses only) and networks (10.20.0.0/16; any address inside).",
+                    minItems=1, maxItems=64, items={"type": "string", "minLength": 1, "maxLength": 253})
+    secrets_secret: str = f("secretsSecret", "Secret whose key `webhook-secrets` is the callers' signing secrets "
+                            "(one `NAME whsec_BASE64` line per caller, `*` for the rest; docs/api.md, Webhooks); "
+                            "mounted read-only into the front door's pods and re-read when it changes.",
+                            minLength=1, maxLength=253, pattern=_DNS_SUBDOMAIN)
+    url: Optional[str] = f("url", "The webhook of jobs that name none.", None, maxLength=2048,
+                           pattern=r"^https?://\S+$")
+    attempts: int = f("attempts", "Deliveries tried per event (with a jittered, doubling backoff from 2 s).", 6,
+                      minimum=1, maximum=20)
+
+
+@dataclass(frozen=True)
 class S3JobStoreSpec:
     bucket: str = f("bucket", "Bucket of the job records and finished MP4s (it must exist).", minLength=3,
                     maxLength=63, pattern=r"^[a-z0-9][-a-z0-9.]{1,61}[a-z0-9]$")
@@ -326,6 +341,8 @@ class GatewaySpec:
                                           "(they survive restarts and rolling updates). Required for more than one "
                                           "gateway; omitted: one gateway keeps them in a temporary folder, lost when it "
                                           "restarts.", None)
+    webhooks: Optional[WebhooksSpec] = f("webhooks", "Signed POSTs to a caller's URL when its job ends (a job's "
+                                         "webhook_url, or url here). Omitted: webhook_url is refused.", None)
 
 
 @dataclass(frozen=True)
@@ -622,7 +639,9 @@ def policy_issues(spec: H3DeploymentSpec, policy: AdmissionPolicy) -> list[tuple
     secrets = [("spec.gateway.auth.apiKeysSecret", spec.gateway.auth.api_keys_secret),
                ("spec.tls.secretName", spec.tls.secret_name if spec.tls else None),
                ("spec.gateway.jobStore.s3.credentialsSecret",
-                spec.gateway.job_store.s3.credentials_secret if spec.gateway.job_store else None)]
+                spec.gateway.job_store.s3.credentials_secret if spec.gateway.job_store else None),
+               ("spec.gateway.webhooks.secretsSecret",
+                spec.gateway.webhooks.secrets_secret if spec.gateway.webhooks else None)]
     secrets += [(f"spec.imagePullSecrets[{i}]", n if isinstance(n, str) else (n or {}).get("name"))
                 for i, n in enumerate(spec.image_pull_secrets or [])]
     for field, name in secrets:

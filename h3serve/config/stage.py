@@ -40,6 +40,9 @@ API_KEY_ENV = "H3SERVE_API_KEY"         # a client's API key (the default of the
 API_KEYS_DIR = "/etc/h3serve-keys"       # spec.gateway.auth.apiKeysSecret
 API_KEYS_KEY = "keys"                    # the Secret's key that holds the API keys file
 API_KEYS_PATH = f"{API_KEYS_DIR}/{API_KEYS_KEY}"
+WEBHOOK_SECRETS_DIR = "/etc/h3serve-webhooks"   # spec.gateway.webhooks.secretsSecret
+WEBHOOK_SECRETS_KEY = "webhook-secrets"
+WEBHOOK_SECRETS_PATH = f"{WEBHOOK_SECRETS_DIR}/{WEBHOOK_SECRETS_KEY}"
 TLS_DIR = "/etc/h3serve-tls"             # spec.tls.secretName: a kubernetes.io/tls Secret (+ ca.crt)
 TLS_FILES = {"tls_cert": "tls.crt", "tls_key": "tls.key", "tls_ca": "ca.crt"}  # StageConfig field -> Secret key
 
@@ -327,4 +330,8 @@ def service_config_values(service_config: dict, stage: str) -> dict[str, Any]:
             out["no_auth"] = True
         if store is not None:  # endpoint, region and credentials come from the pod's AWS_* environment
             out["job_store"] = f"s3://{store.s3.bucket}/{store.s3.prefix}"
+        hooks = spec.gateway.webhooks
+        if hooks is not None:
+            out.update(webhook_allow=",".join(hooks.allow), webhook_secrets_file=WEBHOOK_SECRETS_PATH,
+                       webhook_url=hooks.url, webhook_attempts=hooks.attempts)
     return out

@@ -277,6 +277,10 @@ class AuthSpec:
                                        maxLength=253, pattern=_DNS_SUBDOMAIN)
     disabled: bool = f("disabled", "No authentication (`--no-auth`): the front door serves anyone who can reach it.",
                        False)
+    admin_callers: Optional[list] = f("adminCallers", "Caller names (of API keys) that may read every caller's usage "
+                                      "(`--admin-callers`; GET /v1/usage).", None, maxItems=64,
+                                      items={"type": "string", "minLength": 1, "maxLength": 128,
+                                             "pattern": r"^[A-Za-z0-9][A-Za-z0-9._@-]*$"})
 
 
 @dataclass(frozen=True)

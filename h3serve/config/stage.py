@@ -158,6 +158,8 @@ class GatewayConfig:
                                      metavar="FILE", env=API_KEYS_ENV)
     no_auth: bool = knob(False, "gateway: serve without API keys even on a non-loopback address (without keys the "
                                 "gateway otherwise listens on loopback only)")
+    admin_callers: str | None = knob(None, "gateway: API key names (a comma list) that may read every caller's "
+                                           "usage (GET /v1/usage)", metavar="NAMES")
     webhook_allow: str | None = knob(None, "gateway: where webhooks may point, a comma list of host names "
                                            "(hooks.example.com, *.example.com: public addresses only) and networks "
                                            "(10.20.0.0/16); empty: webhook_url is refused", metavar="LIST")
@@ -326,6 +328,8 @@ def service_config_values(service_config: dict, stage: str) -> dict[str, Any]:
         auth, store = spec.gateway.auth, spec.gateway.job_store
         if auth.api_keys_secret is not None:
             out["api_keys_file"] = API_KEYS_PATH
+            if auth.admin_callers:
+                out["admin_callers"] = ",".join(auth.admin_callers)
         elif auth.disabled:
             out["no_auth"] = True
         if store is not None:  # endpoint, region and credentials come from the pod's AWS_* environment

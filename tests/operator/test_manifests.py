@@ -727,6 +727,8 @@ def test_webhooks_are_the_gateways_config_and_their_secrets_are_mounted_into_the
         assert cfg.gateway.webhook_secrets_file == f"{mount['mountPath']}/{vol['secret']['items'][0]['path']}"
     for pod in others:
         assert all(v["name"] != "webhook-secrets" for v in pod["volumes"])
+    d["gateway"]["auth"]["adminCallers"] = ["ops", "billing"]
+    assert _gateway_config(parse_and_validate(d, "h3")).gateway.admin_callers == "ops,billing"
     d["gateway"]["webhooks"]["url"] = "file:///etc/passwd"
     with pytest.raises(SpecError, match="gateway.webhooks.url"):
         parse_and_validate(d, "h3")

@@ -18,6 +18,7 @@ from .orchestrate import StageCalls, choose_plan
 from .sinks import Sink
 from .stages import EdgeTransports, StageClients
 from .uploads import DecodePool, unmap_large_buffers
+from .usage import Usage
 from .webhooks import Webhooks
 
 log = logging.getLogger("h3serve.gateway")
@@ -35,7 +36,9 @@ class Gateway:
         self.stages = StageClients(config, on_change=self._health_changed)
         self.jobs = JobTable(config, self.metrics)
         self.webhooks = Webhooks(config, on_attempt=self.jobs.save_webhook, metrics=self.metrics)
-        self.jobs.on_concluded = self.webhooks.enqueue
+        self.usage = Usage(self.jobs, self.stages.gpus, self.metrics)
+        self.jobs.on_concluded = self._concluded
+        self.jobs.on_sweep = self.usage.flush
         self.decoder = DecodePool(config.gateway.decode_workers, config.gateway.decode_per_caller)   # uploads, off the API's pool
         unmap_large_buffers()   # what an upload used goes back to the system once freed
         self.workers = [threading.Thread(target=self._worker, name=f"h3serve-job-{i}", daemon=True)
@@ -79,6 +82,10 @@ class Gateway:
     def submit(self, job: Job) -> Job:
         """Admit a job or refuse it at once: Draining, StageUnavailable (a stage not ready), QueueFull."""
         return self.jobs.admit(job, self.stages.not_ready(job.request.profile))
+
+    def _concluded(self, job: Job) -> None:
+        self.usage.record(job)
+        self.webhooks.enqueue(job)
 
     def drain(self) -> None:
         """Stop admitting; queued jobs fail with Draining; health NOT_SERVING."""

@@ -25,6 +25,7 @@ sees only its caller's jobs; health, readiness, metrics and the OpenAPI document
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import math
 import os
@@ -32,7 +33,7 @@ import tempfile
 import time
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -44,7 +45,7 @@ from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 from starlette.routing import Match
 
 from h3serve.config.request import FIELD_TYPES, MAX_MEDIA_BYTES, MAX_REFERENCES, REQUEST_FIELDS, Upload
-from h3serve.errors import H3Error, NotFound, NotReady, RequestError, TooLarge, Unauthenticated
+from h3serve.errors import H3Error, NotFound, NotReady, PermissionDenied, RequestError, TooLarge, Unauthenticated
 from h3serve.errortable import error_object, http_error
 from h3serve.media.thumbnail import first_frame_jpeg
 
@@ -54,6 +55,7 @@ from .jobs import Job
 from .gateway import Gateway
 from .sinks import FileSink
 from .uploads import VIDEO_REFUSED, decode_caller
+from .usage import DEFAULT_RANGE_S, MAX_RANGE_S
 
 FILE = {"type": "string", "format": "binary"}
 JSON_TYPES = {str: "string", int: "integer", float: "number", dict: "object", bytes: "string", list: "array"}
@@ -311,6 +313,25 @@ async def read_body(request: Request) -> Any:
         raise RequestError("body", short(raw[:60]), "a JSON object of request fields") from None
 
 
+def _instant(name: str, value: str | None) -> float | None:
+    """A time as the usage API takes it: unix seconds or ISO 8601 (UTC unless it says otherwise)."""
+    if value is None or value == "":
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    try:
+        t = datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise RequestError(name, short(value), "unix seconds or an ISO 8601 time (2026-12-01T00:00:00Z)") from None
+    return (t if t.tzinfo else t.replace(tzinfo=datetime.timezone.utc)).timestamp()
+
+
+def _iso(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).isoformat(timespec="seconds")
+
+
 def _timeout(request: Request) -> float | None:
     value = request.headers.get("x-request-timeout")
     if value is None:
@@ -531,6 +552,24 @@ def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
     @app.get("/v1/videos/{video_id}", summary="Get a video job")
     async def get_video(request: Request, video_id: str):
         return job_object(await asyncio.to_thread(gateway.jobs.get, video_id, request.state.owner), gateway)
+
+    @app.get("/v1/usage", summary="Usage records of finished jobs, and their totals")
+    async def get_usage(request: Request, caller: str | None = None, from_: str | None = Query(None, alias="from"),
+                        to: str | None = None):
+        owner = request.state.owner
+        admins = {n.strip() for n in (gateway.config.gateway.admin_callers or "").split(",") if n.strip()}
+        admin = owner is None or owner in admins   # authentication off: one operator, who sees everything
+        if caller is not None and caller != owner and not admin:
+            raise PermissionDenied(f"caller {owner!r} may read its own usage only (an admin key reads any caller's: "
+                                   "--admin-callers)")
+        end, start = _instant("to", to), _instant("from", from_)
+        end = time.time() if end is None else end
+        start = end - DEFAULT_RANGE_S if start is None else start
+        if not 0 <= end - start <= MAX_RANGE_S:
+            raise RequestError("from", from_, f"a time at most {MAX_RANGE_S // 86400} days before `to` "
+                                              f"({_iso(end)}) and not after it")
+        everyone = admin and caller is None
+        return await asyncio.to_thread(gateway.usage.read, owner if caller is None else caller, everyone, start, end)
 
     @app.get("/v1/models", summary="The model ids served")
     async def list_models():

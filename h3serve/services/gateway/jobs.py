@@ -230,7 +230,8 @@ class JobTable:
         self.store = store or open_store(config.gateway.job_store or config.gateway.jobs_dir, self.dir)
         self.instance = f"{socket.gethostname()}:{config.server.port}"
         self.boot = uuid.uuid4().hex
-        self.on_concluded: Callable[[Job], None] = lambda job: None   # the gateway's webhooks
+        self.on_concluded: Callable[[Job], None] = lambda job: None   # the gateway's usage record and webhook
+        self.on_sweep: Callable[[], None] = lambda: None                # usage records the store did not take
         self._stop = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep, name="h3serve-job-sweeper", daemon=True)
 
@@ -458,8 +459,10 @@ class JobTable:
                      job.timings.get("t_client", 0.0), job.timings.get("rtf_client", 0.0))
         else:
             log.info("request %s failed: %s: %s", job.id, outcome, job.error.message)
-        if job.kind == "http" and job.webhook is not None:
+        try:
             self.on_concluded(job)
+        except Exception:  # noqa: BLE001 - its usage and webhook never keep a job from ending
+            log.exception("request %s: usage / webhook", job.id)
         if job.events is not None:
             try:
                 job.events.put_nowait(END)
@@ -661,6 +664,7 @@ class JobTable:
     def sweep_once(self) -> None:
         self.store.beat(self.instance, self.boot)
         self._store_ok()
+        self.on_sweep()
         with self.cond:
             mine = [j for j in self.jobs.values() if j.kind == "http"]
         for job in mine:

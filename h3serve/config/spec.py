@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
+from h3serve.config.callers import callers_json, parse_caller_limits
 from h3serve.config.levers import levers_spec_class
 from h3serve.config.codec import dump, f, parse
 from h3serve.config.rules import RULES
@@ -298,6 +299,19 @@ class WebhooksSpec:
                       minimum=1, maximum=20)
 
 
+CALLER_ITEM = {"type": "object", "required": ["name"], "additionalProperties": False, "properties": {
+    "name": {"type": "string", "description": "An API key's NAME, or * for every caller without an entry.",
+             "minLength": 1, "maxLength": 128, "pattern": r"^(\*|[A-Za-z0-9][A-Za-z0-9._@-]*)$"},
+    "share": {"type": "number", "description": "Its weight in the fair queue (share 2 gets twice the DiT time of "
+              "share 1 while both wait); default 1.", "minimum": 0.01, "maximum": 1000},
+    "maxRunning": {"type": "integer", "description": "Its jobs running at once (more wait).", "minimum": 1,
+                   "maximum": 10000},
+    "maxQueued": {"type": "integer", "description": "Its jobs waiting (more are refused 429).", "minimum": 1,
+                  "maximum": 100000},
+    "videoSecondsPerHour": {"type": "number", "description": "Seconds of video admitted in any hour (more are "
+                            "refused 429 with Retry-After).", "minimum": 1}}}
+
+
 @dataclass(frozen=True)
 class S3JobStoreSpec:
     bucket: str = f("bucket", "Bucket of the job records and finished MP4s (it must exist).", minLength=3,
@@ -345,6 +359,9 @@ class GatewaySpec:
                                           "(they survive restarts and rolling updates). Required for more than one "
                                           "gateway; omitted: one gateway keeps them in a temporary folder, lost when it "
                                           "restarts.", None)
+    callers: Optional[list] = f("callers", "Per-caller share and limits of the fair queue (`--caller-limits`; "
+                                "docs/api.md, Scheduling); callers not listed get the * entry, else share 1 and no "
+                                "limits.", None, maxItems=1000, items=CALLER_ITEM)
     webhooks: Optional[WebhooksSpec] = f("webhooks", "Signed POSTs to a caller's URL when its job ends (a job's "
                                          "webhook_url, or url here). Omitted: webhook_url is refused.", None)
 
@@ -709,6 +726,10 @@ def validate(spec: H3DeploymentSpec, name: str | None = None) -> list[tuple[str,
 
 def _operator_only_checks(s: H3DeploymentSpec) -> list[tuple[str, str]]:
     issues = []
+    try:
+        parse_caller_limits(callers_json(s.gateway.callers))
+    except (H3Error, AttributeError, TypeError) as exc:   # an item that is not an object
+        issues.append(("spec.gateway.callers", f"gateway.callers: {exc}"))
     if s.model.volume is not None and len(s.model.volume) != 1:
         issues.append(("spec.model.volume", f"model.volume must name exactly one volume source (e.g. "
                                             f"persistentVolumeClaim), found {sorted(s.model.volume) or 'none'}"))

@@ -11,6 +11,7 @@ import typing
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from h3serve.config.callers import callers_json
 from h3serve.config.levers import Levers, stage_levers
 from h3serve.config.parallel import ParallelDegrees
 from h3serve.config.spec import ServiceConfig
@@ -158,6 +159,10 @@ class GatewayConfig:
                                      metavar="FILE", env=API_KEYS_ENV)
     no_auth: bool = knob(False, "gateway: serve without API keys even on a non-loopback address (without keys the "
                                 "gateway otherwise listens on loopback only)")
+    caller_limits: str | None = knob(None, "gateway: per-caller share and limits, JSON {NAME or *: {share, "
+                                           "max_running, max_queued, video_seconds_per_hour}} (docs/api.md, "
+                                           "Scheduling)", metavar="JSON")
+    starvation_s: float = knob(600.0, "gateway: a job waiting this long goes before its caller's shorter ones")
     admin_callers: str | None = knob(None, "gateway: API key names (a comma list) that may read every caller's "
                                            "usage (GET /v1/usage)", metavar="NAMES")
     webhook_allow: str | None = knob(None, "gateway: where webhooks may point, a comma list of host names "
@@ -334,6 +339,8 @@ def service_config_values(service_config: dict, stage: str) -> dict[str, Any]:
             out["no_auth"] = True
         if store is not None:  # endpoint, region and credentials come from the pod's AWS_* environment
             out["job_store"] = f"s3://{store.s3.bucket}/{store.s3.prefix}"
+        if spec.gateway.callers:
+            out["caller_limits"] = callers_json(spec.gateway.callers)
         hooks = spec.gateway.webhooks
         if hooks is not None:
             out.update(webhook_allow=",".join(hooks.allow), webhook_secrets_file=WEBHOOK_SECRETS_PATH,

@@ -729,6 +729,14 @@ def test_webhooks_are_the_gateways_config_and_their_secrets_are_mounted_into_the
         assert all(v["name"] != "webhook-secrets" for v in pod["volumes"])
     d["gateway"]["auth"]["adminCallers"] = ["ops", "billing"]
     assert _gateway_config(parse_and_validate(d, "h3")).gateway.admin_callers == "ops,billing"
+    d["gateway"]["callers"] = [{"name": "*", "maxQueued": 4}, {"name": "ops", "share": 2, "videoSecondsPerHour": 600}]
+    from h3serve.config.callers import parse_caller_limits
+    limits = parse_caller_limits(_gateway_config(parse_and_validate(d, "h3")).gateway.caller_limits)
+    assert (limits["*"].max_queued, limits["ops"].share, limits["ops"].video_seconds_per_hour) == (4, 2.0, 600.0)
+    d["gateway"]["callers"] = [{"name": "ops", "share": 0}]
+    with pytest.raises(SpecError, match=r"ops.share=0: a number in \[0.01"):
+        parse_and_validate(d, "h3")
+    del d["gateway"]["callers"]
     d["gateway"]["webhooks"]["url"] = "file:///etc/passwd"
     with pytest.raises(SpecError, match="gateway.webhooks.url"):
         parse_and_validate(d, "h3")

@@ -29,7 +29,8 @@ def gateway(tiny_checkpoint, tmp_path_factory):
     rx = Receiver(statuses=(500,))
     stack = Stack(tiny_checkpoint, "--api-keys-file", str(keys), "--jobs-dir", str(tmp / "jobs"),
                   "--webhook-allow", "127.0.0.1/32", "--webhook-secrets-file", str(secrets),
-                  "--webhook-backoff-s", "0.1", "--admin-callers", "ops")
+                  "--webhook-backoff-s", "0.1", "--admin-callers", "ops",
+                  "--caller-limits", '{"bob": {"video_seconds_per_hour": 6}}')
     clients = {n: httpx.Client(base_url=stack.http, timeout=60, headers={"Authorization": f"Bearer {k}"})
                for n, k in KEYS.items()}
     try:
@@ -97,6 +98,9 @@ def test_usage_is_the_callers_own_and_the_admins_all(gateway):
     job = bob.post("/v1/videos", json=REQUEST).json()
     bob.post(f"/v1/videos/{job['id']}/cancel")
     _wait(bob, job["id"])
+    r = bob.post("/v1/videos", json=REQUEST)   # 5.17 s more would pass bob's 6 s an hour
+    assert r.status_code == 429 and r.json()["error"]["code"] == "quota_exceeded", r.text
+    assert r.json()["error"]["param"] == "video_seconds_per_hour" and 3500 <= int(r.headers["retry-after"]) <= 3600
     own = bob.get("/v1/usage").json()
     assert [r["id"] for r in own["data"]] == [job["id"]] and own["data"][0]["caller"] == "bob"
     assert own["data"][0]["video_seconds"] == 0.0 and own["totals"]["completed"] in (0, 1)

@@ -147,7 +147,8 @@ RETRY_AFTER_S = {429: 1, 503: 5}
 def _error_response(exc: BaseException) -> JSONResponse:
     status, body = http_error(exc)
     body["error"]["type"] = error_type(status)
-    retry = RETRY_AFTER_S.get(status) if body["error"].get("retryable") else None
+    retry = (getattr(exc, "retry_after_s", None) or RETRY_AFTER_S.get(status)) if body["error"].get("retryable") \
+        else None
     return JSONResponse(body, status_code=status, headers={"Retry-After": str(retry)} if retry else None)
 
 

@@ -21,7 +21,6 @@ record too.
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import queue
@@ -37,6 +36,7 @@ from typing import Callable
 
 import grpc
 
+from h3serve.config.callers import parse_caller_limits
 from h3serve.config.request import GenerationRequest, ReferenceSpec
 from h3serve.config.stage import StageConfig
 from h3serve.errors import (AlreadyExists, Cancelled, DeadlineExceeded, Draining, H3Error, NotFound, PermissionDenied,
@@ -45,6 +45,7 @@ from h3serve.errortable import Classified, TABLE, INTERNAL, classify, error_obje
 
 from .fields import REQUEST_ID, Validated
 from .metrics import GatewayMetrics
+from .scheduling import FairQueue
 from .sinks import END, Sink, unlink
 from .store import HEARTBEAT_STALE_S, JobStore, Mp4, StoreError, entry_id, index_entry, open_store
 
@@ -71,6 +72,7 @@ class Job:
     progress: float = 0.0
     stage: str = "queue"
     queue_position: int = 0
+    cost: float = 0.0              # denoise row-forwards (scheduling.job_cost), set when queued
     timings: dict = field(default_factory=dict)
     error: Classified | None = None
     exc: BaseException | None = None
@@ -216,7 +218,7 @@ class JobTable:
         self.metrics = metrics
         self.draining = False
         self.cond = threading.Condition()
-        self.queue: collections.deque[Job] = collections.deque()
+        self.queue = FairQueue(parse_caller_limits(config.gateway.caller_limits), config.gateway.starvation_s)
         self.running: dict[str, Job] = {}
         self.jobs: dict[str, Job] = {}
         self.admitting: dict[str, Job] = {}   # slots reserved while their records are written (no lock held)
@@ -293,6 +295,7 @@ class JobTable:
             if not self.draining:
                 job.t_admitted = time.monotonic()
                 self.queue.append(job)
+                self.queue.admitted(job)
                 self.metrics.queue_depth.set(len(self.queue))
                 self.cond.notify()
                 return job
@@ -313,6 +316,7 @@ class JobTable:
         if busy >= capacity:
             raise QueueFull(f"queue full: {len(self.running)} running and {len(self.queue) + len(self.admitting)} "
                             f"waiting (queue size {self.config.gateway.queue_size}); retry later")
+        self.queue.check(job, self.queue.of(job.owner) + sum(j.owner == job.owner for j in self.admitting.values()))
         job.queue_position = max(0, busy - self.config.gateway.max_inflight + 1) if busy >= self.config.gateway.max_inflight else 0
 
     def _write_admitted(self, job: Job) -> None:
@@ -335,11 +339,13 @@ class JobTable:
     def take(self) -> Job | None:
         """The next queued job, now running (blocks); None once the table is closed."""
         with self.cond:
-            while not self.queue and not self._stop.is_set():
+            while not self._stop.is_set():
+                job = self.queue.take(self.running) if self.queue else None   # None: every waiting caller at its
+                if job is not None:                                          # max_running
+                    break
                 self.cond.wait(0.5)
-            if self._stop.is_set():
+            else:
                 return None
-            job = self.queue.popleft()
             self.running[job.key] = job
             self.metrics.queue_depth.set(len(self.queue))
             self.metrics.inflight.set(len(self.running))
@@ -382,6 +388,7 @@ class JobTable:
         with self.cond:
             self.running.pop(job.key, None)
             self.metrics.inflight.set(len(self.running))
+            self.cond.notify_all()   # a worker may wait for this caller's max_running
             if job.kind != "http":
                 self.jobs.pop(job.key, None)
         job.completed_at = time.time()

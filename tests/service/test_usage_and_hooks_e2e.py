@@ -139,3 +139,37 @@ def test_usage_records_are_read_by_caller_and_time_range(kind, tmp_path):
         store.close()
         if s3 is not None:
             s3.close()
+
+
+def test_n_outputs_have_consecutive_seeds_one_encode_and_each_equals_its_single_request(gateway):
+    stack, c, _, _ = gateway
+    ops = c["ops"]
+    encodes = stack.status("encoder").requests_total
+    t0 = time.monotonic()
+    video = ops.post("/v1/videos", json={**REQUEST, "seed": 7, "n": 3}).json()
+    got = _wait(ops, video["id"])
+    t_three = time.monotonic() - t0
+    assert got["status"] == "completed" and got["n"] == 3, got
+    assert stack.status("encoder").requests_total == encodes + 1   # the prompt encoded once for the three
+    assert [(o["index"], o["seed"]) for o in got["outputs"]] == [(0, 7), (1, 8), (2, 9)]
+    mp4s = [ops.get(f"/v1/videos/{video['id']}/content", params={"variant": i}).content for i in range(3)]
+    assert [hashlib.sha256(m).hexdigest() for m in mp4s] == [o["sha256"] for o in got["outputs"]]
+    assert mp4s[0] == ops.get(f"/v1/videos/{video['id']}/content").content and len(set(mp4s)) == 3
+    t0 = time.monotonic()
+    single = ops.post("/v1/videos", json={**REQUEST, "seed": 8}).json()
+    assert _wait(ops, single["id"])["status"] == "completed"
+    t_one = time.monotonic() - t0
+    assert ops.get(f"/v1/videos/{single['id']}/content").content == mp4s[1]   # output 1 = the request of seed 8
+    print("FIGURES", got["stage_durations"], {"n3_s": round(t_three, 3), "n1_s": round(t_one, 3),
+                      "videos_per_s_gain": round(3 * t_one / t_three, 3)})
+    r = ops.get(f"/v1/videos/{video['id']}/content", params={"variant": 3})
+    assert r.status_code < 500 and r.json()["error"]["param"] == "variant" and "[0, 2]" in r.text
+    for bad in (0, 11, "x", 2.5):
+        r = ops.post("/v1/videos", json={**REQUEST, "n": bad})
+        assert r.status_code < 500 and r.json()["error"]["param"] == "n" and "[1, 10]" in r.text, r.text
+    r = ops.post("/v1/videos/sync", json={**REQUEST, "n": 2})
+    assert r.status_code < 500 and "POST /v1/videos makes several" in r.text
+    rec = next(r for r in ops.get("/v1/usage", params={"caller": "ops"}).json()["data"] if r["id"] == video["id"])
+    assert rec["outputs"] == 3 and rec["frames"] == 3 * 124
+    assert ops.delete(f"/v1/videos/{video['id']}").status_code == 200
+    assert not list((gateway[3] / "videos").glob(f"{video['id']}*"))   # every output's MP4 went with the job

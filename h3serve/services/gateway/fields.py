@@ -17,6 +17,8 @@ from h3serve._proto import gateway_pb2
 from h3serve.config.request import (
     FASTH3_STEPS,
     FIELD_TYPES,
+    MAX_OUTPUTS,
+    MAX_SEED,
     REQUEST_FIELDS,
     GenerationRequest,
     Upload,
@@ -94,6 +96,7 @@ class Validated:
     requested_size: str | None = None      # the caller's size when it was mapped onto H3's canvas
     user: str | None = None                # OpenAI's end-user id, reported on the job
     webhook_url: str | None = None         # where the job's end is POSTed (checked by the gateway's webhooks)
+    n: int = 1                             # videos from this prompt: output i has seed + i
 
 
 def short(value: Any) -> Any:
@@ -208,6 +211,8 @@ def fields_from_http(body: Any) -> tuple[dict[str, Any], dict[str, str]]:
             if value is not None and (not isinstance(value, str) or len(value) > 256):
                 raise RequestError(key, short(value), "a string of at most 256 characters (recorded on the job)")
             fields["user"] = value
+        elif key == "n":
+            fields["n"] = value
         elif key == "webhook_url":
             if value is not None and not isinstance(value, str):
                 raise RequestError(key, short(value), "an http(s) URL (a string)")
@@ -339,7 +344,23 @@ def validate_fields(fields: dict[str, Any], *, config: StageConfig,
     if req.task not in served_tasks:
         raise RequestError(api_names.get("task", "task"), req.task, not_served)
     return Validated(req, api_names, model_id, decode_conditions(req), requested, fields.get("user"),
-                     fields.get("webhook_url"))
+                     fields.get("webhook_url"), _outputs(fields.get("n"), req.seed, api_names.get("n", "n")))
+
+
+def _outputs(n: Any, seed: int, name: str) -> int:
+    """`n`: how many videos (a form sends it as text); their seeds seed..seed+n-1 must all be valid seeds."""
+    if n is None:
+        return 1
+    try:
+        value = int(n) if not isinstance(n, bool) and float(n) == int(float(n)) else None
+    except (TypeError, ValueError, OverflowError):
+        value = None
+    if value is None or not 1 <= value <= MAX_OUTPUTS:
+        raise RequestError(name, short(n), f"an integer in [1, {MAX_OUTPUTS}]")
+    if seed + value - 1 > MAX_SEED:
+        raise RequestError(name, value, f"at most {MAX_SEED - seed + 1} with seed {seed} (output i has seed + i, "
+                                        f"at most {MAX_SEED})")
+    return value
 
 
 def without_media(v: Validated) -> Validated:

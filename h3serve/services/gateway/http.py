@@ -367,6 +367,8 @@ def job_object(job: Job, gateway: Gateway) -> dict:
         "user": job.validated.user,
         # where the job's end is POSTed, and each attempt (webhooks.py)
         "webhook": job.webhook,
+        # n > 1: each output's seed and MP4 (GET .../content?variant=INDEX)
+        "n": job.validated.n, "outputs": job.outputs or None,
         # the largest of the stages' peaks (device allocator on a GPU, RSS on the CPU; each stage is a process)
         "peak_memory_mb": round(t["peak_memory_mb"], 1) if t.get("peak_memory_mb") else None,
         # DiT forwards whose whole block stack ran (= the steps for lossless; fewer when quality=high reused some)
@@ -389,9 +391,11 @@ def thumbnail(gateway: Gateway, job: Job) -> bytes:
         return first_frame_jpeg(f.name)
 
 
-def mp4_response(gateway: Gateway, job: Job, headers: dict, filename: str | None = None) -> Response:
-    """A completed job's MP4 from the job store: a file (with ranges) or streamed from the object store."""
-    mp4 = gateway.jobs.mp4(job)
+def mp4_response(gateway: Gateway, job: Job, headers: dict, filename: str | None = None,
+                 index: int = 0) -> Response:
+    """A completed job's MP4 (or its output `index`) from the job store: a file (with ranges) or streamed from the
+    object store."""
+    mp4 = gateway.jobs.mp4(job, index)
     if mp4 is None:
         raise NotFound(f"video {job.id} is completed but its MP4 is no longer in the job store (deleted or expired)")
     if mp4.path is not None:
@@ -526,6 +530,9 @@ def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
               responses={200: {"content": {"video/mp4": {}}}})
     async def create_video_sync(request: Request):
         job = await new_job(request, "http")
+        if job.validated.n > 1:
+            raise RequestError(job.validated.names.get("n", "n"), job.validated.n,
+                               "1 here (one MP4 per response); POST /v1/videos makes several")
         await asyncio.to_thread(gateway.submit, job)
         while not job.done.is_set():
             if await request.is_disconnected():   # nobody to answer: cancel quietly, no error logged
@@ -594,10 +601,15 @@ def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
              response_class=FileResponse,
              responses={200: {"content": {"video/mp4": {}, "image/jpeg": {}}}})
     async def get_content(request: Request, video_id: str, variant: str = "video"):
-        if variant not in VARIANTS:
+        index = int(variant) if variant.isdigit() and len(variant) <= 2 else 0   # output INDEX of a job of n
+        if variant not in VARIANTS and not variant.isdigit():
             return _refusal(400, "unsupported", "variant",
-                            f"variant={variant!r} is not served: {' or '.join(VARIANTS)} (no spritesheet)")
+                            f"variant={variant!r} is not served: {' or '.join(VARIANTS)} (no spritesheet), or an "
+                            "output's index 0..n-1")
         job = await asyncio.to_thread(gateway.jobs.get, video_id, request.state.owner)
+        if variant.isdigit() and not (0 <= index < job.validated.n and len(variant) <= 2):
+            raise RequestError("variant", variant, f"an output index in [0, {job.validated.n - 1}] (the job's n is "
+                                                   f"{job.validated.n})")
         if job.status == "failed":
             raise NotReady(f"video {video_id} failed ({job.error.kind.code}): no content")
         if job.status != "completed":
@@ -605,7 +617,8 @@ def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
                            "status is completed")
         if variant == "thumbnail":
             return Response(await asyncio.to_thread(thumbnail, gateway, job), media_type="image/jpeg")
-        return await asyncio.to_thread(mp4_response, gateway, job, {}, filename=f"{video_id}.mp4")
+        name = f"{video_id}.mp4" if index == 0 else f"{video_id}-{index}.mp4"
+        return await asyncio.to_thread(mp4_response, gateway, job, {}, filename=name, index=index)
 
     @app.delete("/v1/videos/{video_id}", summary="Cancel (if unfinished) and delete a video job")
     async def delete_video(request: Request, video_id: str):

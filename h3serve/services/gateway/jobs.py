@@ -47,7 +47,7 @@ from .fields import REQUEST_ID, Validated
 from .metrics import GatewayMetrics
 from .scheduling import FairQueue
 from .sinks import END, Sink, unlink
-from .store import HEARTBEAT_STALE_S, JobStore, Mp4, StoreError, entry_id, index_entry, open_store
+from .store import HEARTBEAT_STALE_S, JobStore, Mp4, StoreError, entry_id, index_entry, open_store, output_id
 
 log = logging.getLogger("h3serve.gateway")
 
@@ -91,6 +91,7 @@ class Job:
     deleted: bool = False          # deleted through another replica: never written again
     aborted: H3Error | None = None # why the gateway gave up on it (a hung stage): its error, not "cancelled"
     webhook: dict | None = None    # url, state, event_id, deliveries (webhooks.py), stored with the job
+    outputs: list = field(default_factory=list)   # n > 1: per output {index, seed, mp4_bytes, sha256}
     events: queue.Queue | None = None
     done: threading.Event = field(default_factory=threading.Event)
     cancel_requested: threading.Event = field(default_factory=threading.Event)
@@ -179,7 +180,8 @@ class Job:
                 "completed_at": self.completed_at, "request": self.request.to_dict(), "names": self.validated.names,
                 "model": self.validated.model, "timings": self.timings, "error": err, "mp4_bytes": self.mp4_bytes,
                 "sha256": self.sha256, "gateway": self.gateway, "boot": self.boot,
-                "cancel_requested": self.cancel_stored, "webhook": self.webhook}
+                "cancel_requested": self.cancel_stored, "webhook": self.webhook, "outputs": self.outputs,
+                "n": self.validated.n}
 
     @classmethod
     def from_record(cls, rec: dict) -> "Job":
@@ -188,13 +190,15 @@ class Job:
         req["references"] = tuple(ReferenceSpec(**r) for r in req.get("references", ()))
         init = {f.name for f in dc_fields(GenerationRequest) if f.init}
         request = GenerationRequest(**{k: v for k, v in req.items() if k in init})
-        job = cls(id=rec["id"], kind="http", validated=Validated(request, dict(rec.get("names") or {}), rec["model"]),
+        job = cls(id=rec["id"], kind="http", validated=Validated(request, dict(rec.get("names") or {}), rec["model"],
+                                                                 n=int(rec.get("n") or 1)),
                   deadline=0.0, created_at=rec["created_at"], started_at=rec.get("started_at"),
                   completed_at=rec.get("completed_at"), status=rec["status"], progress=rec.get("progress", 0.0),
                   stage=rec.get("stage", ""), timings=dict(rec.get("timings") or {}),
                   mp4_bytes=rec.get("mp4_bytes", 0), sha256=rec.get("sha256", ""), owner=rec.get("owner"),
                   gateway=rec.get("gateway", ""), boot=rec.get("boot", ""),
-                  cancel_stored=bool(rec.get("cancel_requested")), webhook=rec.get("webhook"))
+                  cancel_stored=bool(rec.get("cancel_requested")), webhook=rec.get("webhook"),
+                  outputs=list(rec.get("outputs") or []))
         if rec.get("error"):
             job.error = classified(rec["error"])
         if job.status in FINISHED:
@@ -262,6 +266,10 @@ class JobTable:
         """Where an HTTP job's sink writes its MP4 (in place on disk, or spooled for the object store)."""
         job.output_path = self.store.spool_path(job.id)
         return job.output_path
+
+    def publish_output(self, job: Job, index: int, path: str) -> None:
+        """Output `index` > 0 of a job of several (its first is the job's own MP4, published when it finishes)."""
+        self.store.publish(output_id(job.id, index), path)
 
     def admit(self, job: Job, down: dict[str, str]) -> Job:
         """Queue a job or refuse it at once: Draining, StageUnavailable (`down`: stage -> health of the stages
@@ -534,9 +542,9 @@ class JobTable:
             job = self._load(rec)
         return self._check_owner(job, owner)
 
-    def mp4(self, job: Job) -> Mp4 | None:
-        """The stored MP4 of a completed job (None if the store has none)."""
-        return self.store.open_mp4(job.id)
+    def mp4(self, job: Job, index: int = 0) -> Mp4 | None:
+        """The stored MP4 of a completed job, or of its output `index` (None if the store has none)."""
+        return self.store.open_mp4(output_id(job.id, index))
 
     def cancel(self, job_id: str, reason: str = "cancelled by the caller", owner: str | None = None,
                grpc_jobs: bool = False) -> bool:

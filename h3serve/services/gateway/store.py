@@ -74,6 +74,16 @@ def entry_id(entry: str) -> str:
     return entry.split("_", 1)[1]
 
 
+def output_id(job_id: str, index: int) -> str:
+    """The store's name of a job's output `index` (0: the job's own MP4; a job of n > 1 outputs has the others)."""
+    return job_id if index == 0 else f"{job_id}.{index}"
+
+
+def _outputs(record: dict | None) -> list[str]:
+    """A record's MP4 names beyond its own (those published, also of a job that failed part way)."""
+    return [output_id(record["id"], o["index"]) for o in (record or {}).get("outputs") or () if o.get("index")]
+
+
 def _owner_folder(owner: str | None) -> str:
     return ANYONE if owner is None else _safe(owner)
 
@@ -253,6 +263,7 @@ class DiskStore:
     def delete(self, job_id: str) -> None:
         rec = self.get_record(job_id)
         paths = [self._path("videos", job_id, ".mp4"), self._path("jobs", job_id, ".json")]
+        paths += [self._path("videos", o, ".mp4") for o in _outputs(rec)]
         if rec is not None:
             paths.append(self._entry_path(rec))
         self._indexed.discard(job_id)
@@ -469,6 +480,7 @@ class S3Store:
     def delete(self, job_id: str) -> None:
         rec = self.get_record(job_id)
         keys = [self._key("videos", job_id, ".mp4"), self._key("jobs", job_id, ".json")]
+        keys += [self._key("videos", o, ".mp4") for o in _outputs(rec)]
         if rec is not None:
             keys.append(self._entry_key(rec))
         self._indexed.discard(job_id)

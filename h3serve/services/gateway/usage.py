@@ -36,10 +36,11 @@ def usage_record(job: "Job", gpus: dict[str, int]) -> dict:
     seconds = {stage: round(float(t.get(key, 0.0)), 6) for stage, key in STAGE_SECONDS.items()}
     gpu_seconds = {stage: round(s * gpus.get(dit if stage == "dit" else stage, 0), 6) for stage, s in seconds.items()}
     done = job.status == "completed"
+    videos = job.validated.n if done else 0   # n outputs: n videos delivered
     return {"id": job.id, "object": "usage.record", "caller": job.owner, "model": job.validated.model,
             "task": r.task, "profile": r.profile, "kind": job.kind, "status": job.status,
             "outcome": "completed" if done else job.error.kind.code if job.error else "failed",
-            "video_seconds": round(r.num_frames / r.fps, 6) if done else 0.0, "frames": r.num_frames if done else 0,
+            "outputs": videos, "video_seconds": round(videos * r.num_frames / r.fps, 6), "frames": videos * r.num_frames,
             "width": r.width, "height": r.height, "steps": r.steps,
             "queue_s": round(float(t.get("queue_s", 0.0)), 6), "stage_seconds": seconds,
             "gpu_seconds": gpu_seconds, "gpu_seconds_total": round(sum(gpu_seconds.values()), 6),

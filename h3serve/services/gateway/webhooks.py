@@ -244,7 +244,7 @@ def event(job: "Job") -> dict:
             "created_at": int(time.time()),
             "data": {"id": job.id, "object": "video", "status": job.status, "model": job.validated.model,
                      "error": error_object(job.error) if job.error else None, "mp4_bytes": job.mp4_bytes or None,
-                     "sha256": job.sha256 or None,
+                     "sha256": job.sha256 or None, "outputs": job.outputs or None,
                      "completed_at": int(job.completed_at) if job.completed_at else None}}
 
 

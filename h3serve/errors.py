@@ -80,6 +80,15 @@ class QueueFull(ServiceError):
     """The admission queue is full; retry later or elsewhere."""
 
 
+class QuotaExceeded(QueueFull):
+    """The caller is at one of its limits (`limit`, the field errors name); retry after `retry_after_s`."""
+
+    def __init__(self, limit: str, message: str, *, retry_after_s: int):
+        self.field = limit
+        self.retry_after_s = retry_after_s
+        super().__init__(message)
+
+
 class TooLarge(ServiceError):
     """The result exceeds a configured size limit (e.g. the sync response limit)."""
 

@@ -7,6 +7,7 @@ name everywhere:
     AlreadyExists               already_exists      ALREADY_EXISTS        409    no    (names the id's field)
     RequestError                invalid_request     INVALID_ARGUMENT      422    no    (names the field)
     ProfileError                invalid_request     FAILED_PRECONDITION   422    no
+    QuotaExceeded               quota_exceeded      RESOURCE_EXHAUSTED    429    yes   (names the caller's limit)
     QueueFull                   queue_full          RESOURCE_EXHAUSTED    429    yes   (refused at once)
     TooLarge                    too_large           RESOURCE_EXHAUSTED    413    no
     Draining                    draining            UNAVAILABLE           503    yes
@@ -50,6 +51,7 @@ from h3serve.errors import (
     PermissionDenied,
     ProfileError,
     QueueFull,
+    QuotaExceeded,
     RequestError,
     ServiceError,
     StageFailed,
@@ -79,6 +81,7 @@ _KINDS = {
     "already_exists": ErrorKind("already_exists", grpc.StatusCode.ALREADY_EXISTS, 409, False),
     "invalid_request": ErrorKind("invalid_request", grpc.StatusCode.INVALID_ARGUMENT, 422, False),
     "profile": ErrorKind("invalid_request", grpc.StatusCode.FAILED_PRECONDITION, 422, False),
+    "quota_exceeded": ErrorKind("quota_exceeded", grpc.StatusCode.RESOURCE_EXHAUSTED, 429, True),
     "queue_full": ErrorKind("queue_full", grpc.StatusCode.RESOURCE_EXHAUSTED, 429, True),
     "too_large": ErrorKind("too_large", grpc.StatusCode.RESOURCE_EXHAUSTED, 413, False),
     "draining": ErrorKind("draining", grpc.StatusCode.UNAVAILABLE, 503, True),
@@ -99,6 +102,7 @@ TABLE: list[tuple[type, ErrorKind]] = [
     (AlreadyExists, _KINDS["already_exists"]),
     (RequestError, _KINDS["invalid_request"]),
     (ProfileError, _KINDS["profile"]),
+    (QuotaExceeded, _KINDS["quota_exceeded"]),
     (QueueFull, _KINDS["queue_full"]),
     (TooLarge, _KINDS["too_large"]),
     (Draining, _KINDS["draining"]),

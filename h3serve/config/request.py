@@ -58,6 +58,7 @@ from h3serve.errors import RequestError
 
 MAX_PROMPT_CHARS = 20_000
 MAX_SEED = 2**63 - 1
+MAX_OUTPUTS = 10   # videos one request may ask for (`n`)
 
 DEFAULT_SECONDS = 5.0
 FASTH3_STEPS = 5                           # 4 forwards over 5 sigma positions; fixed by the distillation
@@ -166,6 +167,12 @@ class RequestFields:
                              request=False)
     audio_flow_shift: float = _row("audio_flow_shift", "only the checkpoint's audio shift (3 released; also "
                                                        "extra_params)", request=False)
+    n: int = _row("n", "Videos from this prompt, 1..10 (output i has seed + i; download ?variant=i)", request=False,
+                  minimum=1, maximum=MAX_OUTPUTS)
+    num_outputs_per_prompt: int = _row("num_outputs_per_prompt", "vLLM-Omni's name of n", request=False, minimum=1,
+                                       maximum=MAX_OUTPUTS)
+    webhook_url: str = _row("webhook_url", "POSTed a signed video.completed / video.failed event when the job ends "
+                                           "(docs/api.md, Webhooks)", request=False, maxLength=2048)
     input_reference: bytes = _row("input_reference", "the first frame (fl2va): a data URL here, a file in "
                                                      "multipart; docs/api.md", request=False, media="one")
     first_image: bytes = _row("first_image", "fl2va first keyframe (data URL)", media="one",

@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
+from h3serve.config.callers import callers_json, parse_caller_limits
 from h3serve.config.levers import levers_spec_class
 from h3serve.config.codec import dump, f, parse
 from h3serve.config.rules import RULES
@@ -277,6 +278,38 @@ class AuthSpec:
                                        maxLength=253, pattern=_DNS_SUBDOMAIN)
     disabled: bool = f("disabled", "No authentication (`--no-auth`): the front door serves anyone who can reach it.",
                        False)
+    admin_callers: Optional[list] = f("adminCallers", "Caller names (of API keys) that may read every caller's usage "
+                                      "(`--admin-callers`; GET /v1/usage).", None, maxItems=64,
+                                      items={"type": "string", "minLength": 1, "maxLength": 128,
+                                             "pattern": r"^[A-Za-z0-9][A-Za-z0-9._@-]*$"})
+
+
+@dataclass(frozen=True)
+class WebhooksSpec:
+    allow: list = f("allow", "Where a job's webhook_url may point (`--webhook-allow`): host names (hooks.example.com, "
+                    "*.example.com; their public addresses only) and networks (10.20.0.0/16; any address inside).",
+                    minItems=1, maxItems=64, items={"type": "string", "minLength": 1, "maxLength": 253})
+    secrets_secret: str = f("secretsSecret", "Secret whose key `webhook-secrets` is the callers' signing secrets "
+                            "(one `NAME whsec_BASE64` line per caller, `*` for the rest; docs/api.md, Webhooks); "
+                            "mounted read-only into the front door's pods and re-read when it changes.",
+                            minLength=1, maxLength=253, pattern=_DNS_SUBDOMAIN)
+    url: Optional[str] = f("url", "The webhook of jobs that name none.", None, maxLength=2048,
+                           pattern=r"^https?://\S+$")
+    attempts: int = f("attempts", "Deliveries tried per event (with a jittered, doubling backoff from 2 s).", 6,
+                      minimum=1, maximum=20)
+
+
+CALLER_ITEM = {"type": "object", "required": ["name"], "additionalProperties": False, "properties": {
+    "name": {"type": "string", "description": "An API key's NAME, or * for every caller without an entry.",
+             "minLength": 1, "maxLength": 128, "pattern": r"^(\*|[A-Za-z0-9][A-Za-z0-9._@-]*)$"},
+    "share": {"type": "number", "description": "Its weight in the fair queue (share 2 gets twice the DiT time of "
+              "share 1 while both wait); default 1.", "minimum": 0.01, "maximum": 1000},
+    "maxRunning": {"type": "integer", "description": "Its jobs running at once (more wait).", "minimum": 1,
+                   "maximum": 10000},
+    "maxQueued": {"type": "integer", "description": "Its jobs waiting (more are refused 429).", "minimum": 1,
+                  "maximum": 100000},
+    "videoSecondsPerHour": {"type": "number", "description": "Seconds of video admitted in any hour (more are "
+                            "refused 429 with Retry-After).", "minimum": 1}}}
 
 
 @dataclass(frozen=True)
@@ -326,6 +359,11 @@ class GatewaySpec:
                                           "(they survive restarts and rolling updates). Required for more than one "
                                           "gateway; omitted: one gateway keeps them in a temporary folder, lost when it "
                                           "restarts.", None)
+    callers: Optional[list] = f("callers", "Per-caller share and limits of the fair queue (`--caller-limits`; "
+                                "docs/api.md, Scheduling); callers not listed get the * entry, else share 1 and no "
+                                "limits.", None, maxItems=1000, items=CALLER_ITEM)
+    webhooks: Optional[WebhooksSpec] = f("webhooks", "Signed POSTs to a caller's URL when its job ends (a job's "
+                                         "webhook_url, or url here). Omitted: webhook_url is refused.", None)
 
 
 @dataclass(frozen=True)
@@ -622,7 +660,9 @@ def policy_issues(spec: H3DeploymentSpec, policy: AdmissionPolicy) -> list[tuple
     secrets = [("spec.gateway.auth.apiKeysSecret", spec.gateway.auth.api_keys_secret),
                ("spec.tls.secretName", spec.tls.secret_name if spec.tls else None),
                ("spec.gateway.jobStore.s3.credentialsSecret",
-                spec.gateway.job_store.s3.credentials_secret if spec.gateway.job_store else None)]
+                spec.gateway.job_store.s3.credentials_secret if spec.gateway.job_store else None),
+               ("spec.gateway.webhooks.secretsSecret",
+                spec.gateway.webhooks.secrets_secret if spec.gateway.webhooks else None)]
     secrets += [(f"spec.imagePullSecrets[{i}]", n if isinstance(n, str) else (n or {}).get("name"))
                 for i, n in enumerate(spec.image_pull_secrets or [])]
     for field, name in secrets:
@@ -686,6 +726,10 @@ def validate(spec: H3DeploymentSpec, name: str | None = None) -> list[tuple[str,
 
 def _operator_only_checks(s: H3DeploymentSpec) -> list[tuple[str, str]]:
     issues = []
+    try:
+        parse_caller_limits(callers_json(s.gateway.callers))
+    except (H3Error, AttributeError, TypeError) as exc:   # an item that is not an object
+        issues.append(("spec.gateway.callers", f"gateway.callers: {exc}"))
     if s.model.volume is not None and len(s.model.volume) != 1:
         issues.append(("spec.model.volume", f"model.volume must name exactly one volume source (e.g. "
                                             f"persistentVolumeClaim), found {sorted(s.model.volume) or 'none'}"))

@@ -11,6 +11,7 @@ import typing
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from h3serve.config.callers import callers_json
 from h3serve.config.levers import Levers, stage_levers
 from h3serve.config.parallel import ParallelDegrees
 from h3serve.config.spec import ServiceConfig
@@ -40,6 +41,9 @@ API_KEY_ENV = "H3SERVE_API_KEY"         # a client's API key (the default of the
 API_KEYS_DIR = "/etc/h3serve-keys"       # spec.gateway.auth.apiKeysSecret
 API_KEYS_KEY = "keys"                    # the Secret's key that holds the API keys file
 API_KEYS_PATH = f"{API_KEYS_DIR}/{API_KEYS_KEY}"
+WEBHOOK_SECRETS_DIR = "/etc/h3serve-webhooks"   # spec.gateway.webhooks.secretsSecret
+WEBHOOK_SECRETS_KEY = "webhook-secrets"
+WEBHOOK_SECRETS_PATH = f"{WEBHOOK_SECRETS_DIR}/{WEBHOOK_SECRETS_KEY}"
 TLS_DIR = "/etc/h3serve-tls"             # spec.tls.secretName: a kubernetes.io/tls Secret (+ ca.crt)
 TLS_FILES = {"tls_cert": "tls.crt", "tls_key": "tls.key", "tls_ca": "ca.crt"}  # StageConfig field -> Secret key
 
@@ -155,6 +159,22 @@ class GatewayConfig:
                                      metavar="FILE", env=API_KEYS_ENV)
     no_auth: bool = knob(False, "gateway: serve without API keys even on a non-loopback address (without keys the "
                                 "gateway otherwise listens on loopback only)")
+    caller_limits: str | None = knob(None, "gateway: per-caller share and limits, JSON {NAME or *: {share, "
+                                           "max_running, max_queued, video_seconds_per_hour}} (docs/api.md, "
+                                           "Scheduling)", metavar="JSON")
+    starvation_s: float = knob(600.0, "gateway: a job waiting this long goes before its caller's shorter ones")
+    admin_callers: str | None = knob(None, "gateway: API key names (a comma list) that may read every caller's "
+                                           "usage (GET /v1/usage)", metavar="NAMES")
+    webhook_allow: str | None = knob(None, "gateway: where webhooks may point, a comma list of host names "
+                                           "(hooks.example.com, *.example.com: public addresses only) and networks "
+                                           "(10.20.0.0/16); empty: webhook_url is refused", metavar="LIST")
+    webhook_secrets_file: str | None = knob(None, "gateway: the callers' webhook signing secrets, one 'NAME "
+                                                  "whsec_BASE64' a line ('*' for the rest), re-read when it changes",
+                                            metavar="FILE")
+    webhook_url: str | None = knob(None, "gateway: the webhook of HTTP jobs that give no webhook_url", metavar="URL")
+    webhook_attempts: int = knob(6, "gateway: deliveries tried per event (jittered backoff between them)")
+    webhook_backoff_s: float = knob(2.0, "gateway: seconds before a webhook's second attempt (doubling, up to 300)")
+    webhook_timeout_s: float = knob(10.0, "gateway: seconds a webhook's receiver has to answer")
     model_name: str | None = knob(None, "gateway: model id reported and accepted in requests")
     fasth3_dit: str | None = knob(None, "gateway of a base deployment: a FastH3 DiT pool (profile fasth3), used for "
                                         "model FastH3", metavar="HOST:PORT")
@@ -313,8 +333,16 @@ def service_config_values(service_config: dict, stage: str) -> dict[str, Any]:
         auth, store = spec.gateway.auth, spec.gateway.job_store
         if auth.api_keys_secret is not None:
             out["api_keys_file"] = API_KEYS_PATH
+            if auth.admin_callers:
+                out["admin_callers"] = ",".join(auth.admin_callers)
         elif auth.disabled:
             out["no_auth"] = True
         if store is not None:  # endpoint, region and credentials come from the pod's AWS_* environment
             out["job_store"] = f"s3://{store.s3.bucket}/{store.s3.prefix}"
+        if spec.gateway.callers:
+            out["caller_limits"] = callers_json(spec.gateway.callers)
+        hooks = spec.gateway.webhooks
+        if hooks is not None:
+            out.update(webhook_allow=",".join(hooks.allow), webhook_secrets_file=WEBHOOK_SECRETS_PATH,
+                       webhook_url=hooks.url, webhook_attempts=hooks.attempts)
     return out

@@ -36,7 +36,8 @@ import yaml
 
 from h3serve.config.metrics import METRICS_PORT, SIGNALS
 from h3serve.config.spec import API_VERSION, KIND, H3DeploymentSpec, ServiceConfig
-from h3serve.config.stage import API_KEYS_DIR, API_KEYS_KEY, COMPONENT_ENV, CONFIG_ENV, TLS_DIR, TLS_FILES, service_config_values, tls_peer_name
+from h3serve.config.stage import (API_KEYS_DIR, API_KEYS_KEY, COMPONENT_ENV, CONFIG_ENV, TLS_DIR, TLS_FILES,
+                                  WEBHOOK_SECRETS_DIR, WEBHOOK_SECRETS_KEY, service_config_values, tls_peer_name)
 from h3serve.config.vocab import (
     DEVICE_DTYPES,
     DIST_PORT,
@@ -537,6 +538,12 @@ def _secret_volumes(spec: H3DeploymentSpec, comp: str) -> tuple[list[dict], list
         mounts.append({"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})
         volumes.append({"name": "api-keys", "secret": {"secretName": keys, "defaultMode": 0o440,
                                                        "items": [{"key": API_KEYS_KEY, "path": API_KEYS_KEY}]}})
+    hooks = spec.gateway.webhooks
+    if front(comp) and hooks is not None:
+        mounts.append({"name": "webhook-secrets", "mountPath": WEBHOOK_SECRETS_DIR, "readOnly": True})
+        volumes.append({"name": "webhook-secrets", "secret": {
+            "secretName": hooks.secrets_secret, "defaultMode": 0o440,
+            "items": [{"key": WEBHOOK_SECRETS_KEY, "path": WEBHOOK_SECRETS_KEY}]}})
     if spec.tls is not None:  # every pod: its servers and its channels to peers
         mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
         volumes.append({"name": "tls", "secret": {"secretName": spec.tls.secret_name, "defaultMode": 0o440,

@@ -133,6 +133,7 @@ class StageBase:
     """What every stage servicer shares. Subclasses set `stage`, implement `register`, `load` and their RPCs."""
 
     checks_modules = False   # a stage whose unit of work is one long forward checks cancel / deadline per module
+    uses_device = True       # its work runs on the configured device (the muxer's on the host's cores)
 
     stage = "stage"
     manages_health = False
@@ -200,7 +201,7 @@ class StageBase:
 
     def _on_engine(self, scope: RequestScope, fn: Callable[[], Any]) -> Any:
         self.engine_scope = scope
-        peak = PeakMemory(self.config.model.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        peak = PeakMemory(self.device_type)
         hook = None
         # one long forward (a huge prompt): stop between modules (one rank only: ranks must not part mid-forward)
         if self.checks_modules and self.parallel is None:
@@ -262,11 +263,22 @@ class StageBase:
         loaded yet)."""
         return None
 
+    @property
+    def device_type(self) -> str:
+        return self.config.model.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+    def gpus(self) -> int:
+        """GPUs a request's work here occupies (every rank's): what its seconds are billed by."""
+        if not self.uses_device or not self.device_type.startswith("cuda"):
+            return 0
+        return self.parallel.handle.world_size if self.parallel is not None else 1
+
     def info(self) -> dict:
         """The Status details (`StageStatus.info_json`). Every stage: `transport` ({requested, chosen, reason},
         stages with NIXL edges add `edge` and `last_stream`); stages with attention: `attention`."""
         out = {"load_seconds": round(self.load_seconds, 3), "profile": self.config.model.profile,
-               "dtype": self.config.model.dtype, "threads": self.config.model.threads, "transport": self.transport.summary()}
+               "dtype": self.config.model.dtype, "threads": self.config.model.threads, "transport": self.transport.summary(),
+               "gpus": self.gpus()}
         attention = self.attention()
         if attention is not None:
             out["attention"] = attention

@@ -91,6 +91,7 @@ class MuxSession(Session):
 
 class MuxerServicer(StageBase):
     stage = "muxer"
+    uses_device = False   # x264 on the host's cores
 
     def __init__(self, config: StageConfig, health=None):
         super().__init__(config, health)

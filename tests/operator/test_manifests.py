@@ -708,6 +708,40 @@ def test_the_api_keys_secret_is_mounted_into_the_front_door_only_and_named_in_it
         assert all(v["name"] != "api-keys" for v in pod["volumes"])
 
 
+@pytest.mark.parametrize("example", ["base-colocated", "base-disaggregated"])
+def test_webhooks_are_the_gateways_config_and_their_secrets_are_mounted_into_the_front_door_only(example):
+    d = _spec_doc(example)
+    d["gateway"]["webhooks"] = {"allow": ["*.hooks.example.com", "10.20.0.0/16"], "secretsSecret": "h3-hooks",
+                                "url": "https://a.hooks.example.com/h3"}
+    spec = parse_and_validate(d, "h3")
+    cfg = _gateway_config(spec)
+    assert (cfg.gateway.webhook_allow, cfg.gateway.webhook_url, cfg.gateway.webhook_attempts) == (
+        "*.hooks.example.com,10.20.0.0/16", "https://a.hooks.example.com/h3", 6)
+    from h3serve.services.gateway.webhooks import Policy
+    assert Policy(cfg.gateway.webhook_allow).networks   # the rendered list is one the gateway parses
+    front, others = _front_and_others(M.render(spec, "h3", "ns"))
+    for pod in front:
+        vol = next(v for v in pod["volumes"] if v["name"] == "webhook-secrets")
+        mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "webhook-secrets")
+        assert vol["secret"]["secretName"] == "h3-hooks" and mount["readOnly"] is True and "subPath" not in mount
+        assert cfg.gateway.webhook_secrets_file == f"{mount['mountPath']}/{vol['secret']['items'][0]['path']}"
+    for pod in others:
+        assert all(v["name"] != "webhook-secrets" for v in pod["volumes"])
+    d["gateway"]["auth"]["adminCallers"] = ["ops", "billing"]
+    assert _gateway_config(parse_and_validate(d, "h3")).gateway.admin_callers == "ops,billing"
+    d["gateway"]["callers"] = [{"name": "*", "maxQueued": 4}, {"name": "ops", "share": 2, "videoSecondsPerHour": 600}]
+    from h3serve.config.callers import parse_caller_limits
+    limits = parse_caller_limits(_gateway_config(parse_and_validate(d, "h3")).gateway.caller_limits)
+    assert (limits["*"].max_queued, limits["ops"].share, limits["ops"].video_seconds_per_hour) == (4, 2.0, 600.0)
+    d["gateway"]["callers"] = [{"name": "ops", "share": 0}]
+    with pytest.raises(SpecError, match=r"ops.share=0: a number in \[0.01"):
+        parse_and_validate(d, "h3")
+    del d["gateway"]["callers"]
+    d["gateway"]["webhooks"]["url"] = "file:///etc/passwd"
+    with pytest.raises(SpecError, match="gateway.webhooks.url"):
+        parse_and_validate(d, "h3")
+
+
 def test_auth_disabled_renders_no_auth_and_mounts_nothing(tmp_path):
     d = _spec_doc("fasth3-colocated")
     d["gateway"]["auth"] = {"disabled": True}

@@ -194,8 +194,8 @@ VLLM_OMNI = {
                      ({"aspect_ratio": "9:0"}, "aspect_ratio")],
     "short_edge": [({"short_edge": "256", "aspect_ratio": "5:4"}, lambda r: (r.width, r.height) == (320, 256)),
                    ({"short_edge": "abc"}, "short_edge")],
-    "num_outputs_per_prompt": [({"num_outputs_per_prompt": "1"}, OK), ({"num_outputs_per_prompt": 2},
-                                                                        "num_outputs_per_prompt")],
+    "num_outputs_per_prompt": [({"num_outputs_per_prompt": "1"}, OK), ({"num_outputs_per_prompt": 2}, OK),
+                               ({"num_outputs_per_prompt": 11}, "num_outputs_per_prompt")],
     "start_time_seconds": [({"start_time_seconds": 0}, OK), ({"start_time_seconds": 2.5}, "start_time_seconds")],
     "quality": [({"quality": "lossless"}, OK), ({"quality": "ultra"}, "quality")],
     # h3serve counts sigma grid points incl. the terminal 0 (the diffusers reference's meaning): N -> N-1 forwards
@@ -268,7 +268,7 @@ SGLANG = {
                                      "start_time_seconds": 3}]}, "conditions[0].start_time_seconds"),
                    ({"conditions": {"type": "image"}}, "conditions")],
     "audio_flow_shift": [({"audio_flow_shift": 3.0}, OK), ({"audio_flow_shift": 6.0}, "audio_flow_shift")],
-    "n": [({"n": 1}, OK), ({"n": 4}, "n")],
+    "n": [({"n": 1}, OK), ({"n": 4}, OK), ({"n": 0}, "n")],
 }
 
 

@@ -20,6 +20,8 @@ from h3serve._proto import gateway_pb2
 from h3serve.config.request import (
     FASTH3_STEPS,
     FIELD_TYPES,
+    MAX_OUTPUTS,
+    MAX_SEED,
     REQUEST_FIELDS,
     GenerationRequest,
     Upload,
@@ -78,8 +80,6 @@ FIXED = {"guidance_scale": ((1.0,), "H3 is guidance-distilled (one forward per s
          "enable_frame_interpolation": ((False,), NO_INTERPOLATION + ": only false"),
          "frame_interpolation_exp": ((1,), NO_INTERPOLATION + ": only vLLM-Omni's default 1 (interpolation off)"),
          "frame_interpolation_scale": ((1.0,), NO_INTERPOLATION + ": only vLLM-Omni's default 1.0"),
-         "num_outputs_per_prompt": ((1,), "one video per job: only 1 (submit several jobs for several videos)"),
-         "n": ((1,), "one video per job: only 1 (submit several jobs for several videos)"),
          "start_time_seconds": ((0.0,), "the clip is generated from its start: only 0"),
          # the job object always reports stage_durations and peak_memory_mb, asked or not
          "return_stage_metrics": ((True, False), "a boolean (stage metrics are always on the job)")}
@@ -119,6 +119,8 @@ class Validated:
     conditions: Conditions | None = None   # fl2va / ref2va: the decoded keyframes / references
     requested_size: str | None = None      # the caller's size when it was mapped onto H3's canvas
     user: str | None = None                # OpenAI's end-user id, reported on the job
+    webhook_url: str | None = None         # where the job's end is POSTed (checked by the gateway's webhooks)
+    n: int = 1                             # videos from this prompt: output i has seed + i
 
 
 def short(value: Any) -> Any:
@@ -401,6 +403,14 @@ def fields_from_http(body: Any) -> tuple[dict[str, Any], dict[str, str]]:
             if value is not None and (not isinstance(value, str) or len(value) > 256):
                 raise RequestError(key, short(value), "a string of at most 256 characters (recorded on the job)")
             fields["user"] = value
+        elif key in ("n", "num_outputs_per_prompt"):   # OpenAI's / SGLang's name, vLLM-Omni's
+            if "n" in fields:
+                raise RequestError(key, short(value), f"given both as {key} and {names.get('n', 'n')}")
+            fields["n"], names["n"] = value, key
+        elif key == "webhook_url":
+            if value is not None and not isinstance(value, str):
+                raise RequestError(key, short(value), "an http(s) URL (a string)")
+            fields["webhook_url"] = value or None
         elif key == "video_params":
             _video_params(fields, names, value)
         elif key == "conditions":
@@ -540,7 +550,24 @@ def validate_fields(fields: dict[str, Any], *, config: StageConfig,
         if index not in (-1, req.num_frames - 1):
             raise RequestError(name, index, f"0 (the first frame) or -1 / {req.num_frames - 1} (the last of the "
                                             f"{req.num_frames} frames): H3 conditions on the first and last frames")
-    return Validated(req, api_names, model_id, decode_conditions(req), requested, fields.get("user"))
+    return Validated(req, api_names, model_id, decode_conditions(req), requested, fields.get("user"),
+                     fields.get("webhook_url"), _outputs(fields.get("n"), req.seed, api_names.get("n", "n")))
+
+
+def _outputs(n: Any, seed: int, name: str) -> int:
+    """`n`: how many videos (a form sends it as text); their seeds seed..seed+n-1 must all be valid seeds."""
+    if n is None:
+        return 1
+    try:
+        value = int(n) if not isinstance(n, bool) and float(n) == int(float(n)) else None
+    except (TypeError, ValueError, OverflowError):
+        value = None
+    if value is None or not 1 <= value <= MAX_OUTPUTS:
+        raise RequestError(name, short(n), f"an integer in [1, {MAX_OUTPUTS}]")
+    if seed + value - 1 > MAX_SEED:
+        raise RequestError(name, value, f"at most {MAX_SEED - seed + 1} with seed {seed} (output i has seed + i, "
+                                        f"at most {MAX_SEED})")
+    return value
 
 
 def without_media(v: Validated) -> Validated:

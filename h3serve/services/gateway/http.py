@@ -25,6 +25,7 @@ sees only its caller's jobs; health, readiness, metrics and the OpenAPI document
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import math
 import os
@@ -33,7 +34,7 @@ import tempfile
 import time
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -46,7 +47,7 @@ from starlette.routing import Match
 
 from h3serve.config.request import (FIELD_TYPES, MAX_MEDIA_BYTES, MAX_REFERENCES, REQUEST_FIELDS, Upload,
                                     reference_kind)
-from h3serve.errors import H3Error, NotFound, NotReady, RequestError, TooLarge, Unauthenticated
+from h3serve.errors import H3Error, NotFound, NotReady, PermissionDenied, RequestError, TooLarge, Unauthenticated
 from h3serve.errortable import error_object, http_error
 from h3serve.media.thumbnail import first_frame_jpeg
 
@@ -56,6 +57,7 @@ from .jobs import Job
 from .gateway import Gateway
 from .sinks import FileSink
 from .uploads import MIME_EXTENSION, VIDEO_REFERENCES_SERVED, VIDEO_REFUSED, decode_caller
+from .usage import DEFAULT_RANGE_S, MAX_RANGE_S
 
 FILE = {"type": "string", "format": "binary"}
 JSON_TYPES = {str: "string", int: "integer", float: "number", dict: "object", bytes: "string", list: "array"}
@@ -149,7 +151,8 @@ def _error_response(exc: BaseException) -> JSONResponse:
     status, body = http_error(exc)
     body["error"]["type"] = error_type(status)
     body["detail"] = body["error"]["message"]   # SGLang's error body (VideoHTTPError) beside OpenAI's
-    retry = RETRY_AFTER_S.get(status) if body["error"].get("retryable") else None
+    retry = (getattr(exc, "retry_after_s", None) or RETRY_AFTER_S.get(status)) if body["error"].get("retryable") \
+        else None
     return JSONResponse(body, status_code=status, headers={"Retry-After": str(retry)} if retry else None)
 
 
@@ -387,6 +390,25 @@ async def read_body(request: Request) -> Any:
         raise RequestError("body", short(raw[:60]), "a JSON object of request fields") from None
 
 
+def _instant(name: str, value: str | None) -> float | None:
+    """A time as the usage API takes it: unix seconds or ISO 8601 (UTC unless it says otherwise)."""
+    if value is None or value == "":
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    try:
+        t = datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise RequestError(name, short(value), "unix seconds or an ISO 8601 time (2026-12-01T00:00:00Z)") from None
+    return (t if t.tzinfo else t.replace(tzinfo=datetime.timezone.utc)).timestamp()
+
+
+def _iso(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).isoformat(timespec="seconds")
+
+
 def _timeout(request: Request) -> float | None:
     value = request.headers.get("x-request-timeout")
     if value is None:
@@ -422,6 +444,10 @@ def job_object(job: Job, gateway: Gateway) -> dict:
         "mp4_bytes": job.mp4_bytes or None, "sha256": job.sha256 or None,
         "requested_size": job.validated.requested_size, "media_type": "video/mp4", "remixed_from_video_id": None,
         "user": job.validated.user,
+        # where the job's end is POSTed, and each attempt (webhooks.py)
+        "webhook": job.webhook,
+        # n > 1: each output's seed and MP4 (GET .../content?variant=INDEX)
+        "n": job.validated.n, "outputs": job.outputs or None,
         # the largest of the stages' peaks (device allocator on a GPU, RSS on the CPU; each stage is a process)
         # 0.0 until measured (vLLM-Omni's model requires a number)
         "peak_memory_mb": round(t["peak_memory_mb"], 1) if t.get("peak_memory_mb") else 0.0,
@@ -446,9 +472,11 @@ def thumbnail(gateway: Gateway, job: Job) -> bytes:
         return first_frame_jpeg(f.name)
 
 
-def mp4_response(gateway: Gateway, job: Job, headers: dict, filename: str | None = None) -> Response:
-    """A completed job's MP4 from the job store: a file (with ranges) or streamed from the object store."""
-    mp4 = gateway.jobs.mp4(job)
+def mp4_response(gateway: Gateway, job: Job, headers: dict, filename: str | None = None,
+                 index: int = 0) -> Response:
+    """A completed job's MP4 (or its output `index`) from the job store: a file (with ranges) or streamed from the
+    object store."""
+    mp4 = gateway.jobs.mp4(job, index)
     if mp4 is None:
         raise NotFound(f"video {job.id} is completed but its MP4 is no longer in the job store (deleted or expired)")
     if mp4.path is not None:
@@ -583,6 +611,9 @@ def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
               responses={200: {"content": {"video/mp4": {}, "application/json": {}}}})
     async def create_video_sync(request: Request, validate_only: bool = False):
         job = await new_job(request, "http")
+        if job.validated.n > 1:
+            raise RequestError(job.validated.names.get("n", "n"), job.validated.n,
+                               "1 here (one MP4 per response); POST /v1/videos makes several")
         if validate_only:   # as POST /v1/videos?validate_only=true: the aligned job, nothing run
             obj = job_object(job, gateway)
             obj["status"], obj["object"] = "validated", "video.validation"
@@ -615,6 +646,24 @@ def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
     @app.get("/v1/videos/{video_id}", summary="Get a video job")
     async def get_video(request: Request, video_id: str):
         return job_object(await asyncio.to_thread(gateway.jobs.get, video_id, request.state.owner), gateway)
+
+    @app.get("/v1/usage", summary="Usage records of finished jobs, and their totals")
+    async def get_usage(request: Request, caller: str | None = None, from_: str | None = Query(None, alias="from"),
+                        to: str | None = None):
+        owner = request.state.owner
+        admins = {n.strip() for n in (gateway.config.gateway.admin_callers or "").split(",") if n.strip()}
+        admin = owner is None or owner in admins   # authentication off: one operator, who sees everything
+        if caller is not None and caller != owner and not admin:
+            raise PermissionDenied(f"caller {owner!r} may read its own usage only (an admin key reads any caller's: "
+                                   "--admin-callers)")
+        end, start = _instant("to", to), _instant("from", from_)
+        end = time.time() if end is None else end
+        start = end - DEFAULT_RANGE_S if start is None else start
+        if not 0 <= end - start <= MAX_RANGE_S:
+            raise RequestError("from", from_, f"a time at most {MAX_RANGE_S // 86400} days before `to` "
+                                              f"({_iso(end)}) and not after it")
+        everyone = admin and caller is None
+        return await asyncio.to_thread(gateway.usage.read, owner if caller is None else caller, everyone, start, end)
 
     def model_objects() -> list[dict]:
         return [{"id": ids[0], "object": "model", "created": int(app.state.started), "owned_by": "h3serve",
@@ -652,10 +701,15 @@ def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
              response_class=FileResponse,
              responses={200: {"content": {"video/mp4": {}, "image/jpeg": {}}}})
     async def get_content(request: Request, video_id: str, variant: str = "video"):
-        if variant not in VARIANTS:
+        index = int(variant) if variant.isdigit() and len(variant) <= 2 else 0   # output INDEX of a job of n
+        if variant not in VARIANTS and not variant.isdigit():
             return _refusal(400, "unsupported", "variant",
-                            f"variant={variant!r} is not served: {' or '.join(VARIANTS)} (no spritesheet)")
+                            f"variant={variant!r} is not served: {' or '.join(VARIANTS)} (no spritesheet), or an "
+                            "output's index 0..n-1")
         job = await asyncio.to_thread(gateway.jobs.get, video_id, request.state.owner)
+        if variant.isdigit() and not (0 <= index < job.validated.n and len(variant) <= 2):
+            raise RequestError("variant", variant, f"an output index in [0, {job.validated.n - 1}] (the job's n is "
+                                                   f"{job.validated.n})")
         if job.status == "failed":
             raise NotReady(f"video {video_id} failed ({job.error.kind.code}): no content")
         if job.status != "completed":
@@ -663,7 +717,8 @@ def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
                            "status is completed")
         if variant == "thumbnail":
             return Response(await asyncio.to_thread(thumbnail, gateway, job), media_type="image/jpeg")
-        return await asyncio.to_thread(mp4_response, gateway, job, {}, filename=f"{video_id}.mp4")
+        name = f"{video_id}.mp4" if index == 0 else f"{video_id}-{index}.mp4"
+        return await asyncio.to_thread(mp4_response, gateway, job, {}, filename=name, index=index)
 
     @app.delete("/v1/videos/{video_id}", summary="Cancel (if unfinished) and delete a video job")
     async def delete_video(request: Request, video_id: str):

@@ -21,7 +21,6 @@ record too.
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import queue
@@ -37,6 +36,7 @@ from typing import Callable
 
 import grpc
 
+from h3serve.config.callers import parse_caller_limits
 from h3serve.config.request import GenerationRequest, ReferenceSpec
 from h3serve.config.stage import StageConfig
 from h3serve.errors import (AlreadyExists, Cancelled, DeadlineExceeded, Draining, H3Error, NotFound, PermissionDenied,
@@ -45,8 +45,9 @@ from h3serve.errortable import Classified, TABLE, INTERNAL, classify, error_obje
 
 from .fields import REQUEST_ID, Validated
 from .metrics import GatewayMetrics
+from .scheduling import FairQueue
 from .sinks import END, Sink, unlink
-from .store import HEARTBEAT_STALE_S, JobStore, Mp4, StoreError, entry_id, index_entry, open_store
+from .store import HEARTBEAT_STALE_S, JobStore, Mp4, StoreError, entry_id, index_entry, open_store, output_id
 
 log = logging.getLogger("h3serve.gateway")
 
@@ -71,6 +72,7 @@ class Job:
     progress: float = 0.0
     stage: str = "queue"
     queue_position: int = 0
+    cost: float = 0.0              # denoise row-forwards (scheduling.job_cost), set when queued
     timings: dict = field(default_factory=dict)
     error: Classified | None = None
     exc: BaseException | None = None
@@ -88,6 +90,8 @@ class Job:
     persisted: bool = True         # the store holds the job's latest state
     deleted: bool = False          # deleted through another replica: never written again
     aborted: H3Error | None = None # why the gateway gave up on it (a hung stage): its error, not "cancelled"
+    webhook: dict | None = None    # url, state, event_id, deliveries (webhooks.py), stored with the job
+    outputs: list = field(default_factory=list)   # n > 1: per output {index, seed, mp4_bytes, sha256}
     events: queue.Queue | None = None
     done: threading.Event = field(default_factory=threading.Event)
     cancel_requested: threading.Event = field(default_factory=threading.Event)
@@ -176,7 +180,8 @@ class Job:
                 "completed_at": self.completed_at, "request": self.request.to_dict(), "names": self.validated.names,
                 "model": self.validated.model, "timings": self.timings, "error": err, "mp4_bytes": self.mp4_bytes,
                 "sha256": self.sha256, "gateway": self.gateway, "boot": self.boot,
-                "cancel_requested": self.cancel_stored}
+                "cancel_requested": self.cancel_stored, "webhook": self.webhook, "outputs": self.outputs,
+                "n": self.validated.n}
 
     @classmethod
     def from_record(cls, rec: dict) -> "Job":
@@ -185,13 +190,15 @@ class Job:
         req["references"] = tuple(ReferenceSpec(**r) for r in req.get("references", ()))
         init = {f.name for f in dc_fields(GenerationRequest) if f.init}
         request = GenerationRequest(**{k: v for k, v in req.items() if k in init})
-        job = cls(id=rec["id"], kind="http", validated=Validated(request, dict(rec.get("names") or {}), rec["model"]),
+        job = cls(id=rec["id"], kind="http", validated=Validated(request, dict(rec.get("names") or {}), rec["model"],
+                                                                 n=int(rec.get("n") or 1)),
                   deadline=0.0, created_at=rec["created_at"], started_at=rec.get("started_at"),
                   completed_at=rec.get("completed_at"), status=rec["status"], progress=rec.get("progress", 0.0),
                   stage=rec.get("stage", ""), timings=dict(rec.get("timings") or {}),
                   mp4_bytes=rec.get("mp4_bytes", 0), sha256=rec.get("sha256", ""), owner=rec.get("owner"),
                   gateway=rec.get("gateway", ""), boot=rec.get("boot", ""),
-                  cancel_stored=bool(rec.get("cancel_requested")))
+                  cancel_stored=bool(rec.get("cancel_requested")), webhook=rec.get("webhook"),
+                  outputs=list(rec.get("outputs") or []))
         if rec.get("error"):
             job.error = classified(rec["error"])
         if job.status in FINISHED:
@@ -215,7 +222,7 @@ class JobTable:
         self.metrics = metrics
         self.draining = False
         self.cond = threading.Condition()
-        self.queue: collections.deque[Job] = collections.deque()
+        self.queue = FairQueue(parse_caller_limits(config.gateway.caller_limits), config.gateway.starvation_s)
         self.running: dict[str, Job] = {}
         self.jobs: dict[str, Job] = {}
         self.admitting: dict[str, Job] = {}   # slots reserved while their records are written (no lock held)
@@ -229,6 +236,8 @@ class JobTable:
         self.store = store or open_store(config.gateway.job_store or config.gateway.jobs_dir, self.dir)
         self.instance = f"{socket.gethostname()}:{config.server.port}"
         self.boot = uuid.uuid4().hex
+        self.on_concluded: Callable[[Job], None] = lambda job: None   # the gateway's usage record and webhook
+        self.on_sweep: Callable[[], None] = lambda: None                # usage records the store did not take
         self._stop = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep, name="h3serve-job-sweeper", daemon=True)
 
@@ -257,6 +266,10 @@ class JobTable:
         """Where an HTTP job's sink writes its MP4 (in place on disk, or spooled for the object store)."""
         job.output_path = self.store.spool_path(job.id)
         return job.output_path
+
+    def publish_output(self, job: Job, index: int, path: str) -> None:
+        """Output `index` > 0 of a job of several (its first is the job's own MP4, published when it finishes)."""
+        self.store.publish(output_id(job.id, index), path)
 
     def admit(self, job: Job, down: dict[str, str]) -> Job:
         """Queue a job or refuse it at once: Draining, StageUnavailable (`down`: stage -> health of the stages
@@ -290,6 +303,7 @@ class JobTable:
             if not self.draining:
                 job.t_admitted = time.monotonic()
                 self.queue.append(job)
+                self.queue.admitted(job)
                 self.metrics.queue_depth.set(len(self.queue))
                 self.cond.notify()
                 return job
@@ -310,6 +324,7 @@ class JobTable:
         if busy >= capacity:
             raise QueueFull(f"queue full: {len(self.running)} running and {len(self.queue) + len(self.admitting)} "
                             f"waiting (queue size {self.config.gateway.queue_size}); retry later")
+        self.queue.check(job, self.queue.of(job.owner) + sum(j.owner == job.owner for j in self.admitting.values()))
         job.queue_position = max(0, busy - self.config.gateway.max_inflight + 1) if busy >= self.config.gateway.max_inflight else 0
 
     def _write_admitted(self, job: Job) -> None:
@@ -332,11 +347,13 @@ class JobTable:
     def take(self) -> Job | None:
         """The next queued job, now running (blocks); None once the table is closed."""
         with self.cond:
-            while not self.queue and not self._stop.is_set():
+            while not self._stop.is_set():
+                job = self.queue.take(self.running) if self.queue else None   # None: every waiting caller at its
+                if job is not None:                                          # max_running
+                    break
                 self.cond.wait(0.5)
-            if self._stop.is_set():
+            else:
                 return None
-            job = self.queue.popleft()
             self.running[job.key] = job
             self.metrics.queue_depth.set(len(self.queue))
             self.metrics.inflight.set(len(self.running))
@@ -358,6 +375,11 @@ class JobTable:
             self._store_failed(exc)
             log.warning("request %s: %s (retried)", job.id, exc)
 
+    def save_webhook(self, job: Job) -> None:
+        """A finished job's webhook log written back, unless the job was deleted (or expired) meanwhile."""
+        if job.key in self.jobs or self._record(job.id) is not None:
+            self._save(job)
+
     def _store_failed(self, exc: StoreError) -> None:
         if self.store_error is None:
             log.warning("job store failing: %s", exc)
@@ -374,6 +396,7 @@ class JobTable:
         with self.cond:
             self.running.pop(job.key, None)
             self.metrics.inflight.set(len(self.running))
+            self.cond.notify_all()   # a worker may wait for this caller's max_running
             if job.kind != "http":
                 self.jobs.pop(job.key, None)
         job.completed_at = time.time()
@@ -451,6 +474,10 @@ class JobTable:
                      job.timings.get("t_client", 0.0), job.timings.get("rtf_client", 0.0))
         else:
             log.info("request %s failed: %s: %s", job.id, outcome, job.error.message)
+        try:
+            self.on_concluded(job)
+        except Exception:  # noqa: BLE001 - its usage and webhook never keep a job from ending
+            log.exception("request %s: usage / webhook", job.id)
         if job.events is not None:
             try:
                 job.events.put_nowait(END)
@@ -515,9 +542,9 @@ class JobTable:
             job = self._load(rec)
         return self._check_owner(job, owner)
 
-    def mp4(self, job: Job) -> Mp4 | None:
-        """The stored MP4 of a completed job (None if the store has none)."""
-        return self.store.open_mp4(job.id)
+    def mp4(self, job: Job, index: int = 0) -> Mp4 | None:
+        """The stored MP4 of a completed job, or of its output `index` (None if the store has none)."""
+        return self.store.open_mp4(output_id(job.id, index))
 
     def cancel(self, job_id: str, reason: str = "cancelled by the caller", owner: str | None = None,
                grpc_jobs: bool = False) -> bool:
@@ -652,6 +679,7 @@ class JobTable:
     def sweep_once(self) -> None:
         self.store.beat(self.instance, self.boot)
         self._store_ok()
+        self.on_sweep()
         with self.cond:
             mine = [j for j in self.jobs.values() if j.kind == "http"]
         for job in mine:

@@ -42,6 +42,14 @@ class GatewayMetrics:
                                      "computed (miss)", ["result"], registry=r)
         for result in ("hit", "miss"):
             self.encoder_cache.labels(result=result)
+        self.usage_jobs = Counter("h3serve_usage_jobs", "Finished jobs per caller and outcome", ["caller", "outcome"],
+                                  registry=r)
+        self.usage_video_seconds = Counter("h3serve_usage_video_seconds", "Seconds of video delivered per caller",
+                                           ["caller", "model"], registry=r)
+        self.usage_gpu_seconds = Counter("h3serve_usage_gpu_seconds", "GPU-seconds jobs occupied per caller and "
+                                         "stage (completed or not)", ["caller", "stage"], registry=r)
+        self.webhooks = Counter("h3serve_webhook_deliveries", "Webhook attempts by outcome (delivered, retried, "
+                                "failed: no more attempts)", ["outcome"], registry=r)
         self._transport_labels: dict[str, tuple] = {}
         for outcome in ("completed", "invalid_request", "queue_full", "draining", "stage_unavailable",
                         "deadline_exceeded", "cancelled", "stage_failed", "internal"):

@@ -15,6 +15,7 @@ call that fails is turned into a domain error naming the stage (h3serve.errortab
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import logging
@@ -80,6 +81,17 @@ class StageCalls:
         self.transport = transport      # the frame edge's (vae->muxer) requested transport
         self.t = job.timings
         self.t_latents: float | None = None   # the tail starts: last latent out of the DiT
+        # A job of n outputs runs the plan once per output: the encoder's and the VAE's condition work once, the
+        # DiT with seed + variant, the MP4 into that output's sink.
+        self.variant = 0
+        self.sink = job.sink
+        self._conditions: list[torch.Tensor] | None = None
+        self._text: Tensors | None = None
+
+    @property
+    def request(self):
+        req = self.job.request
+        return dataclasses.replace(req, seed=req.seed + self.variant) if self.variant else req
 
     def conditions(self) -> list[torch.Tensor]:
         """vae: the request's decoded keyframes / references -> condition latents and audio rows, in model order
@@ -87,6 +99,8 @@ class StageCalls:
         job, req, conds = self.job, self.job.request, self.job.validated.conditions
         if conds is None:
             return []
+        if self._conditions is not None:
+            return self._conditions
         t0 = time.perf_counter()
         params = vae_pb2.ConditionParams(request_id=job.id, task=req.task, width=req.width, height=req.height,
                                          kinds=list(conds.kinds))
@@ -108,6 +122,7 @@ class StageCalls:
                 raise StageUnavailable("vae", f"the VAE returned no condition.{i}")
             out.append(encoded[f"condition.{i}"])
         self.t["conditions_s"] = time.perf_counter() - t0
+        self._conditions = out
         return out
 
     def _encode_call(self):
@@ -127,6 +142,8 @@ class StageCalls:
 
     def encode(self) -> Tensors:
         """encoder: prompt (+ keyframes / references) -> text states + tags."""
+        if self._text is not None:
+            return self._text
         t0 = time.perf_counter()
         chunks = []
         for ev in self._call("encoder", self._encode_call):
@@ -140,6 +157,7 @@ class StageCalls:
         text = collect_tensors(chunks, edge="encoder->gateway")
         self.t["encoder_s"] = time.perf_counter() - t0
         self._progress("encoder", 1, 1, self.t["encoder_s"], P_ENCODER)
+        self._text = text
         return text
 
     def denoise(self, text: Tensors, conditions: list[torch.Tensor] = (),
@@ -147,7 +165,7 @@ class StageCalls:
         """dit: text (+ condition latents / audio rows) + geometry + seed -> latents, one progress event per step.
         The latents come back here, or go to `latents_sink` (a VAE latents session) when given; then this returns
         None."""
-        job, req, conds = self.job, self.job.request, self.job.validated.conditions
+        job, req, conds = self.job, self.request, self.job.validated.conditions
         params = dit_pb2.DiTParams(
             request_id=job.id, latent_frames=req.latent_frames, latent_height=req.latent_height,
             latent_width=req.latent_width, audio_latents=req.audio_latents, latents_sink=latents_sink,
@@ -273,10 +291,10 @@ class StageCalls:
                 muxer_pb2.FetchRequest(session_id=session.id), timeout=job.remaining())):
             if not started:
                 total = int(chunk.total_bytes)
-                job.sink.begin(total)
+                self.sink.begin(total)
                 started = True
             digest.update(chunk.data)
-            job.sink.write(int(chunk.offset), chunk.data)
+            self.sink.write(int(chunk.offset), chunk.data)
             size += len(chunk.data)
         if size != total:   # never a short MP4 presented as done
             raise StageFailed("muxer", f"the MP4 fetched is {size} bytes, the muxer announced {total}")

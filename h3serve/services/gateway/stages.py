@@ -18,7 +18,7 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from h3serve._proto import dit_pb2_grpc, encoder_pb2_grpc, muxer_pb2_grpc, vae_pb2_grpc
+from h3serve._proto import common_pb2, dit_pb2_grpc, encoder_pb2_grpc, muxer_pb2_grpc, vae_pb2_grpc
 from h3serve.config.stage import StageConfig
 from h3serve.config.vocab import FASTH3_DIT, GRPC, PIPELINE_STAGES
 from h3serve.runtime.tls import Tls
@@ -78,6 +78,7 @@ class StageClients:
         self._extra: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
         self.status = {s: "UNKNOWN" for s in self.addresses}
+        self.gpus: dict[str, int] = {}   # GPUs a request occupies per stage (its Status, read when it serves)
         self.on_change = on_change
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._monitor, name="h3serve-health", daemon=True)
@@ -108,6 +109,7 @@ class StageClients:
         with self._lock:
             self._retired.append((time.monotonic() + self._retire_after_s, self.channels[stage]))
             self._bind(stage)
+            self.gpus.pop(stage, None)   # new replicas: read their GPUs again
 
     def _close_retired(self, everything: bool = False) -> None:
         with self._lock:
@@ -156,10 +158,22 @@ class StageClients:
                         self._renew(stage)
                     self.status[stage] = value
                     changed = True
+                if value == "SERVING" and stage not in self.gpus:
+                    self._learn(stage)
             if changed:
                 self.on_change()
             self._close_retired()
             self._stop.wait(HEALTH_INTERVAL_S)
+
+    def _learn(self, stage: str) -> None:
+        """The stage's GPUs per request (its ranks on CUDA, 0 on CPU; read from its Status) for the usage record."""
+        stub = {"encoder": self.encoder, "vae": self.vae, "muxer": self.muxer, "dit": self.dit,
+                FASTH3_DIT: self.dits.get("fasth3")}[stage]
+        try:
+            info = json.loads(stub.Status(common_pb2.StatusRequest(), timeout=2.0).info_json or "{}")
+            self.gpus[stage] = int(info.get("gpus", 0))
+        except (grpc.RpcError, ValueError, TypeError) as exc:
+            log.debug("stage %s: Status not read (%s); asked again next check", stage, exc)
 
     def close(self) -> None:
         self._stop.set()

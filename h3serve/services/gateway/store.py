@@ -74,8 +74,37 @@ def entry_id(entry: str) -> str:
     return entry.split("_", 1)[1]
 
 
+def output_id(job_id: str, index: int) -> str:
+    """The store's name of a job's output `index` (0: the job's own MP4; a job of n > 1 outputs has the others)."""
+    return job_id if index == 0 else f"{job_id}.{index}"
+
+
+def _outputs(record: dict | None) -> list[str]:
+    """A record's MP4 names beyond its own (those published, also of a job that failed part way)."""
+    return [output_id(record["id"], o["index"]) for o in (record or {}).get("outputs") or () if o.get("index")]
+
+
 def _owner_folder(owner: str | None) -> str:
     return ANYONE if owner is None else _safe(owner)
+
+
+# Usage records (one per finished job, kept when the job is deleted or expires: they are what a caller is billed
+# by) under usage/CALLER/DAY/, the day of its end (UTC): a range is read a day folder at a time.
+def usage_path(record: dict) -> tuple[str, str, str]:
+    """(caller folder, day, name) of a usage record."""
+    end = float(record["completed_at"])
+    day = time.strftime("%Y-%m-%d", time.gmtime(end))
+    return _owner_folder(record.get("caller")), day, f"{int(end * 1000):013d}_{_safe(record['id'])}.json"
+
+
+def usage_days(start: float, end: float) -> list[str]:
+    """The UTC days [start, end] touches."""
+    first = int(start // 86400)
+    return [time.strftime("%Y-%m-%d", time.gmtime(d * 86400)) for d in range(first, int(end // 86400) + 1)]
+
+
+def in_range(record: dict, start: float, end: float) -> bool:
+    return start <= float(record.get("completed_at") or 0.0) <= end
 
 
 class JobStore(Protocol):
@@ -103,6 +132,10 @@ class JobStore(Protocol):
     def beat(self, instance: str, boot: str) -> None: ...
 
     def heartbeat(self, instance: str) -> dict | None: ...
+
+    def put_usage(self, record: dict) -> None: ...
+
+    def usage(self, caller: str | None, start: float, end: float, everyone: bool = False) -> list[dict]: ...
 
     def close(self) -> None: ...
 
@@ -230,6 +263,7 @@ class DiskStore:
     def delete(self, job_id: str) -> None:
         rec = self.get_record(job_id)
         paths = [self._path("videos", job_id, ".mp4"), self._path("jobs", job_id, ".json")]
+        paths += [self._path("videos", o, ".mp4") for o in _outputs(rec)]
         if rec is not None:
             paths.append(self._entry_path(rec))
         self._indexed.discard(job_id)
@@ -262,6 +296,31 @@ class DiskStore:
 
     def heartbeat(self, instance: str) -> dict | None:
         return self._read(self._path("gateways", instance, ".json"))
+
+    def put_usage(self, record: dict) -> None:
+        folder, day, name = usage_path(record)
+        path = os.path.join(self.root, "usage", folder, day)
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as exc:
+            raise disk_error("write a usage record", self.root, exc) from None
+        self._write(os.path.join(path, name), _dumps(record), "write a usage record")
+
+    def usage(self, caller: str | None, start: float, end: float, everyone: bool = False) -> list[dict]:
+        top = os.path.join(self.root, "usage")
+        try:
+            folders = os.listdir(top) if everyone and os.path.isdir(top) else [_owner_folder(caller)]
+            out = []
+            for folder in folders:
+                for day in usage_days(start, end):
+                    path = os.path.join(top, folder, day)
+                    for name in sorted(os.listdir(path)) if os.path.isdir(path) else ():
+                        rec = self._read(os.path.join(path, name))
+                        if rec is not None and in_range(rec, start, end):
+                            out.append(rec)
+        except OSError as exc:
+            raise disk_error("read the usage records", self.root, exc) from None
+        return out
 
     def close(self) -> None:
         pass
@@ -421,6 +480,7 @@ class S3Store:
     def delete(self, job_id: str) -> None:
         rec = self.get_record(job_id)
         keys = [self._key("videos", job_id, ".mp4"), self._key("jobs", job_id, ".json")]
+        keys += [self._key("videos", o, ".mp4") for o in _outputs(rec)]
         if rec is not None:
             keys.append(self._entry_key(rec))
         self._indexed.discard(job_id)
@@ -462,6 +522,32 @@ class S3Store:
 
     def heartbeat(self, instance: str) -> dict | None:
         return self._get_json(self._key("gateways", instance, ".json"))
+
+    def put_usage(self, record: dict) -> None:
+        key = "/".join(p for p in (self.prefix, "usage", *usage_path(record)) if p)
+        data = _dumps(record)
+        self._call("write a usage record", self.client.put_object, self.bucket, key, io.BytesIO(data), len(data),
+                   content_type="application/json")
+
+    def usage(self, caller: str | None, start: float, end: float, everyone: bool = False) -> list[dict]:
+        top = "/".join(p for p in (self.prefix, "usage") if p) + "/"
+        if everyone:
+            objs = self._call("read the usage records", lambda: list(self.client.list_objects(
+                self.bucket, prefix=top, recursive=False)))
+            folders = [o.object_name[len(top):].rstrip("/") for o in objs or () if o.is_dir]
+        else:
+            folders = [_owner_folder(caller)]
+        out = []
+        for folder in folders:
+            for day in usage_days(start, end):
+                prefix = f"{top}{folder}/{day}/"
+                objs = self._call("read the usage records", lambda: list(self.client.list_objects(
+                    self.bucket, prefix=prefix, recursive=True)))
+                for o in sorted(objs or (), key=lambda o: o.object_name):
+                    rec = self._get_json(o.object_name)
+                    if rec is not None and in_range(rec, start, end):
+                        out.append(rec)
+        return out
 
     def close(self) -> None:
         pass

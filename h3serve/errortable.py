@@ -5,8 +5,8 @@ name everywhere:
 
     domain error                code (stable)       gRPC status           HTTP   retry
     AlreadyExists               already_exists      ALREADY_EXISTS        409    no    (names the id's field)
-    RequestError                invalid_request     INVALID_ARGUMENT      422    no    (names the field)
-    ProfileError                invalid_request     FAILED_PRECONDITION   422    no
+    RequestError                invalid_request     INVALID_ARGUMENT      400    no    (names the field)
+    ProfileError                invalid_request     FAILED_PRECONDITION   400    no
     QuotaExceeded               quota_exceeded      RESOURCE_EXHAUSTED    429    yes   (names the caller's limit)
     QueueFull                   queue_full          RESOURCE_EXHAUSTED    429    yes   (refused at once)
     TooLarge                    too_large           RESOURCE_EXHAUSTED    413    no
@@ -79,8 +79,8 @@ class ErrorKind:
 
 _KINDS = {
     "already_exists": ErrorKind("already_exists", grpc.StatusCode.ALREADY_EXISTS, 409, False),
-    "invalid_request": ErrorKind("invalid_request", grpc.StatusCode.INVALID_ARGUMENT, 422, False),
-    "profile": ErrorKind("invalid_request", grpc.StatusCode.FAILED_PRECONDITION, 422, False),
+    "invalid_request": ErrorKind("invalid_request", grpc.StatusCode.INVALID_ARGUMENT, 400, False),
+    "profile": ErrorKind("invalid_request", grpc.StatusCode.FAILED_PRECONDITION, 400, False),
     "quota_exceeded": ErrorKind("quota_exceeded", grpc.StatusCode.RESOURCE_EXHAUSTED, 429, True),
     "queue_full": ErrorKind("queue_full", grpc.StatusCode.RESOURCE_EXHAUSTED, 429, True),
     "too_large": ErrorKind("too_large", grpc.StatusCode.RESOURCE_EXHAUSTED, 413, False),

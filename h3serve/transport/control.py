@@ -48,7 +48,7 @@ def wait_s(left: float | None, cap: float = WAIT_S) -> float:
 
 def peer_error(exc: BaseException, stage: str) -> BaseException:
     """The domain error for a stream call `stage` failed. Its INVALID_ARGUMENT refuses what this process sent (the
-    tensors it produced), not the end caller's request: a stage failure naming `stage`, never a 422."""
+    tensors it produced), not the end caller's request: a stage failure naming `stage`, never a 400."""
     err = from_grpc(exc, stage=stage)
     if isinstance(err, RequestError):
         return StageFailed(stage, f"refused the stream it was sent: {err}")

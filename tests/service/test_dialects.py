@@ -373,7 +373,7 @@ def test_sglang_recipe_runs_unchanged(http):
     assert http.get(f"/v1/videos/{job.id}/content").content[4:8] == b"ftyp"
     SglVideoList.model_validate(http.get("/v1/videos").json())
     bad = http.post("/v1/videos", json={**recipe, "flow_shift": 6.0})
-    assert bad.status_code == 422 and "flow_shift" in SglHTTPError.model_validate(bad.json()).detail
+    assert bad.status_code == 400 and "flow_shift" in SglHTTPError.model_validate(bad.json()).detail
 
 
 def test_openai_sdk_models_cursor_and_characters(cond_stack):
@@ -450,7 +450,7 @@ def test_json_shapes_never_5xx(http, body):
 
 def test_curl_bracketed_reference_is_not_a_500(http):
     r = http.post("/v1/videos", files=[("prompt", (None, "x")), ("image_reference[]", (None, "abc"))])
-    assert r.status_code == 422 and r.json()["error"]["param"] == "image_reference[0]", r.text
+    assert r.status_code == 400 and r.json()["error"]["param"] == "image_reference[0]", r.text
     r = http.post("/v1/videos", params={"validate_only": "true"},
                   files=[("prompt", (None, "x")), ("extra_params[task]", (None, "ref2va")),
                          ("image_reference[][image_url]", (None, IMG)), ("image_reference[][image_url]", (None, IMG))])

@@ -27,7 +27,7 @@ from h3serve.errortable import from_grpc, grpc_method, http_error
 
 CASES = [
     (AlreadyExists("request_id", "job-1"), grpc.StatusCode.ALREADY_EXISTS, 409, AlreadyExists, "request_id", None),
-    (RequestError("seconds", 3, "4..15"), grpc.StatusCode.INVALID_ARGUMENT, 422, RequestError, "seconds", None),
+    (RequestError("seconds", 3, "4..15"), grpc.StatusCode.INVALID_ARGUMENT, 400, RequestError, "seconds", None),
     (QueueFull("full"), grpc.StatusCode.RESOURCE_EXHAUSTED, 429, QueueFull, None, None),
     (TooLarge("big"), grpc.StatusCode.RESOURCE_EXHAUSTED, 413, TooLarge, None, None),
     (Draining("bye"), grpc.StatusCode.UNAVAILABLE, 503, Draining, None, None),

@@ -93,7 +93,7 @@ def test_malformed_wavs_are_refused_naming_the_field(name, data):
     with pytest.raises(RequestError) as info:
         _audio(Upload(data, "audio_reference", "a.wav"), "audio_reference", 32000 * 60)
     c = classify(info.value)
-    assert c.field == "audio_reference" and c.kind.http == 422 and "Traceback" not in c.message, name
+    assert c.field == "audio_reference" and c.kind.http == 400 and "Traceback" not in c.message, name
 
 
 @pytest.mark.parametrize("peers", [None, "127.0.0.1:50051"])

@@ -269,7 +269,7 @@ def test_every_bad_direct_muxer_call_names_its_field(muxer):
         with pytest.raises(grpc.RpcError) as fetched:
             list(stub.Fetch(muxer_pb2.FetchRequest(session_id=sid), timeout=10))
         assert refused.value.code() == INVALID
-        # and the VAE that sent it reports a stage failure naming the muxer, not the end caller's bad input (422)
+        # and the VAE that sent it reports a stage failure naming the muxer, not the end caller's bad input (400)
         err = peer_error(refused.value, "muxer")
         assert isinstance(err, StageFailed) and err.stage == "muxer" and "frames" in str(err)
         assert dict(fetched.value.trailing_metadata())["h3serve-stage"] == "vae", fetched.value.details()

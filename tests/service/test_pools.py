@@ -63,7 +63,7 @@ def test_model_routes_to_its_pool_and_each_equals_embedded(pools, embedded, tiny
     assert r.status_code == 200 and r.json()["num_inference_steps"] == 5 and r.json()["model"] == "FastH3"
     r = httpx.post(f"{pools.http}/v1/videos", params={"validate_only": "true"},
                    json={**FAST, "model": "fasth3", "quality": "high"}, timeout=30)   # no step reuse on FastH3
-    assert r.status_code == 422 and r.json()["error"]["field"] == "quality", r.text
+    assert r.status_code == 400 and r.json()["error"]["field"] == "quality", r.text
     assert r.json()["error"]["message"].endswith(LEVERS_MESSAGE.format(**REQUEST_NAMES))
 
 

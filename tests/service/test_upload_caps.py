@@ -225,7 +225,7 @@ def test_corrupt_pngs_are_refused_naming_the_field(name, data, why):
     with pytest.raises(RequestError) as info:
         _image(Upload(data, "input_reference", "x.png"), "input_reference")
     c = classify(info.value)
-    assert c.field == "input_reference" and c.kind.http == 422, name
+    assert c.field == "input_reference" and c.kind.http == 400, name
     assert "intact image" in c.message, c.message
     assert why.lower() in c.message.lower(), (name, c.message)
 
@@ -239,10 +239,10 @@ def test_whole_pngs_decode_as_pillow_reads_them(shape, interlace):
     assert (ours == np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))).all()
 
 
-def test_a_corrupt_png_upload_is_422_naming_the_field(front):
+def test_a_corrupt_png_upload_is_400_naming_the_field(front):
     r = httpx.post(f"{front.url}/v1/videos?validate_only=true", headers=ALICE, data=FL2VA,
                    files={"input_reference": ("k.png", png(PIXELS, bad_crc=b"IDAT"), "image/png")}, timeout=30)
-    assert r.status_code == 422 and r.json()["error"]["param"] == "input_reference", r.text
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input_reference", r.text
     r = httpx.post(f"{front.url}/v1/videos?validate_only=true", headers=ALICE, data=FL2VA,
                    files={"input_reference": ("k.png", png(np.zeros((256, 320, 3), np.uint8)), "image/png")},
                    timeout=30)
@@ -302,7 +302,7 @@ def refused(data: bytes) -> str:
     with pytest.raises(RequestError) as info:
         _image(Upload(data, "input_reference", "x.jpg"), "input_reference")
     c = classify(info.value)
-    assert c.field == "input_reference" and c.kind.http == 422, c
+    assert c.field == "input_reference" and c.kind.http == 400, c
     assert "intact image" in c.message, c.message
     return c.message
 
@@ -354,10 +354,10 @@ def test_whole_jpegs_decode_as_pillow_reads_them(name, data):
     assert (ours == np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))).all(), name
 
 
-def test_a_cut_short_jpeg_upload_is_422_naming_the_field(front):
+def test_a_cut_short_jpeg_upload_is_400_naming_the_field(front):
     r = httpx.post(f"{front.url}/v1/videos?validate_only=true", headers=ALICE, data=FL2VA,
                    files={"input_reference": ("k.jpg", cut_short(jpeg(), 0.5), "image/jpeg")}, timeout=30)
-    assert r.status_code == 422 and r.json()["error"]["param"] == "input_reference", r.text
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input_reference", r.text
     assert "ends before its last block" in r.json()["error"]["message"]
     r = httpx.post(f"{front.url}/v1/videos?validate_only=true", headers=ALICE, data=FL2VA,
                    files={"input_reference": ("k.jpg", jpeg(), "image/jpeg")}, timeout=30)
@@ -433,7 +433,7 @@ def test_an_image_part_is_refused_at_its_own_limit_as_it_streams(front, chunked)
     status, err, sent = stream_body(front, file_part("image_reference", size), chunked=chunked,
                                     content_length=None if chunked else size + 1000)
     print("FIGURES", {"chunked": chunked, "sent_mib": round(sent / 2**20, 1)})
-    assert status == 422 and err["param"] == "image_reference", (status, err)
+    assert status == 400 and err["param"] == "image_reference", (status, err)
     assert f"at most {MAX_MEDIA_BYTES['image']:,} bytes" in err["message"]
     assert sent < (20 << 20) + (12 << 20), sent   # the cap plus what the sockets' buffers held
 
@@ -441,7 +441,7 @@ def test_an_image_part_is_refused_at_its_own_limit_as_it_streams(front, chunked)
 def test_a_file_where_none_goes_and_a_video_reference_are_refused_at_their_headers(front):
     for name, want in (("prompt", "files go in"), ("video_reference", "video references are not served")):
         status, err, sent = stream_body(front, file_part(name, 40 << 20), chunked=True, content_length=None)
-        assert status == 422 and err["param"] == name and want in err["message"], (name, status, err)
+        assert status == 400 and err["param"] == name and want in err["message"], (name, status, err)
         assert sent < 12 << 20, (name, sent)
 
 
@@ -472,7 +472,7 @@ def test_a_chunked_multipart_without_a_length_is_served(front):
 def test_a_thirteenth_file_is_refused_naming_its_field(front):
     parts = (p for i in range(13) for p in file_part("image_reference", 1000, f"{i}.png"))
     status, err, _ = stream_body(front, parts, chunked=True, content_length=None)
-    assert status == 422 and err["param"] == "image_reference" and "at most 12 files" in err["message"], err
+    assert status == 400 and err["param"] == "image_reference" and "at most 12 files" in err["message"], err
 
 
 # -- item 5: header and body read timeouts, a connection limit ---------------------------------------------------
@@ -534,7 +534,7 @@ def test_crafted_jpeg_segments_are_refused_before_pillow_parses_them(front):
     t0 = time.monotonic()
     r = httpx.post(f"{front.url}/v1/videos?validate_only=true", headers=BOB, data=FL2VA,
                    files={"input_reference": ("k.jpg", crafted_jpeg(873_813), "image/jpeg")}, timeout=60)
-    assert r.status_code == 422 and r.json()["error"]["param"] == "input_reference", r.text
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input_reference", r.text
     assert "at most 1,000 segments" in r.json()["error"]["message"]
     assert time.monotonic() - t0 < 5
     ok = httpx.post(f"{front.url}/v1/videos?validate_only=true", headers=BOB, data=FL2VA,

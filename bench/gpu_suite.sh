@@ -4,7 +4,7 @@
 # installed into /tmp/site; h3serve is imported from the repository root (PYTHONPATH). Every
 # bench prints one JSON line; all output goes to $OUT (default ./out).
 # Steps: env | layer | attention | vae | full50 | tail | parallel | parallel6 | pipeline | gputest | fullckpt |
-# e2e_ours | e2e_variants | e2e_diffusers | levers | staged | fp8test | adaln (default: env,layer,vae,full50). `pipeline` runs `h3serve generate` on a
+# e2e_ours | e2e_variants | e2e_diffusers | levers | staged | fp8test | adaln | sparse (default: env,layer,vae,full50). `pipeline` runs `h3serve generate` on a
 # tiny checkpoint under each parallel layout; `gputest` runs the NCCL tests (tests/parallel/test_gpu.py; pytest
 # carried in .whl/ when missing).
 #
@@ -70,6 +70,10 @@ if has levers; then  # offload Pareto, FP8 linears / attention, step reuse (benc
 fi
 if has adaln; then  # the AdaLN table: device bytes, build time, forward with and without it (bench/adaln.py)
   run adaln 560 python3 bench/adaln.py --parts bytes,device --device cuda ${ADALN_ARGS:-}
+fi
+if has sparse; then  # block-sparse attention: FA4 vs the masked reference, kernel / layer time, quality proxy
+  # needs fa3-fwd and flash-attn-4 (.whl/fa3.tar.xz or site.tar.xz, fa4-a.tar.xz, fa4-b.tar.xz: two calls on one machine)
+  run sparse 560 python3 bench/sparse_attention.py --parts ${SPARSE_PARTS:-check,attention,layer,quality} ${SPARSE_ARGS:-}
 fi
 if has full50; then
   run dit_full50 240 python3 bench/dit_layer.py $GEO --layers 50 --iters 1 --warmup 0 --variants fa3:1

@@ -46,10 +46,16 @@ def test_router_keeps_text_self_and_the_top_blocks_of_each_modality():
     nb = math.ceil(n / BLOCK)
     assert mask.shape == (1, 3, nb, nb)
     kind = [TEXT if (groups[i * BLOCK:(i + 1) * BLOCK] == TEXT).any() else int(groups[i * BLOCK]) for i in range(nb)]
-    pooled = [torch.stack([t[0, :, i * BLOCK:(i + 1) * BLOCK].float().mean(dim=1) for i in range(nb)], dim=1)
-              for t in (q, k)]  # (H, nb, D) block means, the last block over its own 2 rows
+    cell = BLOCK // cfg.cells
+
+    def cells(t, h, i):  # the means of block i's cells that hold rows (the last block: one cell of 2 rows)
+        rows = t[0, h, i * BLOCK:(i + 1) * BLOCK].double()
+        return [rows[c:c + cell].mean(dim=0) for c in range(0, rows.shape[0], cell)]
+
     for h in range(3):
-        scores = pooled[0][h] @ pooled[1][h].T
+        qc, kc = ([torch.stack(cells(t, h, i)) for i in range(nb)] for t in (q, k))
+        scores = torch.tensor([[float(torch.logsumexp((a @ b.T).flatten() / math.sqrt(8), dim=0)) for b in kc]
+                               for a in qc])
         for i in range(nb):
             row = mask[0, h, i]
             if kind[i] == TEXT:

@@ -3,8 +3,10 @@
 Lossy, off by default. In the spirit of SGLang's SubBlock router for H3 (64-row blocks, the first steps dense, scores
 in fp32, per packed segment):
 
-* the packed sequence is cut into `block`-row blocks (the last one partial); q and k are mean-pooled per block in
-  fp32 and every (query block, key block) pair is scored by the pooled dot product, per batch and head;
+* the packed sequence is cut into `block`-row blocks (the last one partial), each into `cells` cells; q and k are
+  mean-pooled per cell in fp32 and a (query block, key block) pair is scored by the log-sum-exp of its cells'
+  pooled, scaled dot products (an estimate of the block's unnormalized softmax mass; one mean per 64 rows averages
+  away what decides which keys a query wants), per batch and head;
 * per query block and per key group (video rows, audio rows) the top ceil(density × blocks of that group) key blocks
   are kept, so neither modality starves the other; key blocks holding a text row, the query block's own block and
   every key block of a query block holding a text row are always kept (text conditions everything);
@@ -48,14 +50,16 @@ class SparseConfig:
 
     density: float
     block: int = 64
+    cells: int = 4  # cells per block on each side (16-row cells at 64-row blocks)
     dense_fraction: float = 0.2
     min_rows: int = 4096
 
     def __post_init__(self) -> None:
         if not 0.0 < self.density <= 1.0:
             raise ValueError(f"sparse attention density {self.density} must be in (0, 1]")
-        if self.block < 16 or self.block % 16:
-            raise ValueError(f"sparse attention block {self.block} must be a multiple of 16")
+        if self.block < 16 or self.block % 16 or self.cells < 1 or self.block % self.cells:
+            raise ValueError(f"sparse attention block {self.block} must be a multiple of 16 and of its cells "
+                             f"({self.cells})")
         if not 0.0 <= self.dense_fraction <= 1.0:
             raise ValueError(f"sparse attention dense_fraction {self.dense_fraction} must be in [0, 1]")
 
@@ -75,17 +79,46 @@ def row_groups(layout: PackedLayout) -> torch.Tensor:
     return groups
 
 
-def _pool(x: torch.Tensor, block: int) -> torch.Tensor:
-    """(B, H, N, D) -> (B, H, ceil(N / block), D) fp32 block means (the last block over its own rows)."""
+def _pool(x: torch.Tensor, cell: int) -> torch.Tensor:
+    """(B, H, N, D) -> fp32 cell means (B, H, ceil(N / cell), D), the last cell over its own rows."""
     b, h, n, d = x.shape
-    nb = -(-n // block)
+    nc = -(-n // cell)
     xf = x.float()
-    if nb * block != n:
-        xf = F.pad(xf, (0, 0, 0, nb * block - n))
-    sums = xf.reshape(b, h, nb, block, d).sum(dim=3)
-    counts = torch.full((nb,), float(block), device=x.device)
-    counts[-1] = n - (nb - 1) * block
+    if nc * cell != n:
+        xf = F.pad(xf, (0, 0, 0, nc * cell - n))
+    sums = xf.reshape(b, h, nc, cell, d).sum(dim=3)
+    counts = torch.full((nc,), float(cell), device=x.device)
+    counts[-1] = n - (nc - 1) * cell
     return sums / counts[:, None]
+
+
+def _cells(x: torch.Tensor, block: int, cells: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cell means padded to whole blocks: (B, H, nb, cells, D) and a (nb, cells) bool of the cells that hold rows."""
+    cell = block // cells
+    pooled = _pool(x, cell)
+    nc = pooled.shape[2]
+    nb = -(-x.shape[2] // block)
+    valid = torch.arange(nb * cells, device=x.device) < nc
+    pooled = F.pad(pooled, (0, 0, 0, nb * cells - nc))
+    return pooled.view(*pooled.shape[:2], nb, cells, -1), valid.view(nb, cells)
+
+
+def block_scores(q: torch.Tensor, k: torch.Tensor, block: int, cells: int, heads_at_once: int = 8) -> torch.Tensor:
+    """(B, H, nq, nk) fp32: log Σ over the block pair's cell pairs of exp(mean q cell · mean k cell / sqrt(D)); cells
+    past the sequence end take no part. A few heads at a time (the cell-pair matrix is cells² times the block one)."""
+    scale = q.shape[-1] ** -0.5
+    qc, q_valid = _cells(q, block, cells)  # (B, H, nq, c, D)
+    kc, k_valid = _cells(k, block, cells)
+    b, h, nq = qc.shape[:3]
+    nk = kc.shape[2]
+    pair_ok = q_valid[:, :, None, None] & k_valid[None, None]  # (nq, c, nk, c)
+    out = torch.empty(b, h, nq, nk, device=q.device)
+    for h0 in range(0, h, heads_at_once):
+        h1 = min(h, h0 + heads_at_once)
+        s = torch.matmul(qc[:, h0:h1].flatten(2, 3), kc[:, h0:h1].flatten(2, 3).transpose(-1, -2)) * scale
+        s = s.view(b, h1 - h0, nq, cells, nk, cells).masked_fill_(~pair_ok, float("-inf"))
+        out[:, h0:h1] = torch.logsumexp(s.permute(0, 1, 2, 4, 3, 5).flatten(-2), dim=-1)
+    return out
 
 
 def block_groups(groups: torch.Tensor, n: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,8 +138,7 @@ def route(q: torch.Tensor, k: torch.Tensor, groups: torch.Tensor, config: Sparse
     """The block mask (B, H, nq, nk) bool of q (B, H, Nq, D) over k (B, H, Nk, D); `groups` (>= Nk rows, or Nq:
     rows past it are padding) the packed rows' router groups (`row_groups`) on q's device."""
     block = config.block
-    qp, kp = _pool(q, block), _pool(k, block)  # (B, H, nq, D), (B, H, nk, D) fp32
-    scores = torch.matmul(qp, kp.transpose(-1, -2))  # (B, H, nq, nk) fp32
+    scores = block_scores(q, k, block, config.cells)  # (B, H, nq, nk) fp32
     nq, nk = scores.shape[-2:]
     _, q_text = block_groups(groups, q.shape[2], block)
     k_group, k_text = block_groups(groups, k.shape[2], block)

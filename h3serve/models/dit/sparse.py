@@ -92,32 +92,33 @@ def _pool(x: torch.Tensor, cell: int) -> torch.Tensor:
     return sums / counts[:, None]
 
 
-def _cells(x: torch.Tensor, block: int, cells: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cell means padded to whole blocks: (B, H, nb, cells, D) and a (nb, cells) bool of the cells that hold rows."""
+def _cells(x: torch.Tensor, block: int, cells: int) -> tuple[torch.Tensor, int]:
+    """Cell means padded to whole blocks, (B, H, nb, cells, D), and how many cells of the last block hold rows."""
     cell = block // cells
     pooled = _pool(x, cell)
     nc = pooled.shape[2]
     nb = -(-x.shape[2] // block)
-    valid = torch.arange(nb * cells, device=x.device) < nc
     pooled = F.pad(pooled, (0, 0, 0, nb * cells - nc))
-    return pooled.view(*pooled.shape[:2], nb, cells, -1), valid.view(nb, cells)
+    return pooled.view(*pooled.shape[:2], nb, cells, -1), nc - (nb - 1) * cells
 
 
 def block_scores(q: torch.Tensor, k: torch.Tensor, block: int, cells: int, heads_at_once: int = 8) -> torch.Tensor:
     """(B, H, nq, nk) fp32: log Σ over the block pair's cell pairs of exp(mean q cell · mean k cell / sqrt(D)); cells
     past the sequence end take no part. A few heads at a time (the cell-pair matrix is cells² times the block one)."""
     scale = q.shape[-1] ** -0.5
-    qc, q_valid = _cells(q, block, cells)  # (B, H, nq, c, D)
-    kc, k_valid = _cells(k, block, cells)
+    qc, q_last = _cells(q, block, cells)  # (B, H, nq, c, D)
+    kc, k_last = _cells(k, block, cells)
     b, h, nq = qc.shape[:3]
     nk = kc.shape[2]
-    pair_ok = q_valid[:, :, None, None] & k_valid[None, None]  # (nq, c, nk, c)
     out = torch.empty(b, h, nq, nk, device=q.device)
     for h0 in range(0, h, heads_at_once):
         h1 = min(h, h0 + heads_at_once)
         s = torch.matmul(qc[:, h0:h1].flatten(2, 3), kc[:, h0:h1].flatten(2, 3).transpose(-1, -2)) * scale
-        s = s.view(b, h1 - h0, nq, cells, nk, cells).masked_fill_(~pair_ok, float("-inf"))
-        out[:, h0:h1] = torch.logsumexp(s.permute(0, 1, 2, 4, 3, 5).flatten(-2), dim=-1)
+        s = s.view(b, h1 - h0, nq, cells, nk, cells)
+        s[:, :, -1, q_last:] = float("-inf")  # the last blocks' empty cells
+        s[..., -1, k_last:] = float("-inf")
+        # over the key cells (contiguous), then over the query cells: no permuted copy of the pair matrix
+        out[:, h0:h1] = torch.logsumexp(torch.logsumexp(s, dim=-1), dim=3)
     return out
 
 
@@ -228,7 +229,9 @@ def fa4_block_sparse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_ma
     passed as its partially masked blocks with no mask function (only the sequence end masks inside them)."""
     flash_attn_func, tensors = _fa4()
     counts, idx = block_indices(block_mask)
-    sparse = tensors(mask_block_cnt=counts, mask_block_idx=idx, block_size=(block, block))
+    # No fully unmasked list: its counts are zero (the Hopper forward indexes the list even then, so it is given).
+    sparse = tensors(mask_block_cnt=counts, mask_block_idx=idx, full_block_cnt=torch.zeros_like(counts),
+                     full_block_idx=torch.zeros_like(idx), block_size=(block, block))
     out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_sparse_tensors=sparse)
     out = out[0] if isinstance(out, tuple) else out
     return out.transpose(1, 2)

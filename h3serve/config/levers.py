@@ -101,7 +101,7 @@ class Levers:
         stages=("dit",), choices=SPARSE_DENSITIES, lossy=True,
         help="dit: block-sparse DiT attention keeping this percent of each query block's key blocks per modality "
              "after the first 20%% of the steps (lossy; default off)",
-        doc="Block-sparse DiT attention (a training-free router over 64-row blocks, FlashAttention-4's block-sparse "
+        doc="Block-sparse DiT attention (a training-free router over 128-row blocks, FlashAttention-4's block-sparse "
             "forward): the percent of each query block's video and audio key blocks kept, text always kept, the "
             "first 20% of the steps dense; lossy.")
 

@@ -83,16 +83,6 @@ def part_check(a, dev) -> dict:
     out["rows"] = n
     out["dense_kernel"] = kernels.chosen_attention(dev)[0]
     out["dense_vs_fp32_max_abs"] = float((dense.float() - ref_dense).abs().max())
-    import os
-
-    from h3serve.models.dit.sparse import block_scores
-
-    for block in (64, 128):  # the router's fused Triton scores against its torch path
-        fused = block_scores(q, k, block, 4)
-        os.environ["H3SERVE_FUSED"] = "0"
-        plain = block_scores(q, k, block, 4)
-        os.environ.pop("H3SERVE_FUSED")
-        out[f"b{block}_fused_scores_max_abs"] = float((fused - plain).abs().max())
     for block in (64, 128):
         for density in (0.5, 0.125):
             mask = route(q, k, groups, SparseConfig(density, block=block))

@@ -31,11 +31,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from . import kernels
 from .layout import AUDIO_KINDS, PackedLayout
 
 log = logging.getLogger("h3serve.dit.sparse")
-triton, tl = kernels.triton, kernels.tl  # optional (kernels.HAVE_TRITON)
 
 # Row groups of the router: text rows (always attended), video rows (targets, conditions, image references), audio.
 TEXT, VIDEO, AUDIO = 0, 1, 2
@@ -104,62 +102,12 @@ def _cells(x: torch.Tensor, block: int, cells: int) -> tuple[torch.Tensor, int]:
     return pooled.view(*pooled.shape[:2], nb, cells, -1), nc - (nb - 1) * cells
 
 
-def _block_score_kernel(QC, KC, OUT, nq, nk, q_last, k_last, scale,
-                        C: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr):
-    """One (BQ query blocks x BK key blocks) tile of one batch-head: the cell-pair dot products stay in registers,
-    reduced by log-sum-exp per block pair. QC (BH, nq*C, D), KC (BH, nk*C, D) fp32 cell means; OUT (BH, nq, nk)."""
-    pq = tl.program_id(0)
-    pk = tl.program_id(1)
-    bh = tl.program_id(2).to(tl.int64)
-    rq = pq * BQ * C + tl.arange(0, BQ * C)
-    rk = pk * BK * C + tl.arange(0, BK * C)
-    d = tl.arange(0, D)
-    q_in = rq < nq * C
-    k_in = rk < nk * C
-    q = tl.load(QC + bh * nq * C * D + rq[:, None] * D + d[None, :], mask=q_in[:, None], other=0.0)
-    k = tl.load(KC + bh * nk * C * D + rk[:, None] * D + d[None, :], mask=k_in[:, None], other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # (BQ*C, BK*C) fp32
-    q_ok = q_in & ((rq // C < nq - 1) | (rq % C < q_last))  # the last block's empty cells take no part
-    k_ok = k_in & ((rk // C < nk - 1) | (rk % C < k_last))
-    s = tl.where(q_ok[:, None] & k_ok[None, :], s, float("-inf"))
-    s4 = tl.reshape(s, (BQ, C, BK, C))
-    m = tl.max(tl.max(s4, axis=3), axis=1)  # (BQ, BK)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    e = tl.exp(s4 - m_safe[:, None, :, None])
-    total = tl.sum(tl.sum(e, axis=3), axis=1)
-    out = m_safe + tl.log(total)
-    i = pq * BQ + tl.arange(0, BQ)
-    j = pk * BK + tl.arange(0, BK)
-    tl.store(OUT + bh * nq * nk + i[:, None] * nk + j[None, :], out, mask=(i < nq)[:, None] & (j < nk)[None, :])
-
-
-_JIT: dict[bool, Callable] = {}
-
-
-def _fused_block_scores(qc: torch.Tensor, q_last: int, kc: torch.Tensor, k_last: int, scale: float) -> torch.Tensor:
-    """`block_scores` in one Triton launch (CUDA, or Triton's interpreter): qc (B, H, nq, C, D), kc (B, H, nk, C, D)."""
-    b, h, nq, c, d = qc.shape
-    nk = kc.shape[2]
-    interp = kernels._interpreting()
-    if interp not in _JIT:
-        _JIT[interp] = triton.jit(_block_score_kernel)
-    out = torch.empty(b, h, nq, nk, device=qc.device)
-    bq = bk = max(1, 64 // c)
-    grid = (triton.cdiv(nq, bq), triton.cdiv(nk, bk), b * h)
-    _JIT[interp][grid](qc.contiguous(), kc.contiguous(), out, nq, nk, q_last, k_last, scale,
-                       C=c, D=d, BQ=bq, BK=bk, num_warps=4)
-    return out
-
-
 def block_scores(q: torch.Tensor, k: torch.Tensor, block: int, cells: int, heads_at_once: int = 8) -> torch.Tensor:
     """(B, H, nq, nk) fp32: log Σ over the block pair's cell pairs of exp(mean q cell · mean k cell / sqrt(D)); cells
     past the sequence end take no part. A few heads at a time (the cell-pair matrix is cells² times the block one)."""
     scale = q.shape[-1] ** -0.5
     qc, q_last = _cells(q, block, cells)  # (B, H, nq, c, D)
     kc, k_last = _cells(k, block, cells)
-    d = q.shape[-1]
-    if kernels.use_fused(q) and not d & (d - 1) and not cells & (cells - 1) and cells <= 64:
-        return _fused_block_scores(qc, q_last, kc, k_last, scale)
     b, h, nq = qc.shape[:3]
     nk = kc.shape[2]
     out = torch.empty(b, h, nq, nk, device=q.device)

@@ -136,12 +136,15 @@ def block_groups(groups: torch.Tensor, n: int, block: int) -> tuple[torch.Tensor
 
 
 def route(q: torch.Tensor, k: torch.Tensor, groups: torch.Tensor, config: SparseConfig) -> torch.Tensor:
-    """The block mask (B, H, nq, nk) bool of q (B, H, Nq, D) over k (B, H, Nk, D); `groups` (>= Nk rows, or Nq:
-    rows past it are padding) the packed rows' router groups (`row_groups`) on q's device."""
+    """The block mask (B, H, nq, nk) bool of q (B, H, Nq, D) over k (B, H, Nk, D); `groups` the packed rows' router
+    groups (`row_groups`) on q's device. Query rows past len(groups) are padding (a Ulysses tail): they take no part
+    in the pooling, and a block of padding alone reads every key block (its output is never read)."""
     block = config.block
-    scores = block_scores(q, k, block, config.cells)  # (B, H, nq, nk) fp32
+    n_q = q.shape[2]
+    real = min(n_q, groups.shape[0])
+    scores = block_scores(q[:, :, :real], k, block, config.cells)  # (B, H, nq, nk) fp32
     nq, nk = scores.shape[-2:]
-    _, q_text = block_groups(groups, q.shape[2], block)
+    _, q_text = block_groups(groups, real, block)
     k_group, k_text = block_groups(groups, k.shape[2], block)
     mask = torch.zeros_like(scores, dtype=torch.bool)
     for g in KEY_GROUPS:
@@ -156,6 +159,9 @@ def route(q: torch.Tensor, k: torch.Tensor, groups: torch.Tensor, config: Sparse
     mask |= q_text[:, None]  # text query blocks read everything
     diag = torch.arange(min(nq, nk), device=q.device)
     mask[..., diag, diag] = True  # each block reads itself
+    pad_blocks = -(-n_q // block) - nq
+    if pad_blocks:
+        mask = torch.cat([mask, mask.new_ones(*mask.shape[:2], pad_blocks, nk)], dim=2)
     return mask
 
 

@@ -113,6 +113,13 @@ if has fullckpt; then
       --threads ${THREADS:-24} --adapter $ADAPTER
   df -B1 --output=target,avail / /tmp /dev/shm | tee -a "$OUT/suite.log"
 fi
+# Issue 27 item 4 (open): the one-GPU FastH3 10 s figure (75.9 s, 124.4 GiB today; goal <= 55 s in <= 80 GiB) with the
+# levers lifted one by one. The lossless baseline on one H200 is (after fullckpt):
+#   STEPS=e2e_variants E2E_VARIANTS=$'--world 1 --warmups 0 --tag gpu1' bash bench/gpu_suite.sh
+# Not built yet: bench/e2e_parallel.py takes no lever flags (--adaln-table, --encoder-resident-layers, --vae-staged,
+# --fp8), and the FastH3 rule (config/levers.py, fasth3=True per row) still refuses every lever but the AdaLN table.
+# Each lifted lever's run is then one more E2E_VARIANTS line with its flag and its own --tag, compared with gpu1's
+# latents (latents_pairs: the final-latent deviation vs lossless FastH3).
 E2E_ARGS="--checkpoint $CKPT --adapter $ADAPTER --world 2 --device cuda --dtype bf16 --out $E2E_OUT ${E2E_EXTRA:-}"
 if has e2e_ours; then
   run e2e_ours 590 python3 bench/e2e_parallel.py $E2E_ARGS --skip-diffusers

@@ -165,3 +165,17 @@ def test_fasth3_refuses_sparse_attention_and_the_bounds_name_the_field():
     with pytest.raises(ProfileError, match="sparse-attention"):
         DiTEngine.load("/nonexistent", profile="fasth3", levers=levers)
     assert sparse.density_of("12.5") == 0.125 and sparse.density_of("off") is None
+
+
+def test_ring_is_refused_with_sparse_attention(model):
+    """A Ring chunk sees only part of the keys: sequence parallelism with the lever is Ulysses only."""
+    from types import SimpleNamespace
+
+    from h3serve.models.dit.parallel import USPPlan, parallelize_dit
+
+    try:
+        attach_sparse(model, SparseConfig(0.25, block=BLOCK))
+        with pytest.raises(ValueError, match="Ulysses only, not ring=2"):
+            parallelize_dit(model, SimpleNamespace(plan=USPPlan(1, 2)))
+    finally:
+        _detach(model)

@@ -5,7 +5,7 @@ pooled cells, per packed segment), with 128-row blocks where SubBlock has 64 (me
 
 * the packed sequence is cut into `block`-row blocks (the last one partial), each into `cells` cells; q and k are
   mean-pooled per cell in fp32 and a (query block, key block) pair is scored by the log-sum-exp of its cells'
-  pooled, scaled dot products (an estimate of the block's unnormalized softmax mass; one mean per 64 rows averages
+  pooled, scaled dot products (an estimate of the block's unnormalized softmax mass; one mean per block averages
   away what decides which keys a query wants), per batch and head;
 * per query block and per key group (video rows, audio rows) the top ceil(density × blocks of that group) key blocks
   are kept, so neither modality starves the other; key blocks holding a text row, the query block's own block and

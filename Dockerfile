@@ -25,11 +25,14 @@ COPY --from=build /wheels /wheels
 # - torch first and alone (pinned; PyPI's Linux wheels are the CUDA build) so that resolving the rest cannot move it;
 # - PyAV (a dependency of h3serve; its wheels bundle FFmpeg) for the muxer;
 # - NIXL (the `nixl` extra: UCX transport of latents and frames between stages);
-# - FlashAttention-3 forward (`fa3-fwd`, the DiT's attention kernel on Hopper; the version bench/RESULTS.md measured).
+# - FlashAttention-3 forward (`fa3-fwd`, the DiT's attention kernel on Hopper; the version bench/RESULTS.md measured);
+# - FlashAttention-4 (`flash-attn-4`, the block-sparse attention lever's kernel; JIT-compiled by its CuTe DSL on first
+#   use; the version bench/RESULTS.md §16 measured).
 # torch is named again in the second install so that pip keeps the pinned build.
 RUN pip install "torch==2.13.0" \
  && pip install "torch==2.13.0" "$(ls /wheels/h3serve-*.whl)[operator,nixl]" "fa3-fwd==0.0.3" \
- && python -c "from importlib.metadata import version as v; print({p: v(p) for p in ('torch', 'av', 'nixl', 'fa3-fwd', 'kopf')})" \
+      "flash-attn-4==4.0.0b36" \
+ && python -c "from importlib.metadata import version as v; print({p: v(p) for p in ('torch', 'av', 'nixl', 'fa3-fwd', 'flash-attn-4', 'kopf')})" \
  && rm -rf /wheels
 # Pods run as this user (restricted Pod Security: runAsNonRoot, read-only root filesystem, /tmp an emptyDir).
 USER 65532:65532

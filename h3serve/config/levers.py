@@ -10,7 +10,8 @@ spelling (`LEVERS_MESSAGE`, `CLI_NAMES`, `SPEC_NAMES`, `REQUEST_NAMES`) and the 
 The levers today: DiT layerwise offload (a window of `resident_blocks` DiT blocks on the device, the rest streamed
 from pinned host memory; `offload_mode` with several ranks), the text decoder's layerwise offload
 (`encoder_resident_layers`), VAE staging (`vae_staged`: both VAEs in pinned host memory, on the device only for the
-request that decodes), FP8 linear layers (the DiT blocks and the text decoder), FP8 attention. Lever of a request:
+request that decodes), FP8 linear layers (the DiT blocks and the text decoder), FP8 attention, block-sparse attention
+(`sparse_attention`, a density in percent). Lever of a request:
 `quality` (`high` = step reuse). Every lever is off by default; offload and staging change no output.
 
 The rule: profile fasth3 takes none of them (the published work has not certified the student with offload, caching
@@ -33,6 +34,7 @@ from h3serve.config.vocab import (
     ENCODER_LAYERS,
     MIN_RESIDENT_BLOCKS,
     OFFLOAD_MODES,
+    SPARSE_DENSITIES,
 )
 
 
@@ -94,6 +96,15 @@ class Levers:
         lossy=True, help="dit: FP8 attention, FlashAttention-3's FP8 forward (lossy; default off)",
         doc="FP8 DiT attention (FlashAttention-3's FP8 forward); lossy.")
 
+    sparse_attention: str = lever(
+        "off", flag="--sparse-attention", spec="dit.levers.sparseAttention", request="sparse_attention",
+        stages=("dit",), choices=SPARSE_DENSITIES, lossy=True,
+        help="dit: block-sparse DiT attention keeping this percent of each query block's key blocks per modality "
+             "after the first 20%% of the steps (lossy; default off)",
+        doc="Block-sparse DiT attention (a training-free router over 128-row blocks, FlashAttention-4's block-sparse "
+            "forward): the percent of each query block's video and audio key blocks kept, text always kept, the "
+            "first 20% of the steps dense; lossy.")
+
     adaln_table: bool = lever(
         False, flag="--adaln-table", spec="dit.levers.adalnTable", request="adaln_table", stages=("dit",), fasth3=True,
         help="dit: the AdaLN projections' outputs for the profile's schedule as a table in host memory: their weights "
@@ -144,7 +155,8 @@ SPEC_NAMES = {**{fl.name: fl.metadata["spec"] for fl in LEVERS}, **{k: v[1] for 
 REQUEST_NAMES = {**{fl.name: fl.metadata["request"] for fl in LEVERS}, **{k: v[2] for k, v in _OTHERS.items()}}
 FASTH3_REFUSED = tuple(fl.name for fl in LEVERS if not fl.metadata["fasth3"] and fl.metadata["setting_of"] is None)
 LEVERS_MESSAGE = ("profile fasth3 takes no " + ", ".join("{%s}" % name for name in FASTH3_REFUSED) +
-                  " or {quality}=high: offload, staging, FP8 and step reuse are certified for profile base only")
+                  " or {quality}=high: offload, staging, FP8, sparse attention and step reuse are certified for "
+                  "profile base only")
 # Staging copies the whole VAE once per request; patch parallel calls its decoder tile by tile on several ranks.
 STAGED_VAE_MESSAGE = "{vae_staged} needs {vae_pp}=1 (got {pp:d}): patch-parallel ranks keep their VAE resident"
 

@@ -246,9 +246,13 @@ def _autoscaling_rules(st: str) -> tuple[Rule, ...]:
 
 
 def _lever_off(row) -> Expr:
-    """A lever of the table at its default: unset, or false."""
+    """A lever of the table at its default: unset, false, or its default choice ("off")."""
     path = row.metadata["spec"]
-    return unset(path) if row.default is None else op("!", Field(path))
+    if row.default is None:
+        return unset(path)
+    if isinstance(row.default, str):
+        return any_of(unset(path), op("==", Field(path), row.default))
+    return op("!", Field(path))
 
 
 RULES: tuple[Rule, ...] = (

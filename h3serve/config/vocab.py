@@ -70,6 +70,7 @@ DIT_HEADS = 56         # H3 DiT: 56 heads x 128
 QUALITIES = ("lossless", "high")  # lossless: every block of every step; high: step reuse (base profile)
 DEFAULT_QUALITY = "lossless"
 OFFLOAD_MODES = ("local", "allgather")  # DiT layerwise offload over several ranks: each rank's own host copy / shards
+SPARSE_DENSITIES = ("off", "50", "25", "12.5")  # block-sparse DiT attention: percent of key blocks kept (the measured ones)
 DIT_LAYERS = 50        # H3 DiT blocks: the bound of the resident-block window
 MIN_RESIDENT_BLOCKS = 2  # a copy one block ahead needs a second slot
 ENCODER_LAYERS = 50    # Qwen3-VL decoder layers H3 reads (hidden_states[50]): the bound of the encoder's window

@@ -14,7 +14,8 @@ from h3serve.distributed.world import launch
 from h3serve.errors import Cancelled
 from h3serve.testing.rankcases import GEOMETRIES, TOL, maxdiff
 
-from .workers import build_suite, dit_inputs, dit_request, qwen_text_states, tiny_dit, tiny_qwen_text
+from .workers import (SPARSE, build_suite, dit_inputs, dit_request, qwen_text_states, sparse_request, tiny_dit,
+                      tiny_qwen_text)
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +52,22 @@ def test_cancel_stops_every_rank_at_the_same_step_then_serves_the_next(stage2):
     ref = DiTEngine({"transformer": tiny_dit()}, device=torch.device("cpu"), profile="base").generate(dit_request())
     assert stage2.healthy and res.steps == ref.steps
     assert maxdiff((res.video, res.audio), (ref.video, ref.audio)) <= TOL
+
+
+def test_dit_two_ranks_with_sparse_attention_route_each_ranks_heads_as_one_rank_does(stage2):
+    """Ulysses: each rank routes its own two heads over the whole sequence; the result is the one-rank result."""
+    from h3serve.models.dit.engine import DiTEngine
+    from h3serve.models.dit.sparse import attach_sparse
+
+    model = tiny_dit()
+    attach_sparse(model, SPARSE)
+    ref = DiTEngine({"transformer": model}, device=torch.device("cpu"), profile="base").generate(sparse_request())
+    dense = DiTEngine({"transformer": tiny_dit()}, device=torch.device("cpu"), profile="base").generate(
+        sparse_request())
+    res, report = stage2.call("generate_sparse", ((2, 1), sparse_request(), SPARSE))
+    assert report["sparse_forwards"] == 4 and report["kept_mean"] < 1, report  # 5 forwards, the first dense
+    assert maxdiff((res.video, res.audio), (ref.video, ref.audio)) <= TOL
+    assert maxdiff((res.video, res.audio), (dense.video, dense.audio)) > 100 * TOL  # the routing mattered
 
 
 @pytest.mark.parametrize("plan", [(2, 1), (1, 2)], ids=["ulysses2", "ring2"])

@@ -8,6 +8,7 @@ from h3serve.distributed.world import Runtime
 from h3serve.models.dit.engine import DiTEngine, DiTRequest
 from h3serve.models.dit.layout import build_t2va_layout, row_timesteps
 from h3serve.models.dit.model import H3DiT, H3DiTConfig
+from h3serve.models.dit.sparse import SparseConfig, attach_sparse
 from h3serve.models.dit.parallel import (USPGroups, USPPlan, parallelize_dit, ulysses_heads_to_rows,
                                          ulysses_rows_to_heads)
 
@@ -85,7 +86,19 @@ def build_dit(runtime: Runtime, plans):
         table = engine.use_adaln_table(directory, steps=req.steps)["transformer"]
         return engine.generate(req), table.report()
 
-    return {"forward": forward, "generate": generate, "generate_adaln": generate_adaln}
+    def generate_sparse(payload, local):
+        """The plan's engine with block-sparse attention (each rank routes its own heads): result and report."""
+        plan, req, config = payload
+        g = groups[tuple(plan)]
+        if g is None:
+            return None
+        model = tiny_dit()
+        state = attach_sparse(model, config)
+        res = DiTEngine({"transformer": parallelize_dit(model, g)}, device=runtime.device, profile="base").generate(req)
+        return res, state.last
+
+    return {"forward": forward, "generate": generate, "generate_adaln": generate_adaln,
+            "generate_sparse": generate_sparse}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -179,6 +192,16 @@ def dit_request(steps=6, seed=3):
     g = torch.Generator().manual_seed(seed)
     return DiTRequest(text_states=torch.randn(1, 7, 24, generator=g), text_tags=torch.ones(7, dtype=torch.long),
                       latent_frames=2, latent_h=4, latent_w=6, audio_latents=3, seed=seed, steps=steps)
+
+
+def sparse_request(steps=6, seed=3):
+    """A request long enough to route (219 rows: 14 blocks of 16)."""
+    g = torch.Generator().manual_seed(seed)
+    return DiTRequest(text_states=torch.randn(1, 7, 24, generator=g), text_tags=torch.ones(7, dtype=torch.long),
+                      latent_frames=3, latent_h=16, latent_w=16, audio_latents=10, seed=seed, steps=steps)
+
+
+SPARSE = SparseConfig(0.25, block=16, min_rows=0)
 
 
 def build_subgroups(runtime: Runtime):

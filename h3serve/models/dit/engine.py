@@ -33,6 +33,7 @@ from h3serve.models.dit.adaln import ADALN_WEIGHTS, AdaLNTable, attach_adaln_tab
 from h3serve.models.dit.model import FP32_MODULES, H3DiT
 from h3serve.models.dit.quant import quantize_dit
 from h3serve.models.dit.reuse import ReuseConfig, StepReuse
+from h3serve.models.dit.sparse import SparseConfig, attach_sparse, density_of
 from h3serve.models.dit.scheduler import FlowShifts, schedules_for
 from h3serve.models.checkpoint import checked_folder, flow_shifts, transformer_config
 from h3serve.models.offload import attach_offload
@@ -112,7 +113,7 @@ class DiTEngine:
         """Build each partition on the meta device and stream its weights in; the adapter file (profile fasth3,
         checked against its sha256) is fused tensor by tensor before the cast, i.e. before any later sharding sees
         the weights, and closed on every path. `levers`: FP8 linears are made here, FP8 attention is chosen here,
-        offload applied here unless `offload=False` (USP: after the cross-rank weight check, `apply_offload`).
+        block-sparse attention attached here, offload applied here unless `offload=False` (USP: after the cross-rank weight check, `apply_offload`).
 
         `levers.adaln_table`: the AdaLN projections' weights are read into host memory only and replaced by a table
         of their outputs for the profile's schedule (`adaln_steps` grid points; default the profile's), read from or
@@ -153,6 +154,10 @@ class DiTEngine:
             log.info("%s: %s", component, report.summary())
             if levers.fp8:
                 log.info("%s: %d linear layers in FP8", component, len(quantize_dit(model)))
+            density = density_of(levers.sparse_attention)
+            if density is not None:
+                attach_sparse(model, SparseConfig(density))
+                log.info("%s: block-sparse attention at %s%% density", component, levers.sparse_attention)
             models[component] = model
         if levers.fp8_attention:
             kernels.choose_attention(device, "fp8", "the fp8_attention lever is on")
@@ -249,6 +254,8 @@ class DiTEngine:
             policy = StepReuse(layers, self.reuse.fitted(layers), group=groups.data if groups is not None else None)
             policy.begin(video_schedule.num_steps)
             inner.step_policy = policy
+        if inner.sparse is not None:
+            inner.sparse.begin(video_schedule.num_steps)  # the router counts this request's steps
         try:
             video_out, audio_out = self._denoise(model, video_rows, audio_rows, text_states, layout, video_schedule,
                                                  audio_schedule, _on_step, should_stop)
@@ -256,6 +263,8 @@ class DiTEngine:
             if policy is not None:
                 inner.step_policy = None
                 policy.end()
+            if inner.sparse is not None:
+                log.info("sparse attention: %s", inner.sparse.end())  # a forward outside a request runs dense
         n = video_schedule.num_steps
         computed = policy.forwards_computed if policy is not None else n
         evaluations = policy.block_evaluations if policy is not None else n * layers

@@ -12,7 +12,7 @@ inference speed (H3_REFERENCE §2):
   timesteps from it (`BlockContext.adaln`, `out_modulation`) instead of projecting silu(temb); their weights are then
   not in the model.
 * Attention is `F.scaled_dot_product_attention` on (B, H, N, Dh) behind `H3Attention.attend`, which a sequence-parallel
-  plan (Ulysses / Ring) may replace from outside. Given a `RowShard`, the forward (embed, blocks, heads) runs on the
+  plan (Ulysses / Ring) may replace from outside; the block-sparse lever (sparse.py) wraps it. Given a `RowShard`, the forward (embed, blocks, heads) runs on the
   shard's rows only and `BlockContext.shard` re-bases the per-row context onto them: the plan adds only the exchange
   around attention and the gather of the outputs.
 
@@ -460,6 +460,7 @@ class H3DiT(nn.Module):
     block_runner = None
     step_policy = None
     adaln_table = None
+    sparse = None  # a SparseAttention (sparse.py): block-sparse attention past a request's first steps
 
     def __init__(self, config: H3DiTConfig):
         super().__init__()
@@ -524,6 +525,8 @@ class H3DiT(nn.Module):
         """
         device = self.context_embedder.weight.device
         layout = layout.to(device)  # no-op when the caller already moved it (the loop does, once)
+        if self.sparse is not None:
+            self.sparse.forward(layout)  # one forward = one step: the router's step count and row groups
         x, ctx, plan = self.embed(video_rows, audio_rows, text_states, timesteps, timestep_indices, layout, shard)
         x = self.step_policy.run(self, x, ctx) if self.step_policy is not None else self.run_blocks(x, ctx)
         return self.heads(x, ctx, plan, timestep_indices, layout, shard)

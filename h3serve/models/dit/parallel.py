@@ -232,7 +232,10 @@ class _USPAttention:
             o = ring_attention(q, k, v, group=g.ring, ring_ranks=g.ring_ranks, ring_index=g.ring_index, valid=valid)
         else:
             nv = valid[0]
-            o = chosen_attention(q.device)[1](q, k[:, :, :nv], v[:, :, :nv])  # same kernel as one GPU
+            dense = chosen_attention(q.device)[1]  # same kernel as one GPU
+            sparse = self.owner.model.sparse  # block-sparse lever: this rank routes its own heads
+            k, v = k[:, :, :nv], v[:, :, :nv]
+            o = sparse.attend(q, k, v, dense) if sparse is not None else dense(q, k, v)
         if u > 1:
             o = ulysses_heads_to_rows(o, g.ulysses, u)
         return o
@@ -292,6 +295,9 @@ def parallelize_dit(model: H3DiT, groups: USPGroups) -> USPDiT:
     sequence parallel. Checks the degrees against the model's heads, then gives every H3Block the USP attention
     (the text refiner, replicated, keeps plain attention); returns the rank's USPDiT."""
     groups.plan.validate(model.config.num_attention_heads)
+    if model.sparse is not None and groups.plan.ring > 1:
+        raise ValueError(f"block-sparse attention runs with Ulysses only, not ring={groups.plan.ring}: a ring "
+                         "chunk sees only part of the keys it would route over")
     usp = USPDiT(model, groups)
     attention = _USPAttention(usp)
     for block in model.transformer_blocks:

@@ -56,7 +56,7 @@ class GatewayServicer(StageBase):
 
     def __init__(self, config: StageConfig, health=None):
         super().__init__(config, health)
-        self.max_message = config.gateway.max_sync_bytes + (1 << 20)
+        self.max_message = config.gateway.max_message_bytes
         self.gateway = Gateway(config, on_health=self._on_health)
         self.auth = Authenticator(config.gateway.api_keys_file)
         self.interceptors = (AuthInterceptor(self.auth),)

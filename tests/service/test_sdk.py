@@ -1,0 +1,132 @@
+"""The SDK against a real gateway and stages: a dropped stream re-attached to its job, a generation that survives a
+stage killed mid-job (retried under the same request_id: one MP4, the embedded pipeline's), idempotent cancel, an
+oversize request refused as TooLarge (not a retryable QueueFull), and docs/sdk.md's examples run as written."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from h3serve.client import (AsyncClient, Cancelled, Client, NotFound, Progress, Retry, TooLarge, VideoRequest)
+from h3serve.testing.faults import wait_replaced
+
+from .conftest import REPO, REQUEST
+
+PATIENT = Retry(attempts=30, initial_backoff_s=0.2, max_backoff_s=2.0, deadline_s=150.0)
+
+
+def _drop(gen) -> None:
+    """Drop a stream as a lost connection does: the call ends; the SDK is not told to cancel the request."""
+    gen._call.cancel()
+
+
+def test_a_dropped_stream_is_reattached_and_gets_the_whole_mp4(stack, embedded):
+    stack.wait_ready()
+    with Client(stack.grpc, timeout=120) as client:
+        gen = client.stream(**dict(REQUEST, request_id="drop-me"))
+        for event in gen:
+            if isinstance(event, Progress) and event.stage == "dit":
+                break
+        _drop(gen)
+        time.sleep(0.5)   # the gateway has seen the call end; the job runs on
+        again = client.attach("drop-me")
+        events = list(again)
+        result = again.result()
+        assert result.mp4 == embedded(**REQUEST)
+        assert events[0].request_id == "drop-me"                      # replayed from the start (Accepted)
+        assert [e.done for e in events if isinstance(e, Progress) and e.stage == "dit"] == [1, 2, 3]
+        # finished: attached again it replays the same MP4; cancel answers its state, no NotFound
+        assert client.attach("drop-me").result().sha256 == result.sha256
+        state = client.cancel("drop-me")
+        assert (state.cancelled, state.status) == (False, "completed"), state
+        with pytest.raises(NotFound, match="to attach to"):
+            list(client.attach("no-such-request"))
+
+
+def test_async_attach_and_the_same_methods(stack, embedded):
+    async def run():
+        async with AsyncClient(stack.grpc, timeout=120) as client:
+            await client.wait_ready(30)
+            assert (await client.info())["max_message_bytes"] == str(65 << 20)
+            gen = client.stream(VideoRequest(**REQUEST, request_id="async-drop"))
+            async for event in gen:
+                if isinstance(event, Progress) and event.stage == "dit":
+                    break
+            _drop(gen)
+            return await client.attach("async-drop").result()
+
+    assert asyncio.run(run()).mp4 == embedded(**REQUEST)
+
+
+def test_generate_survives_the_dit_killed_mid_job(stack, embedded):
+    """kill -9 of the DiT at its first step: the job fails UNAVAILABLE naming the dit, the SDK submits it again
+    under the same request_id (refused while the launcher restarts the DiT, retried with backoff) and returns the
+    one MP4, byte for byte the embedded pipeline's."""
+    stack.wait_ready()
+    pid = stack.status("dit").pid
+    killed = []
+
+    def on_progress(p: Progress) -> None:
+        if p.stage == "dit" and not killed:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(time.monotonic())
+
+    with Client(stack.grpc, timeout=240, retry=PATIENT) as client:
+        result = client.generate(**dict(REQUEST, request_id="survive-kill"), on_progress=on_progress)
+        assert killed, "the DiT was never killed"
+        assert result.mp4 == embedded(**REQUEST)
+        assert result.attempts >= 2 and result.request_id == "survive-kill"
+        assert client.cancel("survive-kill").status == "completed"
+    assert wait_replaced(lambda: stack.status("dit"), pid, timeout_s=5)   # it really was a new DiT process
+    print("FIGURES", {"sdk_attempts_after_dit_kill": result.attempts,
+                      "recovered_after_s": round(time.monotonic() - killed[0], 2)})
+
+
+def test_without_retries_the_kill_is_reported_and_cancel_is_idempotent(stack):
+    stack.wait_ready()
+    pid = stack.status("dit").pid
+    with Client(stack.grpc, timeout=120, retry=None) as client:
+        gen = client.stream(**dict(REQUEST, request_id="killed-once"))
+        for event in gen:
+            if isinstance(event, Progress) and event.stage == "dit":
+                os.kill(pid, signal.SIGKILL)
+                break
+        with pytest.raises(Exception) as info:
+            gen.result()
+        assert type(info.value).__name__ == "StageUnavailable" and info.value.stage == "dit", info.value
+        state = client.cancel("killed-once")
+        assert (state.cancelled, state.status, state.error_code) == (False, "failed", "stage_unavailable")
+        assert client.cancel("killed-once") == state                  # and again: the same answer
+    assert wait_replaced(lambda: stack.status("dit"), pid, timeout_s=120)
+    stack.wait_ready()
+
+
+def test_oversize_is_too_large_naming_size_and_limit_and_not_retried(stack):
+    big = b"\x89PNG" + bytes(66 << 20)
+    with Client(stack.grpc, timeout=60) as client:
+        with pytest.raises(TooLarge, match=r"the request is \d+ bytes .*limit of 68157440 bytes \(65 MiB\)"):
+            client.generate("x", first_image=big)                     # refused before sending
+    t0 = time.monotonic()
+    with Client(stack.grpc, timeout=60, max_send_bytes=1 << 30, retry=PATIENT) as client:   # sent: the gateway
+        with pytest.raises(TooLarge, match=r"\d+ bytes .*limit of 68157440 bytes") as info:  # refuses it
+            client.generate("x", first_image=big)
+    assert not isinstance(info.value, Cancelled) and time.monotonic() - t0 < 10   # once, not retried
+
+
+def test_docs_sdk_examples_run(stack, tmp_path, monkeypatch):
+    """Every python block of docs/sdk.md, in order, in one namespace, against the test gateway."""
+    stack.wait_ready()
+    text = (REPO / "docs" / "sdk.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(blocks) >= 4, "docs/sdk.md lost its examples"
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {"__name__": "sdk_doc"}
+    for i, block in enumerate(blocks):
+        code = block.replace("127.0.0.1:50051", stack.grpc)
+        exec(compile(code, f"docs/sdk.md[{i}]", "exec"), namespace)
+    assert (tmp_path / "kite.mp4").stat().st_size > 0

@@ -130,3 +130,46 @@ def test_docs_sdk_examples_run(stack, tmp_path, monkeypatch):
         code = block.replace("127.0.0.1:50051", stack.grpc)
         exec(compile(code, f"docs/sdk.md[{i}]", "exec"), namespace)
     assert (tmp_path / "kite.mp4").stat().st_size > 0
+
+
+def test_the_table_keeps_finished_stream_jobs_for_attach_within_bounds(tmp_path, monkeypatch):
+    """A finished stream job stays watchable: its id is refused while it completed (a retry re-attaches), taken
+    again when it failed (a retry replaces the failed try); the oldest go past KEEP_FINISHED_JOBS."""
+    from h3serve.config.request import validate_request
+    from h3serve.config.stage import StageConfig
+    from h3serve.errors import AlreadyExists, StageUnavailable
+    from h3serve.services.gateway import jobs as jobs_module
+    from h3serve.services.gateway.fields import Validated
+    from h3serve.services.gateway.metrics import GatewayMetrics
+
+    table = jobs_module.JobTable(StageConfig.from_knobs(jobs_dir=str(tmp_path / "jobs"), queue_size=8),
+                                 GatewayMetrics())
+    validated = Validated(validate_request(prompt="p", seconds=5, width=320, height=256, steps=4), {}, "m")
+
+    def run(rid: str, exc=None):
+        job = table.new(validated, kind="stream", request_id=rid, owner="alice")
+        job.opening = lambda j: f"accepted {j.id}"
+        table.admit(job, {})
+        assert table.take() is job
+        job.emit("progress")
+        table.finish(job, exc)
+        return job
+
+    try:
+        done = run("done")
+        assert list(table.watchable("done", "alice").watch(object(), lambda: True)) == ["accepted done", "progress"]
+        with pytest.raises(AlreadyExists):
+            table.admit(table.new(validated, kind="stream", request_id="done", owner="alice"), {})
+        with pytest.raises(NotFound):
+            table.watchable("done", "bob")                       # another caller's namespace
+        failed = run("failed", StageUnavailable("dit", "killed"))
+        assert table.cancel("failed", owner="alice", grpc_jobs=True) is False and failed.status == "failed"
+        again = run("failed")                                    # the retry replaces the failed try
+        assert table.watchable("failed", "alice") is again and again.status == "completed"
+        monkeypatch.setattr(jobs_module, "KEEP_FINISHED_JOBS", 2)
+        run("third")
+        with pytest.raises(NotFound, match="to attach to"):
+            table.watchable("done", "alice")                     # the oldest of three went
+        assert done.status == "completed"
+    finally:
+        table.close()

@@ -63,27 +63,37 @@ def test_async_attach_and_the_same_methods(stack, embedded):
     assert asyncio.run(run()).mp4 == embedded(**REQUEST)
 
 
-def test_generate_survives_the_dit_killed_mid_job(stack, embedded):
+@pytest.mark.parametrize("flavour", ["sync", "asyncio"])
+def test_generate_survives_the_dit_killed_mid_job(stack, embedded, flavour):
     """kill -9 of the DiT at its first step: the job fails UNAVAILABLE naming the dit, the SDK submits it again
     under the same request_id (refused while the launcher restarts the DiT, retried with backoff) and returns the
     one MP4, byte for byte the embedded pipeline's."""
     stack.wait_ready()
     pid = stack.status("dit").pid
     killed = []
+    rid = f"survive-kill-{flavour}"
 
     def on_progress(p: Progress) -> None:
         if p.stage == "dit" and not killed:
             os.kill(pid, signal.SIGKILL)
             killed.append(time.monotonic())
 
-    with Client(stack.grpc, timeout=240, retry=PATIENT) as client:
-        result = client.generate(**dict(REQUEST, request_id="survive-kill"), on_progress=on_progress)
-        assert killed, "the DiT was never killed"
-        assert result.mp4 == embedded(**REQUEST)
-        assert result.attempts >= 2 and result.request_id == "survive-kill"
-        assert client.cancel("survive-kill").status == "completed"
+    if flavour == "sync":
+        with Client(stack.grpc, timeout=240, retry=PATIENT) as client:
+            result = client.generate(**dict(REQUEST, request_id=rid), on_progress=on_progress)
+            state = client.cancel(rid)
+    else:
+        async def run():
+            async with AsyncClient(stack.grpc, timeout=240, retry=PATIENT) as client:
+                return (await client.generate(VideoRequest(**REQUEST, request_id=rid), on_progress=on_progress),
+                        await client.cancel(rid))
+        result, state = asyncio.run(run())
+    assert killed, "the DiT was never killed"
+    assert result.mp4 == embedded(**REQUEST)
+    assert result.attempts >= 2 and result.request_id == rid
+    assert state.status == "completed"                                    # one job of that id, and it completed
     assert wait_replaced(lambda: stack.status("dit"), pid, timeout_s=5)   # it really was a new DiT process
-    print("FIGURES", {"sdk_attempts_after_dit_kill": result.attempts,
+    print("FIGURES", {"flavour": flavour, "sdk_attempts_after_dit_kill": result.attempts,
                       "recovered_after_s": round(time.monotonic() - killed[0], 2)})
 
 

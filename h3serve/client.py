@@ -89,6 +89,9 @@ def _video_request_doc() -> str:
              "server's default). Keyword arguments of the clients' calls are these fields.", ""]
     for row in _ROWS:
         doc = row.metadata["doc"] or ""
+        if row.metadata["media"]:   # the table's text says how HTTP carries a file; here it is bytes or a path
+            doc = (doc.split(" (")[0] + ": " if doc else "") + ("bytes or a path" if row.metadata["media"] == "one"
+                                                               else "a list of Reference, in model order")
         lines.append(f"{row.metadata['json']} ({_annotation(row)}){': ' + doc if doc else ''}")
     return "\n".join(lines)
 

@@ -82,13 +82,23 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from h3serve.config.request import validate_request
 
     t0 = time.perf_counter()
-    request = validate_request(**_request_flags(args))
+    flags = _request_flags(args)
+    flags.pop("model", None)   # the gateway's pool: checked there
+    keyframes = [flag for flag, name in (("--first-image", "first_image"), ("--last-image", "last_image"))
+                 if name in flags]
+    if keyframes and flags.get("task", "fl2va") != "fl2va":
+        raise H3Error(f"{', '.join(keyframes)}: keyframes are task fl2va's (they imply it), but --task is "
+                      f"{flags['task']}; drop --task or give --task fl2va")
+    request = validate_request(**flags)
     _check_output(args.output)
     levers = _levers(args)
     if args.server:
         if levers.any:
             raise H3Error("--server: the levers are the deployment's (h3serve serve flags), not a request's")
         return _generate_remote(args, t0)
+    if args.model is not None:
+        raise H3Error(f"--model {args.model}: selects a pool of a gateway (with --server); in this process the "
+                      "model is --profile's (base | fasth3)")
     if not args.checkpoint:
         raise H3Error("generate needs --checkpoint DIR (embedded) or --server HOST:PORT (a running gateway)")
     if args.profile == "fasth3" and not (args.adapter and args.adapter_sha256):

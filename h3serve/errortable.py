@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -269,6 +270,21 @@ def _metadata(err: grpc.RpcError) -> dict[str, str]:
     return {k: (v.decode() if isinstance(v, bytes) else v) for k, v in md}
 
 
+def named_code(err: grpc.RpcError) -> str | None:
+    """The table's code a failed call's callee named (its trailing metadata), or None: the status came from gRPC
+    itself (no connection, a dropped stream, a message over a limit)."""
+    return _metadata(err).get(MD_CODE)
+
+
+# gRPC's own refusal of a message over its limit ("Sent message larger than max (N vs. M)" or "Received ...")
+_OVER_LIMIT = re.compile(r"(Sent|Received) message larger than max \((\d+) vs\. (\d+)\)")
+
+
+def too_large_message(size: int, limit: int, what: str) -> str:
+    return (f"{what} is {size} bytes ({size / (1 << 20):.1f} MiB), more than the gRPC message limit of "
+            f"{limit} bytes ({limit / (1 << 20):.0f} MiB); send large files through the HTTP API (docs/api.md)")
+
+
 def from_grpc(err: grpc.RpcError, *, stage: str | None = None, cancelled: bool = False) -> H3Error:
     """The domain error for a failed call. `stage` names the callee (used when the status does not name one);
     `cancelled` says the caller itself cancelled the call (then the result is `Cancelled`, whatever the code)."""
@@ -290,6 +306,8 @@ def from_grpc(err: grpc.RpcError, *, stage: str | None = None, cancelled: bool =
         return InvalidRequest(field or "request", details)
     if named == "invalid_request":
         return ProfileError(details)
+    if named == "quota_exceeded":   # the caller's limit (its Retry-After is HTTP's)
+        return QuotaExceeded(field or "quota", details, retry_after_s=0)
     if named == "queue_full":
         return QueueFull(details, stage=where)
     if named == "too_large":
@@ -316,6 +334,9 @@ def from_grpc(err: grpc.RpcError, *, stage: str | None = None, cancelled: bool =
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidRequest(field or "request", details)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        over = _OVER_LIMIT.search(details)
+        if over:   # not a full queue: the message itself is too large, and sending it again cannot help
+            return TooLarge(too_large_message(int(over.group(2)), int(over.group(3)), "the message"), stage=where)
         return QueueFull(details, stage=where)
     if code == grpc.StatusCode.NOT_FOUND:
         return NotFound(details, stage=where)

@@ -137,10 +137,20 @@ class CancelRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class CancelResponse(_message.Message):
-    __slots__ = ("cancelled",)
+    __slots__ = ("cancelled", "status", "error_code")
     CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     cancelled: bool
-    def __init__(self, cancelled: _Optional[bool] = ...) -> None: ...
+    status: str
+    error_code: str
+    def __init__(self, cancelled: _Optional[bool] = ..., status: _Optional[str] = ..., error_code: _Optional[str] = ...) -> None: ...
+
+class AttachRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()

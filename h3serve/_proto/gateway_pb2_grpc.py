@@ -44,6 +44,11 @@ class GatewayStub:
                 request_serializer=h3serve_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=h3serve_dot_v1_dot_gateway__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Attach = channel.unary_stream(
+                '/h3serve.v1.Gateway/Attach',
+                request_serializer=h3serve_dot_v1_dot_gateway__pb2.AttachRequest.SerializeToString,
+                response_deserializer=h3serve_dot_v1_dot_gateway__pb2.GenerateEvent.FromString,
+                _registered_method=True)
         self.Cancel = channel.unary_unary(
                 '/h3serve.v1.Gateway/Cancel',
                 request_serializer=h3serve_dot_v1_dot_gateway__pb2.CancelRequest.SerializeToString,
@@ -75,8 +80,19 @@ class GatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Attach(self, request, context):
+        """Watch a request by id from its start: the events it has sent so far (accepted, progress, MP4 chunks), then the
+        live ones, to the same end as Generate's stream (done, or its error). For a caller whose Generate stream dropped:
+        a job whose caller went away keeps running for the gateway's attach grace, and a finished job's events are kept
+        for its retention (NOT_FOUND after that, or for an id the caller never used).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Cancel(self, request, context):
-        """Cancel a request by id (the same as cancelling its call).
+        """Cancel a request by id (the same as cancelling its call). Idempotent: a finished request answers its state;
+        NOT_FOUND only for an id the caller has no request of.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -100,6 +116,11 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.GenerateSync,
                     request_deserializer=h3serve_dot_v1_dot_gateway__pb2.GenerateRequest.FromString,
                     response_serializer=h3serve_dot_v1_dot_gateway__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Attach': grpc.unary_stream_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=h3serve_dot_v1_dot_gateway__pb2.AttachRequest.FromString,
+                    response_serializer=h3serve_dot_v1_dot_gateway__pb2.GenerateEvent.SerializeToString,
             ),
             'Cancel': grpc.unary_unary_rpc_method_handler(
                     servicer.Cancel,
@@ -166,6 +187,33 @@ class Gateway:
             '/h3serve.v1.Gateway/GenerateSync',
             h3serve_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
             h3serve_dot_v1_dot_gateway__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/h3serve.v1.Gateway/Attach',
+            h3serve_dot_v1_dot_gateway__pb2.AttachRequest.SerializeToString,
+            h3serve_dot_v1_dot_gateway__pb2.GenerateEvent.FromString,
             options,
             channel_credentials,
             insecure,

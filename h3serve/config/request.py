@@ -135,8 +135,11 @@ class RequestFields:
     num_frames: int = _row("num_frames", "Requested frames at 24 fps (raised to 17n+5)")
     fps: int = _row("fps", enum=[FPS])
     seed: int = _row("seed", minimum=0, maximum=MAX_SEED, cli={"default": "0"}, dit=True)
-    task: str = _row("task", "t2va | fl2va | ref2va (SGLang's top-level field; also extra_params.task)",
-                     enum=list(TASKS), cli={"default": "t2va", "help": " | ".join(TASKS)}, dit=True)
+    task: str = _row("task", "t2va | fl2va | ref2va (SGLang's top-level field; also extra_params.task); inferred "
+                             "from the media when unset (keyframes: fl2va, references: ref2va, else t2va)",
+                     enum=list(TASKS),
+                     cli={"help": "t2va | fl2va | ref2va (default: fl2va with --first-image / --last-image, ref2va "
+                                  "with --reference, else t2va)"}, dit=True)
     profile: str = _row("profile", http=None, cli={"default": "base", "help": " | ".join(PROFILES)}, dit=True)
     steps: int = _row("num_inference_steps", "Sigma grid points incl. the terminal 0 (N -> N-1 steps); base "
                                              "default 50, fasth3 5",
@@ -144,7 +147,13 @@ class RequestFields:
     quality: str = _row("quality", "lossless (default) | high: step reuse, profile base only", enum=list(QUALITIES),
                         cli={"help": "lossless (default) | high: step reuse (profile base)"}, dit=True)
     dtype: str = _row("dtype", http=None, cli={"default": DEFAULT_DTYPE, "help": " | ".join(DTYPES)})
-    model: str = _row("model", request=False)
+    model: str = _row("model", "the model id of the pool to use (e.g. FastH3); unset: the deployment's own",
+                      request=False,
+                      cli={"help": "with --server: the model id of the gateway's pool to use (e.g. FastH3 for a "
+                                   "deployment's FastH3 pool; default: the deployment's own)"})
+    request_id: str = _row("request_id", "the caller's id of the request (letters, digits, '-', '_', '.'; at most "
+                                         "64): watched again (Attach) and cancelled by it; a retry with the same id "
+                                         "never makes a second job", request=False, http=None)
     extra_params: dict = _row("extra_params", request=False, form={"type": "string", "description": "a JSON object"},
                               properties={"task": {"type": "string", "enum": list(TASKS)},
                                           "duration": {"type": ["string", "number"]},

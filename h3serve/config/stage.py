@@ -179,6 +179,12 @@ class GatewayConfig:
     fasth3_dit: str | None = knob(None, "gateway of a base deployment: a FastH3 DiT pool (profile fasth3), used for "
                                         "model FastH3", metavar="HOST:PORT")
 
+    @property
+    def max_message_bytes(self) -> int:
+        """The gateway's gRPC message limit, each way: a GenerateSync response of max_sync_bytes and its envelope
+        (the SDK refuses a larger request before sending it)."""
+        return self.max_sync_bytes + (1 << 20)
+
 
 @dataclass
 class MediaConfig:

@@ -37,7 +37,7 @@ from h3serve.runtime import ranks
 from h3serve.runtime.prechecks import ServePlan, serve_order
 from h3serve.runtime.process import EXIT_LOAD_FAILED, ServicerFactory, announce, run_stage
 from h3serve.runtime.tls import Tls
-from h3serve.transport.grpc import wait_serving
+from h3serve.transport.channel import wait_serving
 
 # the launcher's liveness probe: a child SERVING once and then silent (health deadline exceeded) this long is hung
 LIVENESS_INTERVAL_S = 1.0

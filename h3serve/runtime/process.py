@@ -26,7 +26,7 @@ from h3serve.runtime.stage import HealthHandle
 from h3serve.runtime.prechecks import check_ports, check_stage_exposure
 from h3serve.runtime.tls import Tls
 from h3serve.weights.manifest import STAGE_FOLDERS, IntegrityError, verify_manifest
-from h3serve.transport.grpc import MESSAGE_LIMIT, PID_METADATA, server_options
+from h3serve.transport.channel import MESSAGE_LIMIT, PID_METADATA, server_options
 
 log = logging.getLogger("h3serve.runtime.process")
 

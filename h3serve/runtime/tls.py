@@ -38,7 +38,7 @@ import grpc
 from h3serve.config.stage import StageConfig
 from h3serve.errors import H3Error, RequestError
 from h3serve.runtime.prechecks import check_tls_files, is_loopback
-from h3serve.transport.grpc import channel_options, MESSAGE_LIMIT
+from h3serve.transport.channel import channel_options, MESSAGE_LIMIT
 
 log = logging.getLogger("h3serve.runtime.tls")
 

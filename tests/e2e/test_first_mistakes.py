@@ -24,7 +24,7 @@ from h3serve.config.stage import StageConfig
 from h3serve.runtime.launcher import Launcher
 from h3serve.runtime.process import HealthPid
 from h3serve.testing.serve import ServeProcess
-from h3serve.transport.grpc import wait_serving
+from h3serve.transport.channel import wait_serving
 
 REPO = Path(__file__).resolve().parents[2]
 

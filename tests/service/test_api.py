@@ -32,11 +32,14 @@ def test_cancel_by_id_from_another_client(stack):
         for event in gen:
             if isinstance(event, Progress) and event.stage == "dit":
                 break
-        assert b.cancel("cancel-me") is True
+        state = b.cancel("cancel-me")
+        assert state.cancelled and state.status in ("queued", "in_progress"), state
         with pytest.raises(Cancelled):
             gen.result()
-        with pytest.raises(NotFound):
-            b.cancel("cancel-me")   # finished streams are not retained
+        again = b.cancel("cancel-me")   # idempotent: the request's end, not NotFound
+        assert (again.cancelled, again.status, again.error_code) == (False, "failed", "cancelled"), again
+        with pytest.raises(NotFound, match="no request 'never-sent'"):
+            b.cancel("never-sent")
     st = stack.wait_idle("dit")
     assert st.last.request_id == "cancel-me" and st.last.outcome == "cancelled"
     assert st.last.units_done - st.last.units_at_signal <= 1

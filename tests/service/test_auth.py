@@ -119,7 +119,7 @@ def test_grpc_matrix(keyed):
         accepted = next(events)
         with pytest.raises(PermissionDenied, match="another caller"):
             bob.cancel(accepted.request_id)
-        assert alice.cancel(accepted.request_id) is True
+        assert alice.cancel(accepted.request_id).cancelled
         with pytest.raises(H3Error):
             gen.result()
 

@@ -51,7 +51,7 @@ def test_a_hung_stage_fails_its_callers_fast_and_is_restarted(stack, tmp_path, s
     out = tmp_path / "hung.mp4"
     prompt = HUGE_PROMPT if during == "encoder" else REQUEST["prompt"]
     figures = {}
-    with Client(stack.grpc) as client:
+    with Client(stack.grpc, retry=None) as client:   # the refusals themselves, not their retries
         gen = client.stream(prompt, output=out, timeout=300, **dict(FIELDS, seconds=14))
         stopped_at = None
         with pytest.raises(StageUnavailable) as info:

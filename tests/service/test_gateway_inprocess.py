@@ -31,7 +31,7 @@ from h3serve.services.gateway.fields import (
 )
 from h3serve.services.gateway.gateway import Gateway
 from h3serve.services.gateway.orchestrate import DIRECT, RELAY, choose_plan
-from h3serve.services.gateway.sinks import END, StreamSink
+from h3serve.services.gateway.sinks import StreamSink
 from h3serve.services.muxer import MuxerServicer
 from h3serve.services.vae import VAEServicer
 from h3serve.testing.mp4check import check_mp4
@@ -171,7 +171,7 @@ def _generate(addresses: dict, transport: str) -> tuple[bytes, list, Gateway]:
             time.sleep(0.05)
         job = gw.new_job(dict(REQUEST), kind="stream", sink_factory=lambda j: StreamSink(j.emit))
         events = []
-        reader = threading.Thread(target=lambda: events.extend(iter(job.events.get, END)), daemon=True)
+        reader = threading.Thread(target=lambda: events.extend(job.watch(object(), lambda: True)), daemon=True)
         reader.start()
         gw.submit(job)
         assert job.done.wait(300), "the request did not finish"

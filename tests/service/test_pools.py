@@ -4,6 +4,8 @@ pipeline's; FastH3 keeps its contract (t2va only, its fixed schedule); `/v1/mode
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -75,3 +77,29 @@ def test_models_lists_both_pools(pools):
     assert ready["stages"]["dit-fasth3"] == "SERVING"
     serving = next(e for e in pools.events if e["event"] == "serving")
     assert set(serving["stages"]) == {"encoder", "dit", "dit-fasth3", "vae", "muxer", "gateway"}
+
+
+def test_cli_server_selects_the_fasth3_pool_and_first_image_implies_fl2va(pools, tmp_path, capsys):
+    """`h3serve generate --server ADDR --model fasth3` runs on the FastH3 pool (the MP4 is the SDK's FastH3 one);
+    `--first-image` alone is task fl2va (on the base pool), and a --task that contradicts it is refused up front."""
+    from h3serve.cli import main
+
+    common = ["--server", pools.grpc, "--prompt", FAST["prompt"], "--seconds", "5", "--size", "320x256", "--seed",
+              "1", "--no-progress", "--json"]
+    assert main(["generate", *common, "--model", "fasth3", "-o", str(tmp_path / "fast.mp4")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    with Client(pools.grpc, timeout=120) as client:
+        assert out["sha256"] == client.generate_sync(**FAST, model="FastH3").sha256
+    first = tmp_path / "first.png"
+    first.write_bytes(FIRST)
+    assert main(["generate", *common, "--steps", "4", "--first-image", str(first),
+                 "-o", str(tmp_path / "fl2va.mp4")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    with Client(pools.grpc, timeout=120) as client:   # the finished job, watched again by its id
+        replay = client.attach(out["request_id"])
+        assert replay.result().sha256 == out["sha256"]
+        assert (replay.accepted.task, replay.accepted.profile) == ("fl2va", "base")
+    assert main(["generate", *common, "--task", "t2va", "--first-image", str(first), "-o",
+                 str(tmp_path / "no.mp4")]) != 0
+    err = capsys.readouterr().err
+    assert "--first-image" in err and "--task is t2va" in err and "fl2va" in err

@@ -17,7 +17,7 @@ from .conftest import REQUEST, Stack
 def test_sigterm_drains_and_exits_zero(tiny_checkpoint):
     stack = Stack(tiny_checkpoint, "--grace-s", "60", "--queue-size", "2")
     try:
-        with Client(stack.grpc, timeout=120) as client:
+        with Client(stack.grpc, timeout=120, retry=None) as client:   # the refusal itself, not its retries
             gen = client.stream(**dict(REQUEST, num_inference_steps=30))
             for event in gen:
                 if isinstance(event, Progress) and event.stage == "dit":

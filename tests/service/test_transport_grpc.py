@@ -13,16 +13,8 @@ import torch
 
 from h3serve._proto import common_pb2, muxer_pb2, muxer_pb2_grpc
 from h3serve.errors import TransportError
-from h3serve.transport.grpc import (
-    CHUNK_BYTES,
-    MESSAGE_LIMIT,
-    GrpcStreamReceiver,
-    GrpcStreamSender,
-    TensorAssembler,
-    channel_options,
-    iter_tensor_chunks,
-    server_options,
-)
+from h3serve.transport.channel import CHUNK_BYTES, MESSAGE_LIMIT, channel_options, server_options
+from h3serve.transport.grpc import GrpcStreamReceiver, GrpcStreamSender, TensorAssembler, iter_tensor_chunks
 
 
 def _unwrap(msg):

@@ -15,7 +15,7 @@ from h3serve._proto import vae_pb2, vae_pb2_grpc
 from h3serve.errors import MediaError, StageFailed, StageUnavailable
 from h3serve.errortable import grpc_method
 from h3serve.transport.control import LATENTS_EDGE, ControlReceiver, ControlSender, ControlUnavailable
-from h3serve.transport.grpc import channel_options, server_options
+from h3serve.transport.channel import channel_options, server_options
 
 
 class Scope:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import shutil
 import socket
 import tempfile
@@ -46,12 +45,20 @@ from h3serve.errortable import Classified, TABLE, INTERNAL, classify, error_obje
 from .fields import REQUEST_ID, Validated
 from .metrics import GatewayMetrics
 from .scheduling import FairQueue
-from .sinks import END, Sink, unlink
+from .sinks import Sink, unlink
 from .store import HEARTBEAT_STALE_S, JobStore, Mp4, StoreError, entry_id, index_entry, open_store, output_id
 
 log = logging.getLogger("h3serve.gateway")
 
 EVENTS_BEHIND = 256        # events a live caller may lag before the job waits for it
+# A gRPC stream job is watchable by id (Attach) from its first event: its events are kept with it, and once it has
+# finished it stays in the table this long / at most this many / holding at most this many event bytes (the
+# oldest go first). A caller that asked to keep its job (the SDK does) may drop its stream for ATTACH_GRACE_S
+# before the job, with nobody watching, is cancelled.
+KEEP_FINISHED_S = 600.0
+KEEP_FINISHED_JOBS = 256
+KEEP_FINISHED_BYTES = 1 << 30
+ATTACH_GRACE_S = 30.0
 SWEEP_INTERVAL_S = 5.0
 SHUTDOWN_REASON = "the server is shutting down"
 FINISHED = ("completed", "failed")
@@ -92,7 +99,12 @@ class Job:
     aborted: H3Error | None = None # why the gateway gave up on it (a hung stage): its error, not "cancelled"
     webhook: dict | None = None    # url, state, event_id, deliveries (webhooks.py), stored with the job
     outputs: list = field(default_factory=list)   # n > 1: per output {index, seed, mp4_bytes, sha256}
-    events: queue.Queue | None = None
+    history: list | None = None    # a stream job's events so far (Attach replays them); None: not watchable
+    history_bytes: int = 0
+    opening: Callable[["Job"], object] | None = None   # the first event, made when the job is admitted
+    watchers: dict = field(default_factory=dict)       # watcher id -> events it has read
+    ended: bool = False            # no event follows (its outcome is on the job)
+    _watch: threading.Condition = field(default_factory=threading.Condition)
     done: threading.Event = field(default_factory=threading.Event)
     cancel_requested: threading.Event = field(default_factory=threading.Event)
     cancel_reason: str = ""
@@ -117,18 +129,67 @@ class Job:
         return max(0.0, self.deadline - time.monotonic())
 
     def emit(self, event) -> None:
-        """An event for the live caller (gRPC Generate); blocks while the caller is EVENTS_BEHIND events behind."""
-        if self.events is None:
+        """An event for the job's watchers (gRPC Generate, Attach), kept in its history; blocks while the slowest
+        watcher is EVENTS_BEHIND events behind (a job nobody watches runs on: its events wait for an Attach)."""
+        if self.history is None:
             return
-        while True:
-            if self.cancel_requested.is_set():
-                raise self.cancelled()
-            try:
-                self.events.put(event, timeout=0.1)
-                return
-            except queue.Full:
+        with self._watch:
+            while self.watchers and len(self.history) - min(self.watchers.values()) >= EVENTS_BEHIND:
+                if self.cancel_requested.is_set():
+                    raise self.cancelled()
                 if time.monotonic() >= self.deadline:
                     raise DeadlineExceeded("the caller stopped reading before the deadline")
+                self._watch.wait(0.1)
+            if self.cancel_requested.is_set():
+                raise self.cancelled()
+            self.history.append(event)
+            self.history_bytes += event.ByteSize() if hasattr(event, "ByteSize") else 0
+            self._watch.notify_all()
+
+    def end_events(self) -> None:
+        with self._watch:
+            self.ended = True
+            self._watch.notify_all()
+
+    def watch(self, wid: object, active: Callable[[], bool]):
+        """The job's events from its first, then live ones until it ends (its outcome is then on the job), as
+        watcher `wid`; stops early once `active()` is False (the watcher's call ended)."""
+        pos = 0
+        with self._watch:
+            self.watchers[wid] = 0
+        try:
+            while True:
+                with self._watch:
+                    while pos >= len(self.history) and not self.ended:
+                        if not active():
+                            return
+                        self._watch.wait(0.1)
+                    batch = self.history[pos:]
+                    ended = self.ended
+                for event in batch:
+                    yield event
+                    pos += 1
+                    with self._watch:
+                        self.watchers[wid] = pos
+                        self._watch.notify_all()
+                if ended and pos >= len(self.history):
+                    return
+        finally:
+            self.unwatch(wid)
+
+    def unwatch(self, wid: object) -> int:
+        """Forget watcher `wid`; the watchers left."""
+        with self._watch:
+            self.watchers.pop(wid, None)
+            self._watch.notify_all()
+            return len(self.watchers)
+
+    def cancel_unwatched(self, reason: str) -> None:
+        """Cancel the job if nobody watches it (a dropped caller that did not come back within the grace)."""
+        with self._watch:
+            watched = bool(self.watchers)
+        if not watched:
+            self.cancel(reason)
 
     def attach(self, call) -> None:
         """The stage call in flight: cancelling the job cancels it."""
@@ -226,6 +287,7 @@ class JobTable:
         self.running: dict[str, Job] = {}
         self.jobs: dict[str, Job] = {}
         self.admitting: dict[str, Job] = {}   # slots reserved while their records are written (no lock held)
+        self.kept: collections.OrderedDict[str, Job] = collections.OrderedDict()   # finished stream jobs, oldest first
         self.refused: dict[str, int] = {}     # ids whose first record failed -> sweeps that found it settled
         self.store_error: str | None = None   # the last store write's error; None once one succeeds (/ready)
         self._index_ready = False             # the store's job index checked (built once if it had none)
@@ -258,7 +320,7 @@ class JobTable:
                   deadline=time.monotonic() + timeout, gateway=self.instance, boot=self.boot, owner=owner,
                   chosen_id=request_id is not None)
         if kind == "stream":
-            job.events = queue.Queue(maxsize=EVENTS_BEHIND)
+            job.history = []
         job.sink = sink_factory(job) if sink_factory else None
         return job
 
@@ -300,8 +362,11 @@ class JobTable:
         with self.cond:
             self.admitting.pop(job.key, None)
             self.jobs[job.key] = job
+            self.kept.pop(job.key, None)   # a failed try of the same id: this one replaces it
             if not self.draining:
                 job.t_admitted = time.monotonic()
+                if job.opening is not None:
+                    job.emit(job.opening(job))
                 self.queue.append(job)
                 self.queue.admitted(job)
                 self.metrics.queue_depth.set(len(self.queue))
@@ -318,6 +383,9 @@ class JobTable:
             stage, health = next(iter(down.items()))
             raise StageUnavailable(stage, f"not ready (health: {health})")
         if job.key in self.jobs or job.key in self.admitting:
+            raise AlreadyExists("request_id", job.id)
+        kept = self.kept.get(job.key)
+        if kept is not None and kept.status == "completed":   # its result can still be watched (Attach)
             raise AlreadyExists("request_id", job.id)
         busy = len(self.running) + len(self.queue) + len(self.admitting)
         capacity = self.config.gateway.max_inflight + self.config.gateway.queue_size
@@ -357,8 +425,8 @@ class JobTable:
             self.running[job.key] = job
             self.metrics.queue_depth.set(len(self.queue))
             self.metrics.inflight.set(len(self.running))
+        job.status, job.started_at = "in_progress", time.time()
         if job.kind == "http":
-            job.status, job.started_at = "in_progress", time.time()
             self._save(job)
         return job
 
@@ -399,6 +467,9 @@ class JobTable:
             self.cond.notify_all()   # a worker may wait for this caller's max_running
             if job.kind != "http":
                 self.jobs.pop(job.key, None)
+            if job.history is not None:
+                self.kept[job.key] = job
+                self._evict_kept()
         job.completed_at = time.time()
         if exc is None and job.sink is not None:
             try:
@@ -478,12 +549,40 @@ class JobTable:
             self.on_concluded(job)
         except Exception:  # noqa: BLE001 - its usage and webhook never keep a job from ending
             log.exception("request %s: usage / webhook", job.id)
-        if job.events is not None:
-            try:
-                job.events.put_nowait(END)
-            except queue.Full:
-                threading.Thread(target=job.events.put, args=(END,), daemon=True).start()
         job.done.set()
+        job.end_events()
+
+    def _evict_kept(self) -> None:
+        """Finished stream jobs past KEEP_FINISHED_S, KEEP_FINISHED_JOBS or KEEP_FINISHED_BYTES go, oldest first
+        (the caller holds the lock)."""
+        now = time.time()
+        total = sum(j.history_bytes for j in self.kept.values())
+        while self.kept:
+            key, oldest = next(iter(self.kept.items()))
+            if (now - (oldest.completed_at or now) <= KEEP_FINISHED_S and len(self.kept) <= KEEP_FINISHED_JOBS
+                    and total <= KEEP_FINISHED_BYTES):
+                break
+            self.kept.pop(key)
+            total -= oldest.history_bytes
+
+    def grpc_job(self, job_id: str, owner: str | None) -> Job | None:
+        """The caller's gRPC job of that id, live or kept after it finished (None: none). Another caller's live job
+        of that id raises PermissionDenied."""
+        key = f"{owner or ''}/{job_id}"
+        with self.cond:
+            self._evict_kept()
+            job = self.jobs.get(key) or self.kept.get(key)
+        if job is None and any(j.id == job_id and j.kind != "http" for j in list(self.jobs.values())):
+            raise PermissionDenied(f"request {job_id!r} belongs to another caller")
+        return job
+
+    def watchable(self, job_id: str, owner: str | None) -> Job:
+        """The caller's stream job of that id whose events can be watched (Attach), or NotFound saying why not."""
+        job = self.grpc_job(job_id, owner) if REQUEST_ID.match(job_id) else None
+        if job is None or job.history is None:
+            raise NotFound(f"no request {job_id!r} of this caller to attach to: attach to a Generate request by its "
+                           f"request_id, while it runs or for {KEEP_FINISHED_S:g}s after it finished")
+        return job
 
     # -- reading jobs back ---------------------------------------------------------------------------------
     def _orphan(self, rec: dict) -> StageUnavailable | None:
@@ -551,13 +650,14 @@ class JobTable:
         """Cancel a job: a queued one fails at once, a running one stops within one step or one clip. A job
         another replica runs is asked through its record (that replica reads it within a sweep). `grpc_jobs`
         (the gRPC Cancel): the caller's own live gRPC job of that id first, then its HTTP job."""
-        job = self.jobs.get(f"{owner or ''}/{job_id}") if grpc_jobs and REQUEST_ID.match(job_id) else None
-        if job is None and grpc_jobs and any(j.id == job_id and j.kind != "http" for j in list(self.jobs.values())):
-            raise PermissionDenied(f"request {job_id!r} belongs to another caller")
+        job = self.grpc_job(job_id, owner) if grpc_jobs and REQUEST_ID.match(job_id) else None
+        if job is not None and job.finished:   # idempotent: a finished request stays as it ended
+            return False
         job = job or self._live_http(job_id)
         if job is None:
             if self._record(job_id) is None:
-                raise NotFound(f"no request {job_id!r}")
+                raise NotFound(f"no request {job_id!r} of this caller (a finished gRPC request is known for "
+                               f"{KEEP_FINISHED_S:g}s after it ended)")
             job = self.get(job_id, owner)
             if job.finished:
                 return False
@@ -677,6 +777,8 @@ class JobTable:
         return self.store_error is None
 
     def sweep_once(self) -> None:
+        with self.cond:
+            self._evict_kept()
         self.store.beat(self.instance, self.boot)
         self._store_ok()
         self.on_sweep()

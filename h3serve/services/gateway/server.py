@@ -1,4 +1,4 @@
-"""Gateway server: the gRPC front door (Generate, GenerateSync, Cancel, Info) and, in the same process, the HTTP
+"""Gateway server: the gRPC front door (Generate, GenerateSync, Attach, Cancel, Info) and, in the same process, the HTTP
 API (h3serve/services/gateway/http.py). Both are thin adapters over `Gateway` (orchestrate.py); errors leave through
 the one table.
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import queue
 import threading
 import time
 
@@ -24,14 +23,15 @@ from h3serve.errortable import grpc_method
 from h3serve.runtime.prechecks import check_gateway_exposure
 from h3serve.runtime.stage import NO_DEADLINE, StageBase
 from h3serve.runtime.tls import Tls
+from h3serve.transport.channel import KEEP_ON_DISCONNECT_METADATA
 
 from .auth import AuthInterceptor, Authenticator
 from .fields import fields_from_proto, served_models
 from .frontdoor import uvicorn_config
 from .http import create_app
-from .jobs import Job
+from .jobs import ATTACH_GRACE_S, Job
 from .gateway import Gateway
-from .sinks import END, BytesSink, StreamSink
+from .sinks import BytesSink, StreamSink
 from .uploads import decode_caller
 from .watchdog import Watchdog
 
@@ -56,7 +56,7 @@ class GatewayServicer(StageBase):
 
     def __init__(self, config: StageConfig, health=None):
         super().__init__(config, health)
-        self.max_message = config.gateway.max_sync_bytes + (1 << 20)
+        self.max_message = config.gateway.max_message_bytes
         self.gateway = Gateway(config, on_health=self._on_health)
         self.auth = Authenticator(config.gateway.api_keys_file)
         self.interceptors = (AuthInterceptor(self.auth),)
@@ -157,20 +157,37 @@ class GatewayServicer(StageBase):
             yield gateway_pb2.GenerateEvent(accepted=accepted_proto(job))
             yield gateway_pb2.GenerateEvent(done=done_proto(job))
             return
+        job.opening = lambda j: gateway_pb2.GenerateEvent(accepted=accepted_proto(j))
         self._submit(job)
-        context.add_callback(lambda: job.cancel("cancelled by the client"))
-        yield gateway_pb2.GenerateEvent(accepted=accepted_proto(job))
-        while True:
-            try:
-                event = job.events.get(timeout=0.1)
-            except queue.Empty:
-                if not context.is_active():
-                    job.cancel("cancelled by the client")
-                    return
-                continue
-            if event is END:
-                break
-            yield event
+        keep = dict(context.invocation_metadata()).get(KEEP_ON_DISCONNECT_METADATA) == "1"
+        yield from self._watch(job, context, keep=keep)
+
+    @grpc_method("gateway")
+    def Attach(self, request, context):
+        owner = self.auth.caller_of(context.invocation_metadata())
+        yield from self._watch(self.gateway.jobs.watchable(request.request_id, owner), context, keep=True)
+
+    def _watch(self, job: Job, context, *, keep: bool):
+        """A stream job's events from its first (accepted) to its end (done, or its error). A caller that goes away
+        cancels the job, unless it asked to keep it (`keep`, the SDK, and every Attach): then a job nobody watches
+        any more is cancelled ATTACH_GRACE_S later, unless someone attached again meanwhile."""
+        wid = object()
+
+        def gone() -> None:
+            if job.finished or job.unwatch(wid):
+                return
+            if not keep:
+                job.cancel("cancelled by the client")
+                return
+            timer = threading.Timer(ATTACH_GRACE_S, job.cancel_unwatched,
+                                    args=(f"the caller went away and nobody attached within {ATTACH_GRACE_S:g}s",))
+            timer.daemon = True
+            timer.start()
+
+        context.add_callback(gone)
+        yield from job.watch(wid, context.is_active)
+        if not context.is_active():
+            return
         job.done.wait()
         if job.exc is not None:
             raise job.exc
@@ -196,8 +213,11 @@ class GatewayServicer(StageBase):
     @grpc_method("gateway")
     def Cancel(self, request, context):
         owner = self.auth.caller_of(context.invocation_metadata())
-        return gateway_pb2.CancelResponse(cancelled=self.gateway.jobs.cancel(request.request_id, owner=owner,
-                                                                              grpc_jobs=True))
+        jobs = self.gateway.jobs
+        cancelled = jobs.cancel(request.request_id, owner=owner, grpc_jobs=True)
+        job = jobs.grpc_job(request.request_id, owner) or jobs.get(request.request_id, owner)
+        return gateway_pb2.CancelResponse(cancelled=cancelled, status=job.status,
+                                          error_code=job.error.kind.code if job.error else "")
 
     @grpc_method("gateway")
     def Info(self, request, context):

@@ -12,10 +12,6 @@ from h3serve.errors import TooLarge
 
 from .store import disk_error
 
-# The last item of a job's event queue: the job finished (its outcome is on the job).
-END = object()
-
-
 class Sink(Protocol):
     def begin(self, total: int) -> None: ...
 

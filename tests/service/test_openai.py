@@ -58,12 +58,12 @@ def test_openai_sizes_map_onto_the_canvas_and_the_job_says_so(sdk, size, used):
 
 
 def test_sdk_errors_are_openai_shaped(sdk):
-    with pytest.raises(openai.UnprocessableEntityError) as err:
+    with pytest.raises(openai.BadRequestError) as err:
         sdk.videos.create(prompt="a kite", seconds="99")
     body = err.value.body
     assert body["type"] == "invalid_request_error" and body["param"] == "seconds" and body["code"]
     assert "seconds" in body["message"]
-    with pytest.raises(openai.UnprocessableEntityError) as err:
+    with pytest.raises(openai.BadRequestError) as err:
         sdk.videos.create(prompt="a kite", model="sora-2")
     assert err.value.body["param"] == "model"
     with pytest.raises(openai.BadRequestError) as err:

@@ -21,6 +21,7 @@ record too.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import shutil

@@ -9,6 +9,8 @@ and Prometheus metrics. A thin adapter over `Gateway` (orchestrate.py); errors l
     POST   /v1/videos/{id}/cancel     cancel, keep the job (status failed, code cancelled) -> job object
     POST   /v1/videos/sync            create and wait; the MP4 is the response body        -> video/mp4
     GET    /v1/videos/{id}/content?variant=thumbnail   the first frame as JPEG
+    GET    /v1/videos/{id}/content?stream=true   while it runs: a fragmented MP4, fragment by fragment as its clips
+                                      are encoded (chunked; X-H3-Stream: fmp4); once completed, the MP4 (mp4)
     GET    /v1/models                 the model ids served                                 -> list object
     POST   /v1/videos/{id}/remix, /v1/videos/edits, /v1/videos/extensions, /v1/videos/characters
                                       refused by name (400 unsupported): H3 has no edit path
@@ -51,12 +53,16 @@ from h3serve.media.thumbnail import first_frame_jpeg
 from .auth import Authenticator
 from .fields import MEDIA_FIELDS, REFERENCE_KIND, REPEATABLE, fields_from_http, served_pools, short
 from .jobs import Job
+from .orchestrate import live_content
 from .gateway import Gateway
 from .sinks import FileSink
 from .uploads import VIDEO_REFUSED, decode_caller
 
 FILE = {"type": "string", "format": "binary"}
 JSON_TYPES = {str: "string", int: "integer", float: "number", dict: "object", bytes: "string", list: "array"}
+
+
+STREAM_HEADER = "X-H3-Stream"   # what a ?stream=true response carries: fmp4 (live fragments) or mp4 (finished)
 
 
 def _property(row) -> dict:
@@ -551,11 +557,20 @@ def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
     @app.get("/v1/videos/{video_id}/content", summary="Download the MP4 (or its thumbnail)",
              response_class=FileResponse,
              responses={200: {"content": {"video/mp4": {}, "image/jpeg": {}}}})
-    async def get_content(request: Request, video_id: str, variant: str = "video"):
+    async def get_content(request: Request, video_id: str, variant: str = "video", stream: bool = False):
         if variant not in VARIANTS:
             return _refusal(400, "unsupported", "variant",
                             f"variant={variant!r} is not served: {' or '.join(VARIANTS)} (no spritesheet)")
+        if stream and variant != "video":
+            return _refusal(400, "unsupported", "stream", f"stream=true streams the video, not variant={variant!r}")
         job = await asyncio.to_thread(gateway.jobs.get, video_id, request.state.owner)
+        if stream and job.status not in ("completed", "failed"):
+            chunks = await asyncio.to_thread(live_content, job)
+            if chunks is not None:
+                return StreamingResponse(chunks, media_type="video/mp4", headers={STREAM_HEADER: "fmp4"})
+            job = await asyncio.to_thread(gateway.jobs.get, video_id, request.state.owner)
+            if job.status not in ("completed", "failed"):   # fetched, not yet recorded as completed
+                await asyncio.to_thread(job.done.wait, 5.0)
         if job.status == "failed":
             raise NotReady(f"video {video_id} failed ({job.error.kind.code}): no content")
         if job.status != "completed":
@@ -563,7 +578,8 @@ def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
                            "status is completed")
         if variant == "thumbnail":
             return Response(await asyncio.to_thread(thumbnail, gateway, job), media_type="image/jpeg")
-        return await asyncio.to_thread(mp4_response, gateway, job, {}, filename=f"{video_id}.mp4")
+        return await asyncio.to_thread(mp4_response, gateway, job, {STREAM_HEADER: "mp4"} if stream else {},
+                                       filename=f"{video_id}.mp4")
 
     @app.delete("/v1/videos/{video_id}", summary="Cancel (if unfinished) and delete a video job")
     async def delete_video(request: Request, video_id: str):

@@ -89,6 +89,8 @@ class Job:
     deleted: bool = False          # deleted through another replica: never written again
     aborted: H3Error | None = None # why the gateway gave up on it (a hung stage): its error, not "cancelled"
     events: queue.Queue | None = None
+    live: Callable | None = None   # () -> the live fMP4's chunks (Stream of the muxer session), while it exists
+    live_ready: threading.Event = field(default_factory=threading.Event)   # live is set
     done: threading.Event = field(default_factory=threading.Event)
     cancel_requested: threading.Event = field(default_factory=threading.Event)
     cancel_reason: str = ""

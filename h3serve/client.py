@@ -390,6 +390,16 @@ class Client:
         except grpc.RpcError as err:
             raise from_grpc(err, stage="gateway") from None
 
+    def stream_content(self, request_id: str, *, timeout: float | None = None) -> Iterator[bytes]:
+        """A running request's video as a fragmented MP4, chunk by chunk as its clips are encoded (a player can
+        start on the first fragment); its frames and audio are those of the MP4 its Generate call delivers."""
+        try:
+            for chunk in self.stub.StreamContent(gateway_pb2.StreamContentRequest(request_id=request_id),
+                                                 timeout=self._timeout(timeout)):
+                yield chunk.data
+        except grpc.RpcError as err:
+            raise from_grpc(err, stage="gateway") from None
+
     def info(self, *, timeout: float | None = 10.0) -> dict:
         try:
             return MessageToDict(self.stub.Info(gateway_pb2.InfoRequest(), timeout=timeout),

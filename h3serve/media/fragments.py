@@ -160,3 +160,24 @@ class Fmp4Tap:
                 pass
         if hasattr(self.out, "fail"):
             self.out.fail(error or RuntimeError("the MP4 write failed"))
+
+
+def decoded_media(src: Any) -> tuple[list, Any]:
+    """(video frames as yuv420p arrays, audio (channels, N) float32) of an MP4 or fMP4 (a path or bytes), audio
+    from presentation time 0 (an fMP4 carries the AAC priming as an edit list that the decoder does not trim)."""
+    import io
+
+    import numpy as np
+
+    def opened():
+        return av.open(io.BytesIO(src) if isinstance(src, (bytes, bytearray)) else src)
+
+    with opened() as c:
+        frames = [f.to_ndarray() for f in c.decode(video=0)]
+    with opened() as c:
+        blocks = []
+        for f in c.decode(audio=0):
+            a = f.to_ndarray()
+            skip = max(0, -int(f.pts or 0))   # priming samples before time 0 (pts in 1/sample_rate)
+            blocks.append(a[:, skip:])
+    return frames, np.concatenate(blocks, axis=1) if blocks else np.zeros((0, 0), np.float32)

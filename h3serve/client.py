@@ -139,6 +139,7 @@ class Progress:
     total: int
     elapsed_s: float
     percent: float
+    preview_jpeg: bytes = b""   # with preview_every: a small JPEG of the current estimate (false colour)
 
 
 @dataclass
@@ -198,7 +199,8 @@ def _accepted(msg) -> Accepted:
 
 
 def _progress(msg) -> Progress:
-    return Progress(stage=msg.stage, done=msg.done, total=msg.total, elapsed_s=msg.elapsed_s, percent=msg.percent)
+    return Progress(stage=msg.stage, done=msg.done, total=msg.total, elapsed_s=msg.elapsed_s, percent=msg.percent,
+                    preview_jpeg=msg.preview_jpeg)
 
 
 def check_output(output: str | os.PathLike | None, name: str = "output") -> None:

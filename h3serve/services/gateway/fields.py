@@ -333,7 +333,21 @@ def validate_fields(fields: dict[str, Any], *, config: StageConfig,
         raise _renamed(exc, api_names) from None
     if req.task not in served_tasks:
         raise RequestError(api_names.get("task", "task"), req.task, not_served)
+    _check_previews(req, config.gateway.max_previews, api_names.get("preview_every", "preview_every"))
     return Validated(req, api_names, model_id, decode_conditions(req), requested, fields.get("user"))
+
+
+def _check_previews(req, most: int, name: str) -> None:
+    """A preview costs a small render on the DiT: at most `most` (the deployment's --max-previews) per request."""
+    if req.preview_every <= 0:
+        return
+    forwards = req.steps - 1
+    if most <= 0:
+        raise RequestError(name, req.preview_every, "0: this deployment serves no previews (--max-previews 0)")
+    least = -(-forwards // most)
+    if forwards // req.preview_every > most:
+        raise RequestError(name, req.preview_every, f"0 (none) or an integer >= {least}: {forwards} denoising steps "
+                                                     f"and at most {most} previews a request (--max-previews)")
 
 
 def without_media(v: Validated) -> Validated:

@@ -90,6 +90,7 @@ class Job:
     aborted: H3Error | None = None # why the gateway gave up on it (a hung stage): its error, not "cancelled"
     events: queue.Queue | None = None
     live: Callable | None = None   # () -> the live fMP4's chunks (Stream of the muxer session), while it exists
+    preview: bytes = b""           # the latest preview (JPEG), when the request asked for them
     live_ready: threading.Event = field(default_factory=threading.Event)   # live is set
     done: threading.Event = field(default_factory=threading.Event)
     cancel_requested: threading.Event = field(default_factory=threading.Event)

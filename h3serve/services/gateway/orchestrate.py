@@ -166,7 +166,8 @@ class StageCalls:
             kind = ev.WhichOneof("event")
             if kind == "progress":
                 p = ev.progress
-                self._progress("dit", p.done, p.total, p.elapsed_s, P_ENCODER + P_DIT * p.done / max(1, p.total))
+                self._progress("dit", p.done, p.total, p.elapsed_s, P_ENCODER + P_DIT * p.done / max(1, p.total),
+                               p.preview_jpeg)
             elif kind == "chunk":
                 chunks.append(ev.chunk)
                 self.metrics.latents_relayed_bytes.inc(len(ev.chunk.data))
@@ -288,10 +289,13 @@ class StageCalls:
         job.mp4_bytes, job.sha256 = size, digest.hexdigest()
 
     # -- helpers ----------------------------------------------------------------------------------------------
-    def _progress(self, stage: str, done: int, total: int, elapsed: float, percent: float) -> None:
+    def _progress(self, stage: str, done: int, total: int, elapsed: float, percent: float,
+                  preview: bytes = b"") -> None:
         self.job.stage, self.job.progress = stage, percent
+        if preview:
+            self.job.preview = preview
         self.job.emit(gateway_pb2.GenerateEvent(progress=common_pb2.Progress(
-            stage=stage, done=done, total=total, elapsed_s=elapsed, percent=percent)))
+            stage=stage, done=done, total=total, elapsed_s=elapsed, percent=percent, preview_jpeg=preview)))
 
     def _peak(self, mb: float) -> None:
         """The request's peak_memory_mb: the largest of the stages' own peaks (each stage is its own process)."""

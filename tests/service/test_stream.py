@@ -4,13 +4,15 @@ stream decodes to the finished MP4's frames and audio, and the finished MP4 is s
 
 from __future__ import annotations
 
+import io
 import threading
 import time
 
 import httpx
 import numpy as np
+from PIL import Image
 
-from h3serve.client import Client
+from h3serve.client import Client, Progress
 from h3serve.media.fragments import decoded_media
 
 from .conftest import REQUEST
@@ -49,9 +51,9 @@ def test_http_stream_starts_before_the_job_completes_and_equals_the_mp4(stack, e
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "stream"
 
 
-def test_grpc_stream_content_equals_the_generated_mp4(stack):
+def test_grpc_stream_content_equals_the_generated_mp4_and_previews_arrive(stack):
     with Client(stack.grpc, timeout=120) as client, Client(stack.grpc, timeout=120) as watcher:
-        gen = client.stream(**dict(REQUEST, request_id="live-1"))
+        gen = client.stream(**dict(REQUEST, request_id="live-1", preview_every=1))
         live: list[bytes] = []
         errors: list[BaseException] = []
 
@@ -61,11 +63,30 @@ def test_grpc_stream_content_equals_the_generated_mp4(stack):
             except BaseException as exc:  # noqa: BLE001 - reported below
                 errors.append(exc)
 
-        for _ in gen:   # accepted: the job exists; the stream waits for its muxer session
-            break
+        events = iter(gen)
+        next(events)   # accepted: the job exists; the stream waits for its muxer session
         t = threading.Thread(target=watch)
         t.start()
+        previews = [(e.done, e.total, e.preview_jpeg) for e in events
+                    if isinstance(e, Progress) and e.preview_jpeg]
         result = gen.result()
         t.join(30)
         assert not errors, errors
         _assert_same_media(b"".join(live), result.mp4)
+        # a preview after every one of the 3 denoising steps: a JPEG of 3 latent frames side by side
+        assert [(d, t) for d, t, _ in previews] == [(1, 3), (2, 3), (3, 3)]
+        image = Image.open(io.BytesIO(previews[-1][2]))
+        assert image.format == "JPEG" and image.width > image.height
+
+
+def test_preview_every_is_bounded_by_the_deployment_and_served_over_http(stack):
+    with httpx.Client(base_url=stack.http, timeout=30) as http:
+        # 49 denoising steps with a preview after each: more than --max-previews (10)
+        bad = http.post("/v1/videos", params={"validate_only": "true"},
+                        json=dict(REQUEST, num_inference_steps=50, preview_every=1))
+        assert bad.status_code == 422, bad.text
+        err = bad.json()["error"]
+        assert err["param"] == "preview_every" and "--max-previews" in err["message"] and ">= 5" in err["message"]
+        ok = http.post("/v1/videos", params={"validate_only": "true"},
+                       json=dict(REQUEST, num_inference_steps=50, preview_every=5))
+        assert ok.status_code == 200, ok.text

@@ -9,6 +9,7 @@ and Prometheus metrics. A thin adapter over `Gateway` (orchestrate.py); errors l
     POST   /v1/videos/{id}/cancel     cancel, keep the job (status failed, code cancelled) -> job object
     POST   /v1/videos/sync            create and wait; the MP4 is the response body        -> video/mp4
     GET    /v1/videos/{id}/content?variant=thumbnail   the first frame as JPEG
+    GET    /v1/videos/{id}/content?variant=preview     the latest preview (preview_every) as JPEG, while it runs
     GET    /v1/videos/{id}/content?stream=true   while it runs: a fragmented MP4, fragment by fragment as its clips
                                       are encoded (chunked; X-H3-Stream: fmp4); once completed, the MP4 (mp4)
     GET    /v1/models                 the model ids served                                 -> list object
@@ -171,7 +172,7 @@ def _refusal(status: int, code: str, param: str | None, message: str) -> JSONRes
 
 NO_EDITS = ("H3 generates from a prompt and keyframes / references; it has no video-to-video edit path, so {what} "
             "is not served")
-VARIANTS = ("video", "thumbnail")
+VARIANTS = ("video", "thumbnail", "preview")
 
 
 # A multipart body's bound: every reference at its largest (12 files of 20 MiB: video references are refused at
@@ -564,6 +565,11 @@ def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
         if stream and variant != "video":
             return _refusal(400, "unsupported", "stream", f"stream=true streams the video, not variant={variant!r}")
         job = await asyncio.to_thread(gateway.jobs.get, video_id, request.state.owner)
+        if variant == "preview":
+            if not job.preview:
+                raise NotReady(f"video {video_id} has no preview (yet): create it with preview_every to get them "
+                               "while it is denoised")
+            return Response(job.preview, media_type="image/jpeg")
         if stream and job.status not in ("completed", "failed"):
             chunks = await asyncio.to_thread(live_content, job)
             if chunks is not None:

@@ -29,7 +29,7 @@ def _assert_same_media(live: bytes, mp4: bytes) -> None:
 def test_http_stream_starts_before_the_job_completes_and_equals_the_mp4(stack, embedded):
     expected = embedded(**REQUEST)
     with httpx.Client(base_url=stack.http, timeout=120) as http:
-        job = http.post("/v1/videos", json=REQUEST).json()
+        job = http.post("/v1/videos", json=dict(REQUEST, preview_every=1)).json()
         live, first_status = bytearray(), None
         with http.stream("GET", f"/v1/videos/{job['id']}/content", params={"stream": "true"}) as r:
             assert r.status_code == 200 and r.headers["x-h3-stream"] == "fmp4", r.read()
@@ -43,7 +43,9 @@ def test_http_stream_starts_before_the_job_completes_and_equals_the_mp4(stack, e
         while http.get(f"/v1/videos/{job['id']}").json()["status"] != "completed":
             time.sleep(0.05)
         mp4 = http.get(f"/v1/videos/{job['id']}/content").content
-        assert mp4 == expected   # the finished file: the same bytes as before streaming existed
+        assert mp4 == expected   # the finished file: the same bytes as before streaming and previews existed
+        preview = http.get(f"/v1/videos/{job['id']}/content", params={"variant": "preview"})
+        assert preview.headers["content-type"] == "image/jpeg" and preview.content[:2] == b"\xff\xd8"
         _assert_same_media(bytes(live), mp4)
         done = http.get(f"/v1/videos/{job['id']}/content", params={"stream": "true"})   # finished: the MP4
         assert done.headers["x-h3-stream"] == "mp4" and done.content == mp4

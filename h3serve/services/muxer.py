@@ -280,8 +280,9 @@ class MuxerServicer(StageBase):
         if session is None:
             return muxer_pb2.AbortResponse(existed=False)
         session.fail(StageUnavailable("muxer", f"session aborted: {request.reason or 'by the caller'}"), "aborted")
-        if session.live is not None:
+        if session.live is not None:   # its readers hear why; the file goes now, even while a Push still writes
             session.live.fail(session.error)
+            session.live.discard()
         if session.state != "pushing":
             _discard(session)
         return muxer_pb2.AbortResponse(existed=True)
@@ -447,7 +448,8 @@ def _read_into(receiver, inbox: queue.Queue, scope) -> None:
 def _discard(session: MuxSession) -> None:
     """Remove a session's files (its live stream's readers keep theirs open)."""
     _unlink(session.path)
-    if session.live is not None:
+    if session.live is not None:   # a reader still waiting hears why (no-op on a complete stream)
+        session.live.fail(session.error or StageUnavailable("muxer", "the session ended (aborted or expired)"))
         session.live.discard()
 
 

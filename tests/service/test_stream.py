@@ -92,3 +92,30 @@ def test_preview_every_is_bounded_by_the_deployment_and_served_over_http(stack):
         ok = http.post("/v1/videos", params={"validate_only": "true"},
                        json=dict(REQUEST, num_inference_steps=50, preview_every=5))
         assert ok.status_code == 200, ok.text
+
+
+def test_muxer_stream_of_an_aborted_session_ends_with_the_reason(stack):
+    import grpc
+
+    from h3serve._proto import muxer_pb2, muxer_pb2_grpc
+
+    with grpc.insecure_channel(stack.addresses["muxer"]) as channel:
+        stub = muxer_pb2_grpc.MuxerStub(channel)
+        sid = stub.OpenSession(muxer_pb2.OpenSessionRequest(request_id="abort-live", width=64, height=64, fps=24,
+                                                            sample_rate=32000, channels=2, ttl_s=60),
+                               timeout=10).session_id
+        outcome: list = []
+
+        def read():
+            try:
+                outcome.extend(stub.Stream(muxer_pb2.FetchRequest(session_id=sid), timeout=30))
+            except grpc.RpcError as err:
+                outcome.append(err)
+
+        t = threading.Thread(target=read)
+        t.start()
+        time.sleep(0.3)   # the reader waits on an empty stream
+        assert stub.Abort(muxer_pb2.AbortRequest(session_id=sid, reason="test"), timeout=10).existed
+        t.join(10)
+        assert len(outcome) == 1 and isinstance(outcome[0], grpc.RpcError), outcome
+        assert outcome[0].code() == grpc.StatusCode.UNAVAILABLE and "aborted: test" in outcome[0].details()

@@ -279,6 +279,7 @@ class Progress:
     total: int
     elapsed_s: float
     percent: float
+    preview_jpeg: bytes = b""   # with preview_every: a small JPEG of the current estimate (false colour)
 
 
 @dataclass(frozen=True)
@@ -316,7 +317,8 @@ def _accepted(msg) -> Accepted:
 
 
 def _progress(msg) -> Progress:
-    return Progress(stage=msg.stage, done=msg.done, total=msg.total, elapsed_s=msg.elapsed_s, percent=msg.percent)
+    return Progress(stage=msg.stage, done=msg.done, total=msg.total, elapsed_s=msg.elapsed_s, percent=msg.percent,
+                    preview_jpeg=msg.preview_jpeg)
 
 
 def _sync_result(r) -> GenerationResult:
@@ -703,6 +705,16 @@ class Client(_Base):
         except grpc.RpcError as exc:
             raise from_grpc(exc, stage="gateway") from None
 
+    def stream_content(self, request_id: str, *, timeout: float | None = None) -> Iterator[bytes]:
+        """A running request's video as a fragmented MP4, chunk by chunk as its clips are encoded (a player can
+        start on the first fragment); its frames and audio are those of the MP4 its Generate call delivers."""
+        try:
+            for chunk in self.stub.StreamContent(gateway_pb2.StreamContentRequest(request_id=request_id),
+                                                 timeout=self._timeout(timeout)):
+                yield chunk.data
+        except grpc.RpcError as err:
+            raise from_grpc(err, stage="gateway") from None
+
     def info(self, *, timeout: float | None = 10.0) -> dict:
         """The deployment: model, profile, dtype, queue size, max_inflight, size limits, each stage's health."""
         return MessageToDict(self._unary(lambda t: self.stub.Info(gateway_pb2.InfoRequest(), timeout=t), timeout),
@@ -836,6 +848,14 @@ class AsyncClient(_Base):
             await self.stub.Cancel(gateway_pb2.CancelRequest(request_id=request_id), timeout=5.0)
         except grpc.RpcError as exc:
             raise from_grpc(exc, stage="gateway") from None
+
+    async def stream_content(self, request_id: str, *, timeout: float | None = None) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self.stub.StreamContent(gateway_pb2.StreamContentRequest(request_id=request_id),
+                                                       timeout=self._timeout(timeout)):
+                yield chunk.data
+        except grpc.RpcError as err:
+            raise from_grpc(err, stage="gateway") from None
 
     async def info(self, *, timeout: float | None = 10.0) -> dict:
         r = await self._unary(lambda t: self.stub.Info(gateway_pb2.InfoRequest(), timeout=t), timeout)

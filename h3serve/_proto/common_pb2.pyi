@@ -59,18 +59,20 @@ class TransportInfo(_message.Message):
     def __init__(self, edge: _Optional[str] = ..., requested: _Optional[str] = ..., chosen: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Progress(_message.Message):
-    __slots__ = ("stage", "done", "total", "elapsed_s", "percent")
+    __slots__ = ("stage", "done", "total", "elapsed_s", "percent", "preview_jpeg")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
     PERCENT_FIELD_NUMBER: _ClassVar[int]
+    PREVIEW_JPEG_FIELD_NUMBER: _ClassVar[int]
     stage: str
     done: int
     total: int
     elapsed_s: float
     percent: float
-    def __init__(self, stage: _Optional[str] = ..., done: _Optional[int] = ..., total: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., percent: _Optional[float] = ...) -> None: ...
+    preview_jpeg: bytes
+    def __init__(self, stage: _Optional[str] = ..., done: _Optional[int] = ..., total: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., percent: _Optional[float] = ..., preview_jpeg: _Optional[bytes] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

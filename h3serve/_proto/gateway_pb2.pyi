@@ -7,8 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class StreamContentRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class ContentChunk(_message.Message):
+    __slots__ = ("data", "offset")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    offset: int
+    def __init__(self, data: _Optional[bytes] = ..., offset: _Optional[int] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "seconds", "size", "width", "height", "num_frames", "fps", "seed", "num_inference_steps", "task", "quality", "model", "request_id", "validate_only", "first_image", "last_image", "references")
+    __slots__ = ("prompt", "seconds", "size", "width", "height", "num_frames", "fps", "seed", "num_inference_steps", "task", "quality", "model", "request_id", "validate_only", "first_image", "last_image", "references", "preview_every")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +40,7 @@ class GenerateRequest(_message.Message):
     FIRST_IMAGE_FIELD_NUMBER: _ClassVar[int]
     LAST_IMAGE_FIELD_NUMBER: _ClassVar[int]
     REFERENCES_FIELD_NUMBER: _ClassVar[int]
+    PREVIEW_EVERY_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     seconds: float
     size: str
@@ -43,7 +58,8 @@ class GenerateRequest(_message.Message):
     first_image: bytes
     last_image: bytes
     references: _containers.RepeatedCompositeFieldContainer[MediaReference]
-    def __init__(self, prompt: _Optional[str] = ..., seconds: _Optional[float] = ..., size: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_frames: _Optional[int] = ..., fps: _Optional[int] = ..., seed: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., task: _Optional[str] = ..., quality: _Optional[str] = ..., model: _Optional[str] = ..., request_id: _Optional[str] = ..., validate_only: _Optional[bool] = ..., first_image: _Optional[bytes] = ..., last_image: _Optional[bytes] = ..., references: _Optional[_Iterable[_Union[MediaReference, _Mapping]]] = ...) -> None: ...
+    preview_every: int
+    def __init__(self, prompt: _Optional[str] = ..., seconds: _Optional[float] = ..., size: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_frames: _Optional[int] = ..., fps: _Optional[int] = ..., seed: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., task: _Optional[str] = ..., quality: _Optional[str] = ..., model: _Optional[str] = ..., request_id: _Optional[str] = ..., validate_only: _Optional[bool] = ..., first_image: _Optional[bytes] = ..., last_image: _Optional[bytes] = ..., references: _Optional[_Iterable[_Union[MediaReference, _Mapping]]] = ..., preview_every: _Optional[int] = ...) -> None: ...
 
 class MediaReference(_message.Message):
     __slots__ = ("kind", "data", "filename")

@@ -59,6 +59,11 @@ class GatewayStub:
                 request_serializer=h3serve_dot_v1_dot_gateway__pb2.InfoRequest.SerializeToString,
                 response_deserializer=h3serve_dot_v1_dot_gateway__pb2.InfoResponse.FromString,
                 _registered_method=True)
+        self.StreamContent = channel.unary_stream(
+                '/h3serve.v1.Gateway/StreamContent',
+                request_serializer=h3serve_dot_v1_dot_gateway__pb2.StreamContentRequest.SerializeToString,
+                response_deserializer=h3serve_dot_v1_dot_gateway__pb2.ContentChunk.FromString,
+                _registered_method=True)
 
 
 class GatewayServicer:
@@ -104,6 +109,15 @@ class GatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StreamContent(self, request, context):
+        """A running job's video as a fragmented MP4, fragment by fragment as the VAE's clips are encoded (a player can
+        start before the last clip is decoded); its frames and audio are those of the finished MP4 (its Generate call
+        still delivers that). NOT_FOUND for an unknown id; FAILED_PRECONDITION once the job's MP4 is fetched.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -131,6 +145,11 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=h3serve_dot_v1_dot_gateway__pb2.InfoRequest.FromString,
                     response_serializer=h3serve_dot_v1_dot_gateway__pb2.InfoResponse.SerializeToString,
+            ),
+            'StreamContent': grpc.unary_stream_rpc_method_handler(
+                    servicer.StreamContent,
+                    request_deserializer=h3serve_dot_v1_dot_gateway__pb2.StreamContentRequest.FromString,
+                    response_serializer=h3serve_dot_v1_dot_gateway__pb2.ContentChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -268,6 +287,33 @@ class Gateway:
             '/h3serve.v1.Gateway/Info',
             h3serve_dot_v1_dot_gateway__pb2.InfoRequest.SerializeToString,
             h3serve_dot_v1_dot_gateway__pb2.InfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamContent(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/h3serve.v1.Gateway/StreamContent',
+            h3serve_dot_v1_dot_gateway__pb2.StreamContentRequest.SerializeToString,
+            h3serve_dot_v1_dot_gateway__pb2.ContentChunk.FromString,
             options,
             channel_credentials,
             insecure,

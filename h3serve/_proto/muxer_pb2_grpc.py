@@ -50,6 +50,11 @@ class MuxerStub:
                 request_serializer=h3serve_dot_v1_dot_muxer__pb2.FetchRequest.SerializeToString,
                 response_deserializer=h3serve_dot_v1_dot_muxer__pb2.Mp4Chunk.FromString,
                 _registered_method=True)
+        self.Stream = channel.unary_stream(
+                '/h3serve.v1.Muxer/Stream',
+                request_serializer=h3serve_dot_v1_dot_muxer__pb2.FetchRequest.SerializeToString,
+                response_deserializer=h3serve_dot_v1_dot_muxer__pb2.Mp4Chunk.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/h3serve.v1.Muxer/Abort',
                 request_serializer=h3serve_dot_v1_dot_muxer__pb2.AbortRequest.SerializeToString,
@@ -88,6 +93,15 @@ class MuxerServicer:
     def Fetch(self, request, context):
         """The finished MP4 in chunks of at most 4 MiB; waits for the session to finish (within the call's deadline).
         Fails with the session's error when the producer failed. The MP4 is deleted after a complete Fetch.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Stream(self, request, context):
+        """The same media as a fragmented MP4 (ftyp + moov, then moof + mdat fragments), from its first byte, while the
+        session is pushed and after (until it is fetched): each fragment as soon as its packets are encoded.
+        total_bytes is 0 (not known yet); the last chunk has last = true.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -132,6 +146,11 @@ def add_MuxerServicer_to_server(servicer, server):
             ),
             'Fetch': grpc.unary_stream_rpc_method_handler(
                     servicer.Fetch,
+                    request_deserializer=h3serve_dot_v1_dot_muxer__pb2.FetchRequest.FromString,
+                    response_serializer=h3serve_dot_v1_dot_muxer__pb2.Mp4Chunk.SerializeToString,
+            ),
+            'Stream': grpc.unary_stream_rpc_method_handler(
+                    servicer.Stream,
                     request_deserializer=h3serve_dot_v1_dot_muxer__pb2.FetchRequest.FromString,
                     response_serializer=h3serve_dot_v1_dot_muxer__pb2.Mp4Chunk.SerializeToString,
             ),
@@ -230,6 +249,33 @@ class Muxer:
             request,
             target,
             '/h3serve.v1.Muxer/Fetch',
+            h3serve_dot_v1_dot_muxer__pb2.FetchRequest.SerializeToString,
+            h3serve_dot_v1_dot_muxer__pb2.Mp4Chunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/h3serve.v1.Muxer/Stream',
             h3serve_dot_v1_dot_muxer__pb2.FetchRequest.SerializeToString,
             h3serve_dot_v1_dot_muxer__pb2.Mp4Chunk.FromString,
             options,

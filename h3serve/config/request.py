@@ -147,6 +147,9 @@ class RequestFields:
     quality: str = _row("quality", "lossless (default) | high: step reuse, profile base only", enum=list(QUALITIES),
                         cli={"help": "lossless (default) | high: step reuse (profile base)"}, dit=True)
     dtype: str = _row("dtype", http=None, cli={"default": DEFAULT_DTYPE, "help": " | ".join(DTYPES)})
+    preview_every: int = _row("preview_every", "A preview (a small JPEG of the current estimate) on the progress "
+                                               "event of every k-th denoising step; 0 (default): none. At most the "
+                                               "deployment's --max-previews per request", minimum=0, dit=True)
     model: str = _row("model", "the model id of the pool to use (e.g. FastH3); unset: the deployment's own",
                       request=False,
                       cli={"help": "with --server: the model id of the gateway's pool to use (e.g. FastH3 for a "
@@ -308,6 +311,7 @@ class GenerationRequest:
     references: tuple[ReferenceSpec, ...] = ()
     dtype: str = DEFAULT_DTYPE
     quality: str = DEFAULT_QUALITY  # lossless | high (step reuse, profile base): config/levers.py
+    preview_every: int = 0  # a preview every k denoising steps (0: none); the deployment bounds the count
     # derived
     num_frames: int = field(init=False)
     latent_frames: int = field(init=False)
@@ -644,6 +648,11 @@ def validate_request(**raw: Any) -> GenerationRequest:
     if conflict is not None:
         raise RequestError("quality", quality, conflict)
 
+    preview_every = 0 if get("preview_every") is None else _as_int(
+        "preview_every", get("preview_every"), "an integer >= 0 (denoising steps between previews; 0: none)")
+    if preview_every < 0:
+        raise RequestError("preview_every", preview_every, "an integer >= 0 (denoising steps between previews; 0: none)")
+
     # duration: the reference's bounds, on the frame count after rounding up to 17n+5 (as it checks them)
     (lo, hi), (alo, ahi) = REQUESTED_FRAMES, FRAMES_RANGE
     duration_rule = (f"a duration whose frame count, raised to the next 17n+5 at {FPS} fps, lies in "
@@ -751,4 +760,4 @@ def validate_request(**raw: Any) -> GenerationRequest:
 
     return GenerationRequest(prompt=prompt, task=task, profile=profile, seconds=seconds, width=width, height=height,
                              seed=seed, steps=steps, fps=fps, first_image=first_image, last_image=last_image,
-                             references=references, dtype=dtype, quality=quality)
+                             references=references, dtype=dtype, quality=quality, preview_every=preview_every)

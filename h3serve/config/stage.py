@@ -154,6 +154,7 @@ class GatewayConfig:
     job_ttl_s: float = knob(3600.0, "gateway: finished jobs kept this long")
     max_jobs: int = knob(1000, "gateway: finished jobs kept at most")
     max_sync_bytes: int = knob(64 << 20, "gateway: largest MP4 GenerateSync returns in one message")
+    max_previews: int = knob(10, "gateway: previews one request may ask for (preview_every); 0: previews refused")
     api_keys_file: str | None = knob(None, "gateway: callers' API keys, one 'NAME sha256:HEX' a line, re-read when it "
                                            f"changes (default ${API_KEYS_ENV}; see docs/security.md)",
                                      metavar="FILE", env=API_KEYS_ENV)

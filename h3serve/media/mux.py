@@ -121,7 +121,8 @@ class Mp4Writer:
     def __init__(self, dst: str | os.PathLike | BinaryIO, width: int, height: int, *, fps: int = 24,
                  sample_rate: int = SAMPLE_RATE, channels: int = 2, crf: int = 18, preset: str = "veryfast",
                  threads: int = 4, thread_type: str = "frame", audio_bitrate: int = 128_000,
-                 faststart: bool = True, x264_params: str | None = LOW_LATENCY_X264, tmp_dir: str | None = None):
+                 faststart: bool = True, x264_params: str | None = LOW_LATENCY_X264, tmp_dir: str | None = None,
+                 tap: Any = None):
         if width <= 0 or height <= 0 or width % 2 or height % 2:
             raise ValueError(f"width and height must be positive and even for yuv420p, got {width}x{height}")
         if channels not in (1, 2):
@@ -179,6 +180,7 @@ class Mp4Writer:
         self._samples = 0
         self._busy = 0.0
         self._closed = False
+        self._tap = tap
 
     # -- context manager ------------------------------------------------------------------------------------
     def __enter__(self) -> "Mp4Writer":
@@ -281,11 +283,14 @@ class Mp4Writer:
         vi = ai = 0
         while (vi < len(v) and ai < len(a)) or (final and (vi < len(v) or ai < len(a))):
             if ai >= len(a) or (vi < len(v) and self._dts_seconds(v[vi]) <= self._dts_seconds(a[ai])):
-                self._container.mux(v[vi])
+                packet = v[vi]
                 vi += 1
             else:
-                self._container.mux(a[ai])
+                packet = a[ai]
                 ai += 1
+            self._container.mux(packet)
+            if self._tap is not None:
+                self._tap.mux(packet, self._video, self._audio)
         del v[:vi], a[:ai]
 
     @property
@@ -315,6 +320,8 @@ class Mp4Writer:
             self._audio_packets.extend(self._audio.encode(None))
             self._interleave(final=True)
             self._container.close()
+            if self._tap is not None:
+                self._tap.close()
             size = os.path.getsize(self._tmp_path)
             if self._dst_path is not None:
                 os.replace(self._tmp_path, self._dst_path)
@@ -335,4 +342,6 @@ class Mp4Writer:
     def abort(self) -> None:
         """Drop the output: close the container and remove the temporary file. The destination is not touched."""
         self._closed = True
+        if self._tap is not None:
+            self._tap.abort()
         self._finalizer()

@@ -15,6 +15,7 @@ import torch
 from h3serve._proto import common_pb2, dit_pb2, dit_pb2_grpc, vae_pb2, vae_pb2_grpc
 from h3serve.config.geometry import check_latents
 from h3serve.config.request import BASE_STEPS_RANGE, FASTH3_STEPS, dit_fields
+from h3serve.media.preview import preview_jpeg
 from h3serve.config.stage import StageConfig
 from h3serve.config.vocab import COMPONENT_FOR_TASK, DEFAULT_QUALITY, NIXL, QUALITIES
 from h3serve.distributed.proxies import DiTEngineProxy
@@ -99,6 +100,7 @@ class DiTServicer(StageBase):
                              profile=c.model.profile, steps=None if c.model.profile == "fasth3" else 2)
             out = self.engine.generate(req)
             self.check_finite(video_latents=out.video, audio_latents=out.audio)
+            preview_jpeg(out.video)   # numpy's SVD and PIL's JPEG encoder loaded before a request's first preview
 
     def attention(self) -> dict | None:
         # this process's choice; under Ulysses x Ring every rank makes the same one (same build, same levers)
@@ -153,6 +155,9 @@ class DiTServicer(StageBase):
                 condition_latents=c.condition_latents, references=c.references,
                 reference_audio_rows=c.reference_audio_rows,
                 **{**dit_fields(p), "task": task, "quality": quality, "steps": p.steps or None})   # "", 0: unset
+            if req.preview_every > 0 and isinstance(self.engine, DiTEngineProxy):
+                raise RequestError("preview_every", req.preview_every,
+                                   "0: a sequence-parallel DiT (--ulysses / --ring) serves no previews")
             t0 = time.perf_counter()
 
             def work(emit):
@@ -160,7 +165,12 @@ class DiTServicer(StageBase):
                     scope.unit_done()
                     emit(common_pb2.Progress(stage="dit", done=done, total=total, elapsed_s=time.perf_counter() - t0))
 
-                return self.engine.generate(req, on_step=on_step, should_stop=scope.should_stop)
+                def on_preview(done: int, total: int, latents) -> None:
+                    emit(common_pb2.Progress(stage="dit", done=done, total=total, elapsed_s=time.perf_counter() - t0,
+                                             preview_jpeg=preview_jpeg(latents)))
+
+                previews = {"on_preview": on_preview} if req.preview_every > 0 else {}
+                return self.engine.generate(req, on_step=on_step, should_stop=scope.should_stop, **previews)
 
             result = yield from self.engine_events(scope, work, lambda p: dit_pb2.DiTEvent(progress=p))
             done = dit_pb2.DiTDone(steps=result.steps, seconds=result.seconds, step_seconds=result.step_seconds,

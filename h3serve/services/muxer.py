@@ -5,6 +5,8 @@
              or, with --transport nixl, Control(session, control-pipe bytes...): the frames and PCM arrive by NIXL
              WRITEs into a pool this process registered, the stream carries handshake, headers, credits and end
     gateway: Fetch(session id) -> the MP4 in chunks of at most 4 MiB; the file is deleted afterwards
+    gateway: Stream(session id) -> the same packets as a fragmented MP4, fragment by fragment while Push runs
+             (a remux, no second encode: `h3serve/media/fragments.py`)
 
 A reader thread drains the network stream into a short queue while the handler thread encodes, so receiving the
 next clip overlaps encoding this one. A Push stream that ends without its end marker (the VAE died or was
@@ -47,6 +49,7 @@ from h3serve.errors import (
     TransportError,
 )
 from h3serve.errortable import grpc_method
+from h3serve.media.fragments import Fmp4Tap, FragmentLog
 from h3serve.media.mux import Mp4Writer
 from h3serve.models.vae.yuv import rgb_to_yuv420p
 from h3serve.runtime.stage import StageBase, first_message
@@ -87,6 +90,7 @@ class MuxSession(Session):
     result: object = None
     # the frame edge as it was used for this session: {requested, chosen, reason}
     transport_info: dict | None = None
+    live: FragmentLog | None = None   # the fMP4 written beside the MP4 while it is pushed
 
 
 class MuxerServicer(StageBase):
@@ -120,7 +124,7 @@ class MuxerServicer(StageBase):
     def close(self) -> None:
         super().close()
         for s in self.sessions.close(StageUnavailable("muxer", "shutting down")):
-            _unlink(s.path)
+            _discard(s)
         if self._own_tmp:
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
 
@@ -142,11 +146,12 @@ class MuxerServicer(StageBase):
 
         while not self.stopping.wait(1.0):
             for s in self.sessions.sweep(before_fail=expiring):
-                _unlink(s.path)
+                _discard(s)
 
     def _writer(self, session: MuxSession) -> Mp4Writer:
         return Mp4Writer(session.path, session.width, session.height, fps=session.fps,
-                         sample_rate=session.sample_rate, channels=session.channels, **self.writer_options)
+                         sample_rate=session.sample_rate, channels=session.channels, **self.writer_options,
+                         tap=Fmp4Tap(session.live) if session.live is not None else None)
 
     def _get(self, session_id: str, field: str = "session_id") -> MuxSession:
         if not session_id:
@@ -181,7 +186,8 @@ class MuxerServicer(StageBase):
         session = MuxSession(id=sid, request_id=r.request_id, width=r.width, height=r.height, fps=r.fps,
                              sample_rate=r.sample_rate, channels=r.channels, expected_frames=r.expected_frames,
                              transport=transport, ttl_s=r.ttl_s if r.ttl_s > 0 else self.config.media.session_ttl_s,
-                             path=os.path.join(self.tmp_dir, f"{sid}.mp4"), peer=peer_identity(context))
+                             path=os.path.join(self.tmp_dir, f"{sid}.mp4"), peer=peer_identity(context),
+                             live=FragmentLog(os.path.join(self.tmp_dir, f"{sid}.fmp4")))
         self.sessions.add(session)
         return muxer_pb2.OpenSessionResponse(session_id=sid, address=self.config.address,
                                              transport_metadata=metadata, max_chunk_bytes=CHUNK_BYTES)
@@ -248,7 +254,24 @@ class MuxerServicer(StageBase):
                 if offset >= total:
                     break
         self.sessions.pop(session.id)
-        _unlink(session.path)
+        _discard(session)
+
+    @grpc_method("muxer")
+    def Stream(self, request, context):
+        session = self._get(request.session_id)
+        live = session.live
+        if live is None:
+            raise StageUnavailable("muxer", "this session keeps no live stream")
+        with live.reader() as reader:   # an open file: the log may be discarded (fetched) while it is read
+            offset = 0
+            while context.is_active():
+                data = reader.read(offset, CHUNK_BYTES, 0.1)
+                if data is None:
+                    yield muxer_pb2.Mp4Chunk(offset=offset, data=b"", last=True)
+                    return
+                if data:
+                    yield muxer_pb2.Mp4Chunk(offset=offset, data=data)
+                    offset += len(data)
 
     @grpc_method("muxer")
     def Abort(self, request, context):
@@ -258,8 +281,11 @@ class MuxerServicer(StageBase):
         if session is None:
             return muxer_pb2.AbortResponse(existed=False)
         session.fail(StageUnavailable("muxer", f"session aborted: {request.reason or 'by the caller'}"), "aborted")
+        if session.live is not None:   # its readers hear why; the file goes now, even while a Push still writes
+            session.live.fail(session.error)
+            session.live.discard()
         if session.state != "pushing":
-            _unlink(session.path)
+            _discard(session)
         return muxer_pb2.AbortResponse(existed=True)
 
     @grpc_method("muxer")
@@ -306,9 +332,11 @@ def _transport(field: str, value: str) -> None:
 def _failed(writer: Mp4Writer | None, session: MuxSession, exc: BaseException) -> BaseException:
     """A session's stream failed with `exc`: drop the partial MP4, fail the session with what Fetch reports; return
     what the producer's call answers."""
+    answer, reported = _outcome(exc)
+    if session.live is not None:   # live readers get what Fetch reports
+        session.live.fail(reported)
     if writer is not None:
         writer.abort()
-    answer, reported = _outcome(exc)
     session.fail(reported)
     return answer
 
@@ -416,6 +444,14 @@ def _read_into(receiver, inbox: queue.Queue, scope) -> None:
         put(None)
     except BaseException as exc:  # noqa: BLE001 - handed to the encoder thread
         put(exc)
+
+
+def _discard(session: MuxSession) -> None:
+    """Remove a session's files (its live stream's readers keep theirs open)."""
+    _unlink(session.path)
+    if session.live is not None:   # a reader still waiting hears why (no-op on a complete stream)
+        session.live.fail(session.error or StageUnavailable("muxer", "the session ended (aborted or expired)"))
+        session.live.discard()
 
 
 def _unlink(path: str) -> None:

@@ -224,6 +224,16 @@ class VAEServicer(StageBase):
             clips = plan.num_windows + (1 if plan.overlap_frames else 0)
             frames_done = 0
             bytes_sent = 0
+            # The soundtrack first (a small decode): the muxer interleaves each clip's frames with their audio as
+            # they arrive, so its live fMP4 fragments are playable at once (the MP4's bytes do not depend on it).
+            t1 = time.perf_counter()
+            pcm = self.audio_vae.decode(audio.to(self.audio_vae.device)).float().cpu()   # (2, N) in [-1, 1]
+            per = max(1, out.pcm_chunk_bytes // (pcm.shape[0] * pcm.element_size()))
+            for s in range(0, pcm.shape[1], per):
+                part = pcm[:, s:s + per].contiguous()
+                out.send("pcm", part, scope)
+                bytes_sent += part.numel() * part.element_size()
+            audio_s = time.perf_counter() - t1
             t0 = time.perf_counter()
             scope.check("before clip 0")
             for index, (n, parts) in enumerate(self._clips(video, whole=out.whole_clips)):
@@ -239,14 +249,6 @@ class VAEServicer(StageBase):
             video_s = time.perf_counter() - t0
             if p.num_frames and frames_done != p.num_frames:
                 raise RuntimeError(f"decoded {frames_done} frames, the request expects {p.num_frames}")
-            t1 = time.perf_counter()
-            pcm = self.audio_vae.decode(audio.to(self.audio_vae.device)).float().cpu()   # (2, N) in [-1, 1]
-            per = max(1, out.pcm_chunk_bytes // (pcm.shape[0] * pcm.element_size()))
-            for s in range(0, pcm.shape[1], per):
-                part = pcm[:, s:s + per].contiguous()
-                out.send("pcm", part, scope)
-                bytes_sent += part.numel() * part.element_size()
-            audio_s = time.perf_counter() - t1
             tail_s = out.finish(scope)
             ok = True
             self.last_transport = dict(out.info)

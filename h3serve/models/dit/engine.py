@@ -68,6 +68,7 @@ class DiTRequest:
     references: Sequence[ImageRef | AudioRef] = ()
     reference_audio_rows: Sequence[torch.Tensor] = ()
     quality: str = "lossless"  # "high": step reuse (models/dit/reuse.py); "lossless": every block of every step
+    preview_every: int = 0  # on_preview after every k-th step (0: none)
 
 
 @dataclass
@@ -206,6 +207,7 @@ class DiTEngine:
         *,
         on_step: Callable[[int, int], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
+        on_preview: Callable[[int, int, torch.Tensor], None] | None = None,
     ) -> DiTResult:
         if req.profile != self.profile:
             raise ProfileError(f"this DiT is loaded for profile={self.profile!r}, the request asks {req.profile!r}")
@@ -257,8 +259,13 @@ class DiTEngine:
         if inner.sparse is not None:
             inner.sparse.begin(video_schedule.num_steps)  # the router counts this request's steps
         try:
+            on_x0 = None
+            if on_preview is not None and req.preview_every > 0:
+                def on_x0(done: int, rows: torch.Tensor) -> None:   # the estimate as (1, C, T, h, w) latents
+                    on_preview(done, video_schedule.num_steps,
+                               unpatchify(rows, req.latent_frames, req.latent_h, req.latent_w))
             video_out, audio_out = self._denoise(model, video_rows, audio_rows, text_states, layout, video_schedule,
-                                                 audio_schedule, _on_step, should_stop)
+                                                 audio_schedule, _on_step, should_stop, on_x0, req.preview_every)
         finally:
             if policy is not None:
                 inner.step_policy = None
@@ -276,11 +283,11 @@ class DiTEngine:
 
     @staticmethod
     def _denoise(model, video_rows, audio_rows, text_states, layout, video_schedule, audio_schedule, on_step,
-                 should_stop):
+                 should_stop, on_x0=None, x0_every=0):
         return denoise(
             model, video_rows=video_rows, audio_rows=audio_rows, text_states=text_states, layout=layout,
             video_schedule=video_schedule, audio_schedule=audio_schedule,
             num_condition_video_rows=layout.num_condition_video_rows,
             num_condition_audio_rows=layout.num_condition_audio_rows,
-            on_step=on_step, should_stop=should_stop,
+            on_step=on_step, should_stop=should_stop, on_x0=on_x0, x0_every=x0_every,
         )

@@ -90,13 +90,17 @@ def denoise(
     condition_row_timestep: float = CONDITION_ROW_TIMESTEP,
     on_step: Callable[[int, int], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    on_x0: Callable[[int, torch.Tensor], None] | None = None,
+    x0_every: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the whole schedule; return the final (Nv, 96) video and (Na, 32) audio rows, float32, conditions included.
 
     video_rows (Nv, 96) / audio_rows (Na, 32): condition (or reference) rows first, then the generated noise. The
     condition rows are fed at `condition_row_timestep` (max with the video t), reference audio rows at 1.0, and
     neither is ever written. `should_stop()` is polled before every step and raises `Cancelled`; `on_step(done, total)`
-    is called after every step with the number of steps done so far (1..total). The inputs are not modified.
+    is called after every step with the number of steps done so far (1..total). `on_x0(done, rows)` gets the
+    generated video rows' x0 estimate (Nv - conditions, 96) after every `x0_every`-th step (previews; 0: never); it is
+    computed only then and changes nothing else. The inputs are not modified.
     """
     n = video_schedule.num_steps
     if audio_schedule.num_steps != n:
@@ -127,6 +131,8 @@ def denoise(
         timesteps, timestep_indices = row_timesteps(layout, video_t, audio_t, condition_t=condition_row_timestep)
         # timesteps stay on the host: the model moves them, and an AdaLN table looks its rows up by their values
         video_v, audio_v = model(video[None], audio[None], text_states, timesteps, timestep_indices, layout_on_device)
+        if on_x0 is not None and x0_every > 0 and (i + 1) % x0_every == 0:
+            on_x0(i + 1, video_schedule.x0_estimate(video_v[0, ncv:].float(), i, video[ncv:]))
         video[ncv:] = video_schedule.step(video_v[0, ncv:].float(), i, video[ncv:])
         audio[nca:] = audio_schedule.step(audio_v[0, nca:].float(), i, audio[nca:])
         if on_step is not None:

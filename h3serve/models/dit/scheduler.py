@@ -83,14 +83,18 @@ class FlowSchedule:
 
         `velocity` is the model output at timesteps[i] for the rows in `x` (same shape). Returns a new tensor.
         """
-        if not 0 <= i < self.num_steps:
-            raise IndexError(f"step {i} is outside the schedule's {self.num_steps} steps")
-        t = self.timesteps[i]  # 0-dim float32 (CPU scalars mix with tensors on any device)
-        x0_hat = x + (1 - t.to(x.dtype)) * velocity  # data-ward velocity: x0 = x + sigma_t * v
+        x0_hat = self.x0_estimate(velocity, i, x)
         compute = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
         ratio = self.sigmas[i + 1].to(compute) / self.sigmas[i].to(compute)
         x_next = ratio * x.to(compute) + (1.0 - ratio) * x0_hat.to(compute)
         return x_next.to(x.dtype)
+
+    def x0_estimate(self, velocity: torch.Tensor, i: int, x: torch.Tensor) -> torch.Tensor:
+        """The clean sample the model predicts at step i (what `step` moves towards; previews show it)."""
+        if not 0 <= i < self.num_steps:
+            raise IndexError(f"step {i} is outside the schedule's {self.num_steps} steps")
+        t = self.timesteps[i]  # 0-dim float32 (CPU scalars mix with tensors on any device)
+        return x + (1 - t.to(x.dtype)) * velocity  # data-ward velocity: x0 = x + sigma_t * v
 
     @staticmethod
     def add_noise(x0: torch.Tensor, noise: torch.Tensor, t: float | torch.Tensor) -> torch.Tensor:

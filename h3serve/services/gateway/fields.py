@@ -550,6 +550,7 @@ def validate_fields(fields: dict[str, Any], *, config: StageConfig,
         if index not in (-1, req.num_frames - 1):
             raise RequestError(name, index, f"0 (the first frame) or -1 / {req.num_frames - 1} (the last of the "
                                             f"{req.num_frames} frames): H3 conditions on the first and last frames")
+    _check_previews(req, config.gateway.max_previews, api_names.get("preview_every", "preview_every"))
     return Validated(req, api_names, model_id, decode_conditions(req), requested, fields.get("user"),
                      fields.get("webhook_url"), _outputs(fields.get("n"), req.seed, api_names.get("n", "n")))
 
@@ -568,6 +569,19 @@ def _outputs(n: Any, seed: int, name: str) -> int:
         raise RequestError(name, value, f"at most {MAX_SEED - seed + 1} with seed {seed} (output i has seed + i, "
                                         f"at most {MAX_SEED})")
     return value
+
+
+def _check_previews(req, most: int, name: str) -> None:
+    """A preview costs a small render on the DiT: at most `most` (the deployment's --max-previews) per request."""
+    if req.preview_every <= 0:
+        return
+    forwards = req.steps - 1
+    if most <= 0:
+        raise RequestError(name, req.preview_every, "0: this deployment serves no previews (--max-previews 0)")
+    least = -(-forwards // most)
+    if forwards // req.preview_every > most:
+        raise RequestError(name, req.preview_every, f"0 (none) or an integer >= {least}: {forwards} denoising steps "
+                                                     f"and at most {most} previews a request (--max-previews)")
 
 
 def without_media(v: Validated) -> Validated:

@@ -9,6 +9,9 @@ and Prometheus metrics. A thin adapter over `Gateway` (orchestrate.py); errors l
     POST   /v1/videos/{id}/cancel     cancel, keep the job (status failed, code cancelled) -> job object
     POST   /v1/videos/sync            create and wait; the MP4 is the response body        -> video/mp4
     GET    /v1/videos/{id}/content?variant=thumbnail   the first frame as JPEG
+    GET    /v1/videos/{id}/content?variant=preview     the latest preview (preview_every) as JPEG, while it runs
+    GET    /v1/videos/{id}/content?stream=true   while it runs: a fragmented MP4, fragment by fragment as its clips
+                                      are encoded (chunked; X-H3-Stream: fmp4); once completed, the MP4 (mp4)
     GET    /v1/models                 the model ids served                                 -> list object
     POST   /v1/videos/{id}/remix, /v1/videos/edits, /v1/videos/extensions, /v1/videos/characters
                                       refused by name (400 unsupported): H3 has no edit path
@@ -54,6 +57,7 @@ from h3serve.media.thumbnail import first_frame_jpeg
 from .auth import Authenticator
 from .fields import MEDIA_FIELDS, REFERENCE_KIND, REPEATABLE, fields_from_http, served_pools, short
 from .jobs import Job
+from .orchestrate import live_content
 from .gateway import Gateway
 from .sinks import FileSink
 from .uploads import MIME_EXTENSION, VIDEO_REFERENCES_SERVED, VIDEO_REFUSED, decode_caller
@@ -61,6 +65,9 @@ from .usage import DEFAULT_RANGE_S, MAX_RANGE_S
 
 FILE = {"type": "string", "format": "binary"}
 JSON_TYPES = {str: "string", int: "integer", float: "number", dict: "object", bytes: "string", list: "array"}
+
+
+STREAM_HEADER = "X-H3-Stream"   # what a ?stream=true response carries: fmp4 (live fragments) or mp4 (finished)
 
 
 def _property(row) -> dict:
@@ -173,7 +180,7 @@ def _refusal(status: int, code: str, param: str | None, message: str) -> JSONRes
 
 NO_EDITS = ("H3 generates from a prompt and keyframes / references; it has no video-to-video edit path, so {what} "
             "is not served")
-VARIANTS = ("video", "thumbnail")
+VARIANTS = ("video", "thumbnail", "preview")
 
 
 # A multipart body's bound: 12 files of 20 MiB (an image's or an audio's largest; a video reference, up to 100 MiB,
@@ -700,16 +707,30 @@ def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
     @app.get("/v1/videos/{video_id}/content", summary="Download the MP4 (or its thumbnail)",
              response_class=FileResponse,
              responses={200: {"content": {"video/mp4": {}, "image/jpeg": {}}}})
-    async def get_content(request: Request, video_id: str, variant: str = "video"):
+    async def get_content(request: Request, video_id: str, variant: str = "video", stream: bool = False):
         index = int(variant) if variant.isdigit() and len(variant) <= 2 else 0   # output INDEX of a job of n
         if variant not in VARIANTS and not variant.isdigit():
             return _refusal(400, "unsupported", "variant",
                             f"variant={variant!r} is not served: {' or '.join(VARIANTS)} (no spritesheet), or an "
                             "output's index 0..n-1")
+        if stream and variant != "video":
+            return _refusal(400, "unsupported", "stream", f"stream=true streams the video, not variant={variant!r}")
         job = await asyncio.to_thread(gateway.jobs.get, video_id, request.state.owner)
         if variant.isdigit() and not (0 <= index < job.validated.n and len(variant) <= 2):
             raise RequestError("variant", variant, f"an output index in [0, {job.validated.n - 1}] (the job's n is "
                                                    f"{job.validated.n})")
+        if variant == "preview":
+            if not job.preview:
+                raise NotReady(f"video {video_id} has no preview (yet): create it with preview_every to get them "
+                               "while it is denoised")
+            return Response(job.preview, media_type="image/jpeg")
+        if stream and job.status not in ("completed", "failed"):
+            chunks = await asyncio.to_thread(live_content, job)
+            if chunks is not None:
+                return StreamingResponse(chunks, media_type="video/mp4", headers={STREAM_HEADER: "fmp4"})
+            job = await asyncio.to_thread(gateway.jobs.get, video_id, request.state.owner)
+            if job.status not in ("completed", "failed"):   # fetched, not yet recorded as completed
+                await asyncio.to_thread(job.done.wait, 5.0)
         if job.status == "failed":
             raise NotReady(f"video {video_id} failed ({job.error.kind.code}): no content")
         if job.status != "completed":
@@ -718,7 +739,8 @@ def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
         if variant == "thumbnail":
             return Response(await asyncio.to_thread(thumbnail, gateway, job), media_type="image/jpeg")
         name = f"{video_id}.mp4" if index == 0 else f"{video_id}-{index}.mp4"
-        return await asyncio.to_thread(mp4_response, gateway, job, {}, filename=name, index=index)
+        return await asyncio.to_thread(mp4_response, gateway, job, {STREAM_HEADER: "mp4"} if stream else {},
+                                       filename=name, index=index)
 
     @app.delete("/v1/videos/{video_id}", summary="Cancel (if unfinished) and delete a video job")
     async def delete_video(request: Request, video_id: str):

@@ -106,6 +106,9 @@ class Job:
     watchers: dict = field(default_factory=dict)       # watcher id -> events it has read
     ended: bool = False            # no event follows (its outcome is on the job)
     _watch: threading.Condition = field(default_factory=threading.Condition)
+    live: Callable | None = None   # () -> the live fMP4's chunks (Stream of the muxer session), while it exists
+    preview: bytes = b""           # the latest preview (JPEG), when the request asked for them
+    live_ready: threading.Event = field(default_factory=threading.Event)   # live is set
     done: threading.Event = field(default_factory=threading.Event)
     cancel_requested: threading.Event = field(default_factory=threading.Event)
     cancel_reason: str = ""

@@ -184,7 +184,8 @@ class StageCalls:
             kind = ev.WhichOneof("event")
             if kind == "progress":
                 p = ev.progress
-                self._progress("dit", p.done, p.total, p.elapsed_s, P_ENCODER + P_DIT * p.done / max(1, p.total))
+                self._progress("dit", p.done, p.total, p.elapsed_s, P_ENCODER + P_DIT * p.done / max(1, p.total),
+                               p.preview_jpeg)
             elif kind == "chunk":
                 chunks.append(ev.chunk)
                 self.metrics.latents_relayed_bytes.inc(len(ev.chunk.data))
@@ -216,9 +217,12 @@ class StageCalls:
         sink = common_pb2.Sink(address=self.stages.reachable("muxer", opened.address), session_id=opened.session_id,
                                transport=self.transport, transport_metadata=opened.transport_metadata)
         session = MuxSession(opened.session_id, self.stages.muxer_at(opened.address), sink)
+        job.live = lambda: _muxer_stream(session, job)
+        job.live_ready.set()
         try:
             yield session
         finally:
+            job.live = None
             if not session.fetched:
                 if session.decode is not None:
                     session.decode.cancel()
@@ -303,10 +307,13 @@ class StageCalls:
         job.mp4_bytes, job.sha256 = size, digest.hexdigest()
 
     # -- helpers ----------------------------------------------------------------------------------------------
-    def _progress(self, stage: str, done: int, total: int, elapsed: float, percent: float) -> None:
+    def _progress(self, stage: str, done: int, total: int, elapsed: float, percent: float,
+                  preview: bytes = b"") -> None:
         self.job.stage, self.job.progress = stage, percent
+        if preview:
+            self.job.preview = preview
         self.job.emit(gateway_pb2.GenerateEvent(progress=common_pb2.Progress(
-            stage=stage, done=done, total=total, elapsed_s=elapsed, percent=percent)))
+            stage=stage, done=done, total=total, elapsed_s=elapsed, percent=percent, preview_jpeg=preview)))
 
     def _peak(self, mb: float) -> None:
         """The request's peak_memory_mb: the largest of the stages' own peaks (each stage is its own process)."""
@@ -372,3 +379,41 @@ DIRECT = Plan("direct", direct)
 def choose_plan(transport: str) -> Plan:
     """direct under --transport nixl (the DiT and the VAE then settle how the latents travel), else relay."""
     return DIRECT if transport == NIXL else RELAY
+
+
+def _muxer_stream(session: MuxSession, job: Job) -> Iterator[bytes]:
+    """The muxer session's live fMP4, chunk by chunk, until its end (errors mapped naming the muxer)."""
+    try:
+        for chunk in session.muxer.Stream(muxer_pb2.FetchRequest(session_id=session.id),
+                                          timeout=job.remaining() + SESSION_TTL_MARGIN_S):
+            if chunk.data:
+                yield chunk.data
+            if chunk.last:
+                return
+    except grpc.RpcError as err:
+        raise from_grpc(err, stage="muxer") from None
+
+
+LIVE_POLL_S = 0.1
+
+
+def live_content(job: Job) -> Iterator[bytes] | None:
+    """A job's live fMP4 (see the gateway's StreamContent): waits until its muxer session is open; None if the job
+    finished first (or its session was fetched before the stream began): serve the finished MP4 then. The first
+    chunk is read here, so an error before any byte is raised here (an answer, not a broken response)."""
+    while not job.live_ready.wait(LIVE_POLL_S):
+        if job.finished or time.monotonic() >= job.deadline:
+            return None
+    live = job.live
+    if live is None:
+        return None
+    chunks = live()
+    try:
+        first = next(chunks, None)
+    except H3Error:
+        if job.finished or job.live is None:   # the session went (fetched or failed) before the stream began
+            return None
+        raise
+    if first is None:
+        return iter(())
+    return itertools.chain([first], chunks)

@@ -18,7 +18,7 @@ import uvicorn
 
 from h3serve._proto import common_pb2, gateway_pb2, gateway_pb2_grpc
 from h3serve.config.stage import StageConfig
-from h3serve.errors import RequestError
+from h3serve.errors import NotFound, NotReady, RequestError
 from h3serve.errortable import grpc_method
 from h3serve.runtime.prechecks import check_gateway_exposure
 from h3serve.runtime.stage import NO_DEADLINE, StageBase
@@ -30,6 +30,7 @@ from .fields import fields_from_proto, served_models
 from .frontdoor import uvicorn_config
 from .http import create_app
 from .jobs import ATTACH_GRACE_S, Job
+from .orchestrate import live_content
 from .gateway import Gateway
 from .sinks import BytesSink, StreamSink
 from .uploads import decode_caller
@@ -218,6 +219,25 @@ class GatewayServicer(StageBase):
         job = jobs.grpc_job(request.request_id, owner) or jobs.get(request.request_id, owner)
         return gateway_pb2.CancelResponse(cancelled=cancelled, status=job.status,
                                           error_code=job.error.kind.code if job.error else "")
+
+    @grpc_method("gateway")
+    def StreamContent(self, request, context):
+        owner = self.auth.caller_of(context.invocation_metadata())
+        if not request.request_id:
+            raise RequestError("request_id", "", "the request_id of a running Generate call")
+        job = self.gateway.jobs.jobs.get(f"{owner or ''}/{request.request_id}")
+        if job is None or job.kind == "http":
+            raise NotFound(f"no running request {request.request_id!r}")
+        chunks = live_content(job)
+        if chunks is None:
+            raise NotReady(f"request {request.request_id} is {job.status}: its MP4 was delivered by its Generate "
+                           "call; the live stream exists while it runs")
+        offset = 0
+        for data in chunks:
+            if not context.is_active():
+                return
+            yield gateway_pb2.ContentChunk(data=data, offset=offset)
+            offset += len(data)
 
     @grpc_method("gateway")
     def Info(self, request, context):

@@ -1,0 +1,121 @@
+"""Per-request LoRA on the tiny checkpoint: the request with it changes, the requests without it keep their bytes,
+the cache loads once and stays within its byte bound, a few-step adapter sets the steps, and what cannot be served
+is refused naming the field or the lever."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from h3serve.config.levers import Levers
+from h3serve.config.lora import LoraEntry, format_loras, lora_choice, parse_loras
+from h3serve.config.request import validate_request
+from h3serve.errors import AdapterError, H3Error, ProfileError, RequestError
+from h3serve.models.dit.engine import DiTEngine, DiTRequest
+from h3serve.testing.adapters import init_lora
+from h3serve.testing.presets import TINY_TRANSFORMER
+
+
+@pytest.fixture(scope="module")
+def loras(tiny_checkpoint, tmp_path_factory):
+    d = tmp_path_factory.mktemp("loras")
+    style = LoraEntry("style", str(d / "style.safetensors"), init_lora(tiny_checkpoint, d / "style.safetensors"))
+    turbo = LoraEntry("turbo", str(d / "turbo.safetensors"),
+                      init_lora(tiny_checkpoint, d / "turbo.safetensors", seed=1, alpha=2.0), steps=3)
+    return style, turbo
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_checkpoint):
+    return DiTEngine.load(tiny_checkpoint)   # no LoRA configured at all: today's engine
+
+
+@pytest.fixture
+def engine(tiny_checkpoint, loras, plain):
+    engine = DiTEngine(plain.models, device=plain.device, profile="base", shifts=plain.shifts)   # same weights
+    engine.use_loras(loras)
+    return engine
+
+
+def _req(**kw) -> DiTRequest:
+    g = torch.Generator().manual_seed(5)
+    return DiTRequest(text_states=torch.randn(1, 6, TINY_TRANSFORMER["text_dim"], generator=g),
+                      text_tags=torch.ones(6, dtype=torch.long), latent_frames=2, latent_h=2, latent_w=4,
+                      audio_latents=4, seed=3, steps=kw.pop("steps", 3), **kw)
+
+
+def _bytes(out) -> tuple[bytes, bytes]:
+    return out.video.numpy().tobytes(), out.audio.numpy().tobytes()
+
+
+def test_a_request_without_lora_after_one_with_lora_gives_todays_bytes(tiny_checkpoint, loras):
+    today = _bytes(DiTEngine.load(tiny_checkpoint).generate(_req()))   # a fresh process's engine
+    engine = DiTEngine.load(tiny_checkpoint, loras=loras)
+    styled = engine.generate(_req(lora="style"))
+    after = engine.generate(_req())
+    assert _bytes(after) == today
+    assert (styled.video - after.video).abs().max() > 1e-3   # the LoRA did change its own request
+    half = engine.generate(_req(lora="style", lora_scale=0.5))
+    assert 0 < (half.video - after.video).abs().max() < (styled.video - after.video).abs().max()
+    assert _bytes(engine.generate(_req(lora="style"))) == _bytes(styled)   # the cached adapter: same bytes again
+    assert _bytes(engine.generate(_req())) == today
+    assert not any(m._forward_hooks for m in engine.models["transformer"].modules())
+
+
+def test_turbo_lora_sets_its_steps_and_refuses_others(engine):
+    out = engine.generate(_req(lora="turbo", steps=None))
+    assert out.steps == 2   # 3 grid points -> 2 forwards
+    with pytest.raises(RequestError, match=r"steps=4 .*few-step adapter distilled for 3"):
+        engine.generate(_req(lora="turbo", steps=4))
+
+
+def test_cache_loads_once_and_keeps_within_its_byte_bound(engine):
+    cache = engine.loras
+    engine.generate(_req(lora="style", steps=2))
+    engine.generate(_req(lora="style", steps=2))
+    assert cache.loads == 1 and cache.held() == ["style"]
+    one = cache.nbytes
+    cache.max_bytes = one   # room for one adapter: the least recently used goes
+    engine.generate(_req(lora="turbo", steps=None))
+    assert cache.held() == ["turbo"] and cache.nbytes <= cache.max_bytes and cache.loads == 2
+    cache.max_bytes = one - 1
+    cache._held.clear()
+    with pytest.raises(RequestError, match=r"more than the LoRA cache's bound .*dit.loraCacheBytes"):
+        engine.generate(_req(lora="style", steps=2))
+
+
+def test_refusals_name_the_field_or_the_lever(tiny_checkpoint, loras, engine, plain, tmp_path):
+    with pytest.raises(RequestError, match=r"lora.name='nope' .*one of the deployment's adapters \(style, turbo\)"):
+        engine.generate(_req(lora="nope"))
+    with pytest.raises(RequestError, match="lists no LoRA adapters"):
+        plain.generate(_req(lora="style"))
+    engine.use_loras([LoraEntry("bad", loras[0].path, "0" * 64)])
+    with pytest.raises(AdapterError, match="sha256 mismatch"):
+        engine.generate(_req(lora="bad"))
+    fp8 = DiTEngine.load(tiny_checkpoint, loras=loras, levers=Levers(fp8=True))
+    with pytest.raises(RequestError, match=r"fp8 lever: turn dit.levers.fp8 / --fp8 off"):
+        fp8.generate(_req(lora="style"))
+    adaln = tmp_path / "adaln.safetensors"
+    entry = LoraEntry("adaln", str(adaln), init_lora(tiny_checkpoint, adaln, modules=("adaln_proj.linear",)))
+    table = DiTEngine.load(tiny_checkpoint, loras=[entry], levers=Levers(adaln_table=True))
+    with pytest.raises(RequestError, match=r"adalnTable lever .*turn dit.levers.adalnTable"):
+        table.generate(_req(lora="adaln"))
+    with pytest.raises(ProfileError, match="per-request LoRA"):
+        engine.profile = "fasth3"
+        engine.use_loras(loras)
+
+
+def test_request_field_and_knob():
+    assert validate_request(prompt="x", seed=1, lora="style").lora.name == "style"
+    assert lora_choice({"name": "style", "scale": 0.5}).scale == 0.5
+    for value, field in (({"name": "style", "path": "/etc/passwd"}, "lora.path"), ({"name": "s", "scale": 9}, "lora.scale"),
+                         ({"name": "s", "int_id": 1}, "lora.int_id"), (3, "lora"), ("Bad Name", "lora.name")):
+        with pytest.raises(RequestError) as exc:
+            validate_request(prompt="x", lora=value)
+        assert exc.value.field == field
+    with pytest.raises(RequestError, match="profile fasth3 runs its own"):
+        validate_request(prompt="x", profile="fasth3", lora="style")
+    entries = (LoraEntry("a", "/m/a@x.safetensors", "a" * 64), LoraEntry("b", "/m/b.safetensors", "b" * 64, 5))
+    assert parse_loras(format_loras(entries)) == entries
+    with pytest.raises(H3Error, match="NAME=PATH@SHA256"):
+        parse_loras("a=/m/a.safetensors")

@@ -177,6 +177,11 @@ def dit_fields(request: Any) -> dict[str, Any]:
     return {name: getattr(request, name) for name in DIT_FIELDS}
 
 
+def lora_params(request: Any) -> dict[str, Any]:
+    """The request's LoRA as DiTParams and DiTRequest carry it: `lora` (its name) and `lora_scale`; {} without."""
+    return {} if request.lora is None else {"lora": request.lora.name, "lora_scale": request.lora.scale}
+
+
 def _parse_aspect(aspect: Any, field_name: str) -> float:
     allowed = "an aspect ratio W/H as a number, 'W:H' or (W, H), between 1:4 and 4:1"
     try:

@@ -119,3 +119,38 @@ def test_request_field_and_knob():
     assert parse_loras(format_loras(entries)) == entries
     with pytest.raises(H3Error, match="NAME=PATH@SHA256"):
         parse_loras("a=/m/a.safetensors")
+
+
+def _spec(loras, **over) -> dict:
+    d = {"image": "img:1", "model": {"path": "/models/MiniMax-H3",
+                                     "volume": {"persistentVolumeClaim": {"claimName": "w"}}},
+         "gateway": {"auth": {"disabled": True}}, "dit": {"loras": loras}}
+    d.update(over)
+    return d
+
+
+def test_spec_lists_loras_and_the_dit_and_gateway_get_them():
+    from h3serve.config.spec import H3DeploymentSpec, ServiceConfig, validate
+    from h3serve.config.stage import service_config_values
+
+    good = [{"name": "turbo", "path": "/models/loras/turbo.safetensors", "sha256": "a" * 64, "steps": 9},
+            {"name": "style", "path": "/models/loras/style.safetensors", "sha256": "b" * 64}]
+    spec = H3DeploymentSpec.from_dict(_spec(good, placement="disaggregated"))
+    assert validate(spec, "h3") == []
+    sc = ServiceConfig("h3", "ns", spec, {s: f"{s}:1" for s in ("encoder", "dit", "vae", "muxer")}, "bf16",
+                       "cuda").to_dict()
+    for stage in ("dit", "gateway"):   # the gateway resolves a few-step adapter's steps, the DiT loads them
+        assert parse_loras(service_config_values(sc, stage)["loras"]) == spec.dit.lora_entries()
+    assert "loras" not in service_config_values(sc, "encoder")
+    bad = [{"name": "Bad", "path": "/models/../etc/x", "sha256": "z", "steps": 1, "extra": 1},
+           {"name": "dup", "path": "/elsewhere/x.safetensors", "sha256": "c" * 64},
+           {"name": "dup", "path": "/models/y.safetensors", "sha256": "c" * 64}]
+    found = dict(validate(H3DeploymentSpec.from_dict(_spec(bad)), "h3"))
+    for field in ("spec.dit.loras[0].name", "spec.dit.loras[0].sha256", "spec.dit.loras[0].steps",
+                  "spec.dit.loras[0].extra", "spec.dit.loras[2].name"):
+        assert field in found, (field, found)
+    rules = " ".join(m for f, m in validate(H3DeploymentSpec.from_dict(_spec(bad)), "h3") if f == "spec.dit.loras")
+    assert "normalised absolute path" in rules and "inside model.mountPath /models" in rules
+    fast = validate(H3DeploymentSpec.from_dict(_spec(good, profile="fasth3",
+                                                      model={"path": "/m", "adapter": {"path": "/m/a", "sha256": "a" * 64}})), "h3")
+    assert any("dit.loras (per-request LoRA) needs profile base" in m for _, m in fast)

@@ -184,6 +184,12 @@ def build_request(prompt: str, *, validate_only: bool = False, **fields: Any):
     for name, value in fields.items():
         if value is None:
             continue
+        if name == "lora":   # a deployment adapter's name, or {"name", "scale"} (LoraRef)
+            try:
+                msg.lora.CopyFrom(gateway_pb2.LoraRef(**({"name": value} if isinstance(value, str) else value)))
+            except (TypeError, ValueError) as exc:
+                raise RequestError(name, value, f'a name or {{"name": NAME, "scale": number}} ({exc})') from None
+            continue
         try:
             setattr(msg, name, value)
         except (TypeError, ValueError) as exc:

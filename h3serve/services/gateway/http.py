@@ -63,7 +63,7 @@ def _property(row) -> dict:
     """A request field's JSON schema: its type (the table's keyword, else its Python type's), its keywords, its
     description."""
     schema = dict(row.metadata["schema"])
-    out = {"type": schema.pop("type", JSON_TYPES[FIELD_TYPES[row.name]]), **schema}
+    out = {"type": schema.pop("type") if "type" in schema else JSON_TYPES[FIELD_TYPES[row.name]], **schema}
     if row.metadata["doc"]:
         out["description"] = row.metadata["doc"]
     return out

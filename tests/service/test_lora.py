@@ -1,0 +1,56 @@
+"""Per-request LoRA through the served stack (`h3serve serve --loras`): a request naming an adapter changes its own
+MP4 only (the next request without one gives the bytes it gave before), a few-step adapter runs its steps, and a
+name the deployment does not list, a file path, or a scale out of range is refused naming the field, over HTTP and
+gRPC."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from h3serve.client import Client
+from h3serve.errors import RequestError
+from h3serve.testing.adapters import init_lora
+
+from .conftest import REQUEST, Stack
+
+SMALL = dict(REQUEST, size="64x64", num_inference_steps=3)   # the smallest canvas: the test compares bytes, not looks
+
+
+@pytest.fixture(scope="module")
+def lora_stack(tiny_checkpoint, tmp_path_factory):
+    d = tmp_path_factory.mktemp("loras")
+    style = init_lora(tiny_checkpoint, d / "style.safetensors")
+    turbo = init_lora(tiny_checkpoint, d / "turbo.safetensors", seed=1)
+    loras = f"style={d / 'style.safetensors'}@{style},turbo={d / 'turbo.safetensors'}@{turbo}@3"
+    s = Stack(tiny_checkpoint, "--loras", loras, "--grace-s", "10", "--no-warmup")
+    yield s
+    assert s.stop() == 0
+
+
+def _post(http: httpx.Client, **body) -> bytes:
+    r = http.post("/v1/videos/sync", json={**SMALL, **body})
+    assert r.status_code == 200, r.text
+    return r.content
+
+
+def test_lora_changes_its_own_request_only(lora_stack):
+    with httpx.Client(base_url=lora_stack.http, timeout=180) as http, Client(lora_stack.grpc, timeout=180) as client:
+        before = client.generate_sync(**SMALL).mp4
+        styled = client.generate_sync(**SMALL, lora={"name": "style", "scale": 1.0})
+        after = _post(http)
+        assert after == before and styled.mp4 != before
+        assert _post(http, lora={"name": "style"}) == styled.mp4   # HTTP, the same adapter: the same bytes
+        turbo = client.validate(**{**SMALL, "num_inference_steps": None}, lora="turbo")
+        assert turbo.num_inference_steps == 3   # the adapter's grid points, resolved at the gateway
+
+
+@pytest.mark.parametrize("lora,field", [("nope", "lora.name"), ({"name": "style", "path": "/etc/x"}, "lora.path"),
+                                        ({"name": "style", "scale": 10}, "lora.scale")])
+def test_refusals_name_the_field(lora_stack, lora, field):
+    r = httpx.post(f"{lora_stack.http}/v1/videos", json={**SMALL, "lora": lora}, timeout=30)
+    assert r.status_code == 422 and r.json()["error"]["field"] == field, r.text
+    if isinstance(lora, str) or "path" not in lora:
+        with Client(lora_stack.grpc, timeout=30) as client, pytest.raises(RequestError) as info:
+            client.validate(**SMALL, lora=lora)
+        assert info.value.field == field

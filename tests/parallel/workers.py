@@ -85,7 +85,17 @@ def build_dit(runtime: Runtime, plans):
         table = engine.use_adaln_table(directory, steps=req.steps)["transformer"]
         return engine.generate(req), table.report()
 
-    return {"forward": forward, "generate": generate, "generate_adaln": generate_adaln}
+    def generate_lora(payload, local):
+        """The plan's engine serving per-request LoRAs `entries` (every rank reads and checks the file itself)."""
+        plan, req, entries = payload
+        g = groups[tuple(plan)]
+        if g is None:
+            return None
+        engine = DiTEngine({"transformer": parallelize_dit(tiny_dit(), g)}, device=runtime.device, profile="base")
+        engine.use_loras(entries)
+        return engine.generate(req)
+
+    return {"forward": forward, "generate": generate, "generate_adaln": generate_adaln, "generate_lora": generate_lora}
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Per-request LoRA: the adapters a deployment allows, and what a request may say about them.
 
 A deployment lists its adapters (name, file, sha256, and for a few-step "Turbo" adapter its step count); a request
-names one (`lora`: the name, or {"name", "scale"} as vLLM-Omni spells it). A request never gives a path: the DiT
-opens only the files the deployment lists, each checked against its sha256.
+names one (`lora`: the name, or {"name", "scale"} as vLLM-Omni spells it). A request never chooses a file: the DiT
+opens only the files the deployment lists, each checked against its sha256. vLLM-Omni's request also carries the
+adapter's `path` / `local_path`; one equal to the listed file of that name is accepted, any other refused.
 
 The list travels as one knob (`--loras`), entries separated by commas:  NAME=PATH@SHA256[@STEPS]
 
@@ -23,8 +24,8 @@ NAME_PATTERN = r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$"
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
 SCALE_RANGE = (-4.0, 4.0)           # a LoRA's strength; 1.0 = as trained, 0 = off
 _NAME, _SHA = re.compile(NAME_PATTERN), re.compile(SHA256_PATTERN)
-_REQUEST_KEYS = ("name", "scale")
-_PATH_KEYS = ("path", "local_path", "lora_path")
+_PATH_KEYS = ("path", "local_path")
+_REQUEST_KEYS = ("name", "scale", *_PATH_KEYS)
 
 
 @dataclass(frozen=True)
@@ -42,10 +43,11 @@ class LoraEntry:
 
 @dataclass(frozen=True)
 class LoraChoice:
-    """What a request asks: one allowed adapter at a strength."""
+    """What a request asks: one allowed adapter at a strength (and the file a vLLM-Omni caller named with it)."""
 
     name: str
     scale: float = 1.0
+    path: str | None = None
 
 
 def parse_loras(text: str | None) -> tuple[LoraEntry, ...]:
@@ -89,13 +91,12 @@ def lora_choice(value: Any) -> LoraChoice | None:
         value = {"name": value}
     if not isinstance(value, Mapping):
         raise RequestError("lora", value, allowed)
-    paths = [k for k in _PATH_KEYS if k in value]
-    if paths:
-        raise RequestError(f"lora.{paths[0]}", value[paths[0]], "a request names a deployment adapter; it cannot "
-                                                                 "give a file (the deployment's lora list does)")
     unknown = sorted(str(k) for k in value if k not in _REQUEST_KEYS)
     if unknown:
-        raise RequestError(f"lora.{unknown[0]}", value[unknown[0]], "unknown key; allowed: name, scale")
+        raise RequestError(f"lora.{unknown[0]}", value[unknown[0]], "unknown key; allowed: " + ", ".join(_REQUEST_KEYS))
+    paths = [k for k in _PATH_KEYS if value.get(k) is not None]
+    if len(paths) > 1 or (paths and not isinstance(value[paths[0]], str)):
+        raise RequestError(f"lora.{paths[-1]}", value[paths[-1]], "one path, a string (the listed file of lora.name)")
     name = value.get("name")
     if not isinstance(name, str) or not _NAME.match(name):
         raise RequestError("lora.name", name, allowed)
@@ -104,13 +105,17 @@ def lora_choice(value: Any) -> LoraChoice | None:
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) \
             or not lo <= scale <= hi:
         raise RequestError("lora.scale", scale, f"a number in [{lo:g}, {hi:g}] (1 = as trained)")
-    return LoraChoice(name, float(scale))
+    return LoraChoice(name, float(scale), value[paths[0]] if paths else None)
 
 
-def find_lora(entries: Sequence[LoraEntry], name: str) -> LoraEntry:
-    """The allowed adapter `name`, or a RequestError listing the allowed ones."""
+def find_lora(entries: Sequence[LoraEntry], name: str, path: str | None = None) -> LoraEntry:
+    """The allowed adapter `name`, or a RequestError listing the allowed ones; a `path` the caller gave must be its
+    listed file (the request never chooses a file)."""
     for entry in entries:
         if entry.name == name:
+            if path is not None and path != entry.path:
+                raise RequestError("lora.path", path, f"the deployment's file for lora.name {name!r}, or left out: a "
+                                                      "request cannot choose a file")
             return entry
     names = ", ".join(e.name for e in entries) or "none: this deployment lists no LoRA adapters"
     raise RequestError("lora.name", name, f"one of the deployment's adapters ({names})")

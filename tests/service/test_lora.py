@@ -24,6 +24,7 @@ def lora_stack(tiny_checkpoint, tmp_path_factory):
     turbo = init_lora(tiny_checkpoint, d / "turbo.safetensors", seed=1)
     loras = f"style={d / 'style.safetensors'}@{style},turbo={d / 'turbo.safetensors'}@{turbo}@3"
     s = Stack(tiny_checkpoint, "--loras", loras, "--grace-s", "10", "--no-warmup")
+    s.loras = {"style": str(d / "style.safetensors")}
     yield s
     assert s.stop() == 0
 
@@ -40,7 +41,10 @@ def test_lora_changes_its_own_request_only(lora_stack):
         styled = client.generate_sync(**SMALL, lora={"name": "style", "scale": 1.0})
         after = _post(http)
         assert after == before and styled.mp4 != before
-        assert _post(http, lora={"name": "style"}) == styled.mp4   # HTTP, the same adapter: the same bytes
+        listed = lora_stack.loras["style"]   # vLLM-Omni's shape: the name with its (listed) file
+        assert _post(http, lora={"name": "style", "local_path": listed}) == styled.mp4   # HTTP: the same bytes
+        models = http.get("/v1/models").json()["data"]
+        assert models[0]["loras"] == [{"name": "style"}, {"name": "turbo", "steps": 3}]
         turbo = client.validate(**{**SMALL, "num_inference_steps": None}, lora="turbo")
         assert turbo.num_inference_steps == 3   # the adapter's grid points, resolved at the gateway
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from h3serve.config.levers import Levers
-from h3serve.config.lora import LoraEntry, format_loras, lora_choice, parse_loras
+from h3serve.config.lora import LoraEntry, find_lora, format_loras, lora_choice, parse_loras
 from h3serve.config.request import validate_request
 from h3serve.errors import AdapterError, H3Error, ProfileError, RequestError
 from h3serve.models.dit.engine import DiTEngine, DiTRequest
@@ -108,7 +108,10 @@ def test_refusals_name_the_field_or_the_lever(tiny_checkpoint, loras, engine, pl
 def test_request_field_and_knob():
     assert validate_request(prompt="x", seed=1, lora="style").lora.name == "style"
     assert lora_choice({"name": "style", "scale": 0.5}).scale == 0.5
-    for value, field in (({"name": "style", "path": "/etc/passwd"}, "lora.path"), ({"name": "s", "scale": 9}, "lora.scale"),
+    assert lora_choice({"name": "style", "local_path": "/m/s"}).path == "/m/s"
+    with pytest.raises(RequestError, match="lora.path='/etc/passwd' .*cannot choose a file"):
+        find_lora([LoraEntry("style", "/m/s", "a" * 64)], "style", "/etc/passwd")
+    for value, field in (({"name": "style", "path": 3}, "lora.path"), ({"name": "s", "scale": 9}, "lora.scale"),
                          ({"name": "s", "int_id": 1}, "lora.int_id"), (3, "lora"), ("Bad Name", "lora.name")):
         with pytest.raises(RequestError) as exc:
             validate_request(prompt="x", lora=value)

@@ -331,8 +331,8 @@ def validate_fields(fields: dict[str, Any], *, config: StageConfig,
     if raw.get("lora") is not None and profile != "fasth3":   # a few-step adapter's steps, before the defaults
         try:
             choice = lora_choice(raw["lora"])
-            raw["steps"] = lora_steps(find_lora(parse_loras(config.model.loras), choice.name), raw.get("steps"),
-                                      field="steps")
+            raw["steps"] = lora_steps(find_lora(parse_loras(config.model.loras), choice.name, choice.path),
+                                      raw.get("steps"), field="steps")
         except RequestError as exc:
             raise _renamed(exc, api_names) from None
     if "prompt" not in raw:

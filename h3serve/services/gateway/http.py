@@ -15,7 +15,7 @@ and Prometheus metrics. A thin adapter over `Gateway` (orchestrate.py); errors l
     GET    /health  /ready  /metrics  liveness, readiness (every stage SERVING, not draining), Prometheus
 
 Request fields: prompt, seconds, size | width + height, num_frames, fps, seed, num_inference_steps, quality,
-model, extra_params {task, duration}, video_params, user, and the media fields input_reference, first_image,
+lora, model, extra_params {task, duration}, video_params, user, and the media fields input_reference, first_image,
 last_image, image_reference, audio_reference (docs/api.md; the OpenAI / vLLM-Omni mapping: docs/openai-compat.md). `?validate_only=true` validates and aligns without generating. The header
 `X-Request-Timeout: SECONDS` sets the request's deadline (default and upper bound: the server's request timeout).
 With API keys (auth.py) every /v1 call carries `Authorization: Bearer KEY` (checked before the body is read) and
@@ -43,6 +43,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 from starlette.routing import Match
 
+from h3serve.config.lora import parse_loras
 from h3serve.config.request import FIELD_TYPES, MAX_MEDIA_BYTES, MAX_REFERENCES, REQUEST_FIELDS, Upload
 from h3serve.errors import H3Error, NotFound, NotReady, RequestError, TooLarge, Unauthenticated
 from h3serve.errortable import error_object, http_error
@@ -534,7 +535,10 @@ def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
     async def list_models():
         return {"object": "list", "data": [
             {"id": ids[0], "object": "model", "created": int(app.state.started), "owned_by": "h3serve",
-             "profile": profile, "tasks": list(gateway.config.model.tasks_for(profile)), "aliases": list(ids[1:])}
+             "profile": profile, "tasks": list(gateway.config.model.tasks_for(profile)), "aliases": list(ids[1:]),
+             # the LoRA adapters a request's `lora` may name (profile base: FastH3 runs its fused adapter only)
+             "loras": [] if profile == "fasth3" else [{"name": e.name, **({"steps": e.steps} if e.steps else {})}
+                                                     for e in parse_loras(gateway.config.model.loras)]}
             for profile, ids in served_pools(gateway.config).items()]}
 
     @app.post("/v1/videos/{video_id}/remix", summary="Refused: H3 has no edit path")

@@ -25,6 +25,7 @@ from h3serve.config.parallel import (
     ulysses_choices,
     vae_pp_choices,
 )
+from h3serve.config.lora import FP8_REFUSAL
 from h3serve.config.levers import FASTH3_REFUSED, LEVER, LEVERS_MESSAGE, SPEC_NAMES, STAGED_VAE_MESSAGE
 from h3serve.config.vocab import DIT_HEADS, ENCODER_HEADS, ENCODER_KV_HEADS, PIPELINE_STAGES
 
@@ -335,6 +336,7 @@ RULES: tuple[Rule, ...] = (
          "model.adapter.path " + NORMAL_PATH, dict(path=Field("model.adapter.path"))),
     Rule("dit.loras", any_of(unset("dit.loras"), op("!=", Field("profile"), "fasth3")),
          "dit.loras (per-request LoRA) needs profile base: profile fasth3 runs its fused 4-step adapter only"),
+    Rule("dit.loras", any_of(unset("dit.loras"), op("!", Field("dit.levers.fp8"))), FP8_REFUSAL),
     Rule("dit.loras", any_of(unset("dit.loras"), EveryLoraPath(_normal("$path"))),
          "every dit.loras path must be a normalised absolute path (no '.', '..' or empty segments)"),
     Rule("dit.loras", any_of(unset("dit.loras"), unset("model.volume"), EveryLoraPath(_inside_mount("$path"))),

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from h3serve.config.levers import Levers
-from h3serve.config.lora import LoraEntry, find_lora, format_loras, lora_choice, parse_loras
+from h3serve.config.lora import FP8_REFUSAL, LoraEntry, find_lora, format_loras, lora_choice, parse_loras
 from h3serve.config.request import validate_request
 from h3serve.errors import AdapterError, H3Error, ProfileError, RequestError
 from h3serve.models.dit.engine import DiTEngine, DiTRequest
@@ -92,9 +92,8 @@ def test_refusals_name_the_field_or_the_lever(tiny_checkpoint, loras, engine, pl
     engine.use_loras([LoraEntry("bad", loras[0].path, "0" * 64)])
     with pytest.raises(AdapterError, match="sha256 mismatch"):
         engine.generate(_req(lora="bad"))
-    fp8 = DiTEngine.load(tiny_checkpoint, loras=loras, levers=Levers(fp8=True))
-    with pytest.raises(RequestError, match=r"fp8 lever: turn dit.levers.fp8 / --fp8 off"):
-        fp8.generate(_req(lora="style"))
+    with pytest.raises(ProfileError, match=r"turn dit.levers.fp8 \(--fp8\) off to serve dit.loras"):
+        DiTEngine.load(tiny_checkpoint, loras=loras, levers=Levers(fp8=True))
     adaln = tmp_path / "adaln.safetensors"
     entry = LoraEntry("adaln", str(adaln), init_lora(tiny_checkpoint, adaln, modules=("adaln_proj.linear",)))
     table = DiTEngine.load(tiny_checkpoint, loras=[entry], levers=Levers(adaln_table=True))
@@ -157,3 +156,5 @@ def test_spec_lists_loras_and_the_dit_and_gateway_get_them():
     fast = validate(H3DeploymentSpec.from_dict(_spec(good, profile="fasth3",
                                                       model={"path": "/m", "adapter": {"path": "/m/a", "sha256": "a" * 64}})), "h3")
     assert any("dit.loras (per-request LoRA) needs profile base" in m for _, m in fast)
+    fp8 = validate(H3DeploymentSpec.from_dict(_spec(good, dit={"loras": good, "levers": {"fp8": True}})), "h3")
+    assert ("spec.dit.loras", FP8_REFUSAL) in fp8

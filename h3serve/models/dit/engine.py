@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 import torch
 
 from h3serve.config.levers import CLI_NAMES, REQUEST_NAMES, Levers, lever_conflict
-from h3serve.config.lora import LORA_CACHE_BYTES, LoraEntry, find_lora, lora_steps
+from h3serve.config.lora import FP8_REFUSAL, LORA_CACHE_BYTES, LoraEntry, find_lora, lora_steps
 from h3serve.config.request import DEFAULT_STEPS
 from h3serve.config.vocab import COMPONENT_FOR_TASK, PROFILE_TASKS
 from h3serve.errors import ProfileError, RequestError
@@ -150,6 +150,8 @@ class DiTEngine:
         if entries and self.profile == "fasth3":
             raise ProfileError("profile fasth3 serves its fused 4-step adapter only; per-request LoRA (--loras) is "
                                "for profile base")
+        if entries and self.levers.fp8:
+            raise ProfileError(FP8_REFUSAL)
         self.loras = LoraCache(entries, max_bytes, self.device)
         return self.loras
 

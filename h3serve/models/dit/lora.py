@@ -7,9 +7,10 @@ before it (a fused W + BA restored afterwards would also be exact, but costs a w
 window in which a failure could leave W patched). The add computes in the target weight's dtype, as PEFT's LoRA
 Linear does.
 
-What cannot take a hook is refused when the adapter loads, naming the lever: FP8 linears (their GEMM takes
-quantized rows, `levers.fp8`), and AdaLN projections replaced by a table (`levers.adaln_table`). Layerwise offload
-moves only the base weights, so it needs nothing here.
+What cannot take a hook is refused, naming the lever: FP8 linears (their GEMM takes quantized rows, `levers.fp8`;
+refused with the deployment, `FP8_REFUSAL`), and AdaLN projections replaced by a table (`levers.adaln_table`; an
+adapter patching them is refused when it loads). Layerwise offload moves only the base weights, so it needs nothing
+here. One request at a time per model (the engine thread): the hooks are the model's while that request runs.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from h3serve.config.lora import LoraEntry, find_lora
+from h3serve.config.lora import FP8_REFUSAL, LoraEntry, find_lora
 from h3serve.errors import RequestError
 from h3serve.models.dit.adaln import ADALN_WEIGHTS
 from h3serve.weights.lora import read_lora
@@ -50,9 +51,9 @@ def _lever_refusal(entry: LoraEntry, module_name: str, module: nn.Module | None,
         return (f"LoRA {entry.name!r} patches {module_name}, whose outputs the adalnTable lever replaced by a table; "
                 "turn dit.levers.adalnTable (--adaln-table) off to serve it")
     if module is not None and not isinstance(module, nn.Linear):
-        lever = " (the fp8 lever: turn dit.levers.fp8 / --fp8 off to serve LoRA)" if "FP8" in type(module).__name__ \
-            else ""
-        return f"LoRA {entry.name!r} patches {module_name}, a {type(module).__name__}, not a Linear{lever}"
+        if "FP8" in type(module).__name__:
+            return FP8_REFUSAL
+        return f"LoRA {entry.name!r} patches {module_name}, a {type(module).__name__}, not a Linear"
     return None
 
 

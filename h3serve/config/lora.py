@@ -24,6 +24,10 @@ NAME_PATTERN = r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$"
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
 SCALE_RANGE = (-4.0, 4.0)           # a LoRA's strength; 1.0 = as trained, 0 = off
 _NAME, _SHA = re.compile(NAME_PATTERN), re.compile(SHA256_PATTERN)
+# H3's two DiT partitions share module names, and a LoRA trained on one degrades the other: ours patch transformer/
+LORA_TASKS = ("t2va", "fl2va")
+REF2VA_REFUSAL = ("per-request LoRA applies to the t2va / fl2va partition (transformer/); ref2va runs transformer_ref/, "
+                  "which a LoRA trained on transformer/ would degrade")
 # The one lever LoRA cannot run beside (the spec's CEL rule, `h3serve serve` and the DiT engine say it the same way)
 FP8_REFUSAL = ("per-request LoRA adds (x A^T) B^T beside each Linear, which the FP8 GEMMs (taking quantized rows) "
                "cannot: turn dit.levers.fp8 (--fp8) off to serve dit.loras (--loras)")

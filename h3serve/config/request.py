@@ -52,7 +52,7 @@ from h3serve.config.geometry import (
 from h3serve.config.levers import REQUEST_NAMES, lever_conflict
 from h3serve.config.lora import NAME_PATTERN as LORA_NAME_PATTERN
 from h3serve.config.lora import SCALE_RANGE as LORA_SCALE_RANGE
-from h3serve.config.lora import LoraChoice, lora_choice
+from h3serve.config.lora import LORA_TASKS, REF2VA_REFUSAL, LoraChoice, lora_choice
 from h3serve.config.vocab import DEFAULT_DTYPE, DEFAULT_QUALITY, DTYPES, PROFILES, QUALITIES, TASKS
 from h3serve.errors import RequestError
 
@@ -620,6 +620,8 @@ def validate_request(**raw: Any) -> GenerationRequest:
     if lora is not None and profile == "fasth3":
         raise RequestError("lora", lora.name, "profile fasth3 runs its own fused 4-step adapter; per-request LoRA "
                                               "is served by profile base (model MiniMax-H3)")
+    if lora is not None and task not in LORA_TASKS:
+        raise RequestError("lora", lora.name, REF2VA_REFUSAL)
 
     # duration: the reference's bounds, on the frame count after rounding up to 17n+5 (as it checks them)
     (lo, hi), (alo, ahi) = REQUESTED_FRAMES, FRAMES_RANGE

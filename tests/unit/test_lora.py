@@ -89,16 +89,17 @@ def test_refusals_name_the_field_or_the_lever(tiny_checkpoint, loras, engine, pl
         engine.generate(_req(lora="nope"))
     with pytest.raises(RequestError, match="lists no LoRA adapters"):
         plain.generate(_req(lora="style"))
-    engine.use_loras([LoraEntry("bad", loras[0].path, "0" * 64)])
-    with pytest.raises(AdapterError, match="sha256 mismatch"):
-        engine.generate(_req(lora="bad"))
+    with pytest.raises(AdapterError, match="sha256 mismatch"):   # at the start, not at the first request
+        engine.use_loras([LoraEntry("bad", loras[0].path, "0" * 64)])
     with pytest.raises(ProfileError, match=r"turn dit.levers.fp8 \(--fp8\) off to serve dit.loras"):
         DiTEngine.load(tiny_checkpoint, loras=loras, levers=Levers(fp8=True))
     adaln = tmp_path / "adaln.safetensors"
     entry = LoraEntry("adaln", str(adaln), init_lora(tiny_checkpoint, adaln, modules=("adaln_proj.linear",)))
-    table = DiTEngine.load(tiny_checkpoint, loras=[entry], levers=Levers(adaln_table=True))
+    table = DiTEngine.load(tiny_checkpoint, levers=Levers(adaln_table=True))
     with pytest.raises(RequestError, match=r"adalnTable lever .*turn dit.levers.adalnTable"):
-        table.generate(_req(lora="adaln"))
+        table.use_loras([entry])
+    table.use_loras(loras)   # attention / FFN adapters are served beside the table
+    assert table.generate(_req(lora="style", steps=2)).steps == 1
     with pytest.raises(ProfileError, match="per-request LoRA"):
         engine.profile = "fasth3"
         engine.use_loras(loras)
@@ -117,6 +118,8 @@ def test_request_field_and_knob():
         assert exc.value.field == field
     with pytest.raises(RequestError, match="profile fasth3 runs its own"):
         validate_request(prompt="x", profile="fasth3", lora="style")
+    with pytest.raises(RequestError, match="ref2va runs transformer_ref/"):
+        validate_request(prompt="x", task="ref2va", references=[{"kind": "audio", "path": "a.wav"}], lora="style")
     entries = (LoraEntry("a", "/m/a@x.safetensors", "a" * 64), LoraEntry("b", "/m/b.safetensors", "b" * 64, 5))
     assert parse_loras(format_loras(entries)) == entries
     with pytest.raises(H3Error, match="NAME=PATH@SHA256"):

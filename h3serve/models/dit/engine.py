@@ -15,7 +15,15 @@ from typing import Callable, Sequence
 import torch
 
 from h3serve.config.levers import CLI_NAMES, REQUEST_NAMES, Levers, lever_conflict
-from h3serve.config.lora import FP8_REFUSAL, LORA_CACHE_BYTES, LoraEntry, find_lora, lora_steps
+from h3serve.config.lora import (
+    FP8_REFUSAL,
+    LORA_CACHE_BYTES,
+    LORA_TASKS,
+    REF2VA_REFUSAL,
+    LoraEntry,
+    find_lora,
+    lora_steps,
+)
 from h3serve.config.request import DEFAULT_STEPS
 from h3serve.config.vocab import COMPONENT_FOR_TASK, PROFILE_TASKS
 from h3serve.errors import ProfileError, RequestError
@@ -145,20 +153,27 @@ class DiTEngine:
         return engine
 
     def use_loras(self, entries: Sequence[LoraEntry], max_bytes: int = LORA_CACHE_BYTES) -> LoraCache:
-        """Serve these per-request LoRAs (models/dit/lora.py), each loaded on first use. Profile base only: FastH3's
-        own adapter is fused into its weights."""
+        """Serve these per-request LoRAs (models/dit/lora.py): each file is checked now (sha256, keys, targets,
+        levers), so a deployment listing a wrong one does not start; each is placed on the device on first use.
+        Profile base only: FastH3's own adapter is fused into its weights."""
         if entries and self.profile == "fasth3":
             raise ProfileError("profile fasth3 serves its fused 4-step adapter only; per-request LoRA (--loras) is "
                                "for profile base")
         if entries and self.levers.fp8:
             raise ProfileError(FP8_REFUSAL)
-        self.loras = LoraCache(entries, max_bytes, self.device)
-        return self.loras
+        cache = LoraCache(entries, max_bytes, self.device)
+        model = self.models.get("transformer")   # the partition LoRAs patch (LORA_TASKS)
+        if model is not None:
+            cache.verify(getattr(model, "model", model), adaln_table=bool(self.adaln_tables))
+        self.loras = cache
+        return cache
 
     def _lora_for(self, req: DiTRequest, model):
         """The request's LoRA (loaded or from the cache) and the steps it runs; (None, req.steps) without one."""
         if req.lora is None:
             return None, req.steps
+        if req.task not in LORA_TASKS:
+            raise RequestError("lora", req.lora, REF2VA_REFUSAL)
         if self.loras is None or not self.loras.entries:
             raise RequestError("lora", req.lora, "this DiT lists no LoRA adapters (the deployment's dit.loras / "
                                                  "--loras)")

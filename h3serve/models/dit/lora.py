@@ -125,6 +125,11 @@ class LoraCache:
         """Names on the device, least recently used first."""
         return list(self._held)
 
+    def verify(self, model: nn.Module, *, adaln_table: bool = False) -> None:
+        """Read and check every listed file against `model` on the CPU, keeping nothing (a service's start)."""
+        for entry in self.entries:
+            load_lora(model, entry, torch.device("cpu"), adaln_table=adaln_table)
+
     def get(self, name: str, model: nn.Module, *, adaln_table: bool = False) -> LoadedLora:
         entry = find_lora(self.entries, name)
         with self._lock:

@@ -5,6 +5,8 @@ gRPC."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -45,6 +47,13 @@ def test_lora_changes_its_own_request_only(lora_stack):
         assert _post(http, lora={"name": "style", "local_path": listed}) == styled.mp4   # HTTP: the same bytes
         models = http.get("/v1/models").json()["data"]
         assert models[0]["loras"] == [{"name": "style"}, {"name": "turbo", "steps": 3}]
+        job = http.post("/v1/videos", json={**SMALL, "num_inference_steps": None, "lora": "turbo"}).json()
+        end = time.monotonic() + 120
+        while job["status"] not in ("completed", "failed") and time.monotonic() < end:
+            time.sleep(0.1)
+            job = http.get(f"/v1/videos/{job['id']}").json()
+        assert job["status"] == "completed", job
+        assert job["lora"] == {"name": "turbo", "scale": 1.0} and job["num_inference_steps"] == 3
         turbo = client.validate(**{**SMALL, "num_inference_steps": None}, lora="turbo")
         assert turbo.num_inference_steps == 3   # the adapter's grid points, resolved at the gateway
 

@@ -338,6 +338,7 @@ def job_object(job: Job, gateway: Gateway) -> dict:
         "prompt": r.prompt, "seconds": f"{r.seconds:g}", "size": f"{r.width}x{r.height}", "width": r.width,
         "height": r.height, "num_frames": r.num_frames, "fps": r.fps, "seed": r.seed, "num_inference_steps": r.steps,
         "quality": r.quality, "task": r.task, "profile": r.profile, "queue_position": job.queue_position,
+        "lora": {"name": r.lora.name, "scale": r.lora.scale} if r.lora is not None else None,
         "error": error_object(job.error) if job.error else None,
         "inference_time_s": round(t["t_client"], 6) if job.status == "completed" and "t_client" in t else None,
         "stage_durations": durations, "rtf": round(t["rtf_client"], 6) if "rtf_client" in t else None,

@@ -163,6 +163,12 @@ def build_request(request: "VideoRequest", *, validate_only: bool = False,
         value = getattr(request, name)
         if value is None or name in MEDIA:
             continue
+        if name == "lora":   # a deployment adapter's name, or {"name", "scale"} (LoraRef)
+            try:
+                msg.lora.CopyFrom(gateway_pb2.LoraRef(**({"name": value} if isinstance(value, str) else value)))
+            except (TypeError, ValueError) as exc:
+                raise RequestError(name, value, f'a name or {{"name": NAME, "scale": number}} ({exc})') from None
+            continue
         try:
             setattr(msg, name, value)
         except (TypeError, ValueError) as exc:

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from h3serve.config.levers import LeverError, Levers, check_combination, staging_conflict
 from h3serve.config.parallel import ParallelDegrees
 from h3serve.config.geometry import SAMPLE_RATE
-from h3serve.config.request import GenerationRequest, dit_fields, media_source
+from h3serve.config.request import GenerationRequest, dit_fields, lora_params, media_source
 from h3serve.config.vocab import COMPONENT_FOR_TASK, DEFAULT_DTYPE, PROFILES
 from h3serve.distributed.proxies import DiTEngineProxy, EncoderProxy, VideoVAEProxy
 from h3serve.distributed.world import launch
@@ -269,7 +269,7 @@ class Pipeline:
                     text_states=encoded.states, text_tags=encoded.tags, latent_frames=req.latent_frames,
                     latent_h=req.latent_height, latent_w=req.latent_width, audio_latents=req.audio_latents,
                     anchors=c.anchors, condition_latents=c.condition_latents, references=c.references,
-                    reference_audio_rows=c.reference_audio_rows, **dit_fields(req),
+                    reference_audio_rows=c.reference_audio_rows, **dit_fields(req), **lora_params(req),
                 ),
                 on_step=on_step, should_stop=should_stop,
             )

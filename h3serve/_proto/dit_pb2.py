@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from h3serve._proto import common_pb2 as h3serve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14h3serve/v1/dit.proto\x12\nh3serve.v1\x1a\x17h3serve/v1/common.proto\"\x9f\x02\n\tDiTParams\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rlatent_frames\x18\x02 \x01(\x05\x12\x15\n\rlatent_height\x18\x03 \x01(\x05\x12\x14\n\x0clatent_width\x18\x04 \x01(\x05\x12\x15\n\raudio_latents\x18\x05 \x01(\x05\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x0c\n\x04task\x18\x07 \x01(\t\x12\x0f\n\x07profile\x18\x08 \x01(\t\x12\r\n\x05steps\x18\t \x01(\x05\x12&\n\x0clatents_sink\x18\n \x01(\x0b\x32\x10.h3serve.v1.Sink\x12\x17\n\x0f\x63ondition_kinds\x18\x0b \x03(\t\x12\x0f\n\x07quality\x18\x0c \x01(\t\x12\x15\n\rpreview_every\x18\r \x01(\x05\"\x8c\x01\n\x08\x44iTInput\x12\'\n\x06params\x18\x01 \x01(\x0b\x32\x15.h3serve.v1.DiTParamsH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.h3serve.v1.TensorChunkH\x00\x12$\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x15.h3serve.v1.StreamEndH\x00\x42\x07\n\x05input\"\x8c\x01\n\x08\x44iTEvent\x12(\n\x08progress\x18\x01 \x01(\x0b\x32\x14.h3serve.v1.ProgressH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.h3serve.v1.TensorChunkH\x00\x12#\n\x04\x64one\x18\x03 \x01(\x0b\x32\x13.h3serve.v1.DiTDoneH\x00\x42\x07\n\x05\x65vent\"\xbb\x01\n\x07\x44iTDone\x12\r\n\x05steps\x18\x01 \x01(\x05\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x14\n\x0cstep_seconds\x18\x03 \x03(\x01\x12,\n\ttransport\x18\x04 \x01(\x0b\x32\x19.h3serve.v1.TransportInfo\x12\x16\n\x0epeak_memory_mb\x18\x05 \x01(\x01\x12\x19\n\x11\x66orwards_computed\x18\x06 \x01(\x05\x12\x19\n\x11\x62lock_evaluations\x18\x07 \x01(\x05\x32\x7f\n\x03\x44iT\x12:\n\x08Generate\x12\x14.h3serve.v1.DiTInput\x1a\x14.h3serve.v1.DiTEvent(\x01\x30\x01\x12<\n\x06Status\x12\x19.h3serve.v1.StatusRequest\x1a\x17.h3serve.v1.StageStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14h3serve/v1/dit.proto\x12\nh3serve.v1\x1a\x17h3serve/v1/common.proto\"\xd5\x02\n\tDiTParams\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rlatent_frames\x18\x02 \x01(\x05\x12\x15\n\rlatent_height\x18\x03 \x01(\x05\x12\x14\n\x0clatent_width\x18\x04 \x01(\x05\x12\x15\n\raudio_latents\x18\x05 \x01(\x05\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x0c\n\x04task\x18\x07 \x01(\t\x12\x0f\n\x07profile\x18\x08 \x01(\t\x12\r\n\x05steps\x18\t \x01(\x05\x12&\n\x0clatents_sink\x18\n \x01(\x0b\x32\x10.h3serve.v1.Sink\x12\x17\n\x0f\x63ondition_kinds\x18\x0b \x03(\t\x12\x0f\n\x07quality\x18\x0c \x01(\t\x12\x15\n\rpreview_every\x18\r \x01(\x05\x12\x0c\n\x04lora\x18\x0e \x01(\t\x12\x17\n\nlora_scale\x18\x0f \x01(\x01H\x00\x88\x01\x01\x42\r\n\x0b_lora_scale\"\x8c\x01\n\x08\x44iTInput\x12\'\n\x06params\x18\x01 \x01(\x0b\x32\x15.h3serve.v1.DiTParamsH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.h3serve.v1.TensorChunkH\x00\x12$\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x15.h3serve.v1.StreamEndH\x00\x42\x07\n\x05input\"\x8c\x01\n\x08\x44iTEvent\x12(\n\x08progress\x18\x01 \x01(\x0b\x32\x14.h3serve.v1.ProgressH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.h3serve.v1.TensorChunkH\x00\x12#\n\x04\x64one\x18\x03 \x01(\x0b\x32\x13.h3serve.v1.DiTDoneH\x00\x42\x07\n\x05\x65vent\"\xbb\x01\n\x07\x44iTDone\x12\r\n\x05steps\x18\x01 \x01(\x05\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x14\n\x0cstep_seconds\x18\x03 \x03(\x01\x12,\n\ttransport\x18\x04 \x01(\x0b\x32\x19.h3serve.v1.TransportInfo\x12\x16\n\x0epeak_memory_mb\x18\x05 \x01(\x01\x12\x19\n\x11\x66orwards_computed\x18\x06 \x01(\x05\x12\x19\n\x11\x62lock_evaluations\x18\x07 \x01(\x05\x32\x7f\n\x03\x44iT\x12:\n\x08Generate\x12\x14.h3serve.v1.DiTInput\x1a\x14.h3serve.v1.DiTEvent(\x01\x30\x01\x12<\n\x06Status\x12\x19.h3serve.v1.StatusRequest\x1a\x17.h3serve.v1.StageStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,13 +33,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'h3serve.v1.dit_pb2', _globa
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DITPARAMS']._serialized_start=62
-  _globals['_DITPARAMS']._serialized_end=349
-  _globals['_DITINPUT']._serialized_start=352
-  _globals['_DITINPUT']._serialized_end=492
-  _globals['_DITEVENT']._serialized_start=495
-  _globals['_DITEVENT']._serialized_end=635
-  _globals['_DITDONE']._serialized_start=638
-  _globals['_DITDONE']._serialized_end=825
-  _globals['_DIT']._serialized_start=827
-  _globals['_DIT']._serialized_end=954
+  _globals['_DITPARAMS']._serialized_end=403
+  _globals['_DITINPUT']._serialized_start=406
+  _globals['_DITINPUT']._serialized_end=546
+  _globals['_DITEVENT']._serialized_start=549
+  _globals['_DITEVENT']._serialized_end=689
+  _globals['_DITDONE']._serialized_start=692
+  _globals['_DITDONE']._serialized_end=879
+  _globals['_DIT']._serialized_start=881
+  _globals['_DIT']._serialized_end=1008
 # @@protoc_insertion_point(module_scope)

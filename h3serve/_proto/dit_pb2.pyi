@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DiTParams(_message.Message):
-    __slots__ = ("request_id", "latent_frames", "latent_height", "latent_width", "audio_latents", "seed", "task", "profile", "steps", "latents_sink", "condition_kinds", "quality", "preview_every")
+    __slots__ = ("request_id", "latent_frames", "latent_height", "latent_width", "audio_latents", "seed", "task", "profile", "steps", "latents_sink", "condition_kinds", "quality", "preview_every", "lora", "lora_scale")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LATENT_FRAMES_FIELD_NUMBER: _ClassVar[int]
     LATENT_HEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,8 @@ class DiTParams(_message.Message):
     CONDITION_KINDS_FIELD_NUMBER: _ClassVar[int]
     QUALITY_FIELD_NUMBER: _ClassVar[int]
     PREVIEW_EVERY_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
+    LORA_SCALE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     latent_frames: int
     latent_height: int
@@ -35,7 +37,9 @@ class DiTParams(_message.Message):
     condition_kinds: _containers.RepeatedScalarFieldContainer[str]
     quality: str
     preview_every: int
-    def __init__(self, request_id: _Optional[str] = ..., latent_frames: _Optional[int] = ..., latent_height: _Optional[int] = ..., latent_width: _Optional[int] = ..., audio_latents: _Optional[int] = ..., seed: _Optional[int] = ..., task: _Optional[str] = ..., profile: _Optional[str] = ..., steps: _Optional[int] = ..., latents_sink: _Optional[_Union[_common_pb2.Sink, _Mapping]] = ..., condition_kinds: _Optional[_Iterable[str]] = ..., quality: _Optional[str] = ..., preview_every: _Optional[int] = ...) -> None: ...
+    lora: str
+    lora_scale: float
+    def __init__(self, request_id: _Optional[str] = ..., latent_frames: _Optional[int] = ..., latent_height: _Optional[int] = ..., latent_width: _Optional[int] = ..., audio_latents: _Optional[int] = ..., seed: _Optional[int] = ..., task: _Optional[str] = ..., profile: _Optional[str] = ..., steps: _Optional[int] = ..., latents_sink: _Optional[_Union[_common_pb2.Sink, _Mapping]] = ..., condition_kinds: _Optional[_Iterable[str]] = ..., quality: _Optional[str] = ..., preview_every: _Optional[int] = ..., lora: _Optional[str] = ..., lora_scale: _Optional[float] = ...) -> None: ...
 
 class DiTInput(_message.Message):
     __slots__ = ("params", "chunk", "end")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from h3serve._proto import common_pb2 as h3serve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18h3serve/v1/gateway.proto\x12\nh3serve.v1\x1a\x17h3serve/v1/common.proto\"*\n\x14StreamContentRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\",\n\x0c\x43ontentChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"\x80\x05\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x14\n\x07seconds\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x11\n\x04size\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x12\n\x05width\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x13\n\x06height\x18\x05 \x01(\x05H\x03\x88\x01\x01\x12\x17\n\nnum_frames\x18\x06 \x01(\x05H\x04\x88\x01\x01\x12\x10\n\x03\x66ps\x18\x07 \x01(\x05H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x06\x88\x01\x01\x12 \n\x13num_inference_steps\x18\t \x01(\x05H\x07\x88\x01\x01\x12\x11\n\x04task\x18\n \x01(\tH\x08\x88\x01\x01\x12\x14\n\x07quality\x18\x0b \x01(\tH\t\x88\x01\x01\x12\x12\n\x05model\x18\x0c \x01(\tH\n\x88\x01\x01\x12\x17\n\nrequest_id\x18\r \x01(\tH\x0b\x88\x01\x01\x12\x15\n\rvalidate_only\x18\x0e \x01(\x08\x12\x18\n\x0b\x66irst_image\x18\x0f \x01(\x0cH\x0c\x88\x01\x01\x12\x17\n\nlast_image\x18\x10 \x01(\x0cH\r\x88\x01\x01\x12.\n\nreferences\x18\x11 \x03(\x0b\x32\x1a.h3serve.v1.MediaReference\x12\x1a\n\rpreview_every\x18\x12 \x01(\x05H\x0e\x88\x01\x01\x42\n\n\x08_secondsB\x07\n\x05_sizeB\x08\n\x06_widthB\t\n\x07_heightB\r\n\x0b_num_framesB\x06\n\x04_fpsB\x07\n\x05_seedB\x16\n\x14_num_inference_stepsB\x07\n\x05_taskB\n\n\x08_qualityB\x08\n\x06_modelB\r\n\x0b_request_idB\x0e\n\x0c_first_imageB\r\n\x0b_last_imageB\x10\n\x0e_preview_every\">\n\x0eMediaReference\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x10\n\x08\x66ilename\x18\x03 \x01(\t\"\xd7\x01\n\x08\x41\x63\x63\x65pted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_frames\x18\x02 \x01(\x05\x12\r\n\x05width\x18\x03 \x01(\x05\x12\x0e\n\x06height\x18\x04 \x01(\x05\x12\x0b\n\x03\x66ps\x18\x05 \x01(\x05\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x1b\n\x13num_inference_steps\x18\x07 \x01(\x05\x12\x0c\n\x04task\x18\x08 \x01(\t\x12\x0f\n\x07profile\x18\t \x01(\t\x12\x15\n\rmedia_seconds\x18\n \x01(\x01\x12\x16\n\x0equeue_position\x18\x0b \x01(\x05\"\x9d\x01\n\x04\x44one\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tmp4_bytes\x18\x02 \x01(\x03\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12.\n\x07timings\x18\x04 \x03(\x0b\x32\x1d.h3serve.v1.Done.TimingsEntry\x1a.\n\x0cTimingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xb2\x01\n\rGenerateEvent\x12(\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x14.h3serve.v1.AcceptedH\x00\x12(\n\x08progress\x18\x02 \x01(\x0b\x32\x14.h3serve.v1.ProgressH\x00\x12\"\n\x03mp4\x18\x03 \x01(\x0b\x32\x13.h3serve.v1.Mp4DataH\x00\x12 \n\x04\x64one\x18\x04 \x01(\x0b\x32\x10.h3serve.v1.DoneH\x00\x42\x07\n\x05\x65vent\"\'\n\x07Mp4Data\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"g\n\x10GenerateResponse\x12&\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x14.h3serve.v1.Accepted\x12\x1e\n\x04\x64one\x18\x02 \x01(\x0b\x32\x10.h3serve.v1.Done\x12\x0b\n\x03mp4\x18\x03 \x01(\x0c\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"G\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x12\n\nerror_code\x18\x03 \x01(\t\"#\n\rAttachRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\r\n\x0bInfoRequest\"\x91\x02\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07profile\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x14\n\x0cmax_inflight\x18\x04 \x01(\x05\x12\x12\n\nqueue_size\x18\x05 \x01(\x05\x12\x16\n\x0emax_sync_bytes\x18\x06 \x01(\x03\x12\x19\n\x11max_message_bytes\x18\x07 \x01(\x03\x12\x34\n\x06stages\x18\x08 \x03(\x0b\x32$.h3serve.v1.InfoResponse.StagesEntry\x12\x10\n\x08\x64raining\x18\t \x01(\x08\x1a-\n\x0bStagesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x32\xa7\x03\n\x07Gateway\x12\x44\n\x08Generate\x12\x1b.h3serve.v1.GenerateRequest\x1a\x19.h3serve.v1.GenerateEvent0\x01\x12I\n\x0cGenerateSync\x12\x1b.h3serve.v1.GenerateRequest\x1a\x1c.h3serve.v1.GenerateResponse\x12@\n\x06\x41ttach\x12\x19.h3serve.v1.AttachRequest\x1a\x19.h3serve.v1.GenerateEvent0\x01\x12?\n\x06\x43\x61ncel\x12\x19.h3serve.v1.CancelRequest\x1a\x1a.h3serve.v1.CancelResponse\x12\x39\n\x04Info\x12\x17.h3serve.v1.InfoRequest\x1a\x18.h3serve.v1.InfoResponse\x12M\n\rStreamContent\x12 .h3serve.v1.StreamContentRequest\x1a\x18.h3serve.v1.ContentChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18h3serve/v1/gateway.proto\x12\nh3serve.v1\x1a\x17h3serve/v1/common.proto\"*\n\x14StreamContentRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\",\n\x0c\x43ontentChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"\xb1\x05\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x14\n\x07seconds\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x11\n\x04size\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x12\n\x05width\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x13\n\x06height\x18\x05 \x01(\x05H\x03\x88\x01\x01\x12\x17\n\nnum_frames\x18\x06 \x01(\x05H\x04\x88\x01\x01\x12\x10\n\x03\x66ps\x18\x07 \x01(\x05H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x06\x88\x01\x01\x12 \n\x13num_inference_steps\x18\t \x01(\x05H\x07\x88\x01\x01\x12\x11\n\x04task\x18\n \x01(\tH\x08\x88\x01\x01\x12\x14\n\x07quality\x18\x0b \x01(\tH\t\x88\x01\x01\x12\x12\n\x05model\x18\x0c \x01(\tH\n\x88\x01\x01\x12\x17\n\nrequest_id\x18\r \x01(\tH\x0b\x88\x01\x01\x12\x15\n\rvalidate_only\x18\x0e \x01(\x08\x12\x18\n\x0b\x66irst_image\x18\x0f \x01(\x0cH\x0c\x88\x01\x01\x12\x17\n\nlast_image\x18\x10 \x01(\x0cH\r\x88\x01\x01\x12.\n\nreferences\x18\x11 \x03(\x0b\x32\x1a.h3serve.v1.MediaReference\x12\x1a\n\rpreview_every\x18\x12 \x01(\x05H\x0e\x88\x01\x01\x12&\n\x04lora\x18\x1e \x01(\x0b\x32\x13.h3serve.v1.LoraRefH\x0f\x88\x01\x01\x42\n\n\x08_secondsB\x07\n\x05_sizeB\x08\n\x06_widthB\t\n\x07_heightB\r\n\x0b_num_framesB\x06\n\x04_fpsB\x07\n\x05_seedB\x16\n\x14_num_inference_stepsB\x07\n\x05_taskB\n\n\x08_qualityB\x08\n\x06_modelB\r\n\x0b_request_idB\x0e\n\x0c_first_imageB\r\n\x0b_last_imageB\x10\n\x0e_preview_everyB\x07\n\x05_lora\"5\n\x07LoraRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\x05scale\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\x08\n\x06_scale\">\n\x0eMediaReference\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x10\n\x08\x66ilename\x18\x03 \x01(\t\"\xd7\x01\n\x08\x41\x63\x63\x65pted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_frames\x18\x02 \x01(\x05\x12\r\n\x05width\x18\x03 \x01(\x05\x12\x0e\n\x06height\x18\x04 \x01(\x05\x12\x0b\n\x03\x66ps\x18\x05 \x01(\x05\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x1b\n\x13num_inference_steps\x18\x07 \x01(\x05\x12\x0c\n\x04task\x18\x08 \x01(\t\x12\x0f\n\x07profile\x18\t \x01(\t\x12\x15\n\rmedia_seconds\x18\n \x01(\x01\x12\x16\n\x0equeue_position\x18\x0b \x01(\x05\"\x9d\x01\n\x04\x44one\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tmp4_bytes\x18\x02 \x01(\x03\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12.\n\x07timings\x18\x04 \x03(\x0b\x32\x1d.h3serve.v1.Done.TimingsEntry\x1a.\n\x0cTimingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xb2\x01\n\rGenerateEvent\x12(\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x14.h3serve.v1.AcceptedH\x00\x12(\n\x08progress\x18\x02 \x01(\x0b\x32\x14.h3serve.v1.ProgressH\x00\x12\"\n\x03mp4\x18\x03 \x01(\x0b\x32\x13.h3serve.v1.Mp4DataH\x00\x12 \n\x04\x64one\x18\x04 \x01(\x0b\x32\x10.h3serve.v1.DoneH\x00\x42\x07\n\x05\x65vent\"\'\n\x07Mp4Data\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"g\n\x10GenerateResponse\x12&\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x14.h3serve.v1.Accepted\x12\x1e\n\x04\x64one\x18\x02 \x01(\x0b\x32\x10.h3serve.v1.Done\x12\x0b\n\x03mp4\x18\x03 \x01(\x0c\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"G\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x12\n\nerror_code\x18\x03 \x01(\t\"#\n\rAttachRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\r\n\x0bInfoRequest\"\x91\x02\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07profile\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x14\n\x0cmax_inflight\x18\x04 \x01(\x05\x12\x12\n\nqueue_size\x18\x05 \x01(\x05\x12\x16\n\x0emax_sync_bytes\x18\x06 \x01(\x03\x12\x19\n\x11max_message_bytes\x18\x07 \x01(\x03\x12\x34\n\x06stages\x18\x08 \x03(\x0b\x32$.h3serve.v1.InfoResponse.StagesEntry\x12\x10\n\x08\x64raining\x18\t \x01(\x08\x1a-\n\x0bStagesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x32\xa7\x03\n\x07Gateway\x12\x44\n\x08Generate\x12\x1b.h3serve.v1.GenerateRequest\x1a\x19.h3serve.v1.GenerateEvent0\x01\x12I\n\x0cGenerateSync\x12\x1b.h3serve.v1.GenerateRequest\x1a\x1c.h3serve.v1.GenerateResponse\x12@\n\x06\x41ttach\x12\x19.h3serve.v1.AttachRequest\x1a\x19.h3serve.v1.GenerateEvent0\x01\x12?\n\x06\x43\x61ncel\x12\x19.h3serve.v1.CancelRequest\x1a\x1a.h3serve.v1.CancelResponse\x12\x39\n\x04Info\x12\x17.h3serve.v1.InfoRequest\x1a\x18.h3serve.v1.InfoResponse\x12M\n\rStreamContent\x12 .h3serve.v1.StreamContentRequest\x1a\x18.h3serve.v1.ContentChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,33 +41,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CONTENTCHUNK']._serialized_start=109
   _globals['_CONTENTCHUNK']._serialized_end=153
   _globals['_GENERATEREQUEST']._serialized_start=156
-  _globals['_GENERATEREQUEST']._serialized_end=796
-  _globals['_MEDIAREFERENCE']._serialized_start=798
-  _globals['_MEDIAREFERENCE']._serialized_end=860
-  _globals['_ACCEPTED']._serialized_start=863
-  _globals['_ACCEPTED']._serialized_end=1078
-  _globals['_DONE']._serialized_start=1081
-  _globals['_DONE']._serialized_end=1238
-  _globals['_DONE_TIMINGSENTRY']._serialized_start=1192
-  _globals['_DONE_TIMINGSENTRY']._serialized_end=1238
-  _globals['_GENERATEEVENT']._serialized_start=1241
-  _globals['_GENERATEEVENT']._serialized_end=1419
-  _globals['_MP4DATA']._serialized_start=1421
-  _globals['_MP4DATA']._serialized_end=1460
-  _globals['_GENERATERESPONSE']._serialized_start=1462
-  _globals['_GENERATERESPONSE']._serialized_end=1565
-  _globals['_CANCELREQUEST']._serialized_start=1567
-  _globals['_CANCELREQUEST']._serialized_end=1602
-  _globals['_CANCELRESPONSE']._serialized_start=1604
-  _globals['_CANCELRESPONSE']._serialized_end=1675
-  _globals['_ATTACHREQUEST']._serialized_start=1677
-  _globals['_ATTACHREQUEST']._serialized_end=1712
-  _globals['_INFOREQUEST']._serialized_start=1714
-  _globals['_INFOREQUEST']._serialized_end=1727
-  _globals['_INFORESPONSE']._serialized_start=1730
-  _globals['_INFORESPONSE']._serialized_end=2003
-  _globals['_INFORESPONSE_STAGESENTRY']._serialized_start=1958
-  _globals['_INFORESPONSE_STAGESENTRY']._serialized_end=2003
-  _globals['_GATEWAY']._serialized_start=2006
-  _globals['_GATEWAY']._serialized_end=2429
+  _globals['_GENERATEREQUEST']._serialized_end=845
+  _globals['_LORAREF']._serialized_start=847
+  _globals['_LORAREF']._serialized_end=900
+  _globals['_MEDIAREFERENCE']._serialized_start=902
+  _globals['_MEDIAREFERENCE']._serialized_end=964
+  _globals['_ACCEPTED']._serialized_start=967
+  _globals['_ACCEPTED']._serialized_end=1182
+  _globals['_DONE']._serialized_start=1185
+  _globals['_DONE']._serialized_end=1342
+  _globals['_DONE_TIMINGSENTRY']._serialized_start=1296
+  _globals['_DONE_TIMINGSENTRY']._serialized_end=1342
+  _globals['_GENERATEEVENT']._serialized_start=1345
+  _globals['_GENERATEEVENT']._serialized_end=1523
+  _globals['_MP4DATA']._serialized_start=1525
+  _globals['_MP4DATA']._serialized_end=1564
+  _globals['_GENERATERESPONSE']._serialized_start=1566
+  _globals['_GENERATERESPONSE']._serialized_end=1669
+  _globals['_CANCELREQUEST']._serialized_start=1671
+  _globals['_CANCELREQUEST']._serialized_end=1706
+  _globals['_CANCELRESPONSE']._serialized_start=1708
+  _globals['_CANCELRESPONSE']._serialized_end=1779
+  _globals['_ATTACHREQUEST']._serialized_start=1781
+  _globals['_ATTACHREQUEST']._serialized_end=1816
+  _globals['_INFOREQUEST']._serialized_start=1818
+  _globals['_INFOREQUEST']._serialized_end=1831
+  _globals['_INFORESPONSE']._serialized_start=1834
+  _globals['_INFORESPONSE']._serialized_end=2107
+  _globals['_INFORESPONSE_STAGESENTRY']._serialized_start=2062
+  _globals['_INFORESPONSE_STAGESENTRY']._serialized_end=2107
+  _globals['_GATEWAY']._serialized_start=2110
+  _globals['_GATEWAY']._serialized_end=2533
 # @@protoc_insertion_point(module_scope)

@@ -22,7 +22,7 @@ class ContentChunk(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "seconds", "size", "width", "height", "num_frames", "fps", "seed", "num_inference_steps", "task", "quality", "model", "request_id", "validate_only", "first_image", "last_image", "references", "preview_every")
+    __slots__ = ("prompt", "seconds", "size", "width", "height", "num_frames", "fps", "seed", "num_inference_steps", "task", "quality", "model", "request_id", "validate_only", "first_image", "last_image", "references", "preview_every", "lora")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class GenerateRequest(_message.Message):
     LAST_IMAGE_FIELD_NUMBER: _ClassVar[int]
     REFERENCES_FIELD_NUMBER: _ClassVar[int]
     PREVIEW_EVERY_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     seconds: float
     size: str
@@ -59,7 +60,16 @@ class GenerateRequest(_message.Message):
     last_image: bytes
     references: _containers.RepeatedCompositeFieldContainer[MediaReference]
     preview_every: int
-    def __init__(self, prompt: _Optional[str] = ..., seconds: _Optional[float] = ..., size: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_frames: _Optional[int] = ..., fps: _Optional[int] = ..., seed: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., task: _Optional[str] = ..., quality: _Optional[str] = ..., model: _Optional[str] = ..., request_id: _Optional[str] = ..., validate_only: _Optional[bool] = ..., first_image: _Optional[bytes] = ..., last_image: _Optional[bytes] = ..., references: _Optional[_Iterable[_Union[MediaReference, _Mapping]]] = ..., preview_every: _Optional[int] = ...) -> None: ...
+    lora: LoraRef
+    def __init__(self, prompt: _Optional[str] = ..., seconds: _Optional[float] = ..., size: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_frames: _Optional[int] = ..., fps: _Optional[int] = ..., seed: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., task: _Optional[str] = ..., quality: _Optional[str] = ..., model: _Optional[str] = ..., request_id: _Optional[str] = ..., validate_only: _Optional[bool] = ..., first_image: _Optional[bytes] = ..., last_image: _Optional[bytes] = ..., references: _Optional[_Iterable[_Union[MediaReference, _Mapping]]] = ..., preview_every: _Optional[int] = ..., lora: _Optional[_Union[LoraRef, _Mapping]] = ...) -> None: ...
+
+class LoraRef(_message.Message):
+    __slots__ = ("name", "scale")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    scale: float
+    def __init__(self, name: _Optional[str] = ..., scale: _Optional[float] = ...) -> None: ...
 
 class MediaReference(_message.Message):
     __slots__ = ("kind", "data", "filename")

@@ -50,6 +50,9 @@ from h3serve.config.geometry import (
     within_reference_duration,
 )
 from h3serve.config.levers import REQUEST_NAMES, lever_conflict
+from h3serve.config.lora import NAME_PATTERN as LORA_NAME_PATTERN
+from h3serve.config.lora import SCALE_RANGE as LORA_SCALE_RANGE
+from h3serve.config.lora import LORA_TASKS, REF2VA_REFUSAL, LoraChoice, lora_choice
 from h3serve.config.vocab import DEFAULT_DTYPE, DEFAULT_QUALITY, DTYPES, PROFILES, QUALITIES, TASKS
 from h3serve.errors import RequestError
 
@@ -146,6 +149,12 @@ class RequestFields:
                       cli={"help": "sigma grid points incl. the terminal 0 (base default 50)"}, dit=True)
     quality: str = _row("quality", "lossless (default) | high: step reuse, profile base only", enum=list(QUALITIES),
                         cli={"help": "lossless (default) | high: step reuse (profile base)"}, dit=True)
+    lora: object = _row("lora", "A LoRA adapter the deployment lists: its name, or {name, scale} (scale in "
+                                "[-4, 4], default 1); a few-step adapter sets the steps. Profile base only; "
+                                "docs/api.md", type=["string", "object"],
+                        properties={"name": {"type": "string", "pattern": LORA_NAME_PATTERN},
+                                    "scale": {"type": "number", "minimum": LORA_SCALE_RANGE[0],
+                                              "maximum": LORA_SCALE_RANGE[1]}})
     dtype: str = _row("dtype", http=None, cli={"default": DEFAULT_DTYPE, "help": " | ".join(DTYPES)})
     preview_every: int = _row("preview_every", "A preview (a small JPEG of the current estimate) on the progress "
                                                "event of every k-th denoising step; 0 (default): none. At most the "
@@ -213,6 +222,11 @@ DIT_FIELDS = tuple(row.name for row in REQUEST_FIELDS if row.metadata["dit"])
 def dit_fields(request: Any) -> dict[str, Any]:
     """The fields the DiT takes as the request names them (DiTParams, DiTRequest), from a request or DiTParams."""
     return {name: getattr(request, name) for name in DIT_FIELDS}
+
+
+def lora_params(request: Any) -> dict[str, Any]:
+    """The request's LoRA as DiTParams and DiTRequest carry it: `lora` (its name) and `lora_scale`; {} without."""
+    return {} if request.lora is None else {"lora": request.lora.name, "lora_scale": request.lora.scale}
 
 
 def _parse_aspect(aspect: Any, field_name: str) -> float:
@@ -312,6 +326,7 @@ class GenerationRequest:
     dtype: str = DEFAULT_DTYPE
     quality: str = DEFAULT_QUALITY  # lossless | high (step reuse, profile base): config/levers.py
     preview_every: int = 0  # a preview every k denoising steps (0: none); the deployment bounds the count
+    lora: LoraChoice | None = None  # a deployment adapter applied for this request only (config/lora.py)
     # derived
     num_frames: int = field(init=False)
     latent_frames: int = field(init=False)
@@ -618,7 +633,9 @@ def validate_request(**raw: Any) -> GenerationRequest:
       width / height (ints) or size ('WxH') or aspect ('16:9', W/H, (W, H)), seed (0..2**63-1; drawn at random
       when absent), steps (grid points incl. terminal 0; base 2..1000, default 50; fasth3 only 5),
       fps (24 only), first_image / last_image (fl2va), references (ref2va), dtype (fp32 | bf16),
-      quality (lossless | high: step reuse, profile base only).
+      quality (lossless | high: step reuse, profile base only), lora (a deployment adapter's name or
+      {name, scale}, profile base only; its steps are applied where the deployment's list is known:
+      config/lora.py `lora_steps`).
 
     Canvas: explicit sizes follow CANVAS_RULE (multiples of 32 within [32, 8192], area <= 1,032,192, the canvas
     max; no aspect bound, as the reference). With neither side given, the canvas is canvas_for_aspect(aspect),
@@ -647,6 +664,12 @@ def validate_request(**raw: Any) -> GenerationRequest:
     conflict = lever_conflict(profile, quality=quality, names=REQUEST_NAMES)
     if conflict is not None:
         raise RequestError("quality", quality, conflict)
+    lora = lora_choice(get("lora"))
+    if lora is not None and profile == "fasth3":
+        raise RequestError("lora", lora.name, "profile fasth3 runs its own fused 4-step adapter; per-request LoRA "
+                                              "is served by profile base (model MiniMax-H3)")
+    if lora is not None and task not in LORA_TASKS:
+        raise RequestError("lora", lora.name, REF2VA_REFUSAL)
 
     preview_every = 0 if get("preview_every") is None else _as_int(
         "preview_every", get("preview_every"), "an integer >= 0 (denoising steps between previews; 0: none)")
@@ -760,4 +783,5 @@ def validate_request(**raw: Any) -> GenerationRequest:
 
     return GenerationRequest(prompt=prompt, task=task, profile=profile, seconds=seconds, width=width, height=height,
                              seed=seed, steps=steps, fps=fps, first_image=first_image, last_image=last_image,
-                             references=references, dtype=dtype, quality=quality, preview_every=preview_every)
+                             references=references, dtype=dtype, quality=quality, preview_every=preview_every,
+                             lora=lora)

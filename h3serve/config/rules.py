@@ -25,6 +25,7 @@ from h3serve.config.parallel import (
     ulysses_choices,
     vae_pp_choices,
 )
+from h3serve.config.lora import FP8_REFUSAL
 from h3serve.config.levers import FASTH3_REFUSED, LEVER, LEVERS_MESSAGE, SPEC_NAMES, STAGED_VAE_MESSAGE
 from h3serve.config.vocab import DIT_HEADS, ENCODER_HEADS, ENCODER_KV_HEADS, PIPELINE_STAGES
 
@@ -227,6 +228,20 @@ def _not_positive(path: str) -> Op:
     return op("<=", Field(path), 0)
 
 
+@dataclass(frozen=True)
+class EveryLoraPath(Expr):
+    """Every dit.loras entry's path passes `check` (an Expr over the spec, given the path as `Field("$path")`)."""
+
+    check: Expr
+
+    def value(self, doc: dict) -> Any:
+        items = Field("dit.loras").value(doc) or []
+        return all(self.check.value({**doc, "$path": item.get("path", "")}) for item in items)
+
+    def cel(self) -> str:
+        return f"self.dit.loras.all(l, {self.check.cel().replace('self.$path', 'l.path')})"
+
+
 FAST_SP = op("*", Field("fasth3.ulysses"), Field("fasth3.ring"))  # the FastH3 pool's GPUs per replica
 NO_FAST = unset("fasth3")
 
@@ -323,4 +338,12 @@ RULES: tuple[Rule, ...] = (
          dict(path=Field("model.mountPath"))),
     Rule("model.adapter.path", any_of(unset("model.adapter"), _normal("model.adapter.path")),
          "model.adapter.path " + NORMAL_PATH, dict(path=Field("model.adapter.path"))),
+    Rule("dit.loras", any_of(unset("dit.loras"), op("!=", Field("profile"), "fasth3")),
+         "dit.loras (per-request LoRA) needs profile base: profile fasth3 runs its fused 4-step adapter only"),
+    Rule("dit.loras", any_of(unset("dit.loras"), op("!", Field("dit.levers.fp8"))), FP8_REFUSAL),
+    Rule("dit.loras", any_of(unset("dit.loras"), EveryLoraPath(_normal("$path"))),
+         "every dit.loras path must be a normalised absolute path (no '.', '..' or empty segments)"),
+    Rule("dit.loras", any_of(unset("dit.loras"), unset("model.volume"), EveryLoraPath(_inside_mount("$path"))),
+         "every dit.loras path must be inside model.mountPath {mount}, where model.volume is mounted",
+         dict(mount=Field("model.mountPath"))),
 )

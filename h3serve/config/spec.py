@@ -25,6 +25,7 @@ from typing import Optional
 from h3serve.config.callers import callers_json, parse_caller_limits
 from h3serve.config.levers import levers_spec_class
 from h3serve.config.codec import dump, f, parse
+from h3serve.config.lora import LORA_CACHE_BYTES, NAME_PATTERN, SHA256_PATTERN, LoraEntry
 from h3serve.config.rules import RULES
 from h3serve.config.vocab import (
     DEFAULT_TASKS,
@@ -181,6 +182,25 @@ class DitRolloutSpec:
                        minimum=0, maximum=1)
 
 
+# One entry of dit.loras (a list of objects: the codec passes it through; `validate` and the CRD check each entry).
+LORA_STEPS_RANGE = (2, 1000)
+LORA_ITEM_SCHEMA = {
+    "type": "object", "required": ["name", "path", "sha256"],
+    "properties": {
+        "name": {"type": "string", "pattern": NAME_PATTERN, "maxLength": 63,
+                 "description": "What a request's lora names (lower-case letters, digits, '.', '_', '-')."},
+        "path": {"type": "string", "minLength": 2, "maxLength": 1024, "pattern": "^/",
+                 "description": "The LoRA file (diffusers / PEFT LoRA safetensors for the transformer), inside "
+                                "model.mountPath when model.volume is set."},
+        "sha256": {"type": "string", "pattern": SHA256_PATTERN,
+                   "description": "Lower-case hex sha256 of the file; the DiT refuses a file that does not match."},
+        "steps": {"type": "integer", "minimum": LORA_STEPS_RANGE[0], "maximum": LORA_STEPS_RANGE[1],
+                  "description": "A few-step (Turbo) adapter: the sigma grid points it was distilled for (N -> N-1 "
+                                 "steps); a request naming it runs them."},
+    },
+}
+
+
 @dataclass(frozen=True)
 class DitSpec:
     ulysses: int = f("ulysses", "Ulysses (head-split) sequence-parallel degree of the DiT; divides its "
@@ -200,6 +220,16 @@ class DitSpec:
                               "base only.", factory=DitLeversSpec)
     rollout: DitRolloutSpec = f("rollout", "How a pod template change rolls the DiT's multi-node replicas (also "
                                 "the colocated engine's and the FastH3 pool's).", factory=DitRolloutSpec)
+    loras: Optional[list] = f("loras", "Per-request LoRA adapters (profile base): a request's lora names one, "
+                              "applied to that request only; the DiT loads each once, checked against its sha256.",
+                              None, items=LORA_ITEM_SCHEMA, maxItems=64,
+                              **{"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]})
+    lora_cache_bytes: int = f("loraCacheBytes", "Bytes of LoRA factors each DiT keeps on its device (least recently "
+                              "used dropped first); an adapter larger than this is refused.", LORA_CACHE_BYTES,
+                              minimum=1 << 20, maximum=1 << 40, format="int64")
+
+    def lora_entries(self) -> tuple[LoraEntry, ...]:
+        return tuple(LoraEntry(x["name"], x["path"], x["sha256"], x.get("steps")) for x in self.loras or ())
 
     @property
     def sp(self) -> int:
@@ -750,6 +780,7 @@ def _operator_only_checks(s: H3DeploymentSpec) -> list[tuple[str, str]]:
                                                                       f"(e.g. 4, 500m, 64Gi)"))
     if s.model.adapter is not None and s.model.adapter.sha256 is not None and not _SHA256_RE.match(s.model.adapter.sha256):
         issues.append(("spec.model.adapter.sha256", "model.adapter.sha256 must be 64 lower-case hex digits"))
+    issues += _lora_issues(s.dit.loras)
     if not _SIZE_RE.match(s.shm_size):
         issues.append(("spec.shmSize", f"shmSize {s.shm_size!r} must be a size such as 16Gi"))
     src = s.gateway.ingress_from
@@ -762,6 +793,33 @@ def _operator_only_checks(s: H3DeploymentSpec) -> list[tuple[str, str]]:
     for i, ns in enumerate((src.namespaces or []) if src else []):
         if not isinstance(ns, str) or not _DNS_LABEL_RE.match(ns):
             issues.append((f"spec.gateway.ingressFrom.namespaces[{i}]", f"{ns!r} is not a namespace name"))
+    return issues
+
+
+def _lora_issues(items) -> list[tuple[str, str]]:
+    """dit.loras entry by entry, by the CRD's item schema (the API server checks the same)."""
+    issues: list[tuple[str, str]] = []
+    props, names = LORA_ITEM_SCHEMA["properties"], set()
+    for i, item in enumerate(items or ()):
+        where = f"spec.dit.loras[{i}]"
+        if not isinstance(item, dict):
+            issues.append((where, f"dit.loras[{i}] must be a mapping of name, path, sha256 and optional steps"))
+            continue
+        for key in item:
+            if key not in props:
+                issues.append((f"{where}.{key}", f"unknown field dit.loras[{i}].{key}; known: {', '.join(props)}"))
+        for key in LORA_ITEM_SCHEMA["required"]:
+            v = item.get(key)
+            if not isinstance(v, str) or not re.match(props[key].get("pattern", ""), v) or \
+                    len(v) < props[key].get("minLength", 0) or len(v) > props[key].get("maxLength", 1 << 10):
+                issues.append((f"{where}.{key}", f"dit.loras[{i}].{key}={v!r}: {props[key]['description']}"))
+        steps = item.get("steps")
+        lo, hi = LORA_STEPS_RANGE
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or not lo <= steps <= hi):
+            issues.append((f"{where}.steps", f"dit.loras[{i}].steps={steps!r} must be an integer in [{lo}, {hi}]"))
+        if item.get("name") in names:
+            issues.append((f"{where}.name", f"dit.loras names {item['name']!r} twice"))
+        names.add(item.get("name"))
     return issues
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from h3serve.config.callers import callers_json
 from h3serve.config.levers import Levers, stage_levers
+from h3serve.config.lora import LORA_CACHE_BYTES, format_loras
 from h3serve.config.parallel import ParallelDegrees
 from h3serve.config.spec import ServiceConfig
 from h3serve.config.vocab import (
@@ -80,6 +81,11 @@ class ModelConfig:
     fasth3_adapter: str | None = knob(None, "launcher of a base deployment: also run a FastH3 DiT pool with this "
                                             "adapter on this host")
     fasth3_adapter_sha256: str | None = knob(None)
+    loras: str | None = knob(None, "dit and gateway (profile base): the LoRA adapters a request may name (`lora`), "
+                                   "comma separated; STEPS for a few-step adapter (docs/api.md)",
+                             metavar="NAME=PATH@SHA256[@STEPS],...")
+    lora_cache_bytes: int = knob(LORA_CACHE_BYTES, "dit: bytes of LoRA factors kept on the device, least recently "
+                                                   "used dropped first")
     encoder_cache_bytes: int = knob(ENCODER_CACHE_BYTES, "encoder: bytes of encodings cached for repeated prompts / "
                                                          "references (0: off)")
 
@@ -293,6 +299,8 @@ def service_config_values(service_config: dict, stage: str) -> dict[str, Any]:
         if pool is None:
             raise ValueError(f"{FASTH3_DIT}: this ServiceConfig declares no fasth3 pool")
         # the levers are base-only; vae_pp belongs to the VAE (1: it must not be checked against this pool's group)
+        out.pop("loras", None)   # per-request LoRA is the base pool's
+        out.pop("lora_cache_bytes", None)
         out.update(profile="fasth3", adapter=pool.adapter.path, adapter_sha256=pool.adapter.sha256,
                    degrees=replace(out["degrees"], ulysses=pool.ulysses, ring=pool.ring, vae_pp=1),
                    levers=Levers())
@@ -326,6 +334,10 @@ def service_config_values(service_config: dict, stage: str) -> dict[str, Any]:
         out["tasks"] = spec.tasks
     if colocated or stage == "encoder":
         out["encoder_cache_bytes"] = spec.encoder.cache_bytes
+    if (colocated or stage in ("dit", "gateway")) and spec.dit.loras:   # the gateway resolves a LoRA's steps
+        out["loras"] = format_loras(spec.dit.lora_entries())
+    if (colocated or stage == "dit") and spec.dit.loras:
+        out["lora_cache_bytes"] = spec.dit.lora_cache_bytes
     if (colocated or stage == "dit") and spec.model.adapter is not None:
         out.update(adapter=spec.model.adapter.path, adapter_sha256=spec.model.adapter.sha256)
     if stage != "encoder":  # every end of a tensor edge (dit -> vae, vae -> muxer) and the gateway's plan

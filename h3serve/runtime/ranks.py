@@ -100,7 +100,7 @@ def _build_args(stage: str, c, degrees: ParallelDegrees) -> tuple:
         m = c.model
         kwargs = dict(common, components=("transformer",), profile=m.profile, adapter=m.adapter,
                       adapter_sha256=m.adapter_sha256, ulysses=degrees.ulysses, ring=degrees.ring, levers=c.levers,
-                      adaln_dir=m.adaln_dir)
+                      adaln_dir=m.adaln_dir, loras=m.loras, lora_cache_bytes=m.lora_cache_bytes)
     elif stage == "vae":
         kwargs = dict(common, pp=degrees.vae_pp)
     else:

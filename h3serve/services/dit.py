@@ -14,6 +14,7 @@ import torch
 
 from h3serve._proto import common_pb2, dit_pb2, dit_pb2_grpc, vae_pb2, vae_pb2_grpc
 from h3serve.config.geometry import check_latents
+from h3serve.config.lora import find_lora, lora_choice, lora_steps, parse_loras
 from h3serve.config.request import BASE_STEPS_RANGE, FASTH3_STEPS, dit_fields
 from h3serve.media.preview import preview_jpeg
 from h3serve.config.stage import StageConfig
@@ -92,7 +93,8 @@ class DiTServicer(StageBase):
             m = c.model
             self.engine = DiTEngine.load(m.checkpoint, components=components, dtype=TORCH_DTYPES[m.dtype],
                                          device=device, profile=m.profile, adapter=m.adapter,
-                                         adapter_sha256=m.adapter_sha256, levers=c.levers, adaln_dir=m.adaln_dir)
+                                         adapter_sha256=m.adapter_sha256, levers=c.levers, adaln_dir=m.adaln_dir,
+                                         loras=parse_loras(m.loras), lora_cache_bytes=m.lora_cache_bytes)
         if c.model.warmup:   # one forward at the smallest geometry: kernels, allocator, lazy init
             model = self.engine.models["transformer"]
             req = DiTRequest(text_states=torch.zeros(1, 4, model.config.text_dim), text_tags=torch.ones(4, dtype=torch.long),
@@ -128,6 +130,7 @@ class DiTServicer(StageBase):
             raise RequestError("quality", p.quality, "one of " + " | ".join(QUALITIES))
         kinds = cond.requested_kinds(p.condition_kinds, task, "condition_kinds")
         check_geometry(p)
+        lora = self.lora_request(p)   # refused here, before any tensor is read (and before the ranks see it)
         sink = p.latents_sink   # checked (--peers) before any work; dialled when the latents are ready
         vae = self.channel(sink.address, "latents_sink.address") if sink.address and sink.session_id else None
         with self.request(context, p.request_id) as scope:
@@ -154,7 +157,7 @@ class DiTServicer(StageBase):
                 latent_h=p.latent_height, latent_w=p.latent_width, audio_latents=p.audio_latents, anchors=c.anchors,
                 condition_latents=c.condition_latents, references=c.references,
                 reference_audio_rows=c.reference_audio_rows,
-                **{**dit_fields(p), "task": task, "quality": quality, "steps": p.steps or None})   # "", 0: unset
+                **{**dit_fields(p), "task": task, "quality": quality, "steps": p.steps or None, **lora})   # 0: unset
             if req.preview_every > 0 and isinstance(self.engine, DiTEngineProxy):
                 raise RequestError("preview_every", req.preview_every,
                                    "0: a sequence-parallel DiT (--ulysses / --ring) serves no previews")
@@ -185,6 +188,16 @@ class DiTServicer(StageBase):
                 for chunk in iter_tensor_chunks("audio_latents", result.audio):
                     yield dit_pb2.DiTEvent(chunk=chunk)
             yield dit_pb2.DiTEvent(done=done)
+
+    def lora_request(self, p) -> dict:
+        """DiTRequest's lora, lora_scale and steps for DiTParams naming a LoRA ({} without): the name among --loras,
+        the scale in range, a few-step adapter's steps (`config/lora.py`)."""
+        if not p.lora:
+            return {}
+        choice = lora_choice({"name": p.lora, **({"scale": p.lora_scale} if p.HasField("lora_scale") else {})})
+        entry = find_lora(parse_loras(self.config.model.loras), choice.name)
+        return {"lora": choice.name, "lora_scale": choice.scale, "steps": lora_steps(entry, p.steps or None,
+                                                                                   field="steps")}
 
     def _send_latents(self, scope, vae, sink, result) -> dict:
         """Send the latents to the VAE's latents session over `VAE.Control` (the bytes by NIXL WRITE, or inline on

@@ -110,3 +110,29 @@ def init_adapter(
         Path(tmp).unlink(missing_ok=True)
         raise
     return sha256_file(out_path)
+
+
+# Per-request LoRA (models/dit/lora.py): the block linears diffusers' H3 LoRAs target, AdaLN projections left out.
+LORA_LINEARS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.net.0.proj", "ff.net.2")
+
+
+def init_lora(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLike, *, rank: int = 4, seed: int = 0,
+              alpha: float | None = None, modules: tuple[str, ...] = LORA_LINEARS, magnitude: float = 0.05) -> str:
+    """Write a synthetic per-request LoRA in the diffusers key format (`transformer.<module>.lora_A.weight` [r, in],
+    `.lora_B.weight` [out, r]) on `modules` of every block of a checkpoint's transformer; `alpha` is recorded as the
+    file's metadata alpha (scale alpha / r), absent: scale 1. Deterministic for a seed; returns its sha256."""
+    ck = CheckpointFolder(checkpoint_dir, components=["transformer"])
+    infos = ck.tensor_infos("transformer")
+    gen = torch.Generator().manual_seed(seed)
+    n_blocks = len({n.split(".")[1] for n in infos if n.startswith("transformer_blocks.")})
+    tensors: dict[str, torch.Tensor] = {}
+    for i in range(n_blocks):
+        for m in modules:
+            out_f, in_f = infos[f"transformer_blocks.{i}.{m}.weight"].shape
+            key = f"transformer.transformer_blocks.{i}.{m}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, in_f, generator=gen) / in_f ** 0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(out_f, rank, generator=gen) * magnitude
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    write_safetensors(out_path, tensors, {"alpha": str(alpha)} if alpha is not None else None)
+    return sha256_file(out_path)

@@ -81,6 +81,36 @@ def test_dit_two_ranks_with_the_adaln_table_are_bitwise_as_without(stage2, plan,
     assert stage2.last_outcomes == {1: "ok"}
 
 
+@pytest.mark.parametrize("plan", [(2, 1), (1, 2)], ids=["ulysses2", "ring2"])
+def test_dit_two_ranks_with_a_lora_match_one(stage2, plan, tmp_path):
+    """Per-request LoRA under USP: each rank hooks its own Linears (whole rows), as one rank does."""
+    import dataclasses
+
+    from h3serve.config.lora import LoraEntry
+    from h3serve.models.dit.engine import DiTEngine
+    from h3serve.weights.headers import sha256_file
+    from h3serve.weights.safetensors import write_safetensors
+
+    model, g = tiny_dit(), torch.Generator().manual_seed(4)
+    tensors = {}
+    for name, m in model.named_modules():
+        if name.startswith("transformer_blocks.") and isinstance(m, torch.nn.Linear) and ".attn." in name:
+            tensors[f"transformer.{name}.lora_A.weight"] = torch.randn(2, m.in_features, generator=g) * 0.2
+            tensors[f"transformer.{name}.lora_B.weight"] = torch.randn(m.out_features, 2, generator=g) * 0.2
+    path = tmp_path / "lora.safetensors"
+    write_safetensors(path, tensors)
+    entries = (LoraEntry("x", str(path), sha256_file(path)),)
+    req = dataclasses.replace(dit_request(), lora="x", lora_scale=0.8)
+    ref_engine = DiTEngine({"transformer": model}, device=torch.device("cpu"), profile="base")
+    ref_engine.use_loras(entries)
+    ref = ref_engine.generate(req)
+    plain = ref_engine.generate(dit_request())
+    got = stage2.call("generate_lora", (plan, req, entries))
+    assert maxdiff((got.video, got.audio), (ref.video, ref.audio)) <= TOL
+    assert maxdiff((ref.video, ref.audio), (plain.video, plain.audio)) > 100 * TOL   # the LoRA mattered
+    assert stage2.last_outcomes == {1: "ok"}
+
+
 # -- encoder TP -------------------------------------------------------------------------------------------------------
 
 def test_encoder_tp2_matches_tp1(stage2, tiny_checkpoint):

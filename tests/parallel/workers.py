@@ -97,8 +97,18 @@ def build_dit(runtime: Runtime, plans):
         res = DiTEngine({"transformer": parallelize_dit(model, g)}, device=runtime.device, profile="base").generate(req)
         return res, state.last
 
+    def generate_lora(payload, local):
+        """The plan's engine serving per-request LoRAs `entries` (every rank reads and checks the file itself)."""
+        plan, req, entries = payload
+        g = groups[tuple(plan)]
+        if g is None:
+            return None
+        engine = DiTEngine({"transformer": parallelize_dit(tiny_dit(), g)}, device=runtime.device, profile="base")
+        engine.use_loras(entries)
+        return engine.generate(req)
+
     return {"forward": forward, "generate": generate, "generate_adaln": generate_adaln,
-            "generate_sparse": generate_sparse}
+            "generate_sparse": generate_sparse, "generate_lora": generate_lora}
 
 
 # ---------------------------------------------------------------------------------------------------------------------

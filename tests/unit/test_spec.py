@@ -222,6 +222,7 @@ def test_every_rule_fires():
         base(**{st: {"autoscaling": {"maxReplicas": 2}} for st in ("encoder", "dit", "vae", "muxer", "gateway")}),
         base(fasth3={"adapter": {"path": "/models/../f"}, "ulysses": 3, "ring": 3}),  # profile-free rules
         base(profile="fasth3", fasth3={"adapter": {"path": "/f", "sha256": SHA}}),
+        base(dit={"loras": [{"name": "a", "path": "/elsewhere/../a", "sha256": SHA}]}),
     ]
     fired = set()
     for d in bad_specs:

@@ -15,9 +15,18 @@ from typing import Callable, Sequence
 import torch
 
 from h3serve.config.levers import CLI_NAMES, REQUEST_NAMES, Levers, lever_conflict
+from h3serve.config.lora import (
+    FP8_REFUSAL,
+    LORA_CACHE_BYTES,
+    LORA_TASKS,
+    REF2VA_REFUSAL,
+    LoraEntry,
+    find_lora,
+    lora_steps,
+)
 from h3serve.config.request import DEFAULT_STEPS
 from h3serve.config.vocab import COMPONENT_FOR_TASK, PROFILE_TASKS
-from h3serve.errors import ProfileError
+from h3serve.errors import ProfileError, RequestError
 from h3serve.models.dit.layout import (
     AudioRef,
     ImageRef,
@@ -27,6 +36,7 @@ from h3serve.models.dit.layout import (
     rows_to_audio,
     unpatchify,
 )
+from h3serve.models.dit.lora import LoraCache, applied
 from h3serve.models.dit.loop import denoise, noise_condition_rows, prepare_noise
 from h3serve.models.dit import kernels
 from h3serve.models.dit.adaln import ADALN_WEIGHTS, AdaLNTable, attach_adaln_table, schedule_inputs
@@ -69,6 +79,8 @@ class DiTRequest:
     reference_audio_rows: Sequence[torch.Tensor] = ()
     quality: str = "lossless"  # "high": step reuse (models/dit/reuse.py); "lossless": every block of every step
     preview_every: int = 0  # on_preview after every k-th step (0: none)
+    lora: str | None = None    # a deployment LoRA (`DiTEngine.use_loras`), applied to this request only
+    lora_scale: float = 1.0
 
 
 @dataclass
@@ -94,6 +106,7 @@ class DiTEngine:
         self.reuse = reuse
         self.levers = Levers()
         self.adaln_tables: dict[str, AdaLNTable] = {}  # component -> its AdaLN table (`use_adaln_table`)
+        self.loras: LoraCache | None = None  # the deployment's per-request LoRAs (`use_loras`)
 
     @classmethod
     def load(
@@ -110,6 +123,8 @@ class DiTEngine:
         offload: bool = True,
         adaln_dir: str | Path | None = None,
         adaln_steps: int | None = None,
+        loras: Sequence[LoraEntry] = (),
+        lora_cache_bytes: int = LORA_CACHE_BYTES,
     ) -> "DiTEngine":
         """Build each partition on the meta device and stream its weights in; the adapter file (profile fasth3,
         checked against its sha256) is fused tensor by tensor before the cast, i.e. before any later sharding sees
@@ -135,7 +150,37 @@ class DiTEngine:
             engine.use_adaln_table(adaln_dir, steps=adaln_steps)
         if offload:
             engine.apply_offload(levers)
+        if loras:
+            engine.use_loras(loras, lora_cache_bytes)
         return engine
+
+    def use_loras(self, entries: Sequence[LoraEntry], max_bytes: int = LORA_CACHE_BYTES) -> LoraCache:
+        """Serve these per-request LoRAs (models/dit/lora.py): each file is checked now (sha256, keys, targets,
+        levers), so a deployment listing a wrong one does not start; each is placed on the device on first use.
+        Profile base only: FastH3's own adapter is fused into its weights."""
+        if entries and self.profile == "fasth3":
+            raise ProfileError("profile fasth3 serves its fused 4-step adapter only; per-request LoRA (--loras) is "
+                               "for profile base")
+        if entries and self.levers.fp8:
+            raise ProfileError(FP8_REFUSAL)
+        cache = LoraCache(entries, max_bytes, self.device)
+        model = self.models.get("transformer")   # the partition LoRAs patch (LORA_TASKS)
+        if model is not None:
+            cache.verify(getattr(model, "model", model), adaln_table=bool(self.adaln_tables))
+        self.loras = cache
+        return cache
+
+    def _lora_for(self, req: DiTRequest, model):
+        """The request's LoRA (loaded or from the cache) and the steps it runs; (None, req.steps) without one."""
+        if req.lora is None:
+            return None, req.steps
+        if req.task not in LORA_TASKS:
+            raise RequestError("lora", req.lora, REF2VA_REFUSAL)
+        if self.loras is None or not self.loras.entries:
+            raise RequestError("lora", req.lora, "this DiT lists no LoRA adapters (the deployment's dit.loras / "
+                                                 "--loras)")
+        steps = lora_steps(find_lora(self.loras.entries, req.lora), req.steps, field="steps")
+        return self.loras.get(req.lora, model, adaln_table=bool(self.adaln_tables)), steps
 
     @classmethod
     def _load(cls, checkpoint, components: Sequence[str], dtype: torch.dtype, device: torch.device, profile: str,
@@ -217,7 +262,9 @@ class DiTEngine:
         model = self.models[component]
         t0 = time.perf_counter()
         layout = self.layout_for(req)
-        video_schedule, audio_schedule = schedules_for(req.profile, req.steps, self.shifts)
+        inner = getattr(model, "model", model)  # the H3DiT under a sequence-parallel wrapper
+        lora, steps = self._lora_for(req, inner)
+        video_schedule, audio_schedule = schedules_for(req.profile, steps, self.shifts)
 
         # Draw order is part of what a seed reproduces: each visual condition, then video noise, then audio noise.
         generator = torch.Generator("cpu").manual_seed(req.seed)
@@ -245,7 +292,6 @@ class DiTEngine:
                 on_step(done, total)
 
         text_states = req.text_states.to(self.device, model.dtype)
-        inner = getattr(model, "model", model)  # the H3DiT under a sequence-parallel wrapper
         layers = inner.config.num_layers
         policy = None
         conflict = lever_conflict(req.profile, quality=req.quality, names=REQUEST_NAMES)
@@ -264,8 +310,10 @@ class DiTEngine:
                 def on_x0(done: int, rows: torch.Tensor) -> None:   # the estimate as (1, C, T, h, w) latents
                     on_preview(done, video_schedule.num_steps,
                                unpatchify(rows, req.latent_frames, req.latent_h, req.latent_w))
-            video_out, audio_out = self._denoise(model, video_rows, audio_rows, text_states, layout, video_schedule,
-                                                 audio_schedule, _on_step, should_stop, on_x0, req.preview_every)
+            with applied(inner, lora, req.lora_scale):
+                video_out, audio_out = self._denoise(model, video_rows, audio_rows, text_states, layout,
+                                                     video_schedule, audio_schedule, _on_step, should_stop, on_x0,
+                                                     req.preview_every)
         finally:
             if policy is not None:
                 inner.step_policy = None

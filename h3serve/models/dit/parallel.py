@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from h3serve.config.levers import Levers
+from h3serve.config.lora import LORA_CACHE_BYTES, parse_loras
 from h3serve.config.parallel import ParallelDegrees
 from h3serve.distributed.proxies import DiTEngineProxy
 from h3serve.distributed.world import Runtime, check_identical, weights_digest
@@ -307,13 +308,15 @@ def parallelize_dit(model: H3DiT, groups: USPGroups) -> USPDiT:
 
 def load_usp_engine(runtime: Runtime, usp: USPGroups, checkpoint: str, *, components, dtype: torch.dtype,
                     profile: str, adapter: str | None, adapter_sha256: str | None, levers: Levers = Levers(),
-                    adaln_dir: str | None = None, adaln_steps: int | None = None):
+                    adaln_dir: str | None = None, adaln_steps: int | None = None, loras: str | None = None,
+                    lora_cache_bytes: int = LORA_CACHE_BYTES):
     """This DiT rank's engine: weights streamed (FastH3: the adapter fused into them, before any sharding), checked
     identical on every rank of the DiT group by digest (with an AdaLN table, its input weights too: each rank reads
     or builds its own), then each model wrapped in the USP plan."""
     engine = DiTEngine.load(checkpoint, components=components, dtype=dtype, device=runtime.device, profile=profile,
                             adapter=adapter, adapter_sha256=adapter_sha256, levers=levers, offload=False,
-                            adaln_dir=adaln_dir, adaln_steps=adaln_steps)
+                            adaln_dir=adaln_dir, adaln_steps=adaln_steps, loras=parse_loras(loras),
+                            lora_cache_bytes=lora_cache_bytes)   # each rank reads (and checks) its LoRA files
     for name, model in sorted(engine.models.items()):
         table = engine.adaln_tables.get(name)
         digest = weights_digest(model.state_dict().items()) + (table.key["weights_sha256"] if table else "")
@@ -330,7 +333,8 @@ def load_usp_engine(runtime: Runtime, usp: USPGroups, checkpoint: str, *, compon
 def build_dit_rank(runtime: Runtime, *, checkpoint: str, dtype: torch.dtype, components: Sequence[str], profile: str,
                    adapter: str | None, adapter_sha256: str | None, ulysses: int, ring: int,
                    levers: Levers = Levers(), adaln_dir: str | None = None,
-                   adaln_steps: int | None = None) -> Callable[[], dict]:
+                   adaln_steps: int | None = None, loras: str | None = None,
+                   lora_cache_bytes: int = LORA_CACHE_BYTES) -> Callable[[], dict]:
     """Create the USP groups over ranks [0, ulysses x ring) now (every rank of the world calls this, in the same
     order) and return the load: the DiT engine under USP on the groups' members (`load_usp_engine`), then the ops
     for `DiTEngineProxy`: GENERATE request -> the result (None outside the groups; the stop flag is agreed across
@@ -344,7 +348,8 @@ def build_dit_rank(runtime: Runtime, *, checkpoint: str, dtype: torch.dtype, com
         if usp is not None:
             engine = load_usp_engine(runtime, usp, checkpoint, components=components, dtype=dtype, profile=profile,
                                      adapter=adapter, adapter_sha256=adapter_sha256, levers=levers,
-                                     adaln_dir=adaln_dir, adaln_steps=adaln_steps)
+                                     adaln_dir=adaln_dir, adaln_steps=adaln_steps, loras=loras,
+                                     lora_cache_bytes=lora_cache_bytes)
 
         def generate(req, local):
             if engine is None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from h3serve._proto import gateway_pb2
+from h3serve.config.lora import find_lora, lora_choice, lora_steps, parse_loras
 from h3serve.config.request import (
     FASTH3_STEPS,
     FIELD_TYPES,
@@ -56,7 +57,8 @@ MAX_LENGTH = {row.metadata["json"]: row.metadata["schema"]["maxLength"] for row 
 NUMERIC_FIELDS = tuple(name for name, tp in TYPES.items() if tp in (int, float))
 # GenerateRequest's optional scalars that are request fields, and its files (prompt and the references are read
 # by name; request_id and validate_only are the call's, not the request's)
-PROTO_FIELDS = tuple(fd.name for fd in _PROTO if fd.has_presence and fd.type != fd.TYPE_BYTES and fd.name in TYPES)
+PROTO_FIELDS = tuple(fd.name for fd in _PROTO if fd.has_presence and fd.type not in (fd.TYPE_BYTES, fd.TYPE_MESSAGE)
+                     and fd.name in TYPES)
 PROTO_FILES = tuple(fd.name for fd in _PROTO if fd.has_presence and fd.type == fd.TYPE_BYTES)
 
 # The videos API (HTTP): top-level fields, fields refused with the reason, and extra_params.
@@ -92,7 +94,6 @@ UNSUPPORTED = {
     "boundary_ratio": "H3 has one DiT (no high/low-noise split)",
     "sound_duration": "the soundtrack always spans the video (A = round(F / 24 * 40) latents)",
     "frame_interpolation_model_path": NO_INTERPOLATION,
-    "lora": "per-request LoRA is not supported (FastH3's adapter is fused at load; see profile fasth3)",
     "timeline_guides": "timeline guides are not served: H3 here conditions on keyframes (fl2va) and references "
                        "(ref2va) only",
     "guide_files": "timeline guides are not served: H3 here conditions on keyframes (fl2va) and references "
@@ -166,6 +167,8 @@ def fields_from_proto(msg) -> dict[str, Any]:
     for name in PROTO_FILES:
         if msg.HasField(name):
             out[name] = Upload(getattr(msg, name), name)
+    if msg.HasField("lora"):   # LoraRef: the videos API's {"name", "scale"}
+        out["lora"] = {"name": msg.lora.name, **({"scale": msg.lora.scale} if msg.lora.HasField("scale") else {})}
     if msg.references:
         out["references"] = [{"kind": r.kind or None, "path": Upload(r.data, f"references[{i}]", r.filename)}
                              for i, r in enumerate(msg.references)]
@@ -537,6 +540,13 @@ def validate_fields(fields: dict[str, Any], *, config: StageConfig,
         raw["steps"] = FASTH3_STEPS   # vLLM-Omni counts FastH3's 4 denoising steps; here 5 grid points
     raw["profile"] = profile
     raw["dtype"] = config.model.dtype
+    if raw.get("lora") is not None and profile != "fasth3":   # a few-step adapter's steps, before the defaults
+        try:
+            choice = lora_choice(raw["lora"])
+            raw["steps"] = lora_steps(find_lora(parse_loras(config.model.loras), choice.name, choice.path),
+                                      raw.get("steps"), field="steps")
+        except RequestError as exc:
+            raise _renamed(exc, api_names) from None
     if "prompt" not in raw:
         raise RequestError("prompt", None, "a prompt is required")
     try:

@@ -18,7 +18,7 @@ and Prometheus metrics. A thin adapter over `Gateway` (orchestrate.py); errors l
     GET    /health  /ready  /metrics  liveness, readiness (every stage SERVING, not draining), Prometheus
 
 Request fields: prompt, seconds, size | width + height, num_frames, fps, seed, num_inference_steps, quality,
-model, extra_params {task, duration}, video_params, user, and the media fields input_reference, first_image,
+lora, model, extra_params {task, duration}, video_params, user, and the media fields input_reference, first_image,
 last_image, image_reference, audio_reference (docs/api.md; the OpenAI / vLLM-Omni mapping: docs/openai-compat.md). `?validate_only=true` validates and aligns without generating. The header
 `X-Request-Timeout: SECONDS` sets the request's deadline (default and upper bound: the server's request timeout).
 With API keys (auth.py) every /v1 call carries `Authorization: Bearer KEY` (checked before the body is read) and
@@ -48,6 +48,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 from starlette.routing import Match
 
+from h3serve.config.lora import parse_loras
 from h3serve.config.request import (FIELD_TYPES, MAX_MEDIA_BYTES, MAX_REFERENCES, REQUEST_FIELDS, Upload,
                                     reference_kind)
 from h3serve.errors import H3Error, NotFound, NotReady, PermissionDenied, RequestError, TooLarge, Unauthenticated
@@ -74,7 +75,7 @@ def _property(row) -> dict:
     """A request field's JSON schema: its type (the table's keyword, else its Python type's), its keywords, its
     description."""
     schema = dict(row.metadata["schema"])
-    out = {"type": schema.pop("type", JSON_TYPES[FIELD_TYPES[row.name]]), **schema}
+    out = {"type": schema.pop("type") if "type" in schema else JSON_TYPES[FIELD_TYPES[row.name]], **schema}
     if row.metadata["doc"]:
         out["description"] = row.metadata["doc"]
     return out
@@ -445,6 +446,7 @@ def job_object(job: Job, gateway: Gateway) -> dict:
         "duration_s": round(r.num_frames / r.fps, 6), "size": f"{r.width}x{r.height}", "width": r.width,
         "height": r.height, "num_frames": r.num_frames, "fps": r.fps, "seed": r.seed, "num_inference_steps": r.steps,
         "quality": r.quality, "task": r.task, "profile": r.profile, "queue_position": job.queue_position,
+        "lora": {"name": r.lora.name, "scale": r.lora.scale} if r.lora is not None else None,
         "error": error_object(job.error) if job.error else None,
         "inference_time_s": round(t["t_client"], 6) if job.status == "completed" and "t_client" in t else None,
         "stage_durations": durations, "rtf": round(t["rtf_client"], 6) if "rtf_client" in t else None,
@@ -674,7 +676,10 @@ def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
 
     def model_objects() -> list[dict]:
         return [{"id": ids[0], "object": "model", "created": int(app.state.started), "owned_by": "h3serve",
-                 "profile": profile, "tasks": list(gateway.config.model.tasks_for(profile)), "aliases": list(ids[1:])}
+                 "profile": profile, "tasks": list(gateway.config.model.tasks_for(profile)), "aliases": list(ids[1:]),
+                 # the LoRA adapters a request's `lora` may name (profile base: FastH3 runs its fused adapter only)
+                 "loras": [] if profile == "fasth3" else [{"name": e.name, **({"steps": e.steps} if e.steps else {})}
+                                                         for e in parse_loras(gateway.config.model.loras)]}
                 for profile, ids in served_pools(gateway.config).items()]
 
     @app.get("/v1/models", summary="The model ids served")

@@ -37,6 +37,7 @@ from typing import Callable
 import grpc
 
 from h3serve.config.callers import parse_caller_limits
+from h3serve.config.lora import LoraChoice
 from h3serve.config.request import GenerationRequest, ReferenceSpec
 from h3serve.config.stage import StageConfig
 from h3serve.errors import (AlreadyExists, Cancelled, DeadlineExceeded, Draining, H3Error, NotFound, PermissionDenied,
@@ -253,6 +254,8 @@ class Job:
         """A job read back from the store (not run by this process: its events are the store's)."""
         req = dict(rec["request"])
         req["references"] = tuple(ReferenceSpec(**r) for r in req.get("references", ()))
+        if req.get("lora") is not None:
+            req["lora"] = LoraChoice(**req["lora"])
         init = {f.name for f in dc_fields(GenerationRequest) if f.init}
         request = GenerationRequest(**{k: v for k, v in req.items() if k in init})
         job = cls(id=rec["id"], kind="http", validated=Validated(request, dict(rec.get("names") or {}), rec["model"],

@@ -29,7 +29,7 @@ import torch
 
 from h3serve._proto import common_pb2, dit_pb2, encoder_pb2, gateway_pb2, muxer_pb2, muxer_pb2_grpc, vae_pb2
 from h3serve.config.geometry import AUDIO_CHANNELS, SAMPLE_RATE
-from h3serve.config.request import dit_fields
+from h3serve.config.request import dit_fields, lora_params
 from h3serve.config.vocab import NIXL
 from h3serve.errors import H3Error, StageFailed, StageUnavailable
 from h3serve.errortable import from_grpc
@@ -169,7 +169,7 @@ class StageCalls:
         params = dit_pb2.DiTParams(
             request_id=job.id, latent_frames=req.latent_frames, latent_height=req.latent_height,
             latent_width=req.latent_width, audio_latents=req.audio_latents, latents_sink=latents_sink,
-            condition_kinds=list(conds.kinds) if conds is not None else [], **dit_fields(req))
+            condition_kinds=list(conds.kinds) if conds is not None else [], **dit_fields(req), **lora_params(req))
         inputs = itertools.chain(
             [dit_pb2.DiTInput(params=params)],
             (dit_pb2.DiTInput(chunk=c) for c in iter_tensor_chunks("text_states", text["text_states"])),

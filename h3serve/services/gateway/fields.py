@@ -27,7 +27,7 @@ from h3serve.config.stage import StageConfig
 from h3serve.config.vocab import TASKS
 from h3serve.errors import RequestError
 
-from .uploads import VIDEO_REFUSED, Conditions, decode_conditions, from_data_url
+from .uploads import Conditions, decode_conditions, from_data_url
 
 # model ids a deployment accepts per profile; the first is the one it reports
 MODEL_IDS = {"base": ("MiniMax-H3", "h3", "base"), "fasth3": ("FastH3", "fasth3")}
@@ -166,8 +166,6 @@ def _media(fields: dict[str, Any], media: list[tuple[str, Any]], task: Any) -> N
     ref2va = isinstance(task, str) and task.strip().lower() == "ref2va"
     for key, value in media:
         uploads = _uploads(key, value)
-        if key == "video_reference":
-            raise RequestError(uploads[0].field, repr(uploads[0]), VIDEO_REFUSED)
         if key in REFERENCE_KIND or (key == "input_reference" and ref2va):
             kind = REFERENCE_KIND.get(key, "image")
             references += [{"kind": kind, "path": u} for u in uploads]

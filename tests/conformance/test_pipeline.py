@@ -1,7 +1,7 @@
 """The embedded pipeline against diffusers' MiniMaxH3ModularPipeline on the same tiny checkpoint and seed (fp32).
 
-Final video + audio latents of T2VA (base), FL2VA (first + last keyframe) and FastH3 within 1e-4, and decoded
-frames within 1e-4.
+Final video + audio latents of T2VA (base), FL2VA (first + last keyframe), REF2VA (image + audio; videos with and
+without a soundtrack beside an image) and FastH3 within 1e-4, and decoded frames within 1e-4.
 """
 
 from __future__ import annotations
@@ -219,3 +219,13 @@ def test_ref2va_video_references_match_reference(copy_checkpoint, tmp_path, monk
     assert lat.video.shape == ref["latents"].shape
     torch.testing.assert_close(lat.video, ref["latents"], atol=1e-4, rtol=0)
     torch.testing.assert_close(lat.audio, ref["audio_latents"], atol=1e-4, rtol=0)
+
+    # The MP4 of the video-referenced request, read back by the MP4 checker and the system ffprobe.
+    from h3serve.testing.mp4check import check_mp4, ffprobe_report
+
+    out = tmp_path / "ref2va-video.mp4"
+    ours.write_mp4(req, lat, out)
+    check_mp4(out, expect_frames=124, fps=24, width=W, height=H, sample_rate=32000, channels=2)
+    probe = ffprobe_report(out)   # the system ffprobe, a decoder independent of our writer
+    assert (probe.video_codec, probe.width, probe.height, probe.frames) == ("h264", W, H, 124), probe
+    assert (probe.audio_codec, probe.sample_rate, probe.channels) == ("aac", 32000, 2), probe

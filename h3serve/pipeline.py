@@ -27,10 +27,10 @@ from h3serve.config.request import GenerationRequest, dit_fields, media_source
 from h3serve.config.vocab import COMPONENT_FOR_TASK, DEFAULT_DTYPE, PROFILES
 from h3serve.distributed.proxies import DiTEngineProxy, EncoderProxy, VideoVAEProxy
 from h3serve.distributed.world import launch
-from h3serve.errors import CheckpointError, H3Error, ProfileError
+from h3serve.errors import CheckpointError, H3Error, ProfileError, RequestError
 from h3serve.media.audio import read_audio_reference
 from h3serve.media.mux import Mp4Writer
-from h3serve.media.video import has_audio, read_video_reference
+from h3serve.media.video import VideoOutOfBounds, has_audio, read_video_reference
 from h3serve.models.dit.engine import DiTEngine, DiTRequest
 from h3serve.models import conditions as cond
 from h3serve.models.dit.parallel import build_dit_rank
@@ -227,7 +227,7 @@ class Pipeline:
                     visual.append(Image.open(media_source(source)).convert("RGB"))
         elif req.task == "ref2va":
             max_samples = int(req.num_frames / req.fps * SAMPLE_RATE)  # as the reference truncates
-            for spec in req.references:
+            for i, spec in enumerate(req.references):
                 if spec.kind == "image":
                     visual.append(Image.open(media_source(spec.path)).convert("RGB"))
                 elif spec.kind == "audio":
@@ -236,7 +236,11 @@ class Pipeline:
                     if has_audio(media_source(spec.path)):
                         pcms.append(read_audio_reference(media_source(spec.path), max_samples, SAMPLE_RATE))
                         kinds.append("soundtrack")
-                    visual.append(read_video_reference(media_source(spec.path), req.num_frames, fps=spec.fps))
+                    try:
+                        visual.append(read_video_reference(media_source(spec.path), req.num_frames, fps=spec.fps))
+                    except VideoOutOfBounds as exc:
+                        raise RequestError(f"references[{i}]", f"{spec.path}: {exc.what} {exc.value}",
+                                           exc.allowed) from None
                 kinds.append(spec.kind)
         # the checkpoint's short edge is read only when an image reference is resized to it
         short_edge = self.reference_short_edge if "image" in kinds else cond.DEFAULT_REFERENCE_SHORT_EDGE

@@ -217,6 +217,9 @@ def test_ref2va_video_references_match_reference(copy_checkpoint, tmp_path, monk
     assert c.references[0].audio_latents > 0 and c.references[2].audio_latents == 0   # sound, then none
     lat = ours.generate_latents(req)
     assert lat.video.shape == ref["latents"].shape
+    print("FIGURES", {"max_abs_video": (lat.video - ref["latents"]).abs().max().item(),
+                      "max_abs_audio": (lat.audio - ref["audio_latents"]).abs().max().item(),
+                      "video_rows": tuple(lat.video.shape), "audio": tuple(lat.audio.shape)})
     torch.testing.assert_close(lat.video, ref["latents"], atol=1e-4, rtol=0)
     torch.testing.assert_close(lat.audio, ref["audio_latents"], atol=1e-4, rtol=0)
 

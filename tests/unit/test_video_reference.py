@@ -79,3 +79,19 @@ def test_soundtrack_precedes_its_frames(tmp_path):
     conds = decode_conditions(req)
     assert conds.kinds == ("soundtrack", "video", "soundtrack", "video")
     assert conds.tensors[0].shape[0] == 2 and conds.tensors[1].shape == (30, 768, 1280, 3)   # 5:3 canvas
+
+
+def test_video_data_url_forms(tmp_path):
+    """A data URL as is or wrapped as vLLM-Omni's {"video_url": ...}; a remote URL refused (the server fetches
+    nothing, as for images)."""
+    import base64
+
+    from h3serve.services.gateway.uploads import from_data_url
+
+    data = open(_clip(tmp_path / "v.mp4", 24, 24), "rb").read()
+    url = "data:video/mp4;base64," + base64.b64encode(data).decode()
+    for value in (url, {"video_url": url}, {"video_url": {"url": url}}):
+        upload = from_data_url("video_reference[0]", value)
+        assert (upload.data, upload.filename) == (data, "upload.mp4")
+    with pytest.raises(RequestError, match="fetches no URL"):
+        from_data_url("video_reference[0]", {"video_url": "https://example.com/v.mp4"})

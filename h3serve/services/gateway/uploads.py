@@ -45,10 +45,11 @@ LARGEST = max(MAX_MEDIA_BYTES.values())
 
 
 def from_data_url(field: str, value: Any) -> Upload:
-    """`data:<mime>;base64,<bytes>` (or {"url": ...} / {"image_url": ...} as some clients wrap it) -> Upload.
+    """`data:<mime>;base64,<bytes>` (or {"url": ...} / {"image_url" | "video_url" | "audio_url": ...} as some clients
+    wrap it) -> Upload.
     Remote URLs are refused: the server fetches nothing."""
     if isinstance(value, dict):
-        inner = value.get("image_url", value.get("url", value.get("data")))
+        inner = next((value[k] for k in ("image_url", "video_url", "audio_url", "url", "data") if k in value), None)
         if isinstance(inner, dict):
             inner = inner.get("url")
         value = inner

@@ -48,18 +48,9 @@ BOUNDS = VideoBounds(max_seconds=MAX_VIDEO_SECONDS, max_pixels=MAX_VIDEO_PIXELS,
                      min_frames=MIN_VIDEO_FRAMES)
 
 
-def hold_slots(count: int, fps: float, target_fps: float = FPS) -> np.ndarray:
-    """The 24 fps slot each of `count` source frames at `fps` starts in (floor(i * 24 / fps + 0.5))."""
-    return np.floor(np.arange(count) * (target_fps / fps) + 0.5).astype(np.int64)
-
-
-def resample_frames(frames: np.ndarray, fps: float, num_frames: int, target_fps: float = FPS) -> np.ndarray:
-    """Frames (F, H, W, 3) at `fps` held onto the 24 fps clock, truncated to `num_frames`."""
-    if fps != target_fps:
-        slots = hold_slots(frames.shape[0], fps, target_fps)
-        end = math.floor(frames.shape[0] * (target_fps / fps) + 0.5)
-        frames = np.repeat(frames, np.diff(slots, append=end), axis=0)
-    return frames[:num_frames]
+def hold_slot(index: int, fps: float) -> int:
+    """The 24 fps slot source frame `index` at `fps` starts in (it is held until the next kept frame's slot)."""
+    return math.floor(index * (FPS / fps) + 0.5)
 
 
 def video_canvas(width: int, height: int) -> tuple[int, int]:
@@ -77,12 +68,6 @@ def to_canvas(frame: np.ndarray) -> np.ndarray:
     if frame.shape[:2] == (height, width):
         return frame
     return np.asarray(Image.fromarray(frame).resize((width, height), Image.Resampling.LANCZOS))
-
-
-def normalize_frames(frames: np.ndarray, fps: float, num_frames: int) -> np.ndarray:
-    """Decoded uint8 frames (F, H, W, 3) at `fps` -> the normalized reference (see the module doc)."""
-    frames = resample_frames(np.asarray(frames), fps, num_frames)
-    return np.stack([to_canvas(f) for f in frames])
 
 
 def _rotation_turns(frame) -> int:
@@ -112,7 +97,6 @@ def read_video_reference(path, num_frames: int, bounds: VideoBounds = BOUNDS, fp
             claimed = _claimed_seconds(stream, container)
             if claimed is not None and claimed > bounds.max_seconds:
                 raise VideoOutOfBounds("duration", f"{claimed:.1f} s", f"at most {bounds.max_seconds:g} s")
-            scale = FPS / fps
             kept: list[np.ndarray] = []     # resized frames, each with the slot it starts in
             slots: list[int] = []
             pending = None                  # the last decoded frame and its slot: kept unless the next shares it
@@ -121,7 +105,7 @@ def read_video_reference(path, num_frames: int, bounds: VideoBounds = BOUNDS, fp
                 if frame.width * frame.height > bounds.max_pixels:
                     raise VideoOutOfBounds("frame size", f"{frame.width}x{frame.height}",
                                            f"at most {bounds.max_pixels:,} pixels a frame")
-                slot = math.floor(count * scale + 0.5)
+                slot = hold_slot(count, fps)
                 count += 1
                 if pending is not None and pending[1] < slot:
                     kept.append(to_canvas(pending[0]))
@@ -136,7 +120,7 @@ def read_video_reference(path, num_frames: int, bounds: VideoBounds = BOUNDS, fp
                     arr = np.ascontiguousarray(np.rot90(arr, k=-turns, axes=(0, 1)))
                 pending = (arr, slot)
             else:
-                end = min(num_frames, math.floor(count * scale + 0.5))
+                end = min(num_frames, hold_slot(count, fps))
                 if pending is not None and pending[1] < end:
                     kept.append(to_canvas(pending[0]))
                     slots.append(pending[1])

@@ -27,9 +27,10 @@ from h3serve.config.request import GenerationRequest, dit_fields, lora_params, m
 from h3serve.config.vocab import COMPONENT_FOR_TASK, DEFAULT_DTYPE, PROFILES
 from h3serve.distributed.proxies import DiTEngineProxy, EncoderProxy, VideoVAEProxy
 from h3serve.distributed.world import launch
-from h3serve.errors import CheckpointError, H3Error, ProfileError
+from h3serve.errors import CheckpointError, H3Error, ProfileError, RequestError
 from h3serve.media.audio import read_audio_reference
 from h3serve.media.mux import Mp4Writer
+from h3serve.media.video import VideoOutOfBounds, has_audio, read_video_reference
 from h3serve.models.dit.engine import DiTEngine, DiTRequest
 from h3serve.models import conditions as cond
 from h3serve.models.dit.parallel import build_dit_rank
@@ -218,7 +219,7 @@ class Pipeline:
 
     def _conditions(self, req: GenerationRequest):
         """Encoder inputs and DiT conditions for fl2va / ref2va (models/conditions.py: resized, VAE-encoded)."""
-        kinds, visual, pcms = [], [], {}
+        kinds, visual, pcms = [], [], []
         if req.task == "fl2va":
             for kind, source in (("first", req.first_image), ("last", req.last_image)):
                 if source:
@@ -226,22 +227,26 @@ class Pipeline:
                     visual.append(Image.open(media_source(source)).convert("RGB"))
         elif req.task == "ref2va":
             max_samples = int(req.num_frames / req.fps * SAMPLE_RATE)  # as the reference truncates
-            for spec in req.references:
+            for i, spec in enumerate(req.references):
                 if spec.kind == "image":
                     visual.append(Image.open(media_source(spec.path)).convert("RGB"))
                 elif spec.kind == "audio":
-                    pcms[len(kinds)] = read_audio_reference(media_source(spec.path), max_samples, SAMPLE_RATE)
-                else:
-                    raise H3Error(f"references: kind={spec.kind!r} is not supported here (image or audio); video "
-                                  "references need Qwen3-VL's video processor")
+                    pcms.append(read_audio_reference(media_source(spec.path), max_samples, SAMPLE_RATE))
+                else:   # a video: its soundtrack (if any) first, as the model packs it
+                    if has_audio(media_source(spec.path)):
+                        pcms.append(read_audio_reference(media_source(spec.path), max_samples, SAMPLE_RATE))
+                        kinds.append("soundtrack")
+                    try:
+                        visual.append(read_video_reference(media_source(spec.path), req.num_frames, fps=spec.fps))
+                    except VideoOutOfBounds as exc:
+                        raise RequestError(f"references[{i}]", f"{spec.path}: {exc.what} {exc.value}",
+                                           exc.allowed) from None
                 kinds.append(spec.kind)
         # the checkpoint's short edge is read only when an image reference is resized to it
         short_edge = self.reference_short_edge if "image" in kinds else cond.DEFAULT_REFERENCE_SHORT_EDGE
         resized = cond.resize(kinds, visual, req.height, req.width, short_edge)
         images, refs = cond.encoder_inputs(kinds, resized, req.task)
-        it = iter(resized)
-        encoded = [self.audio_vae.encode_reference(pcms[i].to(self.device)) if kind == "audio"
-                   else self.video_vae.encode_keyframe(next(it)) for i, kind in enumerate(kinds)]
+        encoded = cond.encode_conditions(kinds, resized, pcms, self.video_vae, self.audio_vae)
         return images, refs, cond.dit_conditions(kinds, encoded, req.task)
 
     def generate_latents(self, req: GenerationRequest, *, progress: bool | Callable[[int, int], None] = False,

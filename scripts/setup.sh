@@ -13,7 +13,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   quiet=-q; [ -t 2 ] && quiet=   # a terminal sees pip's progress bars; a log gets these lines only
   say "1/2 torch 2.13.0 (the CUDA build; it runs on the CPU too). The venv comes to about 6 GB: 2-3 min with" \
       "pip's cache warm, about 12 min downloading"
-  "$VENV/bin/pip" install $quiet "torch==2.13.0"   # pinned first and alone: resolving the rest never moves it
+  "$VENV/bin/pip" install $quiet "torch==2.13.0" "torchvision==0.28.0"   # pinned first and alone: resolving the rest never moves it
   say "2/2 h3serve and its test dependencies (editable)"
   "$VENV/bin/pip" install $quiet -e ".[test]"
   touch "$stamp"

@@ -104,7 +104,7 @@ class Canvas(NamedTuple):
     height: int
 
 
-def canvas_for_ratio(ratio: float) -> Canvas:
+def canvas_for_ratio(ratio: float, short_edge: int = CANVAS_SHORT_EDGE, max_pixels: int = CANVAS_MAX_PIXELS) -> Canvas:
     """The generation canvas for a display aspect ratio W/H, as the reference's resolve_canvas_size computes it.
 
     Short edge 768; if the area then exceeds 1,032,192 it is scaled down to that area; each side is rounded to the
@@ -112,12 +112,12 @@ def canvas_for_ratio(ratio: float) -> Canvas:
     16:9 -> 1344x768, 1:1 -> 768x768, 9:16 -> 768x1344, 4:1 -> 2016x512.
     """
     if ratio >= 1.0:
-        width, height = CANVAS_SHORT_EDGE * ratio, float(CANVAS_SHORT_EDGE)
+        width, height = short_edge * ratio, float(short_edge)
     else:
-        width, height = float(CANVAS_SHORT_EDGE), CANVAS_SHORT_EDGE / ratio
+        width, height = float(short_edge), short_edge / ratio
     area = width * height
-    if area > CANVAS_MAX_PIXELS:
-        scale = (CANVAS_MAX_PIXELS / area) ** 0.5
+    if area > max_pixels:
+        scale = (max_pixels / area) ** 0.5
         width, height = width * scale, height * scale
     m = CANVAS_MULTIPLE
     return Canvas(max(m, round(width / m) * m), max(m, round(height / m) * m))

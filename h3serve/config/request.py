@@ -31,7 +31,9 @@ from h3serve.config.geometry import (
     DEFAULT_CANVAS,
     CANVAS_RULE,
     FPS,
+    FRAMES_PER_CLIP,
     FRAMES_RANGE,
+    LATENTS_PER_CLIP,
     MAX_ASPECT,
     MAX_DURATION,
     MAX_SIDE,
@@ -71,6 +73,7 @@ BASE_STEPS_RANGE = (2, 1000)
 MAX_REFERENCES = 12
 MAX_REFERENCES_PER_KIND = {"image": 9, "video": 3, "audio": 3}
 REFERENCE_KINDS = ("image", "video", "audio")
+PCM_KINDS = ("audio", "soundtrack")   # conditions carried as (2, N) PCM: audio references and a video's soundtrack
 _EXTENSION_KIND = {
     **{e: "image" for e in (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")},
     **{e: "video" for e in (".mp4", ".mov", ".mkv", ".webm", ".avi", ".m4v")},
@@ -92,6 +95,12 @@ MAX_IMAGE_PIXELS = 4096 * 4096
 MIN_IMAGE_SIDE = 16
 MAX_AUDIO_SECONDS = 60.0
 MAX_JPEG_SEGMENTS = 1000   # marker segments before a JPEG's image data (jpeg_header_segments)
+# Video references: the header's claims are checked before decoding, and decoding stops once the frames the request
+# uses (its duration at 24 fps) were read, so a file's length costs nothing past them.
+MAX_VIDEO_SECONDS = 60.0
+MAX_VIDEO_PIXELS = 3840 * 2160   # a source frame's width * height (4K UHD); each is resized to its canvas as read
+MAX_VIDEO_FPS = 240.0
+MIN_VIDEO_FRAMES = FRAMES_PER_CLIP + LATENTS_PER_CLIP   # 22 at 24 fps: the VAE's shortest encode (17n+5, n >= 1)
 
 
 
@@ -204,13 +213,15 @@ class RequestFields:
                                  media="many", type=["string", "array"])
     audio_reference: list = _row("audio_reference", "ref2va audio reference(s) at 32 kHz", request=False,
                                  media="many", type=["string", "array"])
-    video_reference: list = _row("video_reference", request=False, http="refused", media="many")
+    video_reference: list = _row("video_reference", "ref2va video reference(s): MP4 / MOV / WebM / MKV, resampled "
+                                                    "to 24 fps; a soundtrack (32 kHz) is conditioned on too",
+                                 request=False, media="many", type=["string", "array"])
     input_references: list = _row("input_references", "vLLM-Omni: ref2va references in order, each's kind by its "
                                                       "content type (image/*, audio/*, else video)", request=False,
                                   media="many", type=["string", "array"])
     references: list = _row("references", http=None, media="many",
                             cli={"flag": "--reference", "action": "append", "default": [], "metavar": "KIND:PATH",
-                                 "help": "ref2va reference, repeatable: image:PATH or audio:PATH (wav)"})
+                                 "help": "ref2va reference, repeatable: image:PATH, video:PATH or audio:PATH"})
 
 
 REQUEST_FIELDS = dataclasses.fields(RequestFields)

@@ -108,11 +108,13 @@ class VAEServicer(StageBase):
                                                                        edge="gateway->vae")}
         for i, kind in enumerate(kinds):
             t = tensors.get(f"condition.{i}")
-            ok = t is not None and (t.dtype == torch.float32 and t.ndim == 2 and t.shape[0] == 2 if kind == "audio"
-                                    else t.dtype == torch.uint8 and t.ndim == 3 and t.shape[2] == 3)
+            pcm, video = kind in cond.AUDIO_KINDS, kind == "video"
+            ok = t is not None and (t.dtype == torch.float32 and t.ndim == 2 and t.shape[0] == 2 if pcm
+                                    else t.dtype == torch.uint8 and t.ndim == 3 + video and t.shape[-1] == 3)
             if not ok:
                 raise RequestError(f"condition.{i}", None if t is None else tuple(t.shape),
-                                   "(2, N) float32 PCM" if kind == "audio" else "(H, W, 3) uint8 RGB")
+                                   "(2, N) float32 PCM" if pcm else "(F, H, W, 3) uint8 RGB" if video
+                                   else "(H, W, 3) uint8 RGB")
         with self.request(context, p.request_id) as scope:
             t0 = time.perf_counter()
             encoded = self.run_engine(scope, lambda: self._encode_conditions(p, kinds, tensors))
@@ -124,18 +126,13 @@ class VAEServicer(StageBase):
                                                                     peak_memory_mb=scope.peak_memory_mb))
 
     def _encode_conditions(self, p, kinds, tensors) -> list[torch.Tensor]:
-        """On the engine thread: each image resized (models/conditions.py) and VAE-encoded, each PCM audio-VAE
-        encoded; in the order of `kinds`."""
+        """On the engine thread: each image resized (models/conditions.py) and VAE-encoded, each reference video
+        VAE-encoded, each PCM audio-VAE encoded; in the order of `kinds`."""
         visual = [i for i, k in enumerate(kinds) if k in cond.VISUAL_KINDS]
-        images = iter(cond.resize(kinds, [tensors[f"condition.{i}"].numpy() for i in visual], p.height, p.width,
-                                  self.short_edge))
-        out = []
-        for i, kind in enumerate(kinds):
-            if kind == "audio":
-                out.append(self.audio_vae.encode_reference(tensors[f"condition.{i}"].to(self.audio_vae.device)))
-            else:
-                out.append(self.video_vae.encode_keyframe(next(images)))
-        return out
+        images = cond.resize(kinds, [tensors[f"condition.{i}"].numpy() for i in visual], p.height, p.width,
+                             self.short_edge)
+        pcms = [tensors[f"condition.{i}"] for i, k in enumerate(kinds) if k in cond.AUDIO_KINDS]
+        return cond.encode_conditions(kinds, images, pcms, self.video_vae, self.audio_vae)
 
     @grpc_method("vae")
     def Decode(self, request_iterator, context):

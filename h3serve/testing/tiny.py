@@ -23,9 +23,9 @@ release's bf16/fp32 mix (optionally sharded) to exercise that path.
 The build is deterministic for a seed (same bytes in every file) and atomic: it is assembled in a temporary folder
 beside the target and renamed into place, so an interrupted build never leaves a folder that looks complete.
 
-The processor cannot be reloaded by `Qwen3VLProcessor.from_pretrained` without torchvision (its video processor
-needs it); `h3serve.models.encoder.processor.load_processor` builds it from the folder, and `reference_pipeline`
-loads the diffusers pipeline (our numerical oracle) with that processor injected.
+`h3serve.models.encoder.processor.load_processor` builds the processor from the folder (the PIL image processor our
+encoder uses, and Qwen3-VL's own video processor), and `reference_pipeline` loads the diffusers pipeline (our
+numerical oracle) with that processor injected, so both sides read images and videos through the same processors.
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ def image_processor_config() -> dict:
 
 
 def video_processor_config() -> dict:
-    """Qwen3-VL video-processor settings, written for completeness (loading them needs torchvision)."""
+    """Qwen3-VL video-processor settings (ref2va video references; loading them needs torchvision)."""
     return {
         "processor_class": "Qwen3VLProcessor", "video_processor_type": "Qwen3VLVideoProcessor",
         "do_resize": True, "resample": 3, "size": {"shortest_edge": 4096, "longest_edge": 25165824},
@@ -464,8 +464,8 @@ def reference_pipeline(path: str | os.PathLike, workflow: str = "t2va", dtype: t
     """diffusers' MiniMax H3 modular pipeline on a checkpoint folder, ready to call (CPU).
 
     `ModularPipeline.from_pretrained(path, workflow=...)`, then `load_components(dtype=...)` for every component of
-    the workflow except the processor (whose `from_pretrained` needs torchvision), then the processor built by
-    `h3serve.models.encoder.processor.load_processor` is injected with `update_components`.
+    the workflow except the processor, then the processor built by `h3serve.models.encoder.processor.load_processor`
+    (PIL image processor, Qwen3-VL's video processor) is injected with `update_components`.
     """
     pipe = ModularPipeline.from_pretrained(str(path), workflow=workflow)
     names = [n for n, spec in pipe._component_specs.items()

@@ -151,14 +151,25 @@ def test_bad_requests_are_refused(encoder):
         encoder.encode("a", task="i2v")
     with pytest.raises(ValueError, match="t2va takes"):
         encoder.encode("a", images=_images())
-    with pytest.raises(ValueError, match="torchvision"):
-        encoder.encode("a", task="ref2va", references=[pres.Reference("video", frames=np.zeros((24, 64, 64, 3),
-                                                                                             np.uint8))])
+    with pytest.raises(ValueError, match="at least 13 frames"):
+        encoder.present("a", task="ref2va", references=[pres.Reference("video", frames=np.zeros((12, 64, 64, 3),
+                                                                                              np.uint8))])
+
+
+def test_video_reference_reaches_qwen3vl_video_processor(encoder):
+    """24 frames at 24 fps: samples 0 and 12, one merged block of (64/16)^2 / 4 = 4 video pads, "<0.2 seconds>"."""
+    frames = np.random.default_rng(0).integers(0, 255, (24, 64, 64, 3), dtype=np.uint8)
+    p = encoder.present("a", task="ref2va", references=[pres.Reference("video", frames=frames)])
+    assert p.token_ids.count(encoder.video_pad_id) == 4
+    assert p.vision_inputs["video_grid_thw"].tolist() == [[1, 4, 4]]
+    assert "<0.2 seconds>" in encoder.tokenizer.decode(p.token_ids)
+    assert encoder.encode("a", task="ref2va", references=[pres.Reference("video", frames=frames)]).states.shape[1] \
+        == len(p.token_ids)
 
 
 # ---------------------------------------------------------------------------------------------------- presentation
 def test_ref2va_presentation_with_video_matches_diffusers(ref_components):
-    """Token ids and roles of a mixed ref2va presentation (video blocks included; the model call needs torchvision)."""
+    """Token ids and roles of a mixed ref2va presentation (video blocks included)."""
     from diffusers.modular_pipelines.minimax_h3 import (MiniMaxH3AudioReference, MiniMaxH3ImageReference,
                                                         MiniMaxH3VideoReference)
     from diffusers.modular_pipelines.minimax_h3.encoders import MiniMaxH3Ref2VATextEncoderStep

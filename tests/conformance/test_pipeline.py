@@ -1,7 +1,7 @@
 """The embedded pipeline against diffusers' MiniMaxH3ModularPipeline on the same tiny checkpoint and seed (fp32).
 
-Final video + audio latents of T2VA (base), FL2VA (first + last keyframe) and FastH3 within 1e-4, and decoded
-frames within 1e-4.
+Final video + audio latents of T2VA (base), FL2VA (first + last keyframe), REF2VA (image + audio; videos with and
+without a soundtrack beside an image) and FastH3 within 1e-4, and decoded frames within 1e-4.
 """
 
 from __future__ import annotations
@@ -163,3 +163,72 @@ def test_ref2va_latents_match_reference(copy_checkpoint, tmp_path):
     lat = ours.generate_latents(req)
     torch.testing.assert_close(lat.video, ref["latents"], atol=1e-4, rtol=0)
     torch.testing.assert_close(lat.audio, ref["audio_latents"], atol=1e-4, rtol=0)
+
+
+
+# The canvas rule reference videos are put on, scaled down 12x from 768 / 768x1344 so that their VAE encode runs
+# in seconds on a CPU; both sides read it (diffusers from its pipeline config, h3serve from media.video). The rule
+# itself at its released values is checked against diffusers in tests/unit/test_video_reference.py.
+SMALL_CANVAS_RULE = (64, 64 * 112)
+
+
+def test_ref2va_video_references_match_reference(copy_checkpoint, tmp_path, monkeypatch):
+    """Two video references - one 30 fps with a stereo 32 kHz soundtrack (resampled onto 24 fps by holding frames),
+    one 24 fps without sound - and an image reference between them, against diffusers' modular pipeline with
+    Qwen3-VL's own video processor. Each side decodes the files with its own decoder (diffusers' `from_file`).
+    """
+    import json
+
+    from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3ImageReference, MiniMaxH3VideoReference
+
+    import h3serve.media.video as media_video
+    from h3serve.pipeline import Pipeline
+    from h3serve.testing.clips import write_video
+
+    tiny_checkpoint = copy_checkpoint()
+    index_path = tiny_checkpoint / "modular_model_index.json"
+    index = json.loads(index_path.read_text())
+    index["reference_image_short_edge"] = 128   # the image reference's own rule, CPU-sized (see above)
+    index_path.write_text(json.dumps(index))
+    monkeypatch.setattr(media_video, "CANVAS_RULE", SMALL_CANVAS_RULE)
+
+    rng = np.random.default_rng(11)
+    t = np.arange(int(1.2 * 32000)) / 32000
+    sound = np.stack([0.3 * np.sin(2 * np.pi * 220 * t), 0.2 * np.sin(2 * np.pi * 330 * t)])
+    write_video(tmp_path / "dance.mp4", rng.integers(0, 255, (36, 48, 48, 3), dtype=np.uint8), 30, sound)
+    write_video(tmp_path / "pan.mp4", rng.integers(0, 255, (26, 48, 96, 3), dtype=np.uint8), 24)
+    Image.fromarray(rng.integers(0, 255, (64, 96, 3), dtype=np.uint8)).save(tmp_path / "subject.png")
+
+    refs = [MiniMaxH3VideoReference.from_file(str(tmp_path / "dance.mp4")),
+            MiniMaxH3ImageReference.from_file(str(tmp_path / "subject.png")),
+            MiniMaxH3VideoReference.from_file(str(tmp_path / "pan.mp4"))]
+    assert refs[0].audio is not None and refs[2].audio is None
+    pipe = reference_pipeline(tiny_checkpoint, "ref2va")
+    pipe.register_to_config(canvas_short_edge=SMALL_CANVAS_RULE[0], canvas_max_pixels=SMALL_CANVAS_RULE[1])
+    assert type(pipe.processor.video_processor).__name__ == "Qwen3VLVideoProcessor"
+    ref = run_reference(pipe, prompt="the subject dances", references=refs, num_inference_steps=3)
+
+    ours = Pipeline.load(tiny_checkpoint, dtype="fp32", device="cpu", tasks=("ref2va",))
+    req = _request(prompt="the subject dances", task="ref2va", steps=3,
+                   references=[str(tmp_path / "dance.mp4"), f"image:{tmp_path / 'subject.png'}",
+                               str(tmp_path / "pan.mp4")])
+    images, refs_in, c = ours._conditions(req)
+    assert [type(r).__name__ for r in c.references] == ["VideoRef", "ImageRef", "VideoRef"]
+    assert c.references[0].audio_latents > 0 and c.references[2].audio_latents == 0   # sound, then none
+    lat = ours.generate_latents(req)
+    assert lat.video.shape == ref["latents"].shape
+    print("FIGURES", {"max_abs_video": (lat.video - ref["latents"]).abs().max().item(),
+                      "max_abs_audio": (lat.audio - ref["audio_latents"]).abs().max().item(),
+                      "video_rows": tuple(lat.video.shape), "audio": tuple(lat.audio.shape)})
+    torch.testing.assert_close(lat.video, ref["latents"], atol=1e-4, rtol=0)
+    torch.testing.assert_close(lat.audio, ref["audio_latents"], atol=1e-4, rtol=0)
+
+    # The MP4 of the video-referenced request, read back by the MP4 checker and the system ffprobe.
+    from h3serve.testing.mp4check import check_mp4, ffprobe_report
+
+    out = tmp_path / "ref2va-video.mp4"
+    ours.write_mp4(req, lat, out)
+    check_mp4(out, expect_frames=124, fps=24, width=W, height=H, sample_rate=32000, channels=2)
+    probe = ffprobe_report(out)   # the system ffprobe, a decoder independent of our writer
+    assert (probe.video_codec, probe.width, probe.height, probe.frames) == ("h264", W, H, 124), probe
+    assert (probe.audio_codec, probe.sample_rate, probe.channels) == ("aac", 32000, 2), probe

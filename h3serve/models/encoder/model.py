@@ -136,16 +136,11 @@ class TextEncoder:
                  "(decoder layers >= %d, final norm, LM head)", layer, total, te_dir, skipped, layer)
 
         tokenizer = Qwen2TokenizerFast.from_pretrained(root / "tokenizer")
-        processor = load_processor(root)  # Qwen2VLImageProcessorPil from processor/preprocessor_config.json
-        video_processor = None
-        try:  # lazy and guarded: needs torchvision; only ref2va video references use it
-            from transformers import AutoVideoProcessor
-
-            video_processor = AutoVideoProcessor.from_pretrained(root / "processor")
-        except Exception as exc:  # noqa: BLE001 - any failure means "no video references"
-            log.info("no video processor (%s): ref2va video references are refused", type(exc).__name__)
-        image_processor = processor.image_processor
-        return cls(model, tokenizer, image_processor, layer=layer, video_processor=video_processor)
+        processor = load_processor(root)  # PIL image processor + Qwen3-VL's video processor (processor/)
+        if processor.video_processor is None:
+            log.info("no video processor (no torchvision or no video_preprocessor_config.json): ref2va video "
+                     "references are refused")
+        return cls(model, tokenizer, processor.image_processor, layer=layer, video_processor=processor.video_processor)
 
     # ------------------------------------------------------------------ properties
     @property

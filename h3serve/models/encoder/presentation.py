@@ -13,9 +13,9 @@ A vision block is ``<|vision_start|>`` + N pads + ``<|vision_end|>`` with N = pr
 and grid_h·grid_w / merge² per block of a video. Token roles (the DiT's ``text_token_tags``): 1 for every label and
 prompt token, 0 for every token of a vision block including its start and end.
 
-Images reach the vision tower through transformers' ``Qwen2VLImageProcessorPil`` (PIL resize, no torchvision),
-configured from the checkpoint's ``processor/preprocessor_config.json`` (``processor.load_processor``): the
-``Qwen3VLProcessor`` saved in that folder cannot be instantiated without torchvision because of its video processor.
+Images reach the vision tower through transformers' ``Qwen2VLImageProcessorPil`` (PIL resize), configured from the
+checkpoint's ``processor/preprocessor_config.json``; reference videos through Qwen3-VL's own video processor
+(torchvision), from ``processor/video_preprocessor_config.json`` (both: ``processor.load_processor``).
 
 The fl2va before-encode resize rules (``resize_keyframe_first``, ``resize_keyframe_last``) and the ref2va image rule
 (``resize_reference_image``) also live here: both the encoder and the VAE consume their output.

@@ -1,4 +1,4 @@
-"""The Qwen3-VL processor (tokenizer + image processor) of an H3 checkpoint, built without torchvision."""
+"""The Qwen3-VL processor (tokenizer + PIL image processor + video processor) of an H3 checkpoint."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ def load_processor(path: str | os.PathLike, *, subfolder: str = "processor", tok
     `Qwen3VLProcessor.from_pretrained` needs `Qwen3VLVideoProcessor`, which needs torchvision; this builds the
     processor from the folder's files instead: the tokenizer (`processor/` if it has one, else `tokenizer/`) and a
     `Qwen2VLImageProcessorPil` with the patch / merge / temporal sizes, mean / std and pixel bounds of
-    `processor/preprocessor_config.json`. The video processor is None (video references cannot be encoded);
-    everything the image and text paths use (`image_processor`, `create_mm_token_type_ids`, the pad token ids)
+    `processor/preprocessor_config.json`, and Qwen3-VL's video processor (`load_video_processor`; None without
+    torchvision or its config file, and then video references cannot be encoded); everything the image and text paths use (`image_processor`, `create_mm_token_type_ids`, the pad token ids)
     works. Pass the result to diffusers with `pipe.update_components(processor=...)`.
     """
     # lazy: transformers' processor classes take seconds to import; only loading needs them
@@ -42,6 +42,7 @@ def load_processor(path: str | os.PathLike, *, subfolder: str = "processor", tok
         raise CheckpointError(f"{tokenizer_subfolder}/tokenizer.json: missing in {root}")
     tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
 
+    video_processor = load_video_processor(proc_dir)
     processor = Qwen3VLProcessor.__new__(Qwen3VLProcessor)
     check = processor.check_argument_for_proper_class
 
@@ -52,7 +53,20 @@ def load_processor(path: str | os.PathLike, *, subfolder: str = "processor", tok
 
     processor.check_argument_for_proper_class = _check
     try:
-        processor.__init__(image_processor=image_processor, tokenizer=tokenizer, video_processor=None)
+        processor.__init__(image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor)
     finally:
         del processor.check_argument_for_proper_class
     return processor
+
+
+def load_video_processor(proc_dir: str | os.PathLike):
+    """Qwen3-VL's own video processor from `video_preprocessor_config.json` (ref2va video references), or None when
+    the folder has none or torchvision cannot be imported (then video references are refused where they arrive)."""
+    if not (Path(proc_dir) / "video_preprocessor_config.json").is_file():
+        return None
+    try:  # lazy: needs torchvision
+        from transformers import AutoVideoProcessor
+
+        return AutoVideoProcessor.from_pretrained(str(proc_dir))
+    except ImportError:
+        return None

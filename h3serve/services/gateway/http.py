@@ -49,8 +49,8 @@ from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 from starlette.routing import Match
 
 from h3serve.config.lora import parse_loras
-from h3serve.config.request import (FIELD_TYPES, MAX_MEDIA_BYTES, MAX_REFERENCES, REQUEST_FIELDS, Upload,
-                                    reference_kind)
+from h3serve.config.request import (FIELD_TYPES, MAX_MEDIA_BYTES, MAX_REFERENCES, MAX_REFERENCES_PER_KIND,
+                                    REQUEST_FIELDS, Upload, reference_kind)
 from h3serve.errors import H3Error, NotFound, NotReady, PermissionDenied, RequestError, TooLarge, Unauthenticated
 from h3serve.errortable import error_object, http_error
 from h3serve.media.thumbnail import first_frame_jpeg
@@ -61,7 +61,7 @@ from .jobs import Job
 from .orchestrate import live_content
 from .gateway import Gateway
 from .sinks import FileSink
-from .uploads import MIME_EXTENSION, VIDEO_REFERENCES_SERVED, VIDEO_REFUSED, decode_caller
+from .uploads import MIME_EXTENSION, decode_caller
 from .usage import DEFAULT_RANGE_S, MAX_RANGE_S
 
 FILE = {"type": "string", "format": "binary"}
@@ -184,12 +184,22 @@ NO_EDITS = ("H3 generates from a prompt and keyframes / references; it has no vi
 VARIANTS = ("video", "thumbnail", "preview")
 
 
-# A multipart body's bound: 12 files of 20 MiB (an image's or an audio's largest; a video reference, up to 100 MiB,
-# fits two of them) and 1 MiB of form fields. Counted on the bytes received, chunked
+# A multipart body's bound: every reference at its largest (the most a request's references can weigh: the kinds'
+# counts within their caps, largest files first) and 1 MiB of form fields. Counted on the bytes received, chunked
 # or not (a Content-Length is only a claim: with Transfer-Encoding: chunked the server ignores it).
 MAX_FORM_FILES = MAX_REFERENCES
 MAX_FIELDS_BYTES = 1 << 20
-MAX_BODY_BYTES = MAX_FORM_FILES * MAX_MEDIA_BYTES["image"] + MAX_FIELDS_BYTES
+
+
+def _largest_references() -> int:
+    left, total = MAX_REFERENCES, 0
+    for kind in sorted(MAX_MEDIA_BYTES, key=MAX_MEDIA_BYTES.get, reverse=True):
+        n = min(left, MAX_REFERENCES_PER_KIND[kind])
+        total, left = total + n * MAX_MEDIA_BYTES[kind], left - n
+    return total
+
+
+MAX_BODY_BYTES = _largest_references() + MAX_FIELDS_BYTES
 MAX_FORM_VALUE_BYTES = 1 << 20
 
 
@@ -214,9 +224,8 @@ def _part_kind(part) -> str:
 
 class CappedMultiPartParser(MultiPartParser):
     """Starlette's streaming multipart parser, with each part held to its own bound as its bytes arrive: a file
-    to its kind's limit (MAX_MEDIA_BYTES), a field that takes no file refused at its header, a video reference
-    refused at its header, a text value to MAX_FORM_VALUE_BYTES, at most MAX_FORM_FILES files. Each refusal is a
-    RequestError naming the part's field; nothing past the bound is read."""
+    to its kind's limit (MAX_MEDIA_BYTES), a field that takes no file refused at its header, a text value to
+    MAX_FORM_VALUE_BYTES, at most MAX_FORM_FILES files. Each refusal is a RequestError naming the part's field; nothing past the bound is read."""
 
     def __init__(self, headers, stream):
         super().__init__(headers, stream, max_files=MAX_FORM_FILES, max_fields=1000,
@@ -236,8 +245,6 @@ class CappedMultiPartParser(MultiPartParser):
         if part.file is not None and name.partition("[")[0] not in MEDIA_FIELDS:
             raise RequestError(name, part.file.filename or "file",
                                "a form field; files go in " + ", ".join(MEDIA_FIELDS))
-        if part.file is not None and not VIDEO_REFERENCES_SERVED and _part_kind(part) == "video":
-            raise RequestError(name, part.file.filename or "file", VIDEO_REFUSED)   # before its bytes are read
 
     def on_part_data(self, data: bytes, start: int, end: int) -> None:
         part, name = self._current_part, self._current_part.field_name

@@ -29,7 +29,7 @@ import torch
 
 from h3serve._proto import common_pb2, dit_pb2, encoder_pb2, gateway_pb2, muxer_pb2, muxer_pb2_grpc, vae_pb2
 from h3serve.config.geometry import AUDIO_CHANNELS, SAMPLE_RATE
-from h3serve.config.request import dit_fields, lora_params
+from h3serve.config.request import PCM_KINDS, dit_fields, lora_params
 from h3serve.config.vocab import NIXL
 from h3serve.errors import H3Error, StageFailed, StageUnavailable
 from h3serve.errortable import from_grpc
@@ -133,7 +133,7 @@ class StageCalls:
                 timeout=job.remaining())
         params = encoder_pb2.EncodeParams(request_id=job.id, prompt=req.prompt, task=req.task, width=req.width,
                                           height=req.height, kinds=list(conds.kinds))
-        visual = [(i, t) for i, (k, t) in enumerate(zip(conds.kinds, conds.tensors)) if k != "audio"]
+        visual = [(i, t) for i, (k, t) in enumerate(zip(conds.kinds, conds.tensors)) if k not in PCM_KINDS]
         inputs = itertools.chain(
             [encoder_pb2.EncodeInput(params=params)],
             (encoder_pb2.EncodeInput(chunk=c) for i, t in visual for c in iter_tensor_chunks(f"condition.{i}", t)),

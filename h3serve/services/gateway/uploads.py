@@ -8,7 +8,9 @@ own with a per-caller share, never the event loop's default executor.
 
 What leaves here for the stages (`Conditions`): the kinds in the order the model reads them and one tensor per kind,
 an image as (H, W, 3) uint8 RGB (the decoded file; each stage applies the same resize, models/conditions.py), an
-audio reference as (2, N) float32 PCM at 32 kHz cut to the request's duration (as the embedded pipeline reads it).
+audio reference as (2, N) float32 PCM at 32 kHz cut to the request's duration (as the embedded pipeline reads it), a
+video reference as its soundtrack (kind "soundtrack", PCM as an audio reference's) when it has one, then its frames
+(kind "video", uint8 (F, H, W, 3) normalized once here: 24 fps, cut to the request's frames, on its own canvas).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from h3serve.config.request import MAX_AUDIO_SECONDS, MAX_MEDIA_BYTES, Generatio
 from h3serve.errors import Draining, H3Error, QueueFull, RequestError
 from h3serve.media.audio import AudioTooLong, audio_seconds, read_audio_reference
 from h3serve.media.image import CorruptImage, decode_rgb
+from h3serve.media.video import VideoOutOfBounds, has_audio, read_video_reference
 
 DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[\w.+-]+)*)(?P<b64>;base64)?,",
                       re.I)
@@ -39,12 +42,6 @@ MIME_EXTENSION = {"image/png": ".png", "image/jpeg": ".jpg", "image/jpg": ".jpg"
                   "audio/wave": ".wav", "audio/flac": ".flac", "audio/mpeg": ".mp3", "audio/mp4": ".m4a",
                   "audio/ogg": ".ogg", "video/mp4": ".mp4", "video/quicktime": ".mov", "video/webm": ".webm"}
 LARGEST = max(MAX_MEDIA_BYTES.values())
-# The one switch for video references: while False they are parsed like the other references (kind "video") and
-# refused by `decode_conditions`, and a multipart video part at its header, before its bytes are read.
-VIDEO_REFERENCES_SERVED = False
-VIDEO_REFUSED = ("video references are not served: they need Qwen3-VL's video processor, which needs torchvision "
-                 "(not a dependency of this server); send the frames as image references or the soundtrack as an "
-                 "audio reference")
 
 
 def from_data_url(field: str, value: Any) -> Upload:
@@ -136,6 +133,30 @@ def _audio(source: Any, field: str, max_samples: int) -> torch.Tensor:
     return pcm
 
 
+def _has_audio(source: Any, field: str) -> bool:
+    try:
+        return has_audio(media_source(source))
+    except H3Error as exc:
+        raise RequestError(field, repr(source) if isinstance(source, Upload) else source,
+                           f"a readable video file (MP4, MOV, WebM, MKV; {exc})") from None
+
+
+def _video(source: Any, field: str, num_frames: int, fps: float | None) -> torch.Tensor:
+    """A video reference decoded and normalized, within the bounds of h3serve.media.video (checked on the header
+    before decoding, and on what is decoded)."""
+    shown = repr(source) if isinstance(source, Upload) else source
+    try:
+        frames = read_video_reference(media_source(source), num_frames, fps=fps)
+    except VideoOutOfBounds as exc:
+        raise RequestError(field, f"{shown}: {exc.what} {exc.value}", exc.allowed) from None
+    except H3Error as exc:
+        raise RequestError(field, shown, f"a readable video file (MP4, MOV, WebM, MKV; {exc})") from None
+    except Exception as exc:  # noqa: BLE001 - a malformed file fails anywhere in the demuxer or decoder
+        raise RequestError(field, shown, f"a readable video file (the decoder failed: {type(exc).__name__})") \
+            from None
+    return torch.from_numpy(frames)
+
+
 def decode_conditions(req: GenerationRequest) -> Conditions | None:
     """The request's keyframes / references decoded and bounded (None for t2va). Raises RequestError naming the
     field of the first bad file."""
@@ -149,9 +170,13 @@ def decode_conditions(req: GenerationRequest) -> Conditions | None:
         max_samples = int(req.num_frames / req.fps * SAMPLE_RATE)   # as the reference truncates
         for i, spec in enumerate(req.references):
             field = _name(spec.path, f"references[{i}]")
-            if spec.kind == "video" and not VIDEO_REFERENCES_SERVED:
-                raise RequestError(field, repr(spec.path) if isinstance(spec.path, Upload) else spec.path,
-                                   VIDEO_REFUSED)
+            if spec.kind == "video":
+                if _has_audio(spec.path, field):
+                    kinds.append("soundtrack")
+                    tensors.append(_audio(spec.path, field, max_samples))
+                kinds.append("video")
+                tensors.append(_video(spec.path, field, req.num_frames, spec.fps))
+                continue
             kinds.append(spec.kind)
             tensors.append(_image(spec.path, field) if spec.kind == "image"
                            else _audio(spec.path, field, max_samples))

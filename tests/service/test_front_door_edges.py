@@ -160,3 +160,13 @@ def test_range_errors_are_the_error_object(tmp_path):
             assert r.json()["error"]["param"] == "Range", bad
     finally:
         front.stop()
+
+
+def test_the_realtime_websocket_needs_a_key(app):
+    from starlette.websockets import WebSocketDisconnect
+
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        with pytest.raises(WebSocketDisconnect) as e:
+            with app.websocket_connect("/v1/realtime/video", headers=headers):
+                pass
+        assert e.value.code == 1008

@@ -5,6 +5,7 @@ stream decodes to the finished MP4's frames and audio, and the finished MP4 is s
 from __future__ import annotations
 
 import io
+import json
 import threading
 import time
 
@@ -119,3 +120,47 @@ def test_muxer_stream_of_an_aborted_session_ends_with_the_reason(stack):
         t.join(10)
         assert len(outcome) == 1 and isinstance(outcome[0], grpc.RpcError), outcome
         assert outcome[0].code() == grpc.StatusCode.UNAVAILABLE and "aborted: test" in outcome[0].details()
+
+
+def test_realtime_websocket_streams_the_fmp4_as_vllm_omni_clients_read_it(stack):
+    """vLLM-Omni's WS /v1/realtime/video protocol, as its streaming_video_client sends and reads it: session.start,
+    video.start, chunk metadata + binary frames, session.done; the frames decode to the job's MP4."""
+    from websockets.sync.client import connect
+
+    url = stack.http.replace("http://", "ws://") + "/v1/realtime/video"
+    with connect(url, open_timeout=30) as ws:
+        ws.send(json.dumps({"type": "session.start", "format": "m4s", **REQUEST}))
+        start = json.loads(ws.recv(timeout=60))
+        assert start["type"] == "video.start" and start["format"] == "m4s", start
+        assert start["config"]["num_frames"] == 124 and start["config"]["width"] == 320
+        ws.send(json.dumps({"type": "session.ping"}))
+        ws.send(json.dumps({"type": "session.interaction", "interaction": {"event": {"prompt": "a gull"}}}))
+        live, metas, pong, refused = bytearray(), [], False, None
+        while True:
+            msg = ws.recv(timeout=120)
+            if isinstance(msg, bytes):
+                assert metas and metas[-1]["byte_length"] == len(msg)
+                live += msg
+                continue
+            msg = json.loads(msg)
+            if msg["type"] == "video.chunk_metadata":
+                assert msg["transport_chunk_index"] == len(metas)
+                metas.append(msg)
+            elif msg["type"] == "session.pong":
+                pong = True
+            elif msg["type"] == "error":
+                refused = msg
+            elif msg["type"] == "session.done":
+                done = msg
+                break
+    assert pong and refused is not None and "one clip per request" in refused["message"]
+    assert done == {"type": "session.done", "request_id": start["request_id"], "chunks": len(metas), "stopped": False}
+    assert live[4:8] == b"ftyp" and live.count(b"moof") > 2
+    with httpx.Client(base_url=stack.http, timeout=60) as http:
+        job = http.get(f"/v1/videos/{start['request_id']}").json()
+        assert job["status"] == "completed"
+        _assert_same_media(bytes(live), http.get(f"/v1/videos/{start['request_id']}/content").content)
+    with connect(url, open_timeout=30) as ws:   # bad input: an error naming the field, the socket closed
+        ws.send(json.dumps({"type": "session.start", **dict(REQUEST, seconds=99)}))
+        err = json.loads(ws.recv(timeout=30))
+        assert err["type"] == "error" and err["param"] == "seconds" and err["request_id"] is None, err

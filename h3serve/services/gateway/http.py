@@ -37,7 +37,7 @@ import tempfile
 import time
 from typing import Any
 
-from fastapi import FastAPI, Query, Request
+from fastapi import FastAPI, Query, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -59,6 +59,7 @@ from .auth import Authenticator
 from .fields import MEDIA_FIELDS, REFERENCE_KIND, REPEATABLE, fields_from_http, served_pools, short
 from .jobs import Job
 from .orchestrate import live_content
+from .realtime import serve_session
 from .gateway import Gateway
 from .sinks import FileSink
 from .uploads import MIME_EXTENSION, decode_caller
@@ -513,13 +514,16 @@ class Authenticate:
         self.keys = keys
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] in ("http", "websocket") and scope["path"].startswith("/v1/"):
             given = [v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"]
             try:
                 if len(given) > 1:   # which one counts would depend on the proxy in front: none does
                     raise Unauthenticated(f"{len(given)} Authorization headers: send exactly one")
                 owner = self.keys.caller(given[0] if given else None)
             except Unauthenticated as exc:
+                if scope["type"] == "websocket":   # refused before the handshake completes: an HTTP 403
+                    await send({"type": "websocket.close", "code": 1008, "reason": str(exc)[:120]})
+                    return
                 response = _error_response(exc)
                 response.headers["WWW-Authenticate"] = 'Bearer realm="h3serve"'
                 await response(scope, receive, send)
@@ -753,6 +757,17 @@ def create_app(gateway: Gateway, auth: Authenticator | None = None) -> FastAPI:
         name = f"{video_id}.mp4" if index == 0 else f"{video_id}-{index}.mp4"
         return await asyncio.to_thread(mp4_response, gateway, job, {STREAM_HEADER: "mp4"} if stream else {},
                                        filename=name, index=index)
+
+    @app.websocket("/v1/realtime/video")
+    async def realtime_video(websocket: WebSocket):
+        owner = websocket.scope.get("state", {}).get("owner")
+
+        def make(body: dict) -> Job:
+            fields, names = fields_from_http(body)
+            return gateway.new_job(fields, kind="http", sink_factory=lambda job: FileSink(gateway.jobs.mp4_path(job)),
+                                   names=names, owner=owner)
+
+        await serve_session(websocket, gateway, make, lambda job: job_object(job, gateway))
 
     @app.delete("/v1/videos/{video_id}", summary="Cancel (if unfinished) and delete a video job")
     async def delete_video(request: Request, video_id: str):

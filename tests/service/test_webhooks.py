@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import base64
 import http.server
-import json
-import os
 import threading
 import time
 
-import httpx
 import pytest
 
 from h3serve.config.request import validate_request
@@ -21,8 +18,6 @@ from h3serve.services.gateway.fields import Validated
 from h3serve.services.gateway.jobs import JobTable
 from h3serve.services.gateway.metrics import GatewayMetrics
 from h3serve.services.gateway.webhooks import Policy, WebhookRefused, Webhooks, parse_secrets, sign, verify
-
-from .conftest import REQUEST, Stack
 
 SECRET = "whsec_" + base64.b64encode(b"sixteen-byte-key-of-alice").decode()
 PUBLIC = "93.184.215.14"

@@ -21,7 +21,7 @@ from h3serve.runtime.process import StageProcess
 from h3serve.services.dit import DiTServicer
 from h3serve.services.encoder import EncoderServicer
 from h3serve.services.gateway.gateway import Gateway
-from h3serve.services.gateway.sinks import END, StreamSink
+from h3serve.services.gateway.sinks import StreamSink
 from h3serve.services.muxer import MuxerServicer
 from h3serve.services.vae import VAEServicer
 from h3serve.testing.mp4check import check_mp4
@@ -71,7 +71,7 @@ def test_video_reference_through_the_stages_equals_embedded(tiny_checkpoint, tmp
             job = gw.new_job(fields, kind="stream", sink_factory=lambda j: StreamSink(j.emit))
             assert job.validated.conditions.kinds == ("soundtrack", "video")
             events = []
-            reader = threading.Thread(target=lambda: events.extend(iter(job.events.get, END)), daemon=True)
+            reader = threading.Thread(target=lambda: events.extend(job.watch(object(), lambda: True)), daemon=True)
             reader.start()
             gw.submit(job)
             assert job.done.wait(300), "the request did not finish"

@@ -329,7 +329,7 @@ class WebhooksSpec:
                       minimum=1, maximum=20)
 
 
-CALLER_ITEM = {"type": "object", "required": ["name"], "additionalProperties": False, "properties": {
+CALLER_ITEM = {"type": "object", "required": ["name"], "properties": {
     "name": {"type": "string", "description": "An API key's NAME, or * for every caller without an entry.",
              "minLength": 1, "maxLength": 128, "pattern": r"^(\*|[A-Za-z0-9][A-Za-z0-9._@-]*)$"},
     "share": {"type": "number", "description": "Its weight in the fair queue (share 2 gets twice the DiT time of "

@@ -275,6 +275,13 @@ BAD_SPECS = {
                     "fasth3": {"adapter": {"path": "/models/f.safetensors", "sha256": SHA}, "ulysses": 2, "ring": 3}},
     "fasth3-adapter-path": {"placement": "disaggregated",
                             "fasth3": {"adapter": {"path": "/elsewhere/f.safetensors", "sha256": SHA}}},
+    # per-request LoRA adapters (dit.loras)
+    "loras-fasth3": {"profile": "fasth3", "model": {"adapter": {"path": "/models/a.safetensors", "sha256": SHA}},
+                     "dit": {"loras": [{"name": "turbo", "path": "/models/l.safetensors", "sha256": SHA}]}},
+    "loras-fp8": {"dit": {"levers": {"fp8": True},
+                          "loras": [{"name": "turbo", "path": "/models/l.safetensors", "sha256": SHA}]}},
+    "loras-path": {"dit": {"loras": [{"name": "turbo", "path": "/elsewhere/l.safetensors", "sha256": SHA}]}},
+    "loras-dotdot": {"dit": {"loras": [{"name": "turbo", "path": "/models/a/../../l.safetensors", "sha256": SHA}]}},
 }
 
 
@@ -359,7 +366,7 @@ def test_openapi_rejects_enums_bounds_and_names(installed, dyn):
     ok = R(dyn, "H3Deployment").create(body=doc, namespace=APPS_NS, query_params=[("dryRun", "All")]).to_dict()
     assert (ok["spec"]["dit"]["ulysses"], ok["spec"]["dit"]["ring"], ok["spec"]["gateway"]["queueSize"]) == (1, 1, 16)
     assert ok["spec"]["dit"]["levers"] == {"adalnTable": False, "fp8": False, "fp8Attention": False,
-                                            "offloadMode": "local"}
+                                            "offloadMode": "local", "sparseAttention": "off"}
     assert ok["spec"]["gateway"]["auth"] == {"disabled": True}
     assert ok["spec"]["replicas"] == 1  # the /scale path exists on every CR
     assert H3DeploymentSpec.from_dict(ok["spec"]) == H3DeploymentSpec.from_dict(doc["spec"])

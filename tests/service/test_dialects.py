@@ -219,7 +219,7 @@ VLLM_OMNI = {
                                   ({"frame_interpolation_scale": 0.5}, "frame_interpolation_scale")],
     "frame_interpolation_model_path": [({"frame_interpolation_model_path": "x/rife"},
                                         "frame_interpolation_model_path")],
-    "lora": [({"lora": {"name": "a", "path": "b"}}, "lora")],
+    "lora": [({"lora": {"name": "a", "path": "b"}}, "lora.name")],   # CONFIG lists no adapters
     "extra_params": [({"extra_params": json.dumps({"task": "t2va", "aspect_ratio": "16:9", "flow_shift": 12.0,
                                                    "audio_flow_shift": 3.0, "duration": 5})},
                       lambda r: (r.width, r.height, r.num_frames) == (1344, 768, 124)),

@@ -62,7 +62,7 @@ def test_lora_changes_its_own_request_only(lora_stack):
                                         ({"name": "style", "scale": 10}, "lora.scale")])
 def test_refusals_name_the_field(lora_stack, lora, field):
     r = httpx.post(f"{lora_stack.http}/v1/videos", json={**SMALL, "lora": lora}, timeout=30)
-    assert r.status_code == 422 and r.json()["error"]["field"] == field, r.text
+    assert r.status_code == 400 and r.json()["error"]["field"] == field, r.text
     if isinstance(lora, str) or "path" not in lora:
         with Client(lora_stack.grpc, timeout=30) as client, pytest.raises(RequestError) as info:
             client.validate(**SMALL, lora=lora)

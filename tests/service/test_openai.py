@@ -84,7 +84,7 @@ def test_models_lists_the_served_ids(sdk):
     ({"guidance_scale": 5}, "guidance_scale"),
     ({"generate_sound": "maybe"}, "generate_sound"),
     ({"enable_frame_interpolation": True}, "enable_frame_interpolation"),
-    ({"lora": {"name": "x"}}, "lora"),
+    ({"lora": {"name": "x"}}, "lora.name"),   # a deployment that lists no adapters
     ({"flow_shift": 5}, "flow_shift"),
     ({"true_cfg_scale": 4}, "true_cfg_scale"),
     ({"video_params": {"colour": 1}}, "video_params.colour"),

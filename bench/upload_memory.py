@@ -6,7 +6,7 @@ uploads, at their peak and after them. Prints one JSON object (MB = 10^6 bytes).
 
 Each round sends, from `--threads` threads of two callers at once: a 4096x4096 JPEG and a 2048x2048 PNG of
 noise (12.2 and 11.1 MB, served), the same JPEG cut short with an end marker appended and with random bytes for
-its scan data, the PNG with a bad CRC (refused 422), a 10 s WAV (served) and a 61 s WAV (refused). "before" is
+its scan data, the PNG with a bad CRC (refused 400), a 10 s WAV (served) and a 61 s WAV (refused). "before" is
 read after one small upload of each kind (what a first decode loads), "after" `--settle-s` seconds after the last
 answer.
 """
@@ -93,11 +93,11 @@ def payloads(small: bool = False) -> list[tuple[str, str, bytes, str, int]]:
     assert zlib.crc32(bad_crc) != zlib.crc32(big_png)
     return [("jpeg 4096x4096", "first_image", big_jpeg, "image/jpeg", 200),
             ("png 2048x2048", "first_image", big_png, "image/png", 200),
-            ("jpeg cut short", "first_image", cut, "image/jpeg", 422),
-            ("jpeg random scan data", "first_image", garbage, "image/jpeg", 422),
-            ("png bad crc", "first_image", bad_crc, "image/png", 422),
+            ("jpeg cut short", "first_image", cut, "image/jpeg", 400),
+            ("jpeg random scan data", "first_image", garbage, "image/jpeg", 400),
+            ("png bad crc", "first_image", bad_crc, "image/png", 400),
             ("wav 10 s", "audio_reference", wav(5 if small else 10), "audio/wav", 200),
-            ("wav 61 s", "audio_reference", wav(61), "audio/wav", 422)]
+            ("wav 61 s", "audio_reference", wav(61), "audio/wav", 400)]
 
 
 def form(field: str) -> dict[str, str]:

@@ -22,6 +22,17 @@ REQUEST = dict(prompt="a kite over the sea", seconds=5, size="320x256", seed=0, 
 STAGES = ("encoder", "dit", "vae", "muxer")
 
 
+def finished_job(http, job_id: str, timeout: float = 180.0) -> dict:
+    """GET /v1/videos/{id} (an httpx client of the gateway) until the job is completed or failed."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = http.get(f"/v1/videos/{job_id}").json()
+        if job["status"] in ("completed", "failed"):
+            return job
+        time.sleep(0.1)
+    raise AssertionError(f"{job_id} not finished in {timeout} s")
+
+
 def embedded_request(**fields):
     """validate_request kwargs for an API-style request (num_inference_steps -> steps), fp32 as the servers."""
     raw = dict(fields)

@@ -41,6 +41,8 @@ from h3serve.config.stage import StageConfig
 from h3serve.errors import RequestError
 from h3serve.services.gateway.fields import fields_from_http, validate_fields
 
+from .conftest import finished_job
+
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
 CONFIG = StageConfig.from_knobs(profile="base", dtype="fp32", tasks="t2va,fl2va,ref2va")
@@ -309,16 +311,6 @@ def http(cond_stack):
         yield client
 
 
-def _wait(http, job_id: str, timeout: float = 120.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        job = http.get(f"/v1/videos/{job_id}").json()
-        if job["status"] in ("completed", "failed"):
-            return job
-        time.sleep(0.25)
-    raise AssertionError(f"{job_id} not finished in {timeout} s")
-
-
 def test_vllm_omni_recipes_run_unchanged(http):
     """vLLM-Omni's client: multipart with its model_dump(exclude_none=True) defaults; ref2va with input_references
     (kind by content type), fl2va with a [first, last] image_reference list, t2va with extra_params.aspect_ratio and
@@ -369,7 +361,7 @@ def test_sglang_recipe_runs_unchanged(http):
     assert r.status_code == 200, r.text
     queued = SglVideoResponse.model_validate(r.json())
     OmniVideoResponse.model_validate(r.json())   # a queued job: peak_memory_mb a number, seconds whole
-    job = SglVideoResponse.model_validate(_wait(http, queued.id))
+    job = SglVideoResponse.model_validate(finished_job(http, queued.id))
     assert (job.status, job.size, job.seconds) == ("completed", "320x256", "5"), job
     assert http.get(f"/v1/videos/{job.id}/content").content[4:8] == b"ftyp"
     SglVideoList.model_validate(http.get("/v1/videos").json())

@@ -12,7 +12,7 @@ import pytest
 
 from h3serve.services.gateway.store import DiskStore, S3Store, usage_days
 
-from .conftest import REQUEST, Stack
+from .conftest import REQUEST, Stack, finished_job
 from .s3server import S3Server
 from .test_webhooks import SECRET, Receiver
 from h3serve.services.gateway.webhooks import verify
@@ -42,16 +42,6 @@ def gateway(tiny_checkpoint, tmp_path_factory):
         assert stack.stop() == 0
 
 
-def _wait(client, video_id, timeout=180):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = client.get(f"/v1/videos/{video_id}").json()
-        if v["status"] in ("completed", "failed"):
-            return v
-        time.sleep(0.1)
-    raise AssertionError(f"{video_id} not finished in {timeout}s")
-
-
 def test_a_finished_job_sends_its_signed_event_and_records_its_usage(gateway):
     stack, c, rx, jobs_dir = gateway
     alice = c["alice"]
@@ -64,7 +54,7 @@ def test_a_finished_job_sends_its_signed_event_and_records_its_usage(gateway):
 
     video = alice.post("/v1/videos", json={**REQUEST, "webhook_url": rx.url}).json()
     assert video["webhook"]["url"] == rx.url and video["webhook"]["state"] == "pending"
-    got = _wait(alice, video["id"])
+    got = finished_job(alice, video["id"])
     assert got["status"] == "completed"
     rx.wait(2, timeout=30)
     ev = verify(SECRET, rx.got[1][0], rx.got[1][1])
@@ -97,7 +87,7 @@ def test_usage_is_the_callers_own_and_the_admins_all(gateway):
     bob = c["bob"]
     job = bob.post("/v1/videos", json=REQUEST).json()
     bob.post(f"/v1/videos/{job['id']}/cancel")
-    _wait(bob, job["id"])
+    finished_job(bob, job["id"])
     r = bob.post("/v1/videos", json=REQUEST)   # 5.17 s more would pass bob's 6 s an hour
     assert r.status_code == 429 and r.json()["error"]["code"] == "quota_exceeded", r.text
     assert r.json()["error"]["param"] == "video_seconds_per_hour" and 3500 <= int(r.headers["retry-after"]) <= 3600
@@ -147,7 +137,7 @@ def test_n_outputs_have_consecutive_seeds_one_encode_and_each_equals_its_single_
     encodes = stack.status("encoder").requests_total
     t0 = time.monotonic()
     video = ops.post("/v1/videos", json={**REQUEST, "seed": 7, "n": 3}).json()
-    got = _wait(ops, video["id"])
+    got = finished_job(ops, video["id"])
     t_three = time.monotonic() - t0
     assert got["status"] == "completed" and got["n"] == 3, got
     assert stack.status("encoder").requests_total == encodes + 1   # the prompt encoded once for the three
@@ -157,7 +147,7 @@ def test_n_outputs_have_consecutive_seeds_one_encode_and_each_equals_its_single_
     assert mp4s[0] == ops.get(f"/v1/videos/{video['id']}/content").content and len(set(mp4s)) == 3
     t0 = time.monotonic()
     single = ops.post("/v1/videos", json={**REQUEST, "seed": 8}).json()
-    assert _wait(ops, single["id"])["status"] == "completed"
+    assert finished_job(ops, single["id"])["status"] == "completed"
     t_one = time.monotonic() - t0
     assert ops.get(f"/v1/videos/{single['id']}/content").content == mp4s[1]   # output 1 = the request of seed 8
     print("FIGURES", got["stage_durations"], {"n3_s": round(t_three, 3), "n1_s": round(t_one, 3),

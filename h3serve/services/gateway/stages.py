@@ -34,6 +34,11 @@ HEALTH_NAMES = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOW
 # requests it holds), nor as UNAVAILABLE: no replica to ask (refused, or none resolved: a pod being replaced),
 # where a call in flight on a replica that died breaks by itself (its socket closes).
 UNREACHABLE, UNAVAILABLE = "UNREACHABLE", "UNAVAILABLE"
+# A stage SERVING to its health checks whose fresh request channel has not connected yet: not ready. Its health
+# channel may still reach the replica by an old address (a restarted container keeps its pod IP) while the fresh
+# channel's DNS answer is still the cached "no such name" of the moment the replica was not ready (CoreDNS caches
+# denials; found on the real cluster: the first job after a VAE container restart failed resolving its Service).
+CONNECTING = "CONNECTING"
 UNBOUND_HOSTS = ("", "0.0.0.0", "[::]")
 # Edges whose transport the stages choose per request (grpc, or nixl when both ends can); `edge` of a
 # TransportInfo that names none is the frame edge.
@@ -76,6 +81,7 @@ class StageClients:
         self._retired: list[tuple[float, grpc.Channel]] = []
         self._retire_after_s = config.gateway.request_timeout_s + 60.0
         self._extra: dict[str, grpc.Channel] = {}
+        self._connecting: dict[str, grpc.Future] = {}   # stage -> its renewed request channel's connect
         self._lock = threading.Lock()
         self.status = {s: "UNKNOWN" for s in self.addresses}
         self.gpus: dict[str, int] = {}   # GPUs a request occupies per stage (its Status, read when it serves)
@@ -110,6 +116,19 @@ class StageClients:
             self._retired.append((time.monotonic() + self._retire_after_s, self.channels[stage]))
             self._bind(stage)
             self.gpus.pop(stage, None)   # new replicas: read their GPUs again
+            old = self._connecting.pop(stage, None)
+            if old is not None:
+                old.cancel()
+            # keeps connecting (and resolving again, with gRPC's backoff) until it is READY
+            self._connecting[stage] = grpc.channel_ready_future(self.channels[stage])
+
+    def _connected(self, stage: str) -> bool:
+        """Whether the stage's request channel connected since it was renewed (True when it never was)."""
+        future = self._connecting.get(stage)
+        if future is None or future.done():
+            self._connecting.pop(stage, None)
+            return True
+        return False
 
     def _close_retired(self, everything: bool = False) -> None:
         with self._lock:
@@ -153,9 +172,12 @@ class StageClients:
                 except grpc.RpcError as e:
                     value = UNREACHABLE if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else UNAVAILABLE
                 if self.status[stage] != value:
-                    log.info("stage %s: %s -> %s", stage, self.status[stage], value)
-                    if value == "SERVING" and self.status[stage] != "UNKNOWN":
+                    if value == "SERVING" and self.status[stage] not in ("UNKNOWN", CONNECTING):
                         self._renew(stage)
+                    if value == "SERVING" and not self._connected(stage):
+                        value = CONNECTING
+                if self.status[stage] != value:
+                    log.info("stage %s: %s -> %s", stage, self.status[stage], value)
                     self.status[stage] = value
                     changed = True
                 if value == "SERVING" and stage not in self.gpus:
@@ -180,6 +202,8 @@ class StageClients:
         if self._thread.is_alive():   # its Check (1 s deadline) ends before the channels close under it
             self._thread.join(HEALTH_INTERVAL_S + 2.0)
         self._close_retired(everything=True)
+        for future in self._connecting.values():
+            future.cancel()
         for c in [*self.channels.values(), *self._health_channels.values(), *self._extra.values()]:
             c.close()
 

@@ -41,6 +41,7 @@ from h3serve.config.vocab import (
     GRPC_PORT,
     HEALTH_SERVICE,
     HTTP_PORT,
+    MAX_PREVIEWS,
     PIPELINE_STAGES,
     PROFILES,
     GRPC,
@@ -372,6 +373,8 @@ class GatewaySpec:
     autoscaling: Optional[AutoscalingSpec] = f("autoscaling", AUTOSCALING_DOC, None)
     queue_size: int = f("queueSize", "Requests a gateway admits before it answers RESOURCE_EXHAUSTED.", 16,
                         minimum=1, maximum=100000)
+    max_previews: int = f("maxPreviews", "Previews one request may ask for (its preview_every; `--max-previews`); 0: "
+                          "previews are refused.", MAX_PREVIEWS, minimum=0, maximum=1000)
     service_type: str = f("serviceType", "Type of the gateway Service.", "ClusterIP",
                           enum=["ClusterIP", "NodePort", "LoadBalancer"])
     resources: Optional[dict] = f("resources", "CPU/memory requests and limits of a gateway pod.", None,

@@ -60,6 +60,9 @@ PORT_OFFSETS = {"gateway": 0, "encoder": 1, "dit": 2, "vae": 3, "muxer": 4, FAST
 # grpc.health.v1 service the probes check: "" = the whole server, SERVING once the weights are loaded and one
 # warm-up pass ran, NOT_SERVING again while it drains.
 HEALTH_SERVICE = ""
+# Previews (preview_every) one request may ask for unless the deployment says otherwise (--max-previews,
+# spec.gateway.maxPreviews): each is a small render on the DiT.
+MAX_PREVIEWS = 10
 
 # ---- model facts (release checkpoint) the parallel degrees must respect ---------------------------------------
 ENCODER_HEADS = 64     # Qwen3-VL text model: query heads

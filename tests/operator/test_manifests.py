@@ -737,6 +737,13 @@ def test_webhooks_are_the_gateways_config_and_their_secrets_are_mounted_into_the
     with pytest.raises(SpecError, match=r"ops.share=0: a number in \[0.01"):
         parse_and_validate(d, "h3")
     del d["gateway"]["callers"]
+    assert _gateway_config(parse_and_validate(d, "h3")).gateway.max_previews == 10
+    d["gateway"]["maxPreviews"] = 0   # previews refused by this deployment's gateways
+    assert _gateway_config(parse_and_validate(d, "h3")).gateway.max_previews == 0
+    d["gateway"]["maxPreviews"] = -1
+    with pytest.raises(SpecError, match="gateway.maxPreviews"):
+        parse_and_validate(d, "h3")
+    del d["gateway"]["maxPreviews"]
     d["gateway"]["webhooks"]["url"] = "file:///etc/passwd"
     with pytest.raises(SpecError, match="gateway.webhooks.url"):
         parse_and_validate(d, "h3")

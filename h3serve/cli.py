@@ -46,6 +46,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     _degree_flags(p, "starts one process per rank")
     p.add_argument("--adapter", default=None, help="FastH3 adapter (fastvideo-lora-v2 safetensors)")
     p.add_argument("--adapter-sha256", default=None, help="expected sha256 of --adapter (required with it)")
+    p.add_argument("--loras", default=None, metavar="NAME=PATH@SHA256[@STEPS],...",
+                   help="LoRA adapters --lora may name (profile base; as h3serve serve --loras)")
     p.add_argument("--checkpoint-manifest-sha256", default=None, metavar="HEX",
                    help="pin: the sha256 of the checkpoint's h3serve-manifest.json; every file is checked first")
     _add_request_flags(p, media=True)
@@ -95,6 +97,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.server:
         if levers.any:
             raise H3Error("--server: the levers are the deployment's (h3serve serve flags), not a request's")
+        if args.loras:
+            raise H3Error("--server: the LoRA adapters are the deployment's (h3serve serve --loras); name one with "
+                          "--lora")
         return _generate_remote(args, t0)
     if args.model is not None:
         raise H3Error(f"--model {args.model}: selects a pool of a gateway (with --server); in this process the "
@@ -104,7 +109,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.profile == "fasth3" and not (args.adapter and args.adapter_sha256):
         raise H3Error("profile=fasth3 needs --adapter FILE and --adapter-sha256 HEX (the fused FastH3 adapter)")
     if args.adapter and args.profile != "fasth3":
-        raise H3Error("--adapter is only used with --profile fasth3 (per-request LoRA is not supported)")
+        raise H3Error("--adapter is only used with --profile fasth3 (a LoRA for profile base: --loras and --lora)")
 
     if args.checkpoint_manifest_sha256:
         from h3serve.weights.manifest import verify_manifest
@@ -123,7 +128,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     pipe = Pipeline.load(
         args.checkpoint, profile=args.profile, adapter=args.adapter, adapter_sha256=args.adapter_sha256,
         dtype=args.dtype, device=args.device, tasks=(request.task,), encoder_tp=args.encoder_tp,
-        ulysses=args.ulysses, ring=args.ring, vae_pp=args.vae_pp, levers=levers,
+        ulysses=args.ulysses, ring=args.ring, vae_pp=args.vae_pp, levers=levers, loras=args.loras,
     )
     try:
         result = pipe.generate(request, args.output, progress=not args.no_progress)

@@ -21,6 +21,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from h3serve.config.levers import LeverError, Levers, check_combination, staging_conflict
+from h3serve.config.lora import format_loras, parse_loras
 from h3serve.config.parallel import ParallelDegrees
 from h3serve.config.geometry import SAMPLE_RATE
 from h3serve.config.request import GenerationRequest, dit_fields, lora_params, media_source
@@ -154,9 +155,11 @@ class Pipeline:
         ring: int = 1,
         vae_pp: int = 1,
         levers: Levers = Levers(),
+        loras: str | None = None,
     ) -> "Pipeline":
         """`levers` (config/levers.py, all off by default): DiT offload and FP8, the text decoder's offload (and FP8
-        with `levers.fp8`), VAE staging; checked here as the CLI checks them."""
+        with `levers.fp8`), VAE staging; checked here as the CLI checks them. `loras`: the LoRA adapters a request
+        may name (`lora`), NAME=PATH@SHA256[@STEPS] comma separated as `--loras` (profile base)."""
         t0 = time.perf_counter()
         if dtype not in TORCH_DTYPES:
             raise H3Error(f"dtype={dtype!r} is invalid: one of {', '.join(TORCH_DTYPES)}")
@@ -168,7 +171,10 @@ class Pipeline:
             if set(tasks) - {"t2va"}:
                 raise ProfileError(f"profile=fasth3 serves t2va only, not {sorted(set(tasks) - {'t2va'})}")
         elif adapter:
-            raise ProfileError("an adapter is only fused for profile=fasth3 (per-request LoRA is not supported)")
+            raise ProfileError("an adapter is only fused for profile=fasth3 (a per-request LoRA is listed in loras)")
+        if loras and profile == "fasth3":
+            raise ProfileError("loras: per-request LoRA is profile base's (fasth3 runs its own fused adapter)")
+        lora_entries = parse_loras(loras)   # a mistake names the entry, before any weight is read
         levers.check()
         check_combination(profile, levers)
         if staging_conflict(levers, vae_pp) is not None:
@@ -189,7 +195,7 @@ class Pipeline:
                              encoder_intermediate=int(text["intermediate_size"]))
             # This process is rank 0; ranks 1..N-1 are spawned, and every rank loads its own part (_replica_rank).
             handle = launch(degrees.world_size, _replica_rank, (str(root), torch_dtype, components, profile, adapter,
-                            adapter_sha256, degrees, levers), device=dev.type)
+                            adapter_sha256, degrees, levers, format_loras(lora_entries)), device=dev.type)
             try:
                 audio_vae = AudioVAE.load(root, dtype=torch.float32, device=handle.runtime.device,  # rank 0 only
                                           staged=levers.vae_staged)
@@ -201,7 +207,7 @@ class Pipeline:
                        audio_vae=audio_vae, load_seconds=time.perf_counter() - t0, stage=handle)
 
         dit = DiTEngine.load(root, components=components, dtype=torch_dtype, device=dev, profile=profile,
-                             adapter=adapter, adapter_sha256=adapter_sha256, levers=levers)
+                             adapter=adapter, adapter_sha256=adapter_sha256, levers=levers, loras=lora_entries)
         encoder = TextEncoder.load(root, dtype=torch_dtype, device=dev).apply_levers(
             fp8=levers.fp8, resident_layers=levers.encoder_resident_layers)
         video_vae = VideoVAE.load(root, dtype=torch_dtype, device=dev, staged=levers.vae_staged)
@@ -352,14 +358,14 @@ class Pipeline:
 
 def _replica_rank(runtime, checkpoint: str, dtype: torch.dtype, components: Sequence[str], profile: str,
                   adapter: str | None, adapter_sha256: str | None, degrees: ParallelDegrees,
-                  levers: Levers = Levers()) -> dict:
+                  levers: Levers = Levers(), loras: str | None = None) -> dict:
     """Every rank: the groups of the three models first (in the same order on every rank), then its part of each
     (DiT under USP, encoder shard, VAE tiles); returns the ops rank 0's stand-ins call, and "memory"."""
     encoder = build_encoder_rank(runtime, checkpoint=checkpoint, dtype=dtype, tp=degrees.encoder_tp, fp8=levers.fp8,
                                  resident_layers=levers.encoder_resident_layers)
     dit = build_dit_rank(runtime, checkpoint=checkpoint, dtype=dtype, components=components, profile=profile,
                          adapter=adapter, adapter_sha256=adapter_sha256, ulysses=degrees.ulysses, ring=degrees.ring,
-                         levers=levers)
+                         levers=levers, loras=loras)
     vae = build_vae_rank(runtime, checkpoint=checkpoint, dtype=dtype, pp=degrees.vae_pp, staged=levers.vae_staged)
 
     def memory(payload, local):

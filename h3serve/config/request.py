@@ -163,7 +163,8 @@ class RequestFields:
                                 "docs/api.md", type=["string", "object"],
                         properties={"name": {"type": "string", "pattern": LORA_NAME_PATTERN},
                                     "scale": {"type": "number", "minimum": LORA_SCALE_RANGE[0],
-                                              "maximum": LORA_SCALE_RANGE[1]}})
+                                              "maximum": LORA_SCALE_RANGE[1]}},
+                        cli={"help": "a LoRA adapter --loras lists (by name, scale 1)"})
     dtype: str = _row("dtype", http=None, cli={"default": DEFAULT_DTYPE, "help": " | ".join(DTYPES)})
     preview_every: int = _row("preview_every", "A preview (a small JPEG of the current estimate) on the progress "
                                                "event of every k-th denoising step; 0 (default): none. At most the "

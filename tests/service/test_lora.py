@@ -14,7 +14,7 @@ from h3serve.client import Client
 from h3serve.errors import RequestError
 from h3serve.testing.adapters import init_lora
 
-from .conftest import REQUEST, Stack
+from .conftest import REQUEST, Stack, embedded_maker
 
 SMALL = dict(REQUEST, size="64x64", num_inference_steps=3)   # the smallest canvas: the test compares bytes, not looks
 
@@ -27,6 +27,7 @@ def lora_stack(tiny_checkpoint, tmp_path_factory):
     loras = f"style={d / 'style.safetensors'}@{style},turbo={d / 'turbo.safetensors'}@{turbo}@3"
     s = Stack(tiny_checkpoint, "--loras", loras, "--grace-s", "10", "--no-warmup")
     s.loras = {"style": str(d / "style.safetensors")}
+    s.loras_knob = loras
     yield s
     assert s.stop() == 0
 
@@ -67,3 +68,21 @@ def test_refusals_name_the_field(lora_stack, lora, field):
         with Client(lora_stack.grpc, timeout=30) as client, pytest.raises(RequestError) as info:
             client.validate(**SMALL, lora=lora)
         assert info.value.field == field
+
+
+def test_the_embedded_pipeline_gives_a_lora_requests_served_bytes(lora_stack, tiny_checkpoint, tmp_path):
+    """`Pipeline.load(loras=)` (`h3serve generate --loras ... --lora NAME`): the same MP4 as the served stack."""
+    from h3serve.pipeline import Pipeline
+
+    pipe = Pipeline.load(tiny_checkpoint, dtype="fp32", device="cpu", loras=lora_stack.loras_knob)
+    try:
+        make = embedded_maker(pipe, tmp_path)
+        with Client(lora_stack.grpc, timeout=180) as client:
+            styled = client.generate_sync(**SMALL, lora={"name": "style", "scale": 0.5}).mp4
+            plain = client.generate_sync(**SMALL).mp4
+        assert make(**SMALL, lora={"name": "style", "scale": 0.5}) == styled != plain
+        assert make(**SMALL) == plain
+        with pytest.raises(RequestError, match="lora"):
+            make(**SMALL, lora="unlisted")
+    finally:
+        pipe.close()

@@ -21,4 +21,4 @@ def test_n_outputs_bench_cpu_smoke():
     # 32 text rows + 37 latent frames x 2 x 2 patches + 2 audio channels x round(124 / 24 * 40) latents
     assert (report["n"], report["seq_len"], report["geometry"]) == (2, 32 + 37 * 2 * 2 + 2 * 207, "124x64x64")
     assert report["singles_ms"] > 0 and report["batched_ms"] > 0 and report["max_abs_dev"] >= 0.0
-    assert report["batch_gain"] == round(report["singles_ms"] / report["batched_ms"], 3)
+    assert abs(report["batch_gain"] - report["singles_ms"] / report["batched_ms"]) < 0.01   # of the rounded times

@@ -19,14 +19,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 
-from h3serve.models.dit import layout as L
-from h3serve.models.dit.model import FP32_MODULES, H3DiT, H3DiTConfig
-from h3serve.runtime.device import TORCH_DTYPES
-from h3serve.testing.presets import transformer_config
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from dit_layer import _Timer  # noqa: E402  (bench/dit_layer.py: CUDA events on a GPU, else the wall clock)
+
+from h3serve.models.dit import layout as L  # noqa: E402
+from h3serve.models.dit.model import FP32_MODULES, H3DiT, H3DiTConfig  # noqa: E402
+from h3serve.runtime.device import TORCH_DTYPES  # noqa: E402
+from h3serve.testing.presets import transformer_config  # noqa: E402
 
 
 def _parse() -> argparse.Namespace:
@@ -45,25 +50,12 @@ def _parse() -> argparse.Namespace:
     return p.parse_args()
 
 
-def _ms(fn, cuda: bool) -> float:
-    if cuda:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end)
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
-
-
 def main() -> None:
     a = _parse()
     if a.frames % 17 != 5 or a.height % 32 or a.width % 32:
         raise SystemExit(f"need 17k+5 frames and sides multiple of 32, got {a.frames} frames, {a.height}x{a.width}")
     device, dtype, cuda = torch.device(a.device), TORCH_DTYPES[a.dtype], a.device == "cuda"
+    timer = _Timer(device)
     cfg = transformer_config(a.preset)
     if a.layers is not None:
         cfg["num_layers"] = a.layers
@@ -97,7 +89,7 @@ def main() -> None:
         times: dict[str, list[float]] = {"singles": [], "batched": []}
         for it in range(a.warmup + a.iters):
             for name, fn in (("singles", singles), ("batched", batched)):
-                t = _ms(fn, cuda)
+                t = timer(fn)
                 if it >= a.warmup:
                     times[name].append(t)
         dev = max(max((s[0][0] - out["batched"][0][i]).abs().max().item(),

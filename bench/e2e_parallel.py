@@ -21,6 +21,11 @@ spread between ours' variants (rounding alone) sets the bound for ours vs diffus
     # 2 H200 (the target run; see docs/parallelism.md)
     python bench/e2e_parallel.py --checkpoint /models/h3 --adapter /models/fasth3/adapter_model.safetensors \\
         --world 2 --device cuda --dtype bf16 --out /tmp/e2e_parallel
+    # one H200, FastH3 alone with its lossless levers (ours only; the variant's latents are compared with the
+    # untagged run's in the same --out: bitwise on the same kernels)
+    python bench/e2e_parallel.py --checkpoint /models/h3 --adapter /models/fasth3/adapter_model.safetensors \
+        --world 1 --device cuda --dtype bf16 --skip-diffusers --tag lossless-levers --adaln-table on \
+        --encoder-resident-layers 2 --vae-staged on --out /tmp/e2e_parallel
     # CPU smoke run on the tiny checkpoint, 2 gloo ranks per side
     python bench/e2e_parallel.py --checkpoint .cache/tiny-ckpt --adapter /tmp/adapter.safetensors \\
         --size 320x256 --seconds 5 --device cpu --dtype fp32 --world 2
@@ -77,6 +82,7 @@ import argparse
 import importlib.util
 import json
 import os
+import dataclasses
 import re
 import statistics
 import sys
@@ -86,6 +92,8 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
+from h3serve.config.levers import LeverError, Levers, add_flags as add_lever_flags, check_combination, staging_conflict
+from h3serve.config.levers import from_args as levers_from_args
 from h3serve.config.request import FASTH3_STEPS  # grid points incl. the terminal 0 -> 4 forwards
 
 TARGET = 1.6
@@ -191,8 +199,9 @@ def _ours_run(cfg: dict) -> dict:
     sha = sha256_file(cfg["adapter"])
     degrees = dict(encoder_tp=cfg["encoder_tp"], ulysses=cfg["ulysses"], ring=cfg["ring"], vae_pp=cfg["vae_pp"])
     log(f"ours: loading ({degrees}, {cfg['dtype']}, {cfg['device']})")
+    levers = Levers(**cfg["levers"])
     pipe = Pipeline.load(cfg["checkpoint"], profile="fasth3", adapter=cfg["adapter"], adapter_sha256=sha,
-                         dtype=cfg["dtype"], device=cfg["device"], **degrees)
+                         dtype=cfg["dtype"], device=cfg["device"], levers=levers, **degrees)
     try:
         log(f"ours: loaded in {pipe.load_seconds:.2f} s; {cfg['warmups']} warm-up request(s)")
         warm = [_ours_once(pipe, req, out / f"{stem}_warmup.mp4")[0] for _ in range(cfg["warmups"])]
@@ -212,6 +221,7 @@ def _ours_run(cfg: dict) -> dict:
         "tag": cfg["tag"],
         "attention": os.environ.get("H3SERVE_ATTENTION") or "auto (FA3 on compute capability 9.x)",
         "degrees": degrees,
+        "levers": list(levers.on),
         "load_s": pipe.load_seconds,
         "stages": {"encoder_s": med["encoder_s"], "dit_s": med["dit_s"], "vae_decode_s": med["vae_s"],
                    "mux_s": med["mux_tail_s"]},
@@ -661,6 +671,7 @@ def _parse(argv=None) -> argparse.Namespace:
                     help="run diffusers only; ours' result is then read from --out/ours_result.json if an earlier "
                          "--skip-diffusers run left it there (the two sides in two commands, same machine)")
     ap.add_argument("--skip-diffusers", action="store_true")
+    add_lever_flags(ap)   # ours: the levers, as on h3serve generate (FastH3 takes the lossless ones)
     ap.add_argument("--timeout-s", type=int, default=3600, help="collective / process-group timeout")
     ap.add_argument("--out", default=None, help="where MP4s, latents and per-side results go (default: a temp dir)")
     return ap.parse_args(argv)
@@ -693,6 +704,14 @@ def _config(args: argparse.Namespace) -> dict:
         log("warning: --diffusers-compile on the CPU needs a C++ toolchain and compiles for minutes")
     if device == "cuda" and torch.cuda.device_count() < args.world:
         raise SystemExit(f"--world {args.world} needs {args.world} GPUs; {torch.cuda.device_count()} visible")
+    levers = levers_from_args(args)
+    try:
+        levers.check()
+        check_combination("fasth3", levers)
+        if staging_conflict(levers, degrees.vae_pp) is not None:
+            raise LeverError("--vae-staged", staging_conflict(levers, degrees.vae_pp))
+    except LeverError as e:
+        raise SystemExit(f"ours: {e}") from None
     out = Path(args.out or tempfile.mkdtemp(prefix="e2e_parallel-"))
     out.mkdir(parents=True, exist_ok=True)
     return {
@@ -703,7 +722,7 @@ def _config(args: argparse.Namespace) -> dict:
         "diffusers_attention": attention, "diffusers_compile": bool(compile_),
         "diffusers_encoder": args.diffusers_encoder, "diffusers_encoder_gib": args.diffusers_encoder_gib,
         "repeats": max(1, args.repeats), "warmups": max(0, args.warmups), "tag": args.tag,
-        "timeout_s": args.timeout_s, "out": str(out.resolve()),
+        "timeout_s": args.timeout_s, "out": str(out.resolve()), "levers": dataclasses.asdict(levers),
     }
 
 

@@ -14,8 +14,10 @@ request that decodes), FP8 linear layers (the DiT blocks and the text decoder), 
 (`sparse_attention`, a density in percent). Lever of a request:
 `quality` (`high` = step reuse). Every lever is off by default; offload and staging change no output.
 
-The rule: profile fasth3 takes none of them (the published work has not certified the student with offload, caching
-or quantization); a row with `fasth3=True` is one a FastH3 deployment may use.
+The rule: profile fasth3 takes the lossless ones only (offload, staging, the AdaLN table: bitwise the same output,
+tested on the student too); the lossy ones (FP8, sparse attention, step reuse) stay refused until the student's own
+deviation is measured (the published work has not certified the student with caching or quantization). A row with
+`fasth3=True` is one a FastH3 deployment may use.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class Levers:
     resident_blocks: int | None = lever(
         None, flag="--dit-resident-blocks", spec="dit.levers.residentBlocks", request="resident_blocks",
         stages=("dit",), bounds=(MIN_RESIDENT_BLOCKS, DIT_LAYERS), why="a copy one block ahead needs two slots", of="DiT layers",
+        fasth3=True,
         help=f"dit: layerwise offload, R DiT blocks on the GPU ({MIN_RESIDENT_BLOCKS}..{DIT_LAYERS}), the rest "
              "streamed from pinned host memory (default: all resident)",
         doc="Layerwise offload: DiT blocks kept on each GPU (the rest stream from pinned host memory one block ahead "
@@ -75,14 +78,14 @@ class Levers:
             "1/ranks of it; blocks are all-gathered).")
     encoder_resident_layers: int | None = lever(
         None, flag="--encoder-resident-layers", spec="encoder.levers.residentLayers",
-        request="encoder_resident_layers", stages=("encoder",), bounds=(MIN_RESIDENT_BLOCKS, ENCODER_LAYERS),
+        request="encoder_resident_layers", stages=("encoder",), bounds=(MIN_RESIDENT_BLOCKS, ENCODER_LAYERS), fasth3=True,
         why="a copy one layer ahead needs two slots", of="text decoder layers",
         help=f"encoder: layerwise offload, R text decoder layers on the GPU ({MIN_RESIDENT_BLOCKS}..{ENCODER_LAYERS}), "
              "the rest streamed from pinned host memory (default: all resident)",
         doc="Layerwise offload of the text decoder: layers kept on each GPU (the rest stream from pinned host memory "
             f"one layer ahead); unset: all {ENCODER_LAYERS} resident.")
     vae_staged: bool = lever(
-        False, flag="--vae-staged", spec="vae.levers.staged", request="vae_staged", stages=("vae",),
+        False, flag="--vae-staged", spec="vae.levers.staged", request="vae_staged", stages=("vae",), fasth3=True,
         help="vae: both VAEs in pinned host memory, copied to the GPU for each request (default off)",
         doc="Keep both VAEs in pinned host memory and copy them to the GPU for each request's decode (one copy per "
             "request); needs patchParallel 1.")
@@ -155,8 +158,8 @@ SPEC_NAMES = {**{fl.name: fl.metadata["spec"] for fl in LEVERS}, **{k: v[1] for 
 REQUEST_NAMES = {**{fl.name: fl.metadata["request"] for fl in LEVERS}, **{k: v[2] for k, v in _OTHERS.items()}}
 FASTH3_REFUSED = tuple(fl.name for fl in LEVERS if not fl.metadata["fasth3"] and fl.metadata["setting_of"] is None)
 LEVERS_MESSAGE = ("profile fasth3 takes no " + ", ".join("{%s}" % name for name in FASTH3_REFUSED) +
-                  " or {quality}=high: offload, staging, FP8, sparse attention and step reuse are certified for "
-                  "profile base only")
+                  " or {quality}=high: FP8, sparse attention and step reuse are lossy and certified for profile base "
+                  "only (the lossless offload, staging and AdaLN table levers are allowed)")
 # Staging copies the whole VAE once per request; patch parallel calls its decoder tile by tile on several ranks.
 STAGED_VAE_MESSAGE = "{vae_staged} needs {vae_pp}=1 (got {pp:d}): patch-parallel ranks keep their VAE resident"
 

@@ -166,6 +166,14 @@ def test_tagged_ours_run_keeps_the_untagged_files(tiny_checkpoint, tiny_adapter,
     assert {"diffusers vs ours", "diffusers vs ours-sdpa", "ours vs ours-sdpa"} <= set(pairs)
     # the same kernels on the CPU: the tagged run repeats the untagged one bit for bit
     assert pairs["ours vs ours-sdpa"]["video"]["max_abs_diff"] == 0.0
+    # FastH3's lossless levers (ours' lever flags): the same latents bit for bit
+    rc, levers, stderr = _run(tiny_checkpoint, tiny_adapter.path, out, "--skip-diffusers", "--tag", "levers",
+                              "--warmups", "0", "--vae-pp", "1", "--adaln-table", "on", "--dit-resident-blocks", "2",
+                              "--encoder-resident-layers", "2", "--vae-staged", "on")
+    assert rc == 0, stderr[-3000:]
+    assert levers["ours"]["levers"] == ["resident_blocks", "encoder_resident_layers", "vae_staged", "adaln_table"]
+    assert levers["latents_pairs"]["ours vs ours-levers"]["video"]["max_abs_diff"] == 0.0
+    assert levers["latents_pairs"]["ours vs ours-levers"]["audio"]["max_abs_diff"] == 0.0
 
 
 def test_bad_tag_is_refused(tiny_checkpoint, tiny_adapter, tmp_path):

@@ -37,12 +37,16 @@ def test_one_message_for_the_combination_on_every_surface(capsys):
         assert lever_conflict("fasth3", quality="high", names=names) == LEVERS_MESSAGE.format(**names)
         assert lever_conflict("base", Levers(resident_blocks=2, offload_mode="allgather", fp8=True, fp8_attention=True), "high", names=names) is None
         assert lever_conflict("fasth3", names=names) is None
+        lossless = Levers(resident_blocks=2, encoder_resident_layers=2, vae_staged=True, adaln_table=True)
+        assert lever_conflict("fasth3", lossless, names=names) is None
     # spec (and, through the same rule, the CRD's CEL)
     d = spec_doc(profile="fasth3", model={"path": "/models/H3", "adapter": {"path": "/models/a", "sha256": SHA}},
-                 dit={"levers": {"residentBlocks": 4}})
+                 dit={"levers": {"fp8": True}})
     assert validate(H3DeploymentSpec.from_dict(d)) == [("spec.dit.levers", LEVERS_MESSAGE.format(**SPEC_NAMES))]
+    d["dit"]["levers"] = {"residentBlocks": 4, "adalnTable": True}   # lossless: allowed on the student
+    assert validate(H3DeploymentSpec.from_dict(d)) == []
     # request
-    with pytest.raises(RequestError, match="profile fasth3 takes no resident_blocks") as e:
+    with pytest.raises(RequestError, match="profile fasth3 takes no fp8") as e:
         validate_request(prompt="a kite", profile="fasth3", quality="high")
     assert LEVERS_MESSAGE.format(**REQUEST_NAMES) in str(e.value)
     # CLI: one line, exit 2, before anything starts
@@ -54,7 +58,7 @@ def test_one_message_for_the_combination_on_every_surface(capsys):
     from h3serve.models.dit.engine import DiTEngine
 
     with pytest.raises(ProfileError) as e:
-        DiTEngine.load("/nowhere", profile="fasth3", levers=Levers(resident_blocks=8))
+        DiTEngine.load("/nowhere", profile="fasth3", levers=Levers(resident_blocks=8, fp8=True))
     assert str(e.value) == LEVERS_MESSAGE.format(**CLI_NAMES)
 
 

@@ -68,15 +68,20 @@ def test_vae_staging_decodes_and_encodes_the_same_and_copies_once_per_request(ti
     assert staged.host.data_ptr() <= p.data_ptr() < staged.host.data_ptr() + staged.host.numel()
 
 
-def test_embedded_pipeline_with_every_lossless_lever_writes_the_same_mp4(tiny_checkpoint, tmp_path, capsys):
-    """`h3serve generate` with DiT offload, encoder offload and VAE staging: the MP4 bytes of the plain path."""
+@pytest.mark.parametrize("profile", ["base", "fasth3"])
+def test_embedded_pipeline_with_every_lossless_lever_writes_the_same_mp4(profile, tiny_checkpoint, tiny_adapter,
+                                                                         tmp_path, capsys):
+    """`h3serve generate` with DiT offload, encoder offload, VAE staging and the AdaLN table: the MP4 bytes of the
+    plain path, for the base model and for the student (the lossless levers are allowed on FastH3 for this)."""
     from h3serve.cli import main
 
     base = ["generate", "--checkpoint", str(tiny_checkpoint), "--prompt", "a red kite", "--seconds", "5",
-            "--size", "256x256", "--seed", "5", "--steps", "2", "--no-progress", "--json"]
+            "--size", "256x256", "--seed", "5", "--no-progress", "--json", "--profile", profile,
+            *(["--steps", "2"] if profile == "base" else
+              ["--adapter", str(tiny_adapter.path), "--adapter-sha256", tiny_adapter.sha256])]
     assert main([*base, "-o", str(tmp_path / "plain.mp4")]) == 0
     assert main([*base, "-o", str(tmp_path / "levers.mp4"), "--dit-resident-blocks", "2",
-                 "--encoder-resident-layers", "2", "--vae-staged", "on"]) == 0
+                 "--encoder-resident-layers", "2", "--vae-staged", "on", "--adaln-table", "on"]) == 0
     out = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert len(out) == 2
     assert (tmp_path / "plain.mp4").read_bytes() == (tmp_path / "levers.mp4").read_bytes()
@@ -90,8 +95,8 @@ def test_staging_levers_are_checked_on_every_surface(capsys):
     assert "--encoder-resident-layers=1 must be between 2" in capsys.readouterr().err
     assert main(["serve", "--vae-staged", "on", "--vae-pp", "2", "--checkpoint", "/nowhere"]) == 2
     assert STAGED_VAE_MESSAGE.format(pp=2, **CLI_NAMES) in capsys.readouterr().err
-    assert main(["serve", "--profile", "fasth3", "--vae-staged", "on", "--checkpoint", "/nowhere"]) == 2
-    assert LEVERS_MESSAGE.format(**CLI_NAMES) in capsys.readouterr().err
+    assert main(["serve", "--profile", "fasth3", "--vae-staged", "on", "--fp8", "on", "--checkpoint", "/nowhere"]) == 2
+    assert LEVERS_MESSAGE.format(**CLI_NAMES) in capsys.readouterr().err   # FP8 (lossy), not the staging
     with pytest.raises(LeverError):
         Levers(encoder_resident_layers=51).check()
     # spec (the same rules give the CRD's CEL)
@@ -100,8 +105,8 @@ def test_staging_levers_are_checked_on_every_surface(capsys):
     s = H3DeploymentSpec.from_dict(_spec(dit={"ulysses": 2}, vae={"patchParallel": 2, "levers": {"staged": True}}))
     assert validate(s) == [("spec.vae.levers.staged", STAGED_VAE_MESSAGE.format(pp=2, **SPEC_NAMES))]
     s = H3DeploymentSpec.from_dict(_spec(profile="fasth3", model={"path": "/models/H3", "adapter": {
-        "path": "/models/a", "sha256": SHA}}, encoder={"levers": {"residentLayers": 4}}))
-    assert validate(s) == [("spec.dit.levers", LEVERS_MESSAGE.format(**SPEC_NAMES))]
+        "path": "/models/a", "sha256": SHA}}, encoder={"levers": {"residentLayers": 4}}, vae={"levers": {"staged": True}}))
+    assert validate(s) == []   # lossless: allowed on the student
 
 
 @pytest.mark.parametrize("placement", ["colocated", "disaggregated"])

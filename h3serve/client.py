@@ -573,12 +573,20 @@ class _Base:
             req = dataclasses.replace(req, request_id=new_request_id())
         return req
 
-    @staticmethod
-    def _next(gen: _Events, err: BaseException, resubmit: bool) -> bool:
-        """After a retryable failure of a try: whether the next try re-attaches (else it submits again)."""
+    # what a generate try may fail with and still be tried again (a re-attach finding its job gone or already there)
+    GENERATE_RETRIED = (StageUnavailable, Draining, QueueFull, AlreadyExists, NotFound)
+
+    def _after(self, gen: "_Events | None", err: BaseException, attempt: int, started: float,
+               end: float | None) -> tuple[float, bool]:
+        """After a failed generate try: (the wait before the next, whether it re-attaches, else submits again);
+        raises `err` when the client's `retry` allows no other try."""
+        retry_it = _retryable(err) or (attempt > 0 and isinstance(err, (AlreadyExists, NotFound)))
+        wait = self.retry.allows(attempt, started, end) if retry_it else None
+        if wait is None:
+            raise err
         if isinstance(err, AlreadyExists):   # an earlier try's job is there (running or completed): watch it
-            return True
-        return gen is not None and gen.dropped and gen.accepted is not None and not resubmit
+            return wait, True
+        return wait, gen is not None and gen.dropped and gen.accepted is not None and not isinstance(err, NotFound)
 
     @staticmethod
     def _remaining(end: float | None) -> float | None:
@@ -670,12 +678,8 @@ class Client(_Base):
                     result = gen.result()
                 result.attempts = attempt + 1
                 return result
-            except (StageUnavailable, Draining, QueueFull, AlreadyExists, NotFound) as err:
-                retry_it = _retryable(err) or (attempt > 0 and isinstance(err, (AlreadyExists, NotFound)))
-                wait = self.retry.allows(attempt, started, end) if retry_it else None
-                if wait is None:
-                    raise
-                reattach = self._next(gen, err, resubmit=isinstance(err, NotFound))
+            except self.GENERATE_RETRIED as err:
+                wait, reattach = self._after(gen, err, attempt, started, end)
             time.sleep(wait)
             attempt += 1
 
@@ -818,12 +822,8 @@ class AsyncClient(_Base):
                     result = await gen.result()
                 result.attempts = attempt + 1
                 return result
-            except (StageUnavailable, Draining, QueueFull, AlreadyExists, NotFound) as err:
-                retry_it = _retryable(err) or (attempt > 0 and isinstance(err, (AlreadyExists, NotFound)))
-                wait = self.retry.allows(attempt, started, end) if retry_it else None
-                if wait is None:
-                    raise
-                reattach = self._next(gen, err, resubmit=isinstance(err, NotFound))
+            except self.GENERATE_RETRIED as err:
+                wait, reattach = self._after(gen, err, attempt, started, end)
             await asyncio.sleep(wait)
             attempt += 1
 

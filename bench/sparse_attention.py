@@ -8,8 +8,11 @@ and a quality proxy. Prints one JSON line per part.
     layer      full-width DiT blocks (random weights) at that geometry: ms per block, dense and each density
     quality    a full-width DiT of --layers blocks (random weights: it ranks levers, it certifies nothing) denoising
                the 10 s request for --steps grid points, lossless vs each density: final-latent rel L2 and PSNR
+    route      the router alone at that geometry (128-row blocks) with --route-heads heads: its q / k cell pooling
+               and the whole route per density; runs on the CPU too
 
     python bench/sparse_attention.py --parts check,attention,layer,quality --densities 0.5,0.25,0.125
+    python bench/sparse_attention.py --parts route --device cpu --route-heads 8 --densities 0.25 --iters 5
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=11, help="grid points of the `quality` run (forwards = steps - 1)")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--route-heads", type=int, default=56, help="heads of the `route` part (56: one rank's all)")
     p.add_argument("--device", default="cuda")
     return p.parse_args(argv)
 
@@ -47,10 +51,16 @@ def _layout():
 
 
 def _time(fn, iters: int, warmup: int) -> tuple[float, list[float]]:
+    """ms of fn(): median and runs (CUDA events on a GPU, the wall clock on the CPU)."""
     for _ in range(warmup):
         fn()
     runs = []
     for _ in range(iters):
+        if not torch.cuda.is_initialized():
+            t0 = time.perf_counter()
+            fn()
+            runs.append(round((time.perf_counter() - t0) * 1e3, 4))
+            continue
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
@@ -61,7 +71,8 @@ def _time(fn, iters: int, warmup: int) -> tuple[float, list[float]]:
 
 
 def _device_info(dev) -> dict:
-    return {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__}
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    return {"device": name, "torch": torch.__version__}
 
 
 def part_check(a, dev) -> dict:
@@ -231,12 +242,36 @@ def part_layer_quality(a, dev, parts) -> list[dict]:
     return results
 
 
+def part_route(a, dev) -> dict:
+    from h3serve.models.dit import sparse
+
+    layout = _layout()
+    n, heads = layout.seq_len, a.route_heads
+    groups = sparse.row_groups(layout).to(dev)
+    g = torch.Generator(dev).manual_seed(0)
+    # as attention hands them over: (B, N, H, D) transposed to (B, H, N, D) views
+    q, k = (torch.randn(1, n, heads, 128, device=dev, dtype=torch.bfloat16, generator=g).transpose(1, 2)
+            for _ in range(2))
+    cell = 128 // 4
+    out = {"bench": "sparse_route", **_device_info(dev), "rows": n, "heads": heads, "block": 128}
+    out["pool_qk_ms"], out["pool_qk_runs"] = _time(lambda: (sparse._pool(q, cell), sparse._pool(k, cell)), a.iters,
+                                                   a.warmup)
+    for density in [float(d) for d in a.densities.split(",")]:
+        cfg = sparse.SparseConfig(density)
+        mask = sparse.route(q, k, groups, cfg)
+        out[f"d{density}"] = {"kept": round(float(mask.float().mean()), 4),
+                              "route_ms": _time(lambda: sparse.route(q, k, groups, cfg), a.iters, a.warmup)[0]}
+    return out
+
+
 def main(argv=None) -> int:
     a = _parse(argv)
     dev = torch.device(a.device)
-    if dev.index is None:
+    if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     parts = a.parts.split(",")
+    if "route" in parts:
+        print(json.dumps(part_route(a, dev)), flush=True)
     if "check" in parts:
         print(json.dumps(part_check(a, dev)), flush=True)
     if "attention" in parts:

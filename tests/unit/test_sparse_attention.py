@@ -69,6 +69,36 @@ def test_router_keeps_text_self_and_the_top_blocks_of_each_modality():
             assert set(torch.nonzero(row).flatten().tolist()) == want, (h, i)
 
 
+def test_cell_means_read_q_and_k_in_place_and_average_the_last_cell_over_its_rows():
+    """The router pools straight from attention's (B, N, H, D) view in bf16, summing in fp32: the same means as the
+    fp32 copy written out, the last (partial) cell over its own rows only."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 101, 3, 8, generator=g).to(torch.bfloat16).transpose(1, 2)   # (B, H, N, D), not contiguous
+    cell = 16
+    want = torch.stack([x[:, :, a:a + cell].float().sum(dim=2) / len(range(a, min(a + cell, 101)))
+                        for a in range(0, 101, cell)], dim=2)
+    got = sparse._pool(x, cell)
+    assert got.dtype == torch.float32 and got.shape == (2, 3, 7, 8)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(sparse._pool(x[:, :, :96], cell), want[:, :, :6], rtol=1e-6, atol=1e-6)   # no tail
+
+
+def test_the_route_bench_part_runs_on_the_cpu():
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, str(repo / "bench" / "sparse_attention.py"), "--parts", "route",
+                           "--device", "cpu", "--route-heads", "1", "--densities", "0.25", "--iters", "1",
+                           "--warmup", "0"], cwd=repo, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (out["bench"], out["rows"], out["heads"]) == ("sparse_route", 73642, 1)
+    assert out["pool_qk_ms"] > 0 and out["d0.25"]["route_ms"] > 0 and 0.25 <= out["d0.25"]["kept"] < 0.5
+
+
 def test_kernel_equals_fp32_attention_with_the_same_block_mask():
     g = torch.Generator().manual_seed(1)
     groups = _groups(10, 150, 40)

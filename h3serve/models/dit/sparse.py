@@ -80,16 +80,17 @@ def row_groups(layout: PackedLayout) -> torch.Tensor:
 
 
 def _pool(x: torch.Tensor, cell: int) -> torch.Tensor:
-    """(B, H, N, D) -> fp32 cell means (B, H, ceil(N / cell), D), the last cell over its own rows."""
-    b, h, n, d = x.shape
-    nc = -(-n // cell)
-    xf = x.float()
-    if nc * cell != n:
-        xf = F.pad(xf, (0, 0, 0, nc * cell - n))
-    sums = xf.reshape(b, h, nc, cell, d).sum(dim=3)
-    counts = torch.full((nc,), float(cell), device=x.device)
-    counts[-1] = n - (nc - 1) * cell
-    return sums / counts[:, None]
+    """(B, H, N, D) -> fp32 cell means (B, H, ceil(N / cell), D), the last cell over its own rows. Summed in fp32
+    straight from x's own layout (a (B, N, H, D) view as attention hands it over): no fp32 or contiguous copy of q / k,
+    which was most of the router's time."""
+    n = x.shape[2]
+    full = n // cell
+    means = []
+    if full:
+        means.append(x[:, :, :full * cell].unflatten(2, (full, cell)).sum(dim=3, dtype=torch.float32).div_(cell))
+    if full * cell < n:
+        means.append(x[:, :, full * cell:].sum(dim=2, keepdim=True, dtype=torch.float32).div_(n - full * cell))
+    return means[0] if len(means) == 1 else torch.cat(means, dim=2)
 
 
 def _cells(x: torch.Tensor, block: int, cells: int) -> tuple[torch.Tensor, int]:

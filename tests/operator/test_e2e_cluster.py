@@ -1409,13 +1409,13 @@ def test_a_gang_whose_size_and_priority_change_rolls_onto_a_new_podgroup(operato
         doc = good_doc(name)
         doc["spec"].update(placement="disaggregated", gpusPerNode=4, dit={"ulysses": 8})
         create(dyn, doc)
-        ready_cr(dyn, name)
+        ready_cr(dyn, name, timeout=180)   # a gang of 2 x 4 GPUs; slow on a loaded 2-core host (found in CI)
         (old, old_spec), = groups().items()
         assert old_spec["schedulingPolicy"]["gang"]["minCount"] == 2 and "priorityClassName" not in old_spec
         gen = get_cr(dyn, name)["metadata"]["generation"]
         R(dyn, "H3Deployment").patch(body={"spec": {"gpusPerNode": 2, "priorityClassName": prio}}, name=name,
                                      namespace=APPS_NS, content_type="application/merge-patch+json")
-        cr = ready_cr(dyn, name, generation=gen + 1, timeout=120)
+        cr = ready_cr(dyn, name, generation=gen + 1, timeout=300)   # a surge gang rolls through first
         assert condition(cr, "Degraded")["status"] == "False", condition(cr, "Degraded")
         # the old PodGroup pruned, and the surge gang's (the spec change rolled through one) with it
         new = wait_for("the old PodGroups pruned", lambda: (lambda g: g if old not in g and len(g) == 1 else None)(

@@ -78,8 +78,8 @@ class Levers:
             "1/ranks of it; blocks are all-gathered).")
     encoder_resident_layers: int | None = lever(
         None, flag="--encoder-resident-layers", spec="encoder.levers.residentLayers",
-        request="encoder_resident_layers", stages=("encoder",), bounds=(MIN_RESIDENT_BLOCKS, ENCODER_LAYERS), fasth3=True,
-        why="a copy one layer ahead needs two slots", of="text decoder layers",
+        request="encoder_resident_layers", stages=("encoder",), bounds=(MIN_RESIDENT_BLOCKS, ENCODER_LAYERS),
+        fasth3=True, why="a copy one layer ahead needs two slots", of="text decoder layers",
         help=f"encoder: layerwise offload, R text decoder layers on the GPU ({MIN_RESIDENT_BLOCKS}..{ENCODER_LAYERS}), "
              "the rest streamed from pinned host memory (default: all resident)",
         doc="Layerwise offload of the text decoder: layers kept on each GPU (the rest stream from pinned host memory "

@@ -161,7 +161,8 @@ class GatewayConfig:
     job_ttl_s: float = knob(3600.0, "gateway: finished jobs kept this long")
     max_jobs: int = knob(1000, "gateway: finished jobs kept at most")
     max_sync_bytes: int = knob(64 << 20, "gateway: largest MP4 GenerateSync returns in one message")
-    max_previews: int = knob(MAX_PREVIEWS, "gateway: previews one request may ask for (preview_every); 0: previews refused")
+    max_previews: int = knob(MAX_PREVIEWS, "gateway: previews one request may ask for (preview_every); 0: previews "
+                                           "refused")
     api_keys_file: str | None = knob(None, "gateway: callers' API keys, one 'NAME sha256:HEX' a line, re-read when it "
                                            f"changes (default ${API_KEYS_ENV}; see docs/security.md)",
                                      metavar="FILE", env=API_KEYS_ENV)
@@ -347,7 +348,8 @@ def service_config_values(service_config: dict, stage: str) -> dict[str, Any]:
         out["mux_threads"] = spec.muxer.workers
     if stage == "gateway":
         out.update(http_host="0.0.0.0", http_port=int(service_config["ports"]["http"]),
-                   queue_size=spec.gateway.queue_size, max_previews=spec.gateway.max_previews, **{s: sc.endpoints[s] for s in PIPELINE_STAGES})
+                   queue_size=spec.gateway.queue_size, max_previews=spec.gateway.max_previews,
+                   **{s: sc.endpoints[s] for s in PIPELINE_STAGES})
         if FASTH3_DIT in sc.endpoints:
             out["fasth3_dit"] = sc.endpoints[FASTH3_DIT]
         auth, store = spec.gateway.auth, spec.gateway.job_store

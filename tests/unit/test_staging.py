@@ -105,7 +105,8 @@ def test_staging_levers_are_checked_on_every_surface(capsys):
     s = H3DeploymentSpec.from_dict(_spec(dit={"ulysses": 2}, vae={"patchParallel": 2, "levers": {"staged": True}}))
     assert validate(s) == [("spec.vae.levers.staged", STAGED_VAE_MESSAGE.format(pp=2, **SPEC_NAMES))]
     s = H3DeploymentSpec.from_dict(_spec(profile="fasth3", model={"path": "/models/H3", "adapter": {
-        "path": "/models/a", "sha256": SHA}}, encoder={"levers": {"residentLayers": 4}}, vae={"levers": {"staged": True}}))
+        "path": "/models/a", "sha256": SHA}}, encoder={"levers": {"residentLayers": 4}},
+        vae={"levers": {"staged": True}}))
     assert validate(s) == []   # lossless: allowed on the student
 
 

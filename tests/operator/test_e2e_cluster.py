@@ -1283,8 +1283,9 @@ def test_a_drain_never_stops_two_dit_gangs(operator, dyn):
             name=f"{name}-dit", namespace=APPS_NS).to_dict().get("status") or {}).get("currentHealthy") == 4,
             timeout=60)
         assert evict(dyn, f"{name}-dit-0-1") == 201
-        assert evict(dyn, f"{name}-dit-1-1") == 429  # back to back, as a drain sends them: the other gang stays
-        assert evict(dyn, f"{name}-dit-1-0") == 429
+        # back to back, as a drain sends them: the other gang stays. (One refusal only: a second one raced gang 0's
+        # replacement pod, which kwok makes Ready within a second, and was granted once in CI.)
+        assert evict(dyn, f"{name}-dit-1-1") == 429
         granted = wait_for("the next eviction once gang 0 is whole again",
                            lambda: evict(dyn, f"{name}-dit-1-1") == 201 or None, timeout=120, interval=2)
         assert granted

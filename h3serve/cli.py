@@ -46,7 +46,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     _degree_flags(p, "starts one process per rank")
     p.add_argument("--adapter", default=None, help="FastH3 adapter (fastvideo-lora-v2 safetensors)")
     p.add_argument("--adapter-sha256", default=None, help="expected sha256 of --adapter (required with it)")
-    p.add_argument("--loras", default=None, metavar="NAME=PATH@SHA256[@STEPS],...",
+    p.add_argument("--loras", default=None, metavar=KNOBS["loras"].metadata["metavar"],
                    help="LoRA adapters --lora may name (profile base; as h3serve serve --loras)")
     p.add_argument("--checkpoint-manifest-sha256", default=None, metavar="HEX",
                    help="pin: the sha256 of the checkpoint's h3serve-manifest.json; every file is checked first")

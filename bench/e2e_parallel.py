@@ -187,6 +187,17 @@ def _ours_once(pipe, req, path: Path) -> tuple[dict, object]:
     return timings, latents
 
 
+def _lift_profile_rule() -> None:
+    """Measurement only (--uncertified): FastH3's refusal of the lossy levers is lifted in this process, at the two
+    places that apply it (the pipeline's check and the DiT engine's own)."""
+    import h3serve.models.dit.engine as engine
+    import h3serve.pipeline as pipeline
+
+    assert callable(pipeline.check_combination) and callable(engine.lever_conflict)
+    pipeline.check_combination = lambda *args, **kwargs: None
+    engine.lever_conflict = lambda *args, **kwargs: None
+
+
 def _ours_run(cfg: dict) -> dict:
     import torch
 
@@ -200,6 +211,8 @@ def _ours_run(cfg: dict) -> dict:
     degrees = dict(encoder_tp=cfg["encoder_tp"], ulysses=cfg["ulysses"], ring=cfg["ring"], vae_pp=cfg["vae_pp"])
     log(f"ours: loading ({degrees}, {cfg['dtype']}, {cfg['device']})")
     levers = Levers(**cfg["levers"])
+    if cfg.get("uncertified"):
+        _lift_profile_rule()
     pipe = Pipeline.load(cfg["checkpoint"], profile="fasth3", adapter=cfg["adapter"], adapter_sha256=sha,
                          dtype=cfg["dtype"], device=cfg["device"], levers=levers, **degrees)
     try:
@@ -222,6 +235,7 @@ def _ours_run(cfg: dict) -> dict:
         "attention": os.environ.get("H3SERVE_ATTENTION") or "auto (FA3 on compute capability 9.x)",
         "degrees": degrees,
         "levers": list(levers.on),
+        "uncertified": bool(cfg.get("uncertified")),
         "load_s": pipe.load_seconds,
         "stages": {"encoder_s": med["encoder_s"], "dit_s": med["dit_s"], "vae_decode_s": med["vae_s"],
                    "mux_s": med["mux_tail_s"]},
@@ -672,6 +686,9 @@ def _parse(argv=None) -> argparse.Namespace:
                          "--skip-diffusers run left it there (the two sides in two commands, same machine)")
     ap.add_argument("--skip-diffusers", action="store_true")
     add_lever_flags(ap)   # ours: the levers, as on h3serve generate (FastH3 takes the lossless ones)
+    ap.add_argument("--uncertified", action="store_true",
+                    help="ours: let FastH3 run the lossy levers its profile refuses (FP8, sparse attention, step "
+                         "reuse), to measure their deviation from lossless FastH3; the result says so")
     ap.add_argument("--timeout-s", type=int, default=3600, help="collective / process-group timeout")
     ap.add_argument("--out", default=None, help="where MP4s, latents and per-side results go (default: a temp dir)")
     return ap.parse_args(argv)
@@ -707,7 +724,8 @@ def _config(args: argparse.Namespace) -> dict:
     levers = levers_from_args(args)
     try:
         levers.check()
-        check_combination("fasth3", levers)
+        if not args.uncertified:
+            check_combination("fasth3", levers)
         if staging_conflict(levers, degrees.vae_pp) is not None:
             raise LeverError("--vae-staged", staging_conflict(levers, degrees.vae_pp))
     except LeverError as e:
@@ -723,6 +741,7 @@ def _config(args: argparse.Namespace) -> dict:
         "diffusers_encoder": args.diffusers_encoder, "diffusers_encoder_gib": args.diffusers_encoder_gib,
         "repeats": max(1, args.repeats), "warmups": max(0, args.warmups), "tag": args.tag,
         "timeout_s": args.timeout_s, "out": str(out.resolve()), "levers": dataclasses.asdict(levers),
+        "uncertified": args.uncertified,
     }
 
 

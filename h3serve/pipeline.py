@@ -208,8 +208,8 @@ class Pipeline:
 
         dit = DiTEngine.load(root, components=components, dtype=torch_dtype, device=dev, profile=profile,
                              adapter=adapter, adapter_sha256=adapter_sha256, levers=levers, loras=lora_entries)
-        encoder = TextEncoder.load(root, dtype=torch_dtype, device=dev).apply_levers(
-            fp8=levers.fp8, resident_layers=levers.encoder_resident_layers)
+        encoder = TextEncoder.load_with_levers(root, dtype=torch_dtype, device=dev, fp8=levers.fp8,
+                                               resident_layers=levers.encoder_resident_layers)
         video_vae = VideoVAE.load(root, dtype=torch_dtype, device=dev, staged=levers.vae_staged)
         audio_vae = AudioVAE.load(root, dtype=torch.float32, device=dev, staged=levers.vae_staged)
         _sync(dev)

@@ -57,8 +57,8 @@ class EncoderServicer(StageBase):
                 self.encoder = EncoderProxy(self.parallel)
                 device = self.encoder.device
             else:
-                self.encoder = TextEncoder.load(self.config.model.checkpoint, dtype=TORCH_DTYPES[self.config.model.dtype],
-                                                device=device).apply_levers(
+                self.encoder = TextEncoder.load_with_levers(
+                    self.config.model.checkpoint, dtype=TORCH_DTYPES[self.config.model.dtype], device=device,
                     fp8=self.config.levers.fp8, resident_layers=self.config.levers.encoder_resident_layers)
             if self.config.model.warmup:
                 self.check_finite(text_states=self.encoder.encode("warm-up", task="t2va").states)

@@ -75,6 +75,7 @@ from h3serve.testing.tiny import (
 )
 from h3serve.weights.folder import INDEX_FILE
 from h3serve.weights.safetensors import encode_header
+from h3serve.weights.synthetic import SYNTHETIC_META, synthetic_metadata
 
 FULL_RECIPE_VERSION = 1
 STAMP_FILE = "h3serve_full.json"
@@ -217,31 +218,41 @@ def _chunk_bytes(plan: TensorPlan, seed: int, component: str, chunk: int) -> byt
     return t.contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def _header(shard: list[TensorPlan]) -> bytes:
+def _header(shard: list[TensorPlan], metadata: dict[str, str] | None = None) -> bytes:
     """The safetensors header of a shard: names sorted, `{"format": "pt"}` metadata (the same bytes as
-    `h3serve.weights.safetensors.write_safetensors`)."""
-    return encode_header(((p.name, p.dtype, p.shape) for p in sorted(shard, key=lambda p: p.name)), {"format": "pt"})
+    `h3serve.weights.safetensors.write_safetensors`) plus `metadata`."""
+    return encode_header(((p.name, p.dtype, p.shape) for p in sorted(shard, key=lambda p: p.name)),
+                         {"format": "pt", **(metadata or {})})
 
 
 def _write_shard(path: Path, shard: list[TensorPlan], seed: int, component: str, pool: ThreadPoolExecutor,
-                 window: int) -> None:
-    jobs = [(p, c) for p in sorted(shard, key=lambda p: p.name)
-            for c in range(-(-p.numel // CHUNK_ELEMENTS))]
+                 window: int, synthetic: bool = False) -> None:
+    """Write a shard; `synthetic`: its "normal" tensors are a hole, generated when read (h3serve.weights.synthetic)."""
+    plans = sorted(shard, key=lambda p: p.name)
+    holes = {p.name for p in plans if synthetic and p.fill == "normal"}
+    meta = {SYNTHETIC_META: synthetic_metadata(seed, component, STD, holes)} if synthetic else None
     pending: deque = deque()
     with open(path, "wb") as f:
-        f.write(_header(shard))
-        for p, c in jobs:
-            pending.append(pool.submit(_chunk_bytes, p, seed, component, c))
-            if len(pending) >= window:
-                f.write(pending.popleft().result())
+        f.write(_header(shard, meta))
+        for p in plans:
+            if p.name in holes:
+                while pending:
+                    f.write(pending.popleft().result())
+                f.seek(p.nbytes, os.SEEK_CUR)
+                continue
+            for c in range(-(-p.numel // CHUNK_ELEMENTS)):
+                pending.append(pool.submit(_chunk_bytes, p, seed, component, c))
+                if len(pending) >= window:
+                    f.write(pending.popleft().result())
         while pending:
             f.write(pending.popleft().result())
+        f.truncate()  # a trailing hole still gives the file its length
 
 
 def write_component(module: torch.nn.Module, component: str, folder: Path, seed: int, *,
-                    max_shard_bytes: int = 5 << 30, threads: int | None = None) -> dict:
-    """Write `module`'s random weights to `folder` (single file, or shards + index). Returns the shard index
-    (also for a single file)."""
+                    max_shard_bytes: int = 5 << 30, threads: int | None = None, synthetic: bool = False) -> dict:
+    """Write `module`'s random weights to `folder` (single file, or shards + index; `synthetic`: see
+    `init_full_checkpoint`). Returns the shard index (also for a single file)."""
     diffusers_style = component != "text_encoder"
     stem = "diffusion_pytorch_model" if diffusers_style else "model"
     plans = plan_tensors(module, component)
@@ -252,7 +263,7 @@ def write_component(module: torch.nn.Module, component: str, folder: Path, seed:
         for i, shard in enumerate(shards):
             fname = f"{stem}.safetensors" if len(shards) == 1 else \
                 f"{stem}-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            _write_shard(folder / fname, shard, seed, component, pool, window=2 * threads)
+            _write_shard(folder / fname, shard, seed, component, pool, window=2 * threads, synthetic=synthetic)
             weight_map.update({p.name: fname for p in shard})
     index = {"metadata": {"total_size": sum(p.nbytes for p in plans)},
              "weight_map": {k: weight_map[k] for k in sorted(weight_map)}}
@@ -293,14 +304,17 @@ def _write_small_components(root: Path, tokenizer, names: Iterable[str]) -> None
 def init_full_checkpoint(dir: str | os.PathLike, seed: int = 0, *, with_ref: bool = False,
                          max_shard_bytes: int = 5 << 30, layers_override: dict | None = None,
                          geometry: str = "full", components: Iterable[str] | None = None,
-                         overwrite: bool = False, threads: int | None = None, progress=None) -> Path:
+                         overwrite: bool = False, threads: int | None = None, progress=None,
+                         synthetic: bool = False) -> Path:
     """Write a random H3 checkpoint with the release's geometry, stored dtypes and layout to `dir`; return its path.
 
     `with_ref`: also write `transformer_ref/` (otherwise the index declares it as not shipped, so t2va / fl2va
     load and ref2va does not). `max_shard_bytes`: shard size limit (release-like 5 GiB). `layers_override`,
     `geometry`, `components`: see the module docstring. `progress(component, seconds, bytes)` is called after each
     weight component. Built in a temporary folder beside `dir` and renamed into place; an existing `dir` is an error
-    unless `overwrite=True`. Deterministic for a seed.
+    unless `overwrite=True`. Deterministic for a seed. `synthetic`: the N(0, 0.02) tensors are holes generated
+    when loaded (`h3serve.weights.synthetic`): the folder takes almost no disk, and its values are not the written
+    checkpoint's of the same seed.
     """
     target = Path(dir).absolute()
     if target.exists():
@@ -322,7 +336,7 @@ def init_full_checkpoint(dir: str | os.PathLike, seed: int = 0, *, with_ref: boo
                 model = build_meta_model(component, geometry, layers_override, tokenizer)
                 _write_config(model, component, tmp / component)
                 index = write_component(model, component, tmp / component, seed * 10 + offset,
-                                        max_shard_bytes=max_shard_bytes, threads=threads)
+                                        max_shard_bytes=max_shard_bytes, threads=threads, synthetic=synthetic)
                 del model
                 if progress is not None:
                     progress(component, time.perf_counter() - t0, index["metadata"]["total_size"])
@@ -332,7 +346,8 @@ def init_full_checkpoint(dir: str | os.PathLike, seed: int = 0, *, with_ref: boo
                     index[name] = [None, None, {}]
             write_json(tmp / INDEX_FILE, index)
             write_json(tmp / STAMP_FILE, {"recipe": FULL_RECIPE_VERSION, "seed": seed, "geometry": geometry,
-                                           "layers_override": layers_override or {}, "storage": "release",
+                                           "layers_override": layers_override or {},
+                                           "storage": "synthetic" if synthetic else "release",
                                            "with_ref": "transformer_ref" in wanted})
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

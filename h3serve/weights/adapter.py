@@ -263,17 +263,20 @@ class Adapter:
         self._check_shapes(param_name, tuple(tensor.shape))
         patch = self.patches[module]
         out = tensor.to(torch.float32, copy=True)
+        dev = out.device  # the base tensor's: a synthetic checkpoint's is generated on the GPU
+
+        def get(role: str) -> torch.Tensor:
+            return self._get(patch.keys[role]).to(dev, torch.float32)
+
         if leaf == "bias":
-            out += self._get(patch.keys["diff_b"]).to(torch.float32)
+            out += get("diff_b")
         else:
             if "lora_A" in patch.keys:
-                a = self._get(patch.keys["lora_A"]).to(torch.float32)
-                b = self._get(patch.keys["lora_B"]).to(torch.float32)
-                out.addmm_(b, a)
+                out.addmm_(get("lora_B"), get("lora_A"))
             if "diff" in patch.keys:
-                out += self._get(patch.keys["diff"]).to(torch.float32)
+                out += get("diff")
             if "set_weight" in patch.keys:
-                out = self._get(patch.keys["set_weight"]).to(torch.float32)
+                out = get("set_weight")
         self._used.add(param_name)
         return out.to(tensor.dtype)
 

@@ -22,7 +22,8 @@ from h3serve.errors import AdapterError, CheckpointError
 from h3serve.weights.adapter import Adapter
 from h3serve.weights.folder import CheckpointFolder
 from h3serve.weights.headers import data_offsets, open_file
-from h3serve.weights.safetensors import FLOAT_DTYPES, dtype_name
+from h3serve.weights.safetensors import FLOAT_DTYPES, dtype_name, st_dtype
+from h3serve.weights.synthetic import generate, generated_tensors
 
 # Module names that stay float32 when a component is loaded with dtype=bfloat16 (H3_REFERENCE §1.1, "dtype policy";
 # the same lists as the diffusers classes' `_keep_in_fp32_modules`). Matched against dotted name components, see
@@ -112,6 +113,7 @@ def iter_tensors(
     Single-file and sharded (`*.safetensors.index.json`) components both work. Each tensor is read on its own with
     `safe_open`, so at most one tensor (plus its cast) is alive beyond what the caller keeps. `dtype_policy` casts
     float tensors (a `DtypePolicy`, a dtype, or `f(name, stored_dtype) -> dtype`); `names` restricts the tensors.
+    A synthetic shard's generated tensors are made, not read (`h3serve.weights.synthetic`).
     """
     ck = _as_folder(folder, component)
     policy = _policy(dtype_policy)
@@ -129,12 +131,17 @@ def iter_tensors(
         with open_file(path, ck.rel(path)) as f:
             present = set(f.keys())
             offsets = data_offsets(path)
+            recipe, generated = generated_tensors(f.metadata())
             for name in sorted(by_file[path], key=lambda n: (offsets.get(n, 0), n)):
                 if name not in present:
                     raise CheckpointError(
                         f"{ck.rel(path)}: tensor '{name}' listed in the shard index is missing from the file"
                     )
-                tensor = f.get_tensor(name)
+                if name in generated:  # a synthetic shard's hole (h3serve.weights.synthetic)
+                    view = f.get_slice(name)
+                    tensor = generate(recipe, name, view.get_shape(), st_dtype(view.get_dtype()))
+                else:
+                    tensor = f.get_tensor(name)
                 if policy is not None:
                     target = policy(name, tensor.dtype)
                     if target != tensor.dtype:

@@ -104,3 +104,31 @@ def test_existing_folder_is_refused(written):
 
     with pytest.raises(CheckpointError, match="already exists"):
         _write(written)
+
+
+def test_synthetic_folder_holds_holes_and_loads_generated_values(written, tmp_path):
+    from h3serve.weights.load import iter_tensors
+
+    synth = _write(tmp_path / "synth", synthetic=True)
+    real, fake = CheckpointFolder(written), CheckpointFolder(synth)
+    for component in ("transformer", "text_encoder", "vae", "audio_vae"):
+        assert {n: (i.shape, i.dtype) for n, i in real.tensor_infos(component).items()} == \
+            {n: (i.shape, i.dtype) for n, i in fake.tensor_infos(component).items()}
+    files = fake.weight_files("transformer")
+    apparent = sum(f.stat().st_size for f in files)
+    on_disk = sum(f.stat().st_blocks * 512 for f in files)
+    assert on_disk < apparent / 4, (on_disk, apparent)   # the N(0, 0.02) tensors are holes
+    written_dit = dict(iter_tensors(real, "transformer"))
+    first = dict(iter_tensors(fake, "transformer"))
+    assert first.keys() == written_dit.keys()
+    for name, t in first.items():
+        if name.endswith("norm_q.weight") or ".norm" in name and name.endswith(".bias"):
+            assert torch.equal(t, written_dit[name]), name   # fixed values are stored for real
+    q = next(v for k, v in first.items() if k.endswith("to_q.weight")).float()
+    assert 0.015 < q.std().item() < 0.025 and q.abs().max() > 0
+    again = dict(iter_tensors(fake, "transformer"))
+    assert all(torch.equal(first[n], again[n]) for n in first)   # generated the same way every load
+    assert not torch.equal(q, written_dit[next(k for k in first if k.endswith("to_q.weight"))].float())
+    for component in ("vae", "audio_vae", "text_encoder"):   # every class loads it
+        load_module_weights(fullsize.build_meta_model(component, "tiny"), synth, component)
+    assert json.loads((synth / fullsize.STAMP_FILE).read_text())["storage"] == "synthetic"

@@ -43,6 +43,21 @@ def test_encoder_offload_streams_every_layer_and_matches_resident(tiny_checkpoin
         h.remove()
 
 
+def test_encoder_streamed_layers_are_read_into_host_memory_never_onto_the_device(tiny_checkpoint):
+    # The device is `meta` here: a tensor that reached it would hold no data. With --encoder-resident-layers the
+    # layers the offload streams are read into host memory, so a GPU never holds the whole decoder while loading.
+    enc = TextEncoder.load(tiny_checkpoint, dtype=torch.float32, device="meta", host_layers=range(1, 50))
+    layers = enc.model.language_model.layers
+    assert all(p.is_meta for p in layers[0].parameters())
+    assert all(p.device.type == "cpu" for j in range(1, 50) for p in layers[j].parameters())
+    assert all(p.is_meta for n, p in enc.model.named_parameters() if not n.startswith("language_model.layers."))
+    assert all(b.is_meta for n, b in enc.model.named_buffers() if not n.startswith("language_model.layers."))
+    # load_with_levers: the same states as the resident encoder (r = 4: two resident layers, the rest streamed)
+    want = TextEncoder.load(tiny_checkpoint, dtype=torch.float32).encode("a red kite", task="t2va").states
+    got = TextEncoder.load_with_levers(tiny_checkpoint, dtype=torch.float32, device="cpu", resident_layers=4)
+    assert torch.equal(got.encode("a red kite", task="t2va").states, want)
+
+
 def test_vae_staging_decodes_and_encodes_the_same_and_copies_once_per_request(tiny_checkpoint):
     vae = VideoVAE.load(tiny_checkpoint, dtype=torch.float32)
     audio = AudioVAE.load(tiny_checkpoint)

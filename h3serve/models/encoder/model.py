@@ -26,7 +26,7 @@ from h3serve.config.vocab import ENCODER_LAYERS, TASKS
 from h3serve.errors import CheckpointError
 from h3serve.models.checkpoint import checked_folder
 from h3serve.models.encoder.fp8 import quantize_text_decoder
-from h3serve.models.offload import offload_layers
+from h3serve.models.offload import OffloadPlan, offload_layers
 from h3serve.weights.load import iter_tensors
 
 from . import presentation as pres
@@ -90,9 +90,13 @@ class TextEncoder:
     # ------------------------------------------------------------------ loading
     @classmethod
     def load(cls, checkpoint_dir: str | Path, *, dtype: torch.dtype = torch.bfloat16,
-             device: str | torch.device = "cpu", layer: int = DEFAULT_LAYER) -> "TextEncoder":
+             device: str | torch.device = "cpu", layer: int = DEFAULT_LAYER,
+             host_layers: Sequence[int] = ()) -> "TextEncoder":
         """Load ``text_encoder/`` (first ``layer`` decoder layers + vision tower), ``tokenizer/`` and the image
-        processor config in ``processor/``. Refuses an encoder with ``layer`` or fewer decoder layers."""
+        processor config in ``processor/``. Refuses an encoder with ``layer`` or fewer decoder layers.
+
+        ``host_layers``: decoder layers read into host memory instead of onto ``device`` (the ones a layerwise
+        offload streams: they never take device memory, not even while loading)."""
         # lazy: transformers' Qwen3-VL classes take seconds to import; only loading needs them
         from accelerate import init_empty_weights
         from transformers import Qwen2TokenizerFast, Qwen3VLConfig, Qwen3VLModel
@@ -128,9 +132,14 @@ class TextEncoder:
         missing = sorted(wanted - set(selected.values()))
         if missing:
             raise CheckpointError(f"{te_dir} lacks {len(missing)} tensors the encoder needs, e.g. {missing[:3]}")
+        on_host = tuple(f"language_model.layers.{j}." for j in host_layers)
+        device = torch.device(device)
         for key, tensor in iter_tensors(ck, "text_encoder", names=selected, dtype_policy=dtype):
-            _set_tensor(model, selected[key], tensor.to(device))
-        model.to(device)  # non-persistent buffers (rotary inv_freq, float32) follow the weights
+            name = selected[key]
+            _set_tensor(model, name, tensor.to("cpu" if name.startswith(on_host) else device))
+        for name, buf in list(model.named_buffers()):  # non-persistent ones (rotary inv_freq, float32) follow
+            if not name.startswith(on_host):
+                _set_tensor(model, name, buf.to(device))
         skipped = len(ck.weight_map("text_encoder")) - len(selected)
         log.info("loaded %d of %d decoder layers (+ vision tower) from %s; skipped %d checkpoint tensors "
                  "(decoder layers >= %d, final norm, LM head)", layer, total, te_dir, skipped, layer)
@@ -155,6 +164,16 @@ class TextEncoder:
         """Layerwise offload of the text decoder (lever --encoder-resident-layers): `resident_layers` slots on the
         device, the other layers streamed from pinned host memory one ahead; embeddings and vision tower stay."""
         return offload_layers(self.model.language_model.layers, resident_layers, self.device)
+
+    @classmethod
+    def load_with_levers(cls, checkpoint_dir: str | Path, *, dtype: torch.dtype, device: str | torch.device,
+                         fp8: bool = False, resident_layers: int | None = None) -> "TextEncoder":
+        """`load`, then `apply_levers`. With --encoder-resident-layers the streamed layers are read straight into
+        host memory, so the device never holds the whole decoder (FP8 quantizes on the device first: then they
+        are offloaded after)."""
+        host = () if fp8 or resident_layers is None else OffloadPlan(DEFAULT_LAYER, resident_layers).streamed
+        return cls.load(checkpoint_dir, dtype=dtype, device=device, host_layers=host).apply_levers(
+            fp8=fp8, resident_layers=resident_layers)
 
     def apply_levers(self, *, fp8: bool = False, resident_layers: int | None = None,
                      row_parallel: tuple[type, ...] = ()) -> "TextEncoder":

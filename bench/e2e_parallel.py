@@ -726,6 +726,8 @@ def _config(args: argparse.Namespace) -> dict:
         levers.check()
         if not args.uncertified:
             check_combination("fasth3", levers)
+        elif args.world > 1:
+            raise SystemExit("--uncertified runs one process (--world 1): spawned ranks apply the profile's rule")
         if staging_conflict(levers, degrees.vae_pp) is not None:
             raise LeverError("--vae-staged", staging_conflict(levers, degrees.vae_pp))
     except LeverError as e:

@@ -174,6 +174,19 @@ def test_tagged_ours_run_keeps_the_untagged_files(tiny_checkpoint, tiny_adapter,
     assert levers["ours"]["levers"] == ["resident_blocks", "encoder_resident_layers", "vae_staged", "adaln_table"]
     assert levers["latents_pairs"]["ours vs ours-levers"]["video"]["max_abs_diff"] == 0.0
     assert levers["latents_pairs"]["ours vs ours-levers"]["audio"]["max_abs_diff"] == 0.0
+    # a lossy lever FastH3 refuses runs only with --uncertified, for its deviation from lossless FastH3
+    rc, fp8, stderr = _run(tiny_checkpoint, tiny_adapter.path, out, "--skip-diffusers", "--tag", "fp8",
+                           "--warmups", "0", "--world", "1", "--fp8", "on", "--uncertified")
+    assert rc == 0, stderr[-3000:]
+    assert fp8["ours"]["uncertified"] is True and fp8["ours"]["levers"] == ["fp8"]
+    assert 0 < fp8["latents_pairs"]["ours vs ours-fp8"]["video"]["rel_l2"] < 0.05
+
+
+def test_lossy_lever_on_fasth3_is_refused_without_uncertified(tiny_checkpoint, tiny_adapter, tmp_path):
+    cmd = [sys.executable, str(SCRIPT), "--checkpoint", str(tiny_checkpoint), "--adapter", str(tiny_adapter.path),
+           "--device", "cpu", "--out", str(tmp_path), "--fp8", "on"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "profile fasth3 takes no --fp8" in proc.stderr
 
 
 def test_bad_tag_is_refused(tiny_checkpoint, tiny_adapter, tmp_path):

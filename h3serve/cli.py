@@ -318,6 +318,9 @@ def _add_checkpoint(sub: argparse._SubParsersAction) -> None:
                            "or full (released geometry and stored dtypes, random values, ~143 GB: GPU benchmarks)")
     init.add_argument("--with-ref", action="store_true",
                       help="full: also write transformer_ref/ (another 66 GB; needed only for ref2va)")
+    init.add_argument("--synthetic", action="store_true",
+                      help="full: the random tensors are generated when loaded, not stored (a few MB of disk; "
+                           "other values than a written checkpoint of the same seed)")
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("dir")
     init.set_defaults(func=_cmd_checkpoint_init)
@@ -349,11 +352,13 @@ def _cmd_checkpoint_init(args: argparse.Namespace) -> int:
             rate = nbytes / 1e6 / max(seconds, 1e-9)
             print(f"  {component}: {nbytes / 1e9:.1f} GB in {seconds:.0f}s ({rate:.0f} MB/s)", flush=True)
 
-        init_full_checkpoint(args.dir, seed=args.seed, with_ref=args.with_ref, progress=progress)
+        init_full_checkpoint(args.dir, seed=args.seed, with_ref=args.with_ref, progress=progress,
+                             synthetic=args.synthetic)
         print(f"wrote {args.preset} checkpoint {args.dir} in {time.perf_counter() - t0:.1f}s")
         return 0
-    if args.with_ref:
-        raise H3Error("--with-ref is only used with --preset full (tiny checkpoints always have transformer_ref/)")
+    if args.with_ref or args.synthetic:
+        flag = "--with-ref" if args.with_ref else "--synthetic"
+        raise H3Error(f"{flag} is only used with --preset full (a tiny checkpoint is small and always complete)")
     from h3serve.testing.tiny import init_tiny_checkpoint  # lazy: fixtures load only for this command
 
     init_tiny_checkpoint(args.dir, seed=args.seed, preset=args.preset)

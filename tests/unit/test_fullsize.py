@@ -132,3 +132,14 @@ def test_synthetic_folder_holds_holes_and_loads_generated_values(written, tmp_pa
     for component in ("vae", "audio_vae", "text_encoder"):   # every class loads it
         load_module_weights(fullsize.build_meta_model(component, "tiny"), synth, component)
     assert json.loads((synth / fullsize.STAMP_FILE).read_text())["storage"] == "synthetic"
+
+
+def test_cli_writes_a_synthetic_full_checkpoint_in_megabytes(tmp_path, capsys):
+    from h3serve.cli import main
+
+    assert main(["checkpoint", "init", "--preset", "full", "--synthetic", str(tmp_path / "full")]) == 0
+    files = [f for f in (tmp_path / "full").rglob("*") if f.is_file()]
+    apparent = sum(f.stat().st_size for f in files)
+    assert apparent > 130e9 and sum(f.stat().st_blocks * 512 for f in files) < 50e6
+    assert main(["checkpoint", "init", "--synthetic", str(tmp_path / "tiny")]) != 0
+    assert "--synthetic is only used with --preset full" in capsys.readouterr().err

@@ -224,6 +224,12 @@ def lever_conflict(profile: str, levers: Levers = Levers(), quality: str = DEFAU
     return None
 
 
+def fasth3_levers(levers: Levers) -> Levers:
+    """A base deployment's levers as its FastH3 DiT pool runs them: the lossless ones it sets, every lever profile
+    fasth3 refuses back at its default."""
+    return dataclasses.replace(levers, **{name: LEVER[name].default for name in FASTH3_REFUSED})
+
+
 def staging_conflict(levers: Levers, vae_pp: int, names: dict = CLI_NAMES) -> str | None:
     """None when VAE staging (if on) fits the VAE's degree, else STAGED_VAE_MESSAGE in the caller's spelling."""
     if levers.vae_staged and vae_pp != 1:

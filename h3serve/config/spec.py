@@ -163,8 +163,9 @@ class EncoderSpec:
     cache_bytes: int = f("cacheBytes", "Bytes of encodings each encoder keeps in host memory for repeated prompts "
                          "and references (least recently used first out; 0: no cache).", ENCODER_CACHE_BYTES,
                          minimum=0, maximum=MAX_ENCODER_CACHE_BYTES, format="int64")
-    levers: EncoderLeversSpec = f("levers", "Capacity levers of the text encoder, off by default; profile base only "
-                                  "(FP8 of its decoder is dit.levers.fp8).", factory=EncoderLeversSpec)
+    levers: EncoderLeversSpec = f("levers", "Capacity levers of the text encoder, off by default; profile fasth3 "
+                                  "takes the lossless one (FP8 of its decoder is dit.levers.fp8).",
+                                  factory=EncoderLeversSpec)
 
     @property
     def gpus(self) -> int:
@@ -218,7 +219,8 @@ class DitSpec:
     node_selector: Optional[dict] = f("nodeSelector", "Replaces spec.nodeSelector for this stage.", None)
     tolerations: Optional[list] = f("tolerations", "Replaces spec.tolerations for this stage.", None)
     levers: DitLeversSpec = f("levers", "Capacity and speed levers of the DiT, every one off by default; profile "
-                              "base only.", factory=DitLeversSpec)
+                              "fasth3 (and the fasth3 pool, which runs the ones set here) takes the lossless ones.",
+                              factory=DitLeversSpec)
     rollout: DitRolloutSpec = f("rollout", "How a pod template change rolls the DiT's multi-node replicas (also "
                                 "the colocated engine's and the FastH3 pool's).", factory=DitRolloutSpec)
     loras: Optional[list] = f("loras", "Per-request LoRA adapters (profile base): a request's lora names one, "
@@ -265,8 +267,8 @@ class VaeSpec:
                                   "set from patchParallel.", None, **RESOURCES_SCHEMA)
     node_selector: Optional[dict] = f("nodeSelector", "Replaces spec.nodeSelector for this stage.", None)
     tolerations: Optional[list] = f("tolerations", "Replaces spec.tolerations for this stage.", None)
-    levers: VaeLeversSpec = f("levers", "Capacity levers of the VAEs, off by default; profile base only.",
-                              factory=VaeLeversSpec)
+    levers: VaeLeversSpec = f("levers", "Capacity levers of the VAEs, off by default (lossless: profile fasth3 "
+                              "takes them).", factory=VaeLeversSpec)
 
     @property
     def gpus(self) -> int:

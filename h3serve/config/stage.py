@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from h3serve.config.callers import callers_json
-from h3serve.config.levers import Levers, stage_levers
+from h3serve.config.levers import Levers, fasth3_levers, stage_levers
 from h3serve.config.lora import LORA_CACHE_BYTES, format_loras
 from h3serve.config.parallel import ParallelDegrees
 from h3serve.config.spec import ServiceConfig
@@ -297,15 +297,16 @@ def service_config_values(service_config: dict, stage: str) -> dict[str, Any]:
     """
     if stage == FASTH3_DIT:
         out = service_config_values(service_config, "dit")
-        pool = ServiceConfig.from_dict(service_config).spec.fasth3
+        spec = ServiceConfig.from_dict(service_config).spec
+        pool = spec.fasth3
         if pool is None:
             raise ValueError(f"{FASTH3_DIT}: this ServiceConfig declares no fasth3 pool")
-        # the levers are base-only; vae_pp belongs to the VAE (1: it must not be checked against this pool's group)
+        # the DiT's lossless levers; vae_pp belongs to the VAE (1: it must not be checked against this pool's group)
         out.pop("loras", None)   # per-request LoRA is the base pool's
         out.pop("lora_cache_bytes", None)
         out.update(profile="fasth3", adapter=pool.adapter.path, adapter_sha256=pool.adapter.sha256,
                    degrees=replace(out["degrees"], ulysses=pool.ulysses, ring=pool.ring, vae_pp=1),
-                   levers=Levers())
+                   levers=fasth3_levers(stage_levers(spec, "dit", colocated=False)))
         return out
     sc = ServiceConfig.from_dict(service_config)
     spec, grpc_port = sc.spec, int(service_config["ports"]["grpc"])

@@ -30,6 +30,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from h3serve._proto import common_pb2
+from h3serve.config.levers import fasth3_levers
 from h3serve.config.stage import STAGE_CONFIG_ENV, StageConfig, connect_host
 from h3serve.config.vocab import EXIT_USER_ERROR, FASTH3_DIT, MODEL_STAGES, PORT_OFFSETS, SERVICE_NAMES
 from h3serve.distributed.world import free_port
@@ -109,7 +110,8 @@ class Launcher:
     def spawn(self, stage: str) -> subprocess.Popen:
         if stage == FASTH3_DIT:
             fast = self.config.replace(profile="fasth3", adapter=self.config.model.fasth3_adapter,
-                                       adapter_sha256=self.config.model.fasth3_adapter_sha256)
+                                       adapter_sha256=self.config.model.fasth3_adapter_sha256,
+                                       levers=fasth3_levers(self.config.levers))
             config = child_config(fast, "dit", self.ports[stage], self.addresses, None)
         else:
             config = child_config(self.config, stage, self.ports[stage], self.addresses, self.http_port)

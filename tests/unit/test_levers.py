@@ -100,3 +100,27 @@ def test_spec_levers_reach_the_dit_stage_and_its_children(placement, stage, tmp_
     every = build_parser().parse_args(["serve", "--json", "--queue-size", "1", "--fp8", "on", "--fp8-attention", "off"])
     assert every.json and every.queue_size == 1 and every.fp8 and not every.fp8_attention  # the other flags stay
     assert launched_config(c, "dit", 1234, {}, None, tmp_path).levers == SPEC_LEVERS  # a child
+
+
+def test_a_fasth3_pool_beside_base_runs_the_dit_levers_it_may():
+    from h3serve.config.levers import fasth3_levers
+    from h3serve.config.spec import H3DeploymentSpec, ServiceConfig, validate
+    from h3serve.config.stage import service_config_values
+    from h3serve.config.vocab import FASTH3_DIT
+
+    levers = {"fp8": True, "fp8Attention": True, "sparseAttention": "25", "adalnTable": True, "residentBlocks": 20}
+    spec = H3DeploymentSpec.from_dict({
+        "image": "img:1", "model": {"path": "/models/H3", "volume": {"persistentVolumeClaim": {"claimName": "w"}}},
+        "gateway": {"auth": {"disabled": True}}, "placement": "disaggregated", "dit": {"levers": levers},
+        "encoder": {"levers": {"residentLayers": 4}},
+        "fasth3": {"adapter": {"path": "/models/H3/fast.safetensors", "sha256": "a" * 64}}})
+    assert validate(spec, "h3") == []
+    sc = ServiceConfig("h3", "ns", spec, {s: f"{s}:1" for s in ("encoder", "dit", "vae", "muxer", FASTH3_DIT)},
+                       "bf16", "cuda").to_dict()
+    base = service_config_values(sc, "dit")["levers"]
+    assert base.fp8 and base.sparse_attention == "25" and base.adaln_table
+    pool = service_config_values(sc, FASTH3_DIT)
+    assert pool["profile"] == "fasth3" and pool["levers"] == Levers(resident_blocks=20, adaln_table=True)
+    # the embedded launcher's FastH3 child: the same rule on a whole StageConfig's levers
+    assert fasth3_levers(Levers(fp8=True, encoder_resident_layers=4, vae_staged=True)) == \
+        Levers(encoder_resident_layers=4, vae_staged=True)

@@ -1410,21 +1410,21 @@ def test_a_gang_whose_size_and_priority_change_rolls_onto_a_new_podgroup(operato
         doc = good_doc(name)
         doc["spec"].update(placement="disaggregated", gpusPerNode=4, dit={"ulysses": 8})
         create(dyn, doc)
-        ready_cr(dyn, name, timeout=180)   # a gang of 2 x 4 GPUs; slow on a loaded 2-core host (found in CI)
+        ready_cr(dyn, name, timeout=300)   # a gang of 2 x 4 GPUs; slow on a loaded 2-core host (found in CI)
         (old, old_spec), = groups().items()
         assert old_spec["schedulingPolicy"]["gang"]["minCount"] == 2 and "priorityClassName" not in old_spec
         gen = get_cr(dyn, name)["metadata"]["generation"]
         R(dyn, "H3Deployment").patch(body={"spec": {"gpusPerNode": 2, "priorityClassName": prio}}, name=name,
                                      namespace=APPS_NS, content_type="application/merge-patch+json")
-        cr = ready_cr(dyn, name, generation=gen + 1, timeout=300)   # a surge gang rolls through first
+        cr = ready_cr(dyn, name, generation=gen + 1, timeout=480)   # a surge gang rolls through first
         assert condition(cr, "Degraded")["status"] == "False", condition(cr, "Degraded")
         # the old PodGroup pruned, and the surge gang's (the spec change rolled through one) with it
         new = wait_for("the old PodGroups pruned", lambda: (lambda g: g if old not in g and len(g) == 1 else None)(
-            groups()), timeout=60)
+            groups()), timeout=180)
         (group, spec), = new.items()
         assert spec["schedulingPolicy"]["gang"]["minCount"] == 4 and spec["priorityClassName"] == prio, spec
         dit = wait_for("4 DiT pods (the surge gang's gone)", lambda: (lambda ps: ps if len(ps) == 4 else None)(
-            [p for p in pods(dyn, name) if p["metadata"]["labels"][M.LABEL_COMPONENT] == "dit"]), timeout=60)
+            [p for p in pods(dyn, name) if p["metadata"]["labels"][M.LABEL_COMPONENT] == "dit"]), timeout=180)
         assert {p["spec"]["schedulingGroup"]["podGroupName"] for p in dit} == {group}
         assert {p["spec"]["priority"] for p in dit} == {7}
     finally:

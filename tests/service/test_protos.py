@@ -33,6 +33,15 @@ def test_generated_modules_are_current():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+def test_the_test_extra_pins_the_generator_the_modules_were_made_with():
+    """A fresh install takes grpcio-tools from pyproject.toml: an unpinned one drifts to a release that writes other
+    bytes, and the check above then fails on a clean clone though no proto changed."""
+    import tomllib
+
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
+    assert f"grpcio-tools=={proto_pkg.GENERATED_WITH}" in extra
+
+
 def test_every_proto_is_there_and_imports():
     names = {p.stem for p in PROTOS.glob("*.proto")}
     assert names == {"common", "encoder", "dit", "vae", "muxer", "gateway"}

@@ -4,7 +4,7 @@
 # installed into /tmp/site; h3serve is imported from the repository root (PYTHONPATH). Every
 # bench prints one JSON line; all output goes to $OUT (default ./out).
 # Steps: env | layer | attention | vae | full50 | tail | parallel | parallel6 | pipeline | gputest | fullckpt |
-# synthckpt | e2e_ours | e2e_variants | e2e_diffusers | levers | staged | fp8test | adaln | sparse (default: env,layer,vae,full50). `pipeline` runs `h3serve generate` on a
+# synthckpt | e2e_ours | e2e_variants | e2e_diffusers | base | levers | staged | fp8test | adaln | sparse (default: env,layer,vae,full50). `pipeline` runs `h3serve generate` on a
 # tiny checkpoint under each parallel layout; `gputest` runs the NCCL tests (tests/parallel/test_gpu.py; pytest
 # carried in .whl/ when missing).
 #
@@ -142,6 +142,22 @@ if has e2e_variants; then
 fi
 if has e2e_diffusers; then
   run e2e_diffusers 590 python3 bench/e2e_parallel.py $E2E_ARGS --skip-ours
+fi
+# The whole base request on one GPU with the lossy levers against diffusers' lossless one (the goal: >= 6x), on the
+# synthetic checkpoint (synthckpt first): bench/base_request.py runs ours, then times diffusers' transformer forward
+# at the same geometry (x 49 forwards: its whole request outlasts a 10-minute command). One run per line of
+# BASE_VARIANTS (extra arguments), all into one --out, so that latents_pairs gives each run's deviation from the
+# others (a lossless one at 49 forwards takes ~13 min: run it with --steps 11 beside a levers run with --steps 11).
+# --sparse-attention needs flash-attn-4 (.whl/fa4-a.tar.xz, fa4-b.tar.xz: two calls on one machine).
+#   STEPS=env,synthckpt,base bash bench/gpu_suite.sh
+if has base; then
+  i=0
+  while IFS= read -r extra; do
+    [ -z "$extra" ] && continue
+    i=$((i + 1))
+    run base_request_$i "${BASE_TIMEOUT:-590}" env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+        python3 bench/base_request.py --checkpoint $CKPT --device cuda --dtype bf16 --out /tmp/base $extra
+  done <<< "${BASE_VARIANTS:---tag levers --adaln-table on --encoder-resident-layers 2 --vae-staged on --fp8 on --fp8-attention on --sparse-attention 25 --quality high}"
 fi
 if has fp8test; then  # the FP8 kernels only a Hopper GPU runs, against the unfused path (bytes equal)
   (cd /tmp && run fp8test 300 env H3SERVE_TEST_CACHE=/tmp/h3-test-cache python3 -m pytest -p no:cacheprovider -q \

@@ -155,7 +155,7 @@ if has base; then
   while IFS= read -r extra; do
     [ -z "$extra" ] && continue
     i=$((i + 1))
-    run base_request_$i "${BASE_TIMEOUT:-590}" env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+    run base_request_$i "${BASE_TIMEOUT:-560}" env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
         python3 bench/base_request.py --checkpoint $CKPT --device cuda --dtype bf16 --out /tmp/base $extra
   done <<< "${BASE_VARIANTS:---tag levers --adaln-table on --encoder-resident-layers 2 --vae-staged on --fp8 on --fp8-attention on --sparse-attention 25 --quality high}"
 fi

@@ -29,13 +29,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import multiprocessing as mp
 import os
 import statistics
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
 from h3serve.config.levers import LeverError, add_flags as add_lever_flags, check_combination, staging_conflict
@@ -44,7 +42,8 @@ from h3serve.config.vocab import DEFAULT_QUALITY, QUALITIES
 from h3serve.errors import RequestError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2e_parallel import DEFAULT_PROMPT, _device_info, _ours_once, _stdout_to_stderr, latents_pairs  # noqa: E402
+from e2e_parallel import (DEFAULT_PROMPT, _device_info, _ours_once, _stdout_to_stderr, latents_pairs,  # noqa: E402
+                          run_in_child)
 
 TARGET = 6.0  # x diffusers' lossless request, one GPU (SGLang publishes 4.9-5.9x on 8 x H200)
 
@@ -76,28 +75,6 @@ def _run_key(cfg: dict) -> dict:
 
 def _stem(cfg: dict) -> str:
     return f"ours-{cfg['tag']}" if cfg["tag"] else "ours"
-
-
-def _child(fn, cfg: dict, result_path: str) -> None:
-    _stdout_to_stderr()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    try:
-        result = fn(cfg)
-    except BaseException as exc:  # noqa: BLE001 - reported in the JSON
-        traceback.print_exc()
-        result = {"error": f"{type(exc).__name__}: {exc}"}
-    Path(result_path).write_text(json.dumps(result))
-
-
-def _spawn(fn, cfg: dict, name: str) -> dict:
-    path = Path(cfg["out"]) / f"{name}_result.json"
-    path.unlink(missing_ok=True)
-    proc = mp.get_context("spawn").Process(target=_child, args=(fn, cfg, str(path)), name=name)
-    proc.start()
-    proc.join()
-    if not path.exists():
-        return {"error": f"{name}'s process exited with code {proc.exitcode} and wrote no result"}
-    return json.loads(path.read_text())
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -295,7 +272,7 @@ def main(argv=None) -> int:
     }
     saved = Path(cfg["out"]) / f"{_stem(cfg)}_result.json"
     if not args.skip_ours:
-        result["ours"] = _spawn(ours_run, cfg, _stem(cfg))
+        result["ours"] = run_in_child(ours_run, cfg, _stem(cfg))
     elif saved.exists():
         result["ours"] = {**json.loads(saved.read_text()), "reused": saved.name}
     ours = result.get("ours", {})
@@ -307,7 +284,7 @@ def main(argv=None) -> int:
             result["diffusers"] = {"error": "no text token count: run ours first (same --out and --tag) or pass "
                                             "--text-tokens"}
         else:
-            result["diffusers"] = _spawn(diffusers_forward, cfg, "diffusers")
+            result["diffusers"] = run_in_child(diffusers_forward, cfg, "diffusers")
     theirs = result.get("diffusers", {})
     failed = [k for k in ("ours", "diffusers") if "error" in result.get(k, {})]
     if not failed and "t_client" in ours and "request_s_lower_bound" in theirs:

@@ -264,15 +264,30 @@ def _ours_stem(cfg: dict) -> str:
     return f"ours-{cfg['tag']}" if cfg["tag"] else "ours"
 
 
-def _ours_child(cfg: dict, result_path: str) -> None:
+def _child(fn, cfg: dict, result_path: str) -> None:
     _stdout_to_stderr()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
-        result = _ours_run(cfg)
+        result = fn(cfg)
     except BaseException as exc:  # noqa: BLE001 - reported in the JSON
         traceback.print_exc()
         result = {"error": f"{type(exc).__name__}: {exc}"}
     Path(result_path).write_text(json.dumps(result))
+
+
+def run_in_child(fn, cfg: dict, name: str) -> dict:
+    """fn(cfg) in a spawned process (all of its GPU memory is gone when it returns); its result, or {"error": ...}.
+    The result goes through --out/NAME_result.json, which a later --skip-* run into the same --out can reuse."""
+    import torch.multiprocessing as mp
+
+    result_path = Path(cfg["out"]) / f"{name}_result.json"
+    result_path.unlink(missing_ok=True)
+    proc = mp.get_context("spawn").Process(target=_child, args=(fn, cfg, str(result_path)), name=name)
+    proc.start()
+    proc.join()
+    if not result_path.exists():
+        return {"error": f"{name}'s process exited with code {proc.exitcode} and wrote no result"}
+    return json.loads(result_path.read_text())
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -748,16 +763,7 @@ def _config(args: argparse.Namespace) -> dict:
 
 
 def _run_ours(cfg: dict) -> dict:
-    import torch.multiprocessing as mp
-
-    result_path = Path(cfg["out"]) / f"{_ours_stem(cfg)}_result.json"
-    result_path.unlink(missing_ok=True)
-    proc = mp.get_context("spawn").Process(target=_ours_child, args=(cfg, str(result_path)), name="e2e-ours")
-    proc.start()
-    proc.join()
-    if not result_path.exists():
-        return {"error": f"ours' process exited with code {proc.exitcode} and wrote no result"}
-    return json.loads(result_path.read_text())
+    return run_in_child(_ours_run, cfg, _ours_stem(cfg))
 
 
 def _run_diffusers(cfg: dict) -> dict:

@@ -46,7 +46,10 @@ def channel_options(max_message: int = MESSAGE_LIMIT) -> list[tuple[str, Any]]:
     return [
         ("grpc.max_send_message_length", int(max_message)),
         ("grpc.max_receive_message_length", int(max_message)),
-        ("grpc.enable_retries", 0),   # a generation is not idempotent; retries are the caller's decision
+        # Transparent retries only (no retry policy is configured): gRPC resends a call the server never saw, such
+        # as one refused by the MAX_CONNECTION_AGE_MS GOAWAY above, so a generation never runs twice. Without them
+        # a call started just as that GOAWAY arrived failed UNAVAILABLE ("GOAWAY received ... max_age").
+        ("grpc.enable_retries", 1),
         ("grpc.initial_reconnect_backoff_ms", 200),
         ("grpc.min_reconnect_backoff_ms", 200),
         ("grpc.max_reconnect_backoff_ms", 2_000),

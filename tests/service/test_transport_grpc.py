@@ -139,3 +139,39 @@ def test_assembler_refuses_malformed_chunks():
     huge = common_pb2.TensorChunk(name="z", dtype="uint8", shape=[1 << 20, 1 << 20], total_bytes=1 << 40, last=False)
     with pytest.raises(TransportError, match="limit"):
         TensorAssembler(edge="e").add(huge)
+
+
+def test_calls_started_as_the_servers_connection_age_goaway_arrives_do_not_fail():
+    """Every stage server ends its connections after MAX_CONNECTION_AGE_MS (GOAWAY); a call started just then was
+    refused with UNAVAILABLE while gRPC's transparent retries were off (a job of n=3 failed so in a full run). With a
+    50 ms age, calls from 4 threads for 3 s cross some 60 GOAWAYs; with retries off 5 to 9 of them failed."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    options = [(k, 50 if k == "grpc.max_connection_age_ms" else v) for k, v in server_options()]
+    server = grpc.server(futures.ThreadPoolExecutor(8), options=options)
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=channel_options())
+    stub = health_pb2_grpc.HealthStub(channel)
+    calls, failures = [], []
+    end = time.monotonic() + 3.0
+
+    def caller():
+        while time.monotonic() < end:
+            try:
+                stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+                calls.append(1)
+            except grpc.RpcError as err:
+                failures.append(f"{err.code()}: {err.details()}")
+
+    threads = [threading.Thread(target=caller) for _ in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    finally:
+        channel.close()
+        server.stop(0)
+    assert len(calls) > 1000 and not failures, (len(calls), failures[:3])

@@ -21,6 +21,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     HF_HUB_OFFLINE=1 \
     HOME=/tmp
 COPY --from=build /wheels /wheels
+# The versions the test suite last passed with (scripts/constraints.txt); the GPU-only packages, which it does not
+# run, are pinned where they are named below.
+COPY scripts/constraints.txt /constraints.txt
 # What the GPU stages use, so that no pod falls back for want of a package:
 # - torch first and alone (pinned; PyPI's Linux wheels are the CUDA build) so that resolving the rest cannot move it;
 # - PyAV (a dependency of h3serve; its wheels bundle FFmpeg) for the muxer;
@@ -29,11 +32,11 @@ COPY --from=build /wheels /wheels
 # - FlashAttention-4 (`flash-attn-4`, the block-sparse attention lever's kernel; JIT-compiled by its CuTe DSL on first
 #   use; the version bench/RESULTS.md §16 measured).
 # torch is named again in the second install so that pip keeps the pinned build.
-RUN pip install "torch==2.13.0" \
+RUN pip install "torch==2.13.0" -c /constraints.txt \
  && pip install "torch==2.13.0" "$(ls /wheels/h3serve-*.whl)[operator,nixl]" "fa3-fwd==0.0.3" \
-      "flash-attn-4==4.0.0b36" \
+      "flash-attn-4==4.0.0b36" -c /constraints.txt \
  && python -c "from importlib.metadata import version as v; print({p: v(p) for p in ('torch', 'av', 'nixl', 'fa3-fwd', 'flash-attn-4', 'kopf')})" \
- && rm -rf /wheels
+ && rm -rf /wheels /constraints.txt
 # Pods run as this user (restricted Pod Security: runAsNonRoot, read-only root filesystem, /tmp an emptyDir).
 USER 65532:65532
 WORKDIR /tmp

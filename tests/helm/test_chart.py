@@ -202,3 +202,19 @@ def test_values_yaml_is_valid_and_documented():
 def test_kube_version_gate(helm):
     bad = helm("template", "h3op", str(CHART), "--kube-version", "1.29.0", check=False)
     assert bad.returncode != 0 and "kubeVersion" in bad.stderr
+
+
+def test_an_image_tag_of_digits_is_passed_as_a_string():
+    """scripts/image.sh tags the image with a content hash, which can be all digits (928727826166 was): `--set` turns
+    that into a number the chart's schema refuses, so the README and the real-cluster install use `--set-string`."""
+    readme = (ROOT / "README.md").read_text()
+    cluster = (ROOT / "tests" / "realcluster" / "test_cluster.py").read_text()
+    assert "--set-string image.tag=" in readme and "--set image.tag" not in readme
+    assert '"--set-string", f"image.tag={tag}"' in cluster
+
+
+def test_the_chart_refuses_a_numeric_tag_and_takes_the_same_digits_as_a_string(helm):
+    r = helm("template", "h3op", str(CHART), "--set", "image.tag=928727826166", check=False)
+    assert r.returncode != 0 and "/image/tag" in r.stderr and "want string" in r.stderr, r.stderr
+    (dep,) = by_kind(template(helm, "--set-string", "image.tag=928727826166"))["Deployment"]
+    assert dep["spec"]["template"]["spec"]["containers"][0]["image"].endswith(":928727826166")

@@ -103,7 +103,8 @@ def operator(cluster, image):
     t0 = time.monotonic()
     cluster.kubectl("create", "namespace", APPS_NS)  # the chart's Role for the namespace it watches goes there
     cluster.helm("install", RELEASE, str(CHART), "--namespace", SYSTEM_NS, "--create-namespace",
-                 "--set", f"image.repository={repo}", "--set", f"image.tag={tag}", "--set", "image.pullPolicy=Never",
+                 "--set", f"image.repository={repo}", "--set-string", f"image.tag={tag}",   # tests/helm: digits
+                 "--set", "image.pullPolicy=Never",
                  "--set", f"watchNamespaces={{{APPS_NS}}}", "--set", "operator.resyncSeconds=15")
     wait_pods_ready(cluster, SYSTEM_NS, "app.kubernetes.io/name=h3serve-operator", 1, timeout=300)
     log_figure("operator_ready_s", round(time.monotonic() - t0, 1))

@@ -143,8 +143,9 @@ def test_assembler_refuses_malformed_chunks():
 
 def test_calls_started_as_the_servers_connection_age_goaway_arrives_do_not_fail():
     """Every stage server ends its connections after MAX_CONNECTION_AGE_MS (GOAWAY); a call started just then was
-    refused with UNAVAILABLE while gRPC's transparent retries were off (a job of n=3 failed so in a full run). With a
-    50 ms age, calls from 4 threads for 3 s cross some 60 GOAWAYs; with retries off 5 to 9 of them failed."""
+    refused with UNAVAILABLE while gRPC's transparent retries were off (the likeliest cause of a job of n=3 failing in
+    a full run). With a 50 ms age, 4 threads calling for 3 s cross some 60 GOAWAYs; with retries off, 4 s of it failed
+    5 to 9 calls a run."""
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
     options = [(k, 50 if k == "grpc.max_connection_age_ms" else v) for k, v in server_options()]

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -42,8 +41,8 @@ from h3serve.config.vocab import DEFAULT_QUALITY, QUALITIES
 from h3serve.errors import RequestError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2e_parallel import (DEFAULT_PROMPT, _device_info, _ours_once, _stdout_to_stderr, latents_pairs,  # noqa: E402
-                          run_in_child)
+from e2e_parallel import (DEFAULT_PROMPT, _device_info, _ours_once, _ours_stem, json_stdout,  # noqa: E402
+                          latents_pairs, print_json, run_in_child)
 
 TARGET = 6.0  # x diffusers' lossless request, one GPU (SGLang publishes 4.9-5.9x on 8 x H200)
 
@@ -73,10 +72,6 @@ def _run_key(cfg: dict) -> dict:
     return {k: cfg[k] for k in ("checkpoint", "size", "seconds", "steps", "seed", "prompt", "dtype")}
 
 
-def _stem(cfg: dict) -> str:
-    return f"ours-{cfg['tag']}" if cfg["tag"] else "ours"
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Ours
 
@@ -87,7 +82,7 @@ def ours_run(cfg: dict) -> dict:
     from h3serve.config.levers import Levers
     from h3serve.pipeline import Pipeline
 
-    out, stem = Path(cfg["out"]), _stem(cfg)
+    out, stem = Path(cfg["out"]), _ours_stem(cfg)
     req = _request(cfg)
     levers = Levers(**cfg["levers"])
     log(f"ours: loading (base, {cfg['dtype']}, {cfg['device']}, levers {list(levers.on)}, quality {cfg['quality']})")
@@ -254,9 +249,7 @@ def _config(args: argparse.Namespace) -> dict:
 
 
 def main(argv=None) -> int:
-    real_stdout = os.dup(1)
-    _stdout_to_stderr()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    real_stdout = json_stdout()
     args = _parse(argv)
     cfg = _config(args)
 
@@ -270,9 +263,9 @@ def main(argv=None) -> int:
         "steps": cfg["steps"], "forwards": req.num_forwards, "profile": "base", "target": TARGET,
         "checkpoint": cfg["checkpoint"], "out": cfg["out"], "argv": sys.argv[1:] if argv is None else argv,
     }
-    saved = Path(cfg["out"]) / f"{_stem(cfg)}_result.json"
+    saved = Path(cfg["out"]) / f"{_ours_stem(cfg)}_result.json"
     if not args.skip_ours:
-        result["ours"] = run_in_child(ours_run, cfg, _stem(cfg))
+        result["ours"] = run_in_child(ours_run, cfg, _ours_stem(cfg))
     elif saved.exists():
         result["ours"] = {**json.loads(saved.read_text()), "reused": saved.name}
     ours = result.get("ours", {})
@@ -292,8 +285,7 @@ def main(argv=None) -> int:
         result["speedup_dit_vs_diffusers"] = theirs["request_s_lower_bound"] / ours["stages"]["dit_s"]
         result["meets_target"] = result["speedup_vs_diffusers"] >= TARGET
     result["latents_pairs"] = latents_pairs(Path(cfg["out"]))
-    os.write(real_stdout, (json.dumps(result) + "\n").encode())
-    os.close(real_stdout)
+    print_json(real_stdout, result)
     return 1 if failed else 0
 
 

@@ -126,9 +126,23 @@ def log(msg: str) -> None:
 
 
 def _stdout_to_stderr() -> None:
-    """In every process but the printing one: fd 1 -> stderr, so only the JSON line reaches stdout."""
+    """Every process of a bench: fd 1 -> stderr, so only the JSON line reaches stdout; the hub offline."""
     sys.stdout.flush()
     os.dup2(2, 1)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def json_stdout() -> int:
+    """The printing process: the real stdout kept (its fd returned, for `print_json`), the rest as in every process."""
+    fd = os.dup(1)
+    _stdout_to_stderr()
+    return fd
+
+
+def print_json(fd: int, result: dict) -> None:
+    """The bench's one JSON line, onto the stdout `json_stdout` kept."""
+    os.write(fd, (json.dumps(result) + "\n").encode())
+    os.close(fd)
 
 
 def _sync(device) -> None:
@@ -266,7 +280,6 @@ def _ours_stem(cfg: dict) -> str:
 
 def _child(fn, cfg: dict, result_path: str) -> None:
     _stdout_to_stderr()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         result = fn(cfg)
     except BaseException as exc:  # noqa: BLE001 - reported in the JSON
@@ -368,7 +381,6 @@ def _split_pipelines(checkpoint: str):
 
 def _diffusers_rank(rank: int, cfg: dict, port: int) -> None:
     _stdout_to_stderr()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     import torch.distributed as dist
 
@@ -785,9 +797,7 @@ def _run_diffusers(cfg: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    real_stdout = os.dup(1)
-    _stdout_to_stderr()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    real_stdout = json_stdout()
     args = _parse(argv)
     cfg = _config(args)
 
@@ -850,8 +860,7 @@ def main(argv=None) -> int:
             status = 3
     result["latents_pairs"] = pairs
     result["target"] = TARGET
-    os.write(real_stdout, (json.dumps(result) + "\n").encode())
-    os.close(real_stdout)
+    print_json(real_stdout, result)
     return status
 
 
